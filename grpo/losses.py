@@ -1,0 +1,97 @@
+"""The GRPO / GSPO policy loss as one pure function of tensors.
+
+GRPO (Shao et al. 2024): token ratio r_t = pi(y_t) / pi_old(y_t), PPO clipping, KL to the
+reference. GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of the token
+ratios, s = exp(mean_t log r_t), broadcast to the tokens with the gradient flowing to every
+token. Only how the importance weight is formed differs, so it is a switch, not a second loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LEVELS = ("token", "sequence")
+AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+MAX_LOG_RATIO = 20.0  # keeps exp() finite when the sampler's and trainer's numbers disagree wildly
+
+
+def kl_per_token(ref_logps: torch.Tensor, logps: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL(pi || pi_ref) estimates per token with d = log pi_ref - log pi (Schulman 2020)."""
+    d = ref_logps - logps  # [N, T]
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d.square() / 2
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}; got {estimator!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num_sequences: float,
+              num_tokens: float, max_completion_length: float) -> torch.Tensor:
+    """Reduce [N, T] to a scalar with *global* denominators, so pieces of a batch sum to the whole."""
+    masked = torch.where(mask, per_token, 0.0)  # [N, T]
+    if aggregation == "grpo":  # per-sequence token mean, then mean over sequences
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
+    if aggregation == "dapo":  # every token of the batch weighs the same
+        return masked.sum() / num_tokens
+    if aggregation == "dr_grpo":  # constant normaliser: no length bias
+        return masked.sum() / (num_sequences * max_completion_length)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
+
+
+def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="token", aggregation="grpo",
+                clip_low=0.2, clip_high=None, beta=0.0, kl_estimator="k3", num_sequences=None,
+                num_tokens=None, max_completion_length=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss plus beta * KL; logps, old_logps, ref_logps, mask: [N, T]; advantages: [N].
+
+    num_sequences / num_tokens default to this call's counts; pass the whole batch's counts when
+    the batch is split into micro-batches or ranks. max_completion_length defaults to T.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}; got {level!r}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    mask = mask.bool()  # [N, T]
+    clip_high = clip_low if clip_high is None else clip_high
+    num_sequences = mask.shape[0] if num_sequences is None else num_sequences
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    max_completion_length = mask.shape[1] if max_completion_length is None else max_completion_length
+
+    log_ratio = torch.where(mask, logps - old_logps, 0.0)  # [N, T]
+    if level == "sequence":
+        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+        log_ratio = seq_log_ratio[:, None].expand_as(log_ratio)  # [N, T]
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
+    adv = advantages.to(ratio.dtype)[:, None]  # [N, 1]
+    per_token = -torch.minimum(ratio * adv, clipped * adv)  # [N, T]
+    policy = aggregate(per_token, mask, aggregation, num_sequences, num_tokens, max_completion_length)
+
+    kl = None
+    if ref_logps is not None:
+        # zeroed off the mask before subtracting: padding may hold -inf, and inf - inf in the
+        # forward would turn into NaN gradients even where the mask drops the value
+        kl = kl_per_token(torch.where(mask, ref_logps, 0.0), torch.where(mask, logps, 0.0), kl_estimator)  # [N, T]
+    loss = policy
+    if beta > 0:
+        loss = policy + beta * aggregate(kl, mask, aggregation, num_sequences, num_tokens, max_completion_length)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        r = ratio[mask]
+        low = (ratio < 1 - clip_low) & (adv < 0) & mask  # [N, T] clipped from below
+        high = (ratio > 1 + clip_high) & (adv > 0) & mask  # [N, T] clipped from above
+        metrics = {
+            "policy_loss": policy.item(),
+            "clip_ratio/low_mean": (low.sum() / n).item(),
+            "clip_ratio/high_mean": (high.sum() / n).item(),
+            "clip_ratio/region_mean": ((low | high).sum() / n).item(),
+            "ratio/mean": r.mean().item() if r.numel() else 1.0,
+            "ratio/min": r.min().item() if r.numel() else 1.0,
+            "ratio/max": r.max().item() if r.numel() else 1.0,
+        }
+        if kl is not None:
+            metrics["kl"] = (kl[mask].sum() / n).item()
+    return loss, metrics

@@ -1,0 +1,39 @@
+"""Format rewards for `<think>...</think><answer>...</answer>` completions."""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_OK, FORMAT_BAD = 1.25, -1.0
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+STRICT_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+
+
+def think_answer_format(completion: str, answer: str) -> float:
+    """+1.25 for exactly `<think>…</think>` then `<answer>…</answer>` (whitespace around tolerated)
+    with nothing else outside and no tag repeated inside; else -1."""
+    match = STRICT_RE.fullmatch(completion)
+    if match is None:
+        return FORMAT_BAD
+    if any(tag in part for part in match.groups() for tag in TAGS):
+        return FORMAT_BAD
+    return FORMAT_OK
+
+
+def think_answer_format_partial(completion: str, answer: str) -> float:
+    """Shaped variant: 0.25 per tag that appears once in the expected order, +0.25 when the
+    strict format holds (max 1.25), -1 when none of the tags is there.
+
+    Gives GRPO a reward with variance inside a group before any completion has the exact
+    format; the strict reward stays the reported metric.
+    """
+    if think_answer_format(completion, answer) == FORMAT_OK:
+        return FORMAT_OK
+    credit, cursor = 0.0, 0
+    for tag in TAGS:
+        position = completion.find(tag, cursor)
+        if position < 0 or completion.count(tag) != 1:
+            continue
+        credit += 0.25
+        cursor = position + len(tag)
+    return credit if credit > 0 else FORMAT_BAD

@@ -1,0 +1,157 @@
+"""The typed config: YAML + overrides, coercion, and errors that name the problem."""
+
+import pytest
+import yaml
+
+from grpo.config import Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config
+from conftest import REPO
+
+REQUIRED_KEYS = [
+    "model.name_or_path", "model.dtype", "lora.enabled", "lora.r", "data.path", "sampling.engine",
+    "sampling.prompts_per_step", "sampling.group_size", "sampling.max_new_tokens", "sampling.temperature",
+    "sampling.max_staleness", "training.steps", "training.use_gspo", "training.beta",
+    "training.learning_rate", "transport.address", "run.dir", "seed",
+]
+
+
+def test_required_keys_exist_under_their_names():
+    keys = set(all_keys())
+    assert [k for k in REQUIRED_KEYS if k not in keys] == []
+
+
+def test_default_config_yaml_loads_and_matches_documented_defaults():
+    cfg = load_config(REPO / "config.yaml")
+    assert cfg.model.name_or_path == "smollm2-135m-instruct"
+    assert cfg.lora.enabled is True and cfg.training.use_gspo is False
+    assert (cfg.training.clip_low, cfg.training.clip_high) == (0.2, 0.2)
+    assert (cfg.training.beta, cfg.training.kl_estimator) == (0.04, "k3")
+    assert str(cfg.run_dir) == "runs/gsm8k-lora-grpo"
+    assert str(cfg.weights_dir) == "runs/gsm8k-lora-grpo/weights"
+
+
+def test_overrides_are_coerced_to_the_field_types():
+    cfg = load_config(REPO / "config.yaml", [
+        "training.use_gspo=true", "sampling.temperature=0.7", "sampling.group_size=4",
+        "training.learning_rate=3e-6", "lora.target_modules=[q_proj,v_proj]", "rewards.weights=[2, 0.5]",
+        "run.name=123", "run.dir=/tmp/x", "training.clip_high=1",
+    ])
+    assert cfg.training.use_gspo is True
+    assert cfg.sampling.temperature == 0.7 and cfg.sampling.group_size == 4
+    assert cfg.training.learning_rate == 3e-6
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.rewards.weights == [2.0, 0.5] and all(type(w) is float for w in cfg.rewards.weights)
+    assert cfg.run.name == "123" and str(cfg.run_dir) == "/tmp/x"
+    assert cfg.training.clip_high == 1.0 and type(cfg.training.clip_high) is float
+
+
+def test_gspo_switch_sets_the_paper_clip_defaults_unless_explicit():
+    cfg = load_config(None, ["training.use_gspo=true"])
+    assert (cfg.training.clip_low, cfg.training.clip_high) == (3e-4, 4e-4)
+    cfg = load_config(None, ["training.use_gspo=true", "training.clip_high=1e-3"])
+    assert (cfg.training.clip_low, cfg.training.clip_high) == (3e-4, 1e-3)
+
+
+def test_later_sources_win_file_then_cli(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sampling:\n  group_size: 4\n  temperature: 0.5\n")
+    cfg = parse_cli(["--config", str(path), "sampling.group_size=6"])
+    assert (cfg.sampling.group_size, cfg.sampling.temperature) == (6, 0.5)
+
+
+def test_cli_ignores_deepspeed_local_rank_argument():
+    assert parse_cli(["--local_rank=1", "seed=3"], default_path=None).seed == 3
+    assert parse_cli(["--local_rank", "0", "seed=4"], default_path=None).seed == 4
+
+
+def test_deepspeed_passthrough_takes_nested_dotted_keys():
+    cfg = load_config(None, ["deepspeed.config.zero_optimization.offload_optimizer.device=cpu"])
+    assert cfg.deepspeed.config == {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sampling.group_szie=4", "unknown config key 'sampling.group_szie'; did you mean 'sampling.group_size'?"),
+    ("trainig.beta=0.1", "unknown config key 'trainig.beta'; did you mean 'training.beta'?"),
+    ("sampling.group_size.x=1", "unknown config key 'sampling.group_size.x'"),
+    ("sampling.group_size=four", "sampling.group_size: expected int, got 'four' (str)"),
+    ("sampling.group_size=2.5", "sampling.group_size: expected int, got 2.5 (float)"),
+    ("training.use_gspo=yesplease", "training.use_gspo: expected bool, got 'yesplease' (str)"),
+    ("sampling.temperature=[1]", "sampling.temperature: expected float, got [1] (list)"),
+    ("sampling.temperature=warm", "sampling.temperature: expected float, got 'warm' (str)"),
+    ("lora.target_modules=q_proj", "lora.target_modules: expected a list of str, got 'q_proj'"),
+    ("sampling=3", "sampling: expected a section (mapping), got 3"),
+    ("novalue", "override 'novalue' is not of the form key=value"),
+])
+def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sampling.group_size=1"], "sampling.group_size must be >= 2 for group-relative advantages; got 1"),
+    (["sampling.temperature=0"], "sampling.temperature must be > 0"),
+    (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]; got 1.5"),
+    (["sampling.max_staleness=-1"], "sampling.max_staleness must be >= 0"),
+    (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),
+    (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),
+    (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),
+    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3; got 4"),
+    (["rewards.weights=[1.0]"], "rewards.weights has 1 entries but rewards.names has 2; give one weight per"),
+    (["rewards.names=[gsm8k_answer,nope]"], "unknown reward 'nope'; valid names: gsm8k_answer, gsm8k_answer_lenient"),
+    (["lora.target_modules=[]"], "lora.target_modules is empty"),
+    (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),
+    (["transport.address=http://x"], "transport.address must start with tcp://, ipc:// or inproc://"),
+])
+def test_cross_field_rules_say_what_to_do(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_all_errors_are_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["sampling.group_size=1", "sampling.temperature=-1"])
+    assert "group_size" in str(e.value) and "temperature" in str(e.value)
+
+
+def test_non_loopback_address_is_allowed_with_a_secret_or_explicit_opt_in():
+    assert load_config(None, ["transport.address=tcp://0.0.0.0:5555", "transport.secret=s3cret"])
+    assert load_config(None, ["transport.address=tcp://0.0.0.0:5555", "transport.allow_insecure=true"])
+    assert load_config(None, ["transport.address=tcp://[::1]:5555"])
+
+
+def test_bad_yaml_files_are_named(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match="config file .*missing.yaml does not exist"):
+        load_config(missing)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling: [1, 2")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections, got list"):
+        load_config(listy)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("sampling:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError, match="did you mean 'sampling.temperature'"):
+        load_config(unknown)
+
+
+def test_resolved_config_round_trips_through_the_run_folder(tmp_path):
+    cfg = load_config(REPO / "config.yaml", ["training.use_gspo=true", "seed=7"])
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["training"]["clip_low"] == 3e-4 and saved["seed"] == 7
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_readme_documents_every_config_key():
+    readme = (REPO / "README.md").read_text()
+    assert reference_markdown() in readme, "README config reference is stale: paste grpo.config.reference_markdown()"
+
+
+def test_defaults_are_not_shared_between_instances():
+    a, b = Config(), Config()
+    a.lora.target_modules.append("x")
+    assert "x" not in b.lora.target_modules

@@ -1,0 +1,118 @@
+"""GSM8K loading, answer parsing, prompts, and the resumable cursor."""
+
+import json
+
+import pytest
+
+from data.cursor import PromptCursor
+from data.gsm8k import DataError, load_problems, parse_final_answer
+from data.prompts import encode_prompts, prompt_text
+
+
+def test_real_gsm8k_has_all_rows_and_every_answer_parses(shared_gsm8k):
+    train, train_stats = load_problems(str(shared_gsm8k), "train")
+    test, test_stats = load_problems(str(shared_gsm8k), "test")
+    assert (len(train), len(test)) == (7473, 1319)
+    assert train_stats.skipped == {} and test_stats.skipped == {}
+    assert train[0].id == "train-0" and train[0].question.startswith("Natalia sold clips")
+    assert train[0].answer == "72"
+    assert all(p.answer.lstrip("-").replace(".", "", 1).isdigit() for p in train + test)
+
+
+@pytest.mark.parametrize("solution, expected", [
+    ("3 + 4 = 7\n#### 7", "7"),
+    ("#### 1,234", "1234"),
+    ("#### -3", "-3"),
+    ("#### 2.5", "2.5"),
+    ("a #### 1 #### 2", "2"),  # the last marker counts
+    ("#### seven", None),
+    ("no marker 7", None),
+    ("#### ", None),
+    (None, None),
+])
+def test_final_answer_is_the_number_after_the_marker(solution, expected):
+    assert parse_final_answer(solution) == expected
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path):
+    rows = [
+        {"question": "q0", "answer": "#### 1"},
+        {"question": "q1"},
+        {"answer": "#### 2"},
+        {"question": "q3", "answer": "#### two"},
+        {"question": "", "answer": "#### 4"},
+        ["not", "a", "dict"],
+        {"question": "q6", "answer": 6},
+        {"question": "q7", "answer": "#### 7,000"},
+    ]
+    lines = [json.dumps(r) for r in rows] + ["{broken json"]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n\n")
+    problems, stats = load_problems(str(tmp_path), "train")
+    assert [(p.id, p.answer) for p in problems] == [("train-0", "1"), ("train-7", "7000")]
+    assert stats.rows == 9
+    assert stats.skipped == {"missing answer": 2, "missing question": 2, "non-numeric answer": 1,
+                             "not an object": 2}
+
+
+def test_local_parquet_folder_in_the_hub_layout(tmp_path):
+    import datasets
+
+    (tmp_path / "main").mkdir()
+    datasets.Dataset.from_list([{"question": "q", "answer": "#### 5"}]).to_parquet(
+        str(tmp_path / "main" / "test-00000-of-00001.parquet"))
+    problems, _ = load_problems(str(tmp_path), "test")
+    assert [(p.question, p.answer) for p in problems] == [("q", "5")]
+
+
+def test_missing_empty_and_offline_datasets_say_what_to_do(tmp_path):
+    with pytest.raises(DataError, match="has no train.jsonl or train.parquet"):
+        load_problems(str(tmp_path), "train")
+    (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(DataError, match="has no usable rows \\(1 read, skipped: {'missing answer': 1}\\)"):
+        load_problems(str(tmp_path), "train")
+    with pytest.raises(DataError, match="Pass data.path=/path/to/folder with train.jsonl and test.jsonl"):
+        load_problems("no-such-user/no-such-dataset", "train")  # HF_HUB_OFFLINE=1 in tests
+
+
+def test_cursor_is_deterministic_and_covers_each_epoch_once():
+    a, b = PromptCursor(10, seed=3), PromptCursor(10, seed=3)
+    first = a.take(10)
+    assert sorted(first) == list(range(10)) and first == b.take(10)
+    second = a.take(10)
+    assert sorted(second) == list(range(10)) and second != first  # a fresh permutation per epoch
+    assert PromptCursor(10, seed=4).take(10) != first
+
+
+def test_cursor_save_and_restore_neither_repeats_nor_skips(tmp_path):
+    reference = PromptCursor(7, seed=1)
+    expected = [reference.take(3) for _ in range(5)]  # crosses two epoch boundaries
+    cursor = PromptCursor(7, seed=1)
+    got = [cursor.take(3) for _ in range(3)]
+    cursor.save(tmp_path / "cursor.json")
+    restarted = PromptCursor(7, seed=1)
+    assert restarted.restore(tmp_path / "cursor.json")
+    got += [restarted.take(3) for _ in range(2)]
+    assert got == expected
+    assert json.loads((tmp_path / "cursor.json").read_text()) == {"seed": 1, "size": 7, "epoch": 1, "index": 2}
+
+
+def test_cursor_refuses_a_state_from_another_dataset(tmp_path):
+    PromptCursor(7, seed=1).save(tmp_path / "c.json")
+    with pytest.raises(ValueError, match="saved cursor is for seed 1 and 7 prompts, but this run has seed 1 and 8"):
+        PromptCursor(8, seed=1).restore(tmp_path / "c.json")
+    assert PromptCursor(8, seed=1).restore(tmp_path / "absent.json") is False
+
+
+def test_prompts_use_the_chat_template_and_drop_overlong(smollm2, shared_gsm8k):
+    _, tokenizer = smollm2
+    problems, _ = load_problems(str(shared_gsm8k), "test")
+    text = prompt_text(tokenizer, problems[0].question, "SYS", prefill="<think>")
+    assert text.startswith("<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n<think>")
+    prompts, dropped = encode_prompts(tokenizer, problems[:50], "SYS", "", max_prompt_tokens=10**6)
+    assert dropped == 0 and len(prompts) == 50
+    assert tokenizer.decode(prompts[0].token_ids) == prompt_text(tokenizer, problems[0].question, "SYS")
+    lengths = sorted(len(p.token_ids) for p in prompts)
+    limit = lengths[25]
+    kept, dropped = encode_prompts(tokenizer, problems[:50], "SYS", "", max_prompt_tokens=limit)
+    assert dropped == sum(n > limit for n in lengths) and len(kept) == 50 - dropped

@@ -1,0 +1,75 @@
+"""Chunked log-probabilities, EOS masks, truncation and chunk-major reordering."""
+
+import pytest
+import torch
+
+from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_mask, loss_mask
+from grpo.logprobs import head_logprobs, pad_right
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_equals_full_log_softmax(temperature):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16)
+    targets = torch.randint(0, 50, (37,))
+    logps, entropy = head_logprobs(hidden, targets, head, temperature, chunk_tokens=8)
+    full = torch.log_softmax(head(hidden) / temperature, dim=-1)
+    torch.testing.assert_close(logps, full.gather(-1, targets[:, None]).squeeze(-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), rtol=0, atol=1e-5)
+
+
+def test_chunked_head_gradients_equal_the_full_computation():
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    weights = torch.randn(37)
+    logps, _ = head_logprobs(hidden, targets, head, 0.8, chunk_tokens=5)  # checkpointed chunks
+    g_hidden, g_head = torch.autograd.grad((logps * weights).sum(), (hidden, head.weight))
+    full = torch.log_softmax(head(hidden) / 0.8, -1).gather(-1, targets[:, None]).squeeze(-1)
+    f_hidden, f_head = torch.autograd.grad((full * weights).sum(), (hidden, head.weight))
+    torch.testing.assert_close(g_hidden, f_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_head, f_head, rtol=1e-5, atol=1e-6)
+
+
+def test_cut_at_first_eos_keeps_it_and_flags_truncation():
+    eos = [2, 9]
+    tokens, truncated = cut_at_eos(torch.tensor([5, 6, 2, 7, 2, 2]), eos)
+    assert tokens.tolist() == [5, 6, 2] and truncated is False
+    tokens, truncated = cut_at_eos(torch.tensor([9]), eos)  # immediate EOS: a 1-token completion
+    assert tokens.tolist() == [9] and truncated is False
+    tokens, truncated = cut_at_eos(torch.tensor([5, 6, 7]), eos)
+    assert tokens.tolist() == [5, 6, 7] and truncated is True
+
+
+def test_eos_mask_counts_eos_and_hides_what_follows_even_if_pad_equals_eos():
+    tokens = torch.tensor([[4, 2, 2, 2],  # EOS then pad (= EOS)
+                           [4, 5, 6, 7],  # no EOS: all counts
+                           [2, 3, 3, 3]])
+    assert eos_mask(tokens, [2]).int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_mask_truncated_completions_drops_whole_rows_only_when_asked():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    truncated = torch.tensor([False, True])
+    assert loss_mask(mask, truncated, True).int().tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert torch.equal(loss_mask(mask, truncated, False), mask)
+
+
+def test_chunk_major_order_is_put_back_prompt_major():
+    # 2 prompts, G=5 generated in chunks of 2, 2, 1 completions per prompt
+    produced = ["a0", "a1", "b0", "b1",  # chunk 0: prompt a x2, prompt b x2
+                "a2", "a3", "b2", "b3",  # chunk 1
+                "a4", "b4"]  # chunk 2
+    assert chunk_major_to_prompt_major(produced, 2, [2, 2, 1]) == \
+        ["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2", "b3", "b4"]
+    assert chunk_major_to_prompt_major(list("abc"), 3, [1]) == list("abc")
+    with pytest.raises(ValueError, match="3 items do not match 2 prompts"):
+        chunk_major_to_prompt_major(list("abc"), 2, [2])
+
+
+def test_pad_right_builds_the_mask_from_lengths():
+    padded, mask = pad_right([torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0, 5.0, 6.0])])
+    assert padded.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
+    assert mask.int().tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]

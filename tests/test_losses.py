@@ -1,0 +1,231 @@
+"""policy_loss: worked numbers, a slow per-token reference loop, GSPO, micro-batch invariance."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.losses import MAX_LOG_RATIO, kl_per_token, policy_loss
+
+LN = math.log
+
+
+def worked_batch():
+    """Two sequences, old log-probs 0, so the token ratios are exp(logps):
+    seq 0: ratios [1.5, 0.5, 1.0], advantage +1, 3 tokens
+    seq 1: ratios [1.5, 0.5, pad], advantage -2, 2 tokens"""
+    logps = torch.tensor([[LN(1.5), LN(0.5), 0.0], [LN(1.5), LN(0.5), -7.0]])
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return logps, old, adv, mask
+
+
+# Token level, clip 0.2, per token -min(r A, clip(r, 0.8, 1.2) A):
+#   seq 0 (A=+1): min(1.5, 1.2)=1.2, min(0.5, 0.8)=0.5, min(1, 1)=1  -> losses [-1.2, -0.5, -1.0], sum -2.7
+#   seq 1 (A=-2): min(-3, -2.4)=-3,  min(-1, -1.6)=-1.6               -> losses [ 3.0,  1.6],      sum  4.6
+@pytest.mark.parametrize("aggregation, kwargs, expected", [
+    ("grpo", {}, (-2.7 / 3 + 4.6 / 2) / 2),  # (-0.9 + 2.3) / 2 = 0.7
+    ("dapo", {}, (-2.7 + 4.6) / 5),  # 0.38
+    ("dr_grpo", {"max_completion_length": 4}, (-2.7 + 4.6) / (2 * 4)),  # 0.2375
+    ("dr_grpo", {}, (-2.7 + 4.6) / (2 * 3)),  # max_completion_length defaults to T = 3
+])
+def test_token_level_worked_numbers(aggregation, kwargs, expected):
+    loss, metrics = policy_loss(*worked_batch(), aggregation=aggregation, **kwargs)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    # clipped low: r < 0.8 with A < 0 (seq 1 token 1); clipped high: r > 1.2 with A > 0 (seq 0 token 0)
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
+    assert (metrics["ratio/mean"], metrics["ratio/min"], metrics["ratio/max"]) == pytest.approx((1.0, 0.5, 1.5))
+    assert "kl" not in metrics
+
+
+def test_asymmetric_clip_high():
+    # clip_high 0.6: seq 0 token 0 keeps r = 1.5 (< 1.6) -> -1.5 instead of -1.2; seq 1 unchanged
+    loss, metrics = policy_loss(*worked_batch(), clip_low=0.2, clip_high=0.6, aggregation="dapo")
+    assert loss.item() == pytest.approx((-1.5 - 0.5 - 1.0 + 3.0 + 1.6) / 5, abs=1e-6)
+    assert metrics["clip_ratio/high_mean"] == 0.0
+
+
+# Sequence level (GSPO), s = exp(mean of the token log-ratios):
+#   seq 0: s = (1.5 * 0.5 * 1.0) ** (1/3) = 0.9085603, A=+1
+#   seq 1: s = (1.5 * 0.5) ** (1/2)      = 0.8660254, A=-2
+S0, S1 = 0.75 ** (1 / 3), 0.75 ** 0.5
+
+
+@pytest.mark.parametrize("clip, expected", [
+    # clip 0.2: both inside [0.8, 1.2] -> per-token losses -s0 and +2 s1 -> grpo mean (-0.9085603 + 1.7320508) / 2
+    ((0.2, 0.2), (-S0 + 2 * S1) / 2),
+    # GSPO clip 3e-4 / 4e-4: seq 0 (A>0, s < 1-eps) is NOT clipped: min(s0, 0.9997) = s0;
+    # seq 1 (A<0, s < 1-eps) IS clipped: min(-2 s1, -2 * 0.9997) = -1.9994 -> (-0.9085603 + 1.9994) / 2
+    ((3e-4, 4e-4), (-S0 + 2 * 0.9997) / 2),
+])
+def test_sequence_level_worked_numbers(clip, expected):
+    loss, metrics = policy_loss(*worked_batch(), level="sequence", clip_low=clip[0], clip_high=clip[1])
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert metrics["ratio/min"] == pytest.approx(S1, abs=1e-6) and metrics["ratio/max"] == pytest.approx(S0, abs=1e-6)
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(2 / 5 if clip[0] < 0.01 else 0.0)
+
+
+def test_clipping_on_both_sides_with_both_signs():
+    # one token per sequence: (r, A) = (1.5, +1) clipped to 1.2; (1.5, -1) unclipped -1.5 (pessimistic);
+    # (0.5, +1) unclipped 0.5 (pessimistic); (0.5, -1) clipped to -0.8
+    logps = torch.tensor([[LN(1.5)], [LN(1.5)], [LN(0.5)], [LN(0.5)]])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, metrics = policy_loss(logps, torch.zeros(4, 1), adv, torch.ones(4, 1), aggregation="dapo")
+    assert loss.item() == pytest.approx(-(1.2 - 1.5 + 0.5 - 0.8) / 4, abs=1e-6)
+    assert metrics["clip_ratio/region_mean"] == 0.5
+    # gradient flows only through the unclipped tokens: d(-r A)/d logp = -r A
+    logps.requires_grad_(True)
+    policy_loss(logps, torch.zeros(4, 1), adv, torch.ones(4, 1), aggregation="dapo")[0].backward()
+    torch.testing.assert_close(logps.grad[:, 0], torch.tensor([0.0, 1.5, -0.5, 0.0]) / 4)
+
+
+# d = ref - logp with ref - logp = +ln 2 and -ln 2:
+#   k1 = -d                 -> -0.6931472, +0.6931472
+#   k2 = d^2 / 2            ->  0.2402265,  0.2402265
+#   k3 = exp(d) - d - 1     ->  2 - 0.6931472 - 1 = 0.3068528,  0.5 + 0.6931472 - 1 = 0.1931472
+@pytest.mark.parametrize("estimator, expected", [
+    ("k1", [-LN(2), LN(2)]),
+    ("k2", [LN(2) ** 2 / 2, LN(2) ** 2 / 2]),
+    ("k3", [2 - LN(2) - 1, 0.5 + LN(2) - 1]),
+])
+def test_kl_estimators_worked_numbers(estimator, expected):
+    logps = torch.tensor([[0.0, 0.0]])
+    ref = torch.tensor([[LN(2), -LN(2)]])
+    torch.testing.assert_close(kl_per_token(ref, logps, estimator)[0], torch.tensor(expected))
+    # in the loss, at ratio 1 and advantage 0 the policy term is 0 and the loss is beta * mean KL
+    loss, metrics = policy_loss(logps, logps, torch.zeros(1), torch.ones(1, 2), ref_logps=ref, beta=0.5,
+                                kl_estimator=estimator)
+    assert loss.item() == pytest.approx(0.5 * sum(expected) / 2, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(sum(expected) / 2, abs=1e-6)
+
+
+def test_beta_zero_needs_no_reference_and_beta_positive_does():
+    logps, old, adv, mask = worked_batch()
+    assert policy_loss(logps, old, adv, mask, beta=0.0)[0].item() == pytest.approx(0.7, abs=1e-6)
+    with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
+        policy_loss(logps, old, adv, mask, beta=0.1)
+
+
+def test_padding_holding_minus_inf_gives_finite_values_and_gradients():
+    logps, old, adv, mask = worked_batch()
+    logps = logps.clone()
+    logps[1, 2] = -math.inf
+    ref = torch.zeros(2, 3)
+    ref[1, 2] = -math.inf
+    logps.requires_grad_(True)
+    loss, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, beta=0.1)
+    loss.backward()
+    assert loss.item() == pytest.approx(policy_loss(*worked_batch(), ref_logps=torch.zeros(2, 3), beta=0.1)[0].item())
+    assert logps.grad[1, 2].item() == 0.0 and not torch.isnan(logps.grad).any()
+
+
+# ----------------------------------------------------------------------------- slow reference
+
+def slow_policy_loss(logps, old, adv, mask, ref, *, level, aggregation, clip_low, clip_high, beta, estimator,
+                     num_sequences, num_tokens, max_len):
+    """The objective written token by token, straight from the formulas."""
+    total = torch.zeros(())
+    for i in range(logps.shape[0]):
+        tokens = [t for t in range(logps.shape[1]) if mask[i, t]]
+        if level == "sequence":
+            mean_log_ratio = sum(logps[i, t] - old[i, t] for t in tokens) / len(tokens)
+        seq = torch.zeros(())
+        for t in tokens:
+            log_ratio = mean_log_ratio if level == "sequence" else logps[i, t] - old[i, t]
+            r = torch.exp(torch.clamp(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+            rc = torch.clamp(r, 1 - clip_low, 1 + clip_high)
+            term = -torch.minimum(r * adv[i], rc * adv[i])
+            if beta:
+                d = ref[i, t] - logps[i, t]
+                kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[estimator]
+                term = term + beta * kl
+            seq = seq + term
+        if aggregation == "grpo":
+            total = total + seq / len(tokens) / num_sequences
+        elif aggregation == "dapo":
+            total = total + seq / num_tokens
+        else:
+            total = total + seq / (num_sequences * max_len)
+    return total
+
+
+def random_batch(seed, n=7, t=6):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    logps = (-torch.rand(n, t, generator=g) * 3).requires_grad_(True)
+    old = logps.detach() + torch.randn(n, t, generator=g) * 0.3
+    ref = logps.detach() + torch.randn(n, t, generator=g) * 0.3
+    adv = torch.randn(n, generator=g)
+    return logps, old, adv, mask, ref
+
+
+CASES = [(level, agg) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")]
+
+
+@pytest.mark.parametrize("level, aggregation", CASES)
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_vectorised_loss_equals_the_slow_loop_values_and_gradients(level, aggregation, estimator):
+    logps, old, adv, mask, ref = random_batch(seed=hash((level, aggregation, estimator)) % 1000)
+    kwargs = dict(level=level, aggregation=aggregation, clip_low=0.1, clip_high=0.15, beta=0.05)
+    loss, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, kl_estimator=estimator, max_completion_length=8,
+                          **kwargs)
+    (grad,) = torch.autograd.grad(loss, logps)
+    slow = slow_policy_loss(logps, old, adv, mask, ref, estimator=estimator, num_sequences=7,
+                            num_tokens=int(mask.sum()), max_len=8, **kwargs)
+    (slow_grad,) = torch.autograd.grad(slow, logps)
+    torch.testing.assert_close(loss, slow, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, slow_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gspo_with_equal_token_ratios_equals_the_token_ratio():
+    logps = torch.full((1, 4), LN(1.1))
+    _, token_metrics = policy_loss(logps, torch.zeros(1, 4), torch.ones(1), torch.ones(1, 4))
+    loss_seq, seq_metrics = policy_loss(logps, torch.zeros(1, 4), torch.ones(1), torch.ones(1, 4), level="sequence")
+    assert seq_metrics["ratio/mean"] == pytest.approx(1.1) == token_metrics["ratio/mean"]
+    assert loss_seq.item() == pytest.approx(-1.1)
+
+
+def test_gspo_gradient_differs_from_grpo_where_it_should():
+    # token ratios [2.0, 0.5] with A=+1, no clipping: GRPO weights each token by its own ratio
+    # (grad -r_t / 2 = [-1.0, -0.25]); GSPO's s = sqrt(2 * 0.5) = 1 spreads d s / d logp_t = s / 2
+    # evenly (grad -s / 2 / 2 ... per-sequence mean over 2 tokens -> [-0.5, -0.5] / 1 token-mean).
+    logps = torch.tensor([[LN(2.0), LN(0.5)]], requires_grad=True)
+    kwargs = dict(clip_low=10.0, clip_high=10.0)
+    (g_token,) = torch.autograd.grad(policy_loss(logps, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2),
+                                                 **kwargs)[0], logps)
+    (g_seq,) = torch.autograd.grad(policy_loss(logps, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2),
+                                               level="sequence", **kwargs)[0], logps)
+    torch.testing.assert_close(g_token, torch.tensor([[-1.0, -0.25]]))
+    torch.testing.assert_close(g_seq, torch.tensor([[-0.5, -0.5]]))
+
+
+@pytest.mark.parametrize("level, aggregation", CASES)
+def test_micro_batch_pieces_with_global_counts_sum_to_the_whole(level, aggregation):
+    logps, old, adv, mask, ref = random_batch(seed=7, n=9, t=8)
+    common = dict(level=level, aggregation=aggregation, beta=0.04, max_completion_length=8)
+    whole, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, **common)
+    (whole_grad,) = torch.autograd.grad(whole, logps)
+    pieces_loss = torch.zeros(())
+    for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):  # 3 uneven pieces
+        width = int(mask[rows].sum(-1).max())  # each piece trimmed to its own longest completion
+        loss, _ = policy_loss(logps[rows, :width], old[rows, :width], adv[rows], mask[rows, :width],
+                              ref_logps=ref[rows, :width], num_sequences=9, num_tokens=mask.sum(), **common)
+        pieces_loss = pieces_loss + loss
+    (pieces_grad,) = torch.autograd.grad(pieces_loss, logps)
+    torch.testing.assert_close(pieces_loss, whole, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(pieces_grad, whole_grad, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"level": "word"}, "level must be one of"),
+    ({"aggregation": "sum"}, "aggregation must be one of"),
+    ({"kl_estimator": "k9", "beta": 0.1}, "kl_estimator must be one of"),
+])
+def test_bad_options_are_named(kwargs, message):
+    logps, old, adv, mask = worked_batch()
+    with pytest.raises(ValueError, match=message):
+        policy_loss(logps, old, adv, mask, ref_logps=old, **kwargs)

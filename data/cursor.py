@@ -45,6 +45,11 @@ class PromptCursor:
             self.state.index += 1
         return out
 
+    def seek(self, consumed: int) -> None:
+        """Position the cursor after `consumed` prompts from the start of epoch 0."""
+        self.state.epoch, self.state.index = divmod(consumed, self.state.size)
+        self._order = self._permutation(self.state.epoch)
+
     def state_dict(self) -> dict:
         return asdict(self.state)
 

@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from grpo import prefix_attention
+
 ATTENTION_NAME = "grpo_shared_prefix"
 
 
@@ -139,13 +141,22 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0
     if shared_prefix_groups is None:
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
+    # CPU: the exact block-sparse kernel (no mask, no wasted completion x other-completion
+    # scores). Elsewhere: SDPA with the group's mask (memory-efficient kernels take masks).
+    block_sparse = prefix_attention.available(query.device)
     pieces = []
     for g in shared_prefix_groups:
         s, p, e = g.start, g.start + g.prompt_len, g.end
         pieces.append(F.scaled_dot_product_attention(
             query[:, :, s:p], key[:, :, s:p], value[:, :, s:p], is_causal=True, scale=scaling,
             enable_gqa=gqa))  # [1, H, P, D]
-        if e > p:
+        if e == p:
+            continue
+        if block_sparse:
+            pieces.append(prefix_attention.prefix_merged_attention(
+                query[:, :, p:e], key[:, :, s:p], value[:, :, s:p], key[:, :, p:e], value[:, :, p:e],
+                g.completion_lens, scaling))  # [1, H, Lc, D]
+        else:
             pieces.append(F.scaled_dot_product_attention(
                 query[:, :, p:e], key[:, :, s:e], value[:, :, s:e], attn_mask=g.completion_mask(query.device),
                 scale=scaling, enable_gqa=gqa))  # [1, H, Lc, D]

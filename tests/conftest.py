@@ -43,3 +43,61 @@ def smollm2():
 
     cfg = ModelConfig()
     return load_model(cfg).eval(), load_tokenizer(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved with the real SmolLM2 tokenizer and chat template, for processes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo.config import ModelConfig
+    from grpo.models import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer(ModelConfig())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny_gsm8k(tmp_path):
+    """A local GSM8K folder with 12 short problems (answers 0..11)."""
+    import json
+
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"What is {i} plus 0?", "answer": f"{i} + 0 = {i}\n#### {i}"} for i in range(12)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def digit_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a head that only ever samples digit tokens: on the one-digit answers
+    of `tiny_gsm8k` the lenient answer reward then varies inside groups, so GRPO has a gradient."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("digit-llama")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        # dimension 0 of every embedding dominates the residual stream, so the normed hidden
+        # state always has h_0 ~ 5.6; digit rows point along it: logits ~ 56 for each digit
+        # (nearly uniform among them) and 0 for every other token
+        model.model.embed_tokens.weight[:, 0] = 30.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[digits] = torch.randn(10, model.config.hidden_size) * 0.5
+        model.lm_head.weight[digits, 0] = 10.0
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -155,3 +155,61 @@ def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm
 
 def mean_abs_diff(a, b):
     return torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)]).mean().item()
+
+
+@pytest.mark.parametrize("lens", [[4, 4, 4], [5, 1, 3, 7]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_sparse_kernel_equals_masked_attention_values_and_gradients(lens, dtype):
+    """The CPU kernel (two flash blocks merged by log-sum-exp, hand-written backward) against
+    one masked SDPA over the group's keys, with grouped-query heads (4 query, 2 key/value)."""
+    from grpo.prefix_attention import prefix_merged_attention
+    from grpo.shared_prefix import GroupSpan
+
+    g = torch.Generator().manual_seed(len(lens))
+    P, Lc = 6, sum(lens)
+    q = torch.randn(1, 4, P + Lc, 8, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, P + Lc, 8, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, P + Lc, 8, generator=g, dtype=dtype, requires_grad=True)
+    weights = torch.randn(1, 4, Lc, 8, generator=g, dtype=dtype)
+    fast = prefix_merged_attention(q[:, :, P:], k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], lens, None)
+    mask = GroupSpan(0, P, lens).completion_mask(q.device)
+    slow = torch.nn.functional.scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=mask, enable_gqa=True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fast, slow, **tol)
+    fast_grads = torch.autograd.grad((fast * weights).sum(), (q, k, v))
+    slow_grads = torch.autograd.grad((slow * weights).sum(), (q, k, v))
+    for a, b in zip(fast_grads, slow_grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_entropies_agree_between_paths_and_are_skipped_when_not_asked():
+    model = tiny_model("qwen2")
+    prompts, completions = random_groups(11, [5, 8], [2, 3])
+    with torch.no_grad():
+        lp_s, ent_s = completion_logprobs(model, prompts, completions, [2, 3], return_entropy=True)
+        lp_p, ent_p = completion_logprobs(model, prompts, completions, [2, 3], shared_prefix=False,
+                                          return_entropy=True)
+    assert max_abs_diff(ent_s, ent_p) <= 1e-5 and max_abs_diff(lp_s, lp_p) <= 1e-5
+    vocab = model.config.vocab_size
+    assert all(((e >= 0) & (e <= torch.log(torch.tensor(float(vocab))) + 1e-5)).all() for e in ent_s)
+
+
+def test_verify_shared_prefix_passes_on_a_supported_model_and_stops_a_broken_one(monkeypatch):
+    from grpo import prefix_attention, shared_prefix
+    from grpo.logprobs import SharedPrefixMismatch, verify_shared_prefix
+
+    model = tiny_model()
+    prompts, completions = random_groups(2, [5, 8, 3], [2, 3, 2])
+    assert verify_shared_prefix(model, prompts, completions, [2, 3, 2]) <= 1e-5
+    # a broken attention (completions cannot see their prompt) must be caught
+    real_mask = shared_prefix.GroupSpan.completion_mask
+
+    def prompt_hidden(self, device):
+        mask = real_mask(self, device).clone()
+        mask[:, : self.prompt_len] = False
+        return mask
+
+    monkeypatch.setattr(prefix_attention, "available", lambda device: False)  # the masked kernel
+    monkeypatch.setattr(shared_prefix.GroupSpan, "completion_mask", prompt_hidden)
+    with pytest.raises(SharedPrefixMismatch, match="shared-prefix log-probs differ from the plain forward by"):
+        verify_shared_prefix(model, prompts, completions, [2, 3, 2])

@@ -1,0 +1,101 @@
+"""The sampler's steps as small functions: staleness, batch assembly, metrics, resumable state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from grpo.batch import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+class StalenessTimeout(TimeoutError):
+    """The trainer did not publish the weights the next step needs in time."""
+
+
+def required_version(step: int, max_staleness: int, publish_every: int) -> int:
+    """The oldest weights version step `step` may be generated with (DESIGN section 5).
+
+    Version v is the policy after v optimizer steps, published every `publish_every` steps,
+    so the requirement k - max_staleness is rounded down to a version that will exist.
+    """
+    needed = max(0, step - max_staleness)
+    return needed - needed % publish_every
+
+
+def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Poll the weights folder, loading new versions, until `watcher.version >= needed`."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        watcher.poll()
+        if watcher.version >= needed:
+            return
+        if not announced:
+            log.info("waiting for weights v%d (have v%d)", needed, watcher.version)
+            announced = True
+        if time.monotonic() > deadline:
+            raise StalenessTimeout(
+                f"no weights v{needed} in {watcher.root} after {timeout_s:g} s (have v{watcher.version}); "
+                "is training_worker.py running and publishing? (sampling.wait_timeout_s)")
+        time.sleep(poll_s)
+
+
+def loss_counts(completion_ids, truncated: torch.Tensor, mask_truncated: bool) -> tuple[int, int]:
+    """Global loss denominators: (completion tokens, completions) that the loss will see."""
+    keep = [not (mask_truncated and bool(t)) for t in truncated]
+    tokens = sum(len(c) for c, k in zip(completion_ids, keep) if k)
+    return tokens, sum(keep)
+
+
+def sampler_metrics(batch: RolloutBatch, total_rewards: torch.Tensor, failures: dict[str, int],
+                    timings: dict[str, float]) -> dict[str, float]:
+    """TRL's names where they exist."""
+    lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
+    groups = total_rewards.split(batch.group_sizes)
+    group_std = torch.stack([g.std() if len(g) > 1 else g.new_tensor(0.0) for g in groups])
+    metrics = {
+        "reward": total_rewards.mean().item(),
+        "reward_std": group_std.mean().item(),
+        "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": batch.truncated.float().mean().item(),
+        "completions/eos_rate": 1.0 - batch.truncated.float().mean().item(),
+        "policy_version": float(batch.policy_version),
+        "sampler/tokens_per_s": lengths.sum().item() / max(timings.get("timing/generate_s", 0.0), 1e-9),
+    }
+    for j, name in enumerate(batch.reward_names):
+        column = batch.rewards[:, j]
+        metrics[f"rewards/{name}/mean"] = column.mean().item()
+        metrics[f"rewards/{name}/std"] = column.std().item() if len(column) > 1 else 0.0
+        metrics[f"rewards/{name}/failures"] = float(failures.get(name, 0))
+    metrics.update(timings)
+    return metrics
+
+
+class SamplerState:
+    """The next step and the data cursor, saved together after each send (atomically)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self) -> dict | None:
+        if not self.path.is_file():
+            return None
+        return json.loads(self.path.read_text())
+
+    def save(self, next_step: int, cursor: dict) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"next_step": next_step, "cursor": cursor}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)

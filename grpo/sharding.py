@@ -1,0 +1,59 @@
+"""Splitting a RolloutBatch across ranks and micro-batches, always by whole groups.
+
+A group (a prompt and its G completions) is the unit: the shared-prefix forward needs the
+prompt with all of its completions. Ranks get groups balanced by token cost (longest
+processing time first); there is no divisibility rule, and a rank may get none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.batch import RolloutBatch
+
+
+def group_costs(batch: RolloutBatch) -> list[int]:
+    """Tokens one group puts through the shared-prefix forward: its prompt plus its completions."""
+    return [len(p) + sum(len(c) for c in batch.completion_ids[s])
+            for p, s in zip(batch.prompt_ids, batch.group_slices())]
+
+
+def shard_groups(costs: list[int], world_size: int) -> list[list[int]]:
+    """Group indices per rank, greedily balancing total cost (biggest group first), each in order."""
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[rank].append(i)
+        loads[rank] += costs[i]
+    return [sorted(s) for s in shards]
+
+
+def pack_micro_batches(groups: list[int], costs: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups per micro-batch under `max_tokens` (a bigger group goes alone)."""
+    out: list[list[int]] = []
+    load = 0
+    for i in groups:
+        if not out or load + costs[i] > max_tokens:
+            out.append([])
+            load = 0
+        out[-1].append(i)
+        load += costs[i]
+    return out
+
+
+def select_groups(batch: RolloutBatch, groups: list[int]) -> RolloutBatch:
+    """The sub-batch holding `groups`; global denominators are kept from the whole batch."""
+    slices = batch.group_slices()
+    rows = [j for i in groups for j in range(slices[i].start, slices[i].stop)]
+    pick = (lambda xs: [xs[j] for j in rows]) if rows else (lambda xs: [])
+    index = torch.tensor(rows, dtype=torch.long)
+    return RolloutBatch(
+        step=batch.step, policy_version=batch.policy_version,
+        prompt_ids=[batch.prompt_ids[i] for i in groups], completion_ids=pick(batch.completion_ids),
+        group_sizes=[batch.group_sizes[i] for i in groups],
+        old_logps=pick(batch.old_logps) if batch.old_logps is not None else None,
+        ref_logps=pick(batch.ref_logps) if batch.ref_logps is not None else None,
+        rewards=batch.rewards[index], reward_names=batch.reward_names, advantages=batch.advantages[index],
+        truncated=batch.truncated[index], num_tokens=batch.num_tokens, num_sequences=batch.num_sequences,
+        meta=batch.meta, schema=batch.schema)

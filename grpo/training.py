@@ -1,0 +1,197 @@
+"""The trainer's steps as small functions: micro-batch loss, metric reduction, DeepSpeed config."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpo.batch import RolloutBatch
+from grpo.completions import loss_mask
+from grpo.logprobs import completion_logprobs, pad_right
+from grpo.losses import policy_loss
+from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
+
+ADDITIVE = ("loss", "policy_loss")  # pieces computed with global denominators: their sum is the whole's value
+EXTREMES = {"ratio/min": dist.ReduceOp.MIN, "ratio/max": dist.ReduceOp.MAX}
+
+
+def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, float], int]:
+    """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens)."""
+    t = cfg.training
+    logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
+                                           temperature=cfg.sampling.temperature, return_entropy=True,
+                                           max_tokens_per_forward=t.max_tokens_per_micro_batch)
+    device = logps[0].device
+    new, mask = pad_right(logps)  # [n, T]
+    old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
+    ref = pad_right([x.to(device) for x in mb.ref_logps])[0] if mb.ref_logps is not None else None
+    mask = loss_mask(mask, mb.truncated.to(device), t.mask_truncated_completions)
+    loss, metrics = policy_loss(
+        new, old, mb.advantages.to(device), mask, ref_logps=ref, level="sequence" if t.use_gspo else "token",
+        aggregation=t.aggregation, clip_low=t.clip_low, clip_high=t.clip_high, beta=t.beta,
+        kl_estimator=t.kl_estimator, num_sequences=max(1, mb.num_sequences), num_tokens=max(1, mb.num_tokens),
+        max_completion_length=cfg.sampling.max_new_tokens)
+    tokens = int(mask.sum())
+    entropy = pad_right(entropies)[0]
+    metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
+    metrics["loss"] = loss.item()
+    return loss, metrics, tokens
+
+
+def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
+    """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
+    every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require."""
+    logps = completion_logprobs(model, [batch.prompt_ids[0][:1]], [batch.completion_ids[0][:1]], [1],
+                                temperature=cfg.sampling.temperature)
+    return logps[0].sum() * 0.0
+
+
+def clips_itself(cfg) -> bool:
+    """Plain float32 ZeRO-0: DeepSpeed would clip without reporting the norm, so we clip instead."""
+    return cfg.deepspeed.zero_stage == 0 and cfg.model.dtype == "float32"
+
+
+class GradNormClipper:
+    """Clip the reduced gradients right before the optimizer steps, and keep their total norm.
+
+    An optimizer step pre-hook: by then DeepSpeed has reduced the gradients over ranks.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float):
+        self.max_norm, self.value = max_norm, float("nan")
+        optimizer.register_step_pre_hook(self._clip)
+
+    def _clip(self, optimizer, args, kwargs) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        limit = self.max_norm if self.max_norm > 0 else float("inf")
+        self.value = float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+
+def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
+               clipper: GradNormClipper | None = None) -> dict[str, float]:
+    """One optimizer step per pass over `batch` on this rank's share of it; the reduced metrics.
+
+    Every rank runs the same number of micro-batches (a short rank pads with zero-loss ones),
+    backward only accumulates (DeepSpeed's unmanaged accumulation), and engine.step() reduces
+    once. Each loss already carries the whole batch's denominators and is multiplied by the
+    world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
+    """
+    costs = group_costs(batch)
+    micro = pack_micro_batches(shard_groups(costs, world)[rank], costs, cfg.training.max_tokens_per_micro_batch)
+    count = torch.tensor([len(micro)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    sums = MetricSums()
+    for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
+        for i in range(int(count)):
+            if i < len(micro):
+                loss, metrics, tokens = micro_batch_loss(engine.module, select_groups(batch, micro[i]), cfg)
+                sums.add(metrics, tokens)
+            else:
+                loss = dummy_loss(engine.module, batch, cfg)
+            engine.backward(loss * world)
+        engine.step()
+    metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)
+    grad_norm = clipper.value if clipper is not None else engine.get_global_grad_norm()
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    return metrics
+
+
+class MetricSums:
+    """Per-step metrics over micro-batches, passes and ranks: additive ones summed, the rest
+    weighted by loss tokens, ratio extremes by min / max."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+        self.tokens = 0
+
+    def add(self, metrics: dict[str, float], tokens: int) -> None:
+        self.tokens += tokens
+        for key, value in metrics.items():
+            if key in EXTREMES:
+                pick = min if EXTREMES[key] == dist.ReduceOp.MIN else max
+                self.extremes[key] = pick(self.extremes.get(key, value), value)
+            else:
+                weight = 1 if key in ADDITIVE else tokens
+                self.sums[key] = self.sums.get(key, 0.0) + value * weight
+
+    def reduce(self, keys: list[str], passes: int, device) -> dict[str, float]:
+        """All ranks call this with the same `keys` (in the same order)."""
+        values = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.tokens)], dtype=torch.float64,
+                              device=device)
+        if dist.is_initialized():
+            dist.all_reduce(values)
+        tokens = max(values[-1].item(), 1.0)
+        out = {k: values[i].item() / (passes if k in ADDITIVE else tokens) for i, k in enumerate(keys)}
+        for key, op in EXTREMES.items():
+            default = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
+            value = torch.tensor([self.extremes.get(key, default)], dtype=torch.float64, device=device)
+            if dist.is_initialized():
+                dist.all_reduce(value, op=op)
+            if abs(value.item()) != float("inf"):
+                out[key] = value.item()
+        return out
+
+
+def metric_keys(cfg) -> list[str]:
+    """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
+    keys = ["loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/region_mean", "ratio/mean"]
+    return keys + (["kl"] if cfg.training.beta > 0 else [])
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(cfg, world_size: int) -> dict:
+    """The DeepSpeed config: one 'sample' per rank and step, and the caller owns accumulation.
+
+    managed_gradient_accumulation=false: backward() only accumulates and step() is the one
+    reduction and update, so ranks may run different numbers of micro-batches.
+    """
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": 0.0 if clips_itself(cfg) else cfg.training.max_grad_norm,
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.model.dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, cfg.deepspeed.config)
+
+
+def warmup_lambda(warmup_steps: int):
+    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # optimizer steps done == the weights version they produce
+    next_sampler_step: int = 0  # the sampler step the next batch must carry
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainerState | None":
+        return cls(**json.loads(path.read_text())) if path.is_file() else None

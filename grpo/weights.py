@@ -1,0 +1,246 @@
+"""Weights through the filesystem (DESIGN section 4).
+
+    <weights>/v000012/  adapter_model.safetensors + adapter_config.json   (LoRA, PEFT format)
+                        or model.safetensors + config.json                 (full fine-tune)
+                        manifest.json  {"version", "step", "kind", "files": {name: sha256}}
+    <weights>/LATEST    "12"
+
+The writer fills a temporary folder, fsyncs it, renames it into place, then replaces LATEST
+by write-temp-and-rename, so a reader never sees a half-written version. The reader verifies
+every checksum before loading and keeps the weights it has when anything is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+LORA_FILES = ("adapter_model.safetensors", "adapter_config.json")
+FULL_FILES = ("model.safetensors", "config.json")
+
+
+class WeightsError(RuntimeError):
+    """A published version that is missing, incomplete or corrupted."""
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version:06d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def save_weights(model, folder: Path) -> str:
+    """Write the adapter (PEFT model) or the full model into `folder`; returns the kind."""
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(folder, safe_serialization=True)
+        return "lora"
+    model.save_pretrained(folder, safe_serialization=True)
+    return "full"
+
+
+def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: int = 3) -> Path:
+    """Publish `model`'s weights as `version`; returns the version's folder."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = version_dir(root, version)
+    tmp = root / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        kind = save_weights(model, tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"version": version, "step": step, "kind": kind, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+        if target.exists():  # a re-publish after a restart: replace the old copy whole
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+        _fsync(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_atomically(root / LATEST, str(version))
+    prune(root, keep_last)
+    return target
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` versions (never the one LATEST names)."""
+    latest = read_latest(root)
+    versions = sorted(published_versions(root))
+    for v in versions[:-keep_last] if keep_last > 0 else versions:
+        if v != latest:
+            shutil.rmtree(version_dir(root, v), ignore_errors=True)
+
+
+def published_versions(root: Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [int(p.name[1:]) for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit()]
+
+
+def read_latest(root: str | os.PathLike) -> int | None:
+    """The version LATEST names, or None before the first publish."""
+    path = Path(root) / LATEST
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise WeightsError(f"{path} holds {text[:40]!r}, not a version number")
+    return int(text)
+
+
+def verify(folder: Path) -> dict:
+    """The manifest of a published version, after checking every file's sha256."""
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        int(manifest["version"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{manifest_path}: unreadable manifest ({type(e).__name__}: {e})") from None
+    required = LORA_FILES if manifest.get("kind") == "lora" else FULL_FILES
+    missing = [name for name in required if name not in files]
+    if missing:
+        raise WeightsError(f"{folder}: manifest lists no {', '.join(missing)}")
+    for name, expected in files.items():
+        path = folder / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise WeightsError(f"{folder}: file {name!r} is missing")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise WeightsError(f"{path}: checksum mismatch (manifest {expected[:12]}…, file {actual[:12]}…)")
+    return manifest
+
+
+def load_into(model, folder: Path, manifest: dict) -> None:
+    """Copy a verified version's weights into the live model, all or nothing."""
+    from safetensors.torch import load_file
+
+    if manifest["kind"] == "lora":
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        if not hasattr(model, "peft_config"):
+            raise WeightsError(f"{folder} is a LoRA adapter but the sampler's model has no adapter (lora.enabled?)")
+        state = load_file(folder / "adapter_model.safetensors")
+        _check_fits(folder, state, get_peft_model_state_dict(model), exact=True)
+        with torch.no_grad():
+            set_peft_model_state_dict(model, state)
+        return
+    state = load_file(folder / "model.safetensors")
+    own = model.state_dict()
+    _check_fits(folder, state, own, exact=False)  # tied weights are saved once
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def _check_fits(folder: Path, state: dict, own: dict, exact: bool) -> None:
+    """Checked before anything is copied, so a bad file never leaves the model half-updated."""
+    unknown = [k for k in state if k not in own]
+    missing = [k for k in own if k not in state] if exact else []
+    bad_shape = [k for k in state if k in own and own[k].shape != state[k].shape]
+    if unknown or missing or bad_shape:
+        raise WeightsError(f"{folder}: weights do not fit the model (unknown {unknown[:2]}, missing {missing[:2]}, "
+                           f"wrong shape {bad_shape[:2]})")
+
+
+def _identity(folder: Path) -> tuple:
+    try:
+        st = (folder / MANIFEST).stat()
+        return st.st_ino, st.st_mtime_ns
+    except OSError:
+        return None, None
+
+
+@dataclass
+class LoadResult:
+    version: int
+    loaded: bool
+    error: str | None = None
+
+
+class WeightWatcher:
+    """The sampler's side: load each new published version into the live model.
+
+    On any failure (half-written, checksum mismatch, incompatible) it keeps serving the
+    version it has, logs why, and counts the failure; a later version is tried afresh.
+    """
+
+    def __init__(self, root: str | os.PathLike, model, initial_version: int = 0,
+                 on_loaded: Callable[[Path, int], None] | None = None):
+        self.root, self.model, self.on_loaded = Path(root), model, on_loaded
+        self.version = initial_version
+        self.failures = 0
+        self._refused: dict[int, tuple] = {}  # version -> identity of the folder that failed
+
+    def latest(self) -> int | None:
+        try:
+            return read_latest(self.root)
+        except (WeightsError, OSError) as e:
+            log.warning("cannot read %s/LATEST: %s", self.root, e)
+            return None
+
+    def poll(self) -> LoadResult | None:
+        """Load the newest published version if it is newer than ours; None when nothing new."""
+        latest = self.latest()
+        if latest is None or latest <= self.version:
+            return None
+        folder = version_dir(self.root, latest)
+        identity = _identity(folder)
+        if self._refused.get(latest) == identity:
+            return None  # already refused this copy; a re-published one is tried afresh
+        try:
+            manifest = verify(folder)
+            if manifest["version"] != latest:
+                raise WeightsError(f"{folder}: manifest says version {manifest['version']}")
+            load_into(self.model, folder, manifest)
+            if self.on_loaded is not None:
+                self.on_loaded(folder, latest)
+        except (WeightsError, OSError, ValueError, RuntimeError) as e:
+            self.failures += 1
+            self._refused[latest] = identity
+            log.error("refused weights v%d (%s); still serving v%d", latest, e, self.version)
+            return LoadResult(latest, False, str(e))
+        self.version = latest
+        log.info("loaded weights v%d from %s", latest, folder)
+        return LoadResult(latest, True)

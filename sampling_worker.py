@@ -1,0 +1,155 @@
+"""The sampling process: rollouts, rewards, advantages, old/ref log-probs, batches over ZeroMQ.
+
+    python sampling_worker.py [--config config.yaml] [key=value ...]
+
+One loop, one step per training step k:
+  wait until weights v >= k - max_staleness are loaded -> take B prompts -> G completions each
+  -> rewards (per function and weighted) -> group-relative advantages -> old log-probs (the
+  generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0),
+  both with the shared-prefix forward at the sampling temperature -> send the RolloutBatch
+  -> save the data cursor (after the send, so a restart neither repeats nor skips prompts).
+
+Departures from the GRPO paper: the old log-probs are recomputed by the same forward the
+trainer uses (not taken from the sampler's kernels), so the importance ratio is exactly 1 for
+on-policy data; and the policy may be up to `sampling.max_staleness` versions behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import sys
+import time
+
+import torch
+
+from data.cursor import PromptCursor
+from data.gsm8k import load_problems
+from data.prompts import encode_prompts
+from grpo.advantages import group_advantages
+from grpo.batch import RolloutBatch
+from grpo.config import parse_cli, save_config
+from grpo.logprobs import completion_logprobs
+from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
+from grpo.rollout import make_engine
+from grpo.sampling import SamplerState, loss_counts, required_version, sampler_metrics, wait_for_version
+from grpo.training import TrainerState
+from grpo.transport import BatchSender
+from grpo.weights import WeightWatcher
+from rewards import score_completions
+
+log = logging.getLogger("sampler")
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_cli(argv)
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s sampler %(levelname)s %(message)s")
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.sampling.device)
+
+    # ------------------------------------------------------------------ model, data, state
+    tokenizer = load_tokenizer(cfg.model)
+    base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False), device)
+    reference = None
+    if cfg.training.beta > 0 and not cfg.lora.enabled:
+        reference = copy.deepcopy(base).eval()  # full fine-tuning: a frozen copy of the start
+    model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
+
+    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    prompts, dropped = encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.prefill,
+                                      cfg.data.max_prompt_tokens)
+    log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
+             cfg.data.split, dropped, cfg.data.max_prompt_tokens)
+    s, G = cfg.sampling, cfg.sampling.group_size
+    cursor = PromptCursor(len(prompts), cfg.seed)
+    state = SamplerState(run_dir / "sampler_state.json")
+    saved = state.load()
+    start_step = 0
+    if saved is not None:
+        cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
+        start_step = saved["next_step"]
+    trainer = TrainerState.load(run_dir / "trainer_state.json")
+    if trainer is not None and trainer.next_sampler_step < start_step:
+        # the trainer restarts from a checkpoint older than our position: redo the steps after it
+        log.warning("trainer resumes at sampler step %d; rewinding from step %d", trainer.next_sampler_step,
+                    start_step)
+        start_step = trainer.next_sampler_step
+        cursor.seek(start_step * s.prompts_per_step)
+    if start_step:
+        log.info("resuming at step %d (cursor epoch %d, index %d)", start_step, cursor.state.epoch,
+                 cursor.state.index)
+
+    engine = make_engine(cfg, model, tokenizer)
+    # the HF model always follows the published weights (it computes the old log-probs);
+    # an engine with its own copy (vLLM) is told about each new version too
+    watcher = WeightWatcher(cfg.weights_dir, model, on_loaded=getattr(engine, "load_adapter", None))
+    sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
+                         send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
+
+    # ------------------------------------------------------------------ the loop
+    for step in range(start_step, cfg.training.steps):
+        wait_for_version(watcher, required_version(step, s.max_staleness, cfg.weights.publish_every),
+                         s.wait_timeout_s)
+        timings = {}
+        chosen = [prompts[i] for i in cursor.take(s.prompts_per_step)]
+        prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in chosen]
+
+        t = time.perf_counter()
+        rollouts = engine.generate([p.token_ids for p in chosen], G, seed=cfg.seed * 1_000_003 + step)
+        timings["timing/generate_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        texts = [cfg.data.prefill + x for x in tokenizer.batch_decode(rollouts.completion_ids,
+                                                                       skip_special_tokens=True)]
+        answers = [p.problem.answer for p in chosen for _ in range(G)]
+        scores = score_completions(texts, answers, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback)
+        advantages = group_advantages(scores.total, G, scale=cfg.training.advantage_scale)
+        timings["timing/rewards_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        args = (prompt_ids, rollouts.completion_ids, [G] * len(chosen))
+        with torch.no_grad():
+            old_logps = completion_logprobs(model, *args, temperature=s.temperature)
+            ref_logps = None
+            if cfg.training.beta > 0 and cfg.lora.enabled:
+                with model.disable_adapter():
+                    ref_logps = completion_logprobs(model, *args, temperature=s.temperature)
+            elif reference is not None:
+                ref_logps = completion_logprobs(reference, *args, temperature=s.temperature)
+        timings["timing/logprobs_s"] = time.perf_counter() - t
+
+        truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
+        num_tokens, num_sequences = loss_counts(rollouts.completion_ids, truncated,
+                                                cfg.training.mask_truncated_completions)
+        batch = RolloutBatch(
+            step=step, policy_version=watcher.version, prompt_ids=prompt_ids,
+            completion_ids=rollouts.completion_ids, group_sizes=[G] * len(chosen),
+            old_logps=[x.float().cpu() for x in old_logps],
+            ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
+            rewards=scores.per_function, reward_names=list(cfg.rewards.names), advantages=advantages,
+            truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
+            meta={"sample_ids": [p.problem.id for p in chosen]})
+        metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
+        metrics["sampler/weight_load_failures"] = float(watcher.failures)
+        if rollouts.engine_logps is not None:  # vLLM's sampled log-probs against the recomputed ones
+            gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.engine_logps, old_logps)]
+            metrics["sampler/engine_logp_gap_max"] = max(gaps)
+        batch.meta["metrics"] = metrics
+
+        sender.send(batch)  # blocks at the high-water mark: a slow trainer applies back-pressure
+        state.save(step + 1, cursor.state_dict())
+        log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", step, watcher.version,
+                 metrics["reward"], timings["timing/generate_s"], timings["timing/logprobs_s"],
+                 metrics["completions/mean_length"])
+
+    sender.close()
+    log.info("done: %d steps", cfg.training.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""Launched by test_training.py as `deepspeed --num_gpus N tests/ds_equivalence.py OUT.json`.
+
+For each case, one trainer update (grpo.training.train_step: W ranks, several micro-batches)
+and, on rank 0, the single-process whole-batch update from the same start; rank 0 writes both.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import tiny_model  # noqa: E402
+from grpo.batch import RolloutBatch  # noqa: E402
+from grpo.config import LoraConfig, load_config  # noqa: E402
+from grpo.logprobs import completion_logprobs  # noqa: E402
+from grpo.models import add_lora  # noqa: E402
+from grpo.training import (GradNormClipper, clips_itself, deepspeed_config, micro_batch_loss,  # noqa: E402
+                           train_step)
+
+CASES = [(level, agg, 0) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
+        [("token", "grpo", 2)]  # ZeRO-2 partitions gradients: the same update
+
+
+def start_model():
+    model = add_lora(tiny_model("llama", seed=0), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)  # a trained-looking adapter: every LoRA matrix gets a gradient
+    return model.train()
+
+
+def make_batch(model, sizes=(3, 1, 4, 2, 3)) -> RolloutBatch:
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 101, (n,), generator=g) for n in (7, 3, 12, 5, 9)]
+    lengths = torch.randint(1, 9, (sum(sizes),), generator=g).tolist()
+    completions = [torch.randint(3, 101, (n,), generator=g) for n in lengths]
+    with torch.no_grad():
+        current = completion_logprobs(model, prompts, completions, list(sizes))
+    noise = lambda: [x + 0.3 * torch.randn(len(x), generator=g) for x in current]  # noqa: E731
+    truncated = torch.rand(sum(sizes), generator=g) < 0.3
+    return RolloutBatch(step=0, policy_version=0, prompt_ids=prompts, completion_ids=completions,
+                        group_sizes=list(sizes), old_logps=noise(), ref_logps=noise(),
+                        rewards=torch.zeros(sum(sizes), 1), reward_names=["r"],
+                        advantages=torch.randn(sum(sizes), generator=g), truncated=truncated,
+                        num_tokens=sum(lengths), num_sequences=sum(sizes))
+
+
+def lora_params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_update(cfg, batch):
+    """Single process, whole batch, no DeepSpeed: loss, grad norm, clip, AdamW."""
+    model = start_model()
+    before = lora_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+    loss, _, _ = micro_batch_loss(model, batch, cfg)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+    optimizer.step()
+    after = lora_params(model)
+    return loss.item(), grad_norm.item(), {n: (after[n] - before[n]).tolist() for n in before}
+
+
+def main(out_path: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for level, aggregation, stage in CASES:
+        cfg = load_config(None, [f"training.use_gspo={level == 'sequence'}", f"training.aggregation={aggregation}",
+                                 "training.max_tokens_per_micro_batch=30", "training.beta=0.04",
+                                 "training.learning_rate=0.01", "training.max_grad_norm=0.1",
+                                 "training.mask_truncated_completions=true", "sampling.max_new_tokens=10",
+                                 "training.clip_low=0.2", "training.clip_high=0.28", f"deepspeed.zero_stage={stage}"])
+        model = start_model()
+        batch = make_batch(model)
+        before = lora_params(model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+        clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
+        metrics = train_step(engine, batch, cfg, rank, world, torch.device("cpu"), clipper)
+        after = lora_params(engine.module)
+        if rank == 0:
+            ref_loss, ref_norm, ref_delta = reference_update(cfg, batch)
+            results.append({"case": [level, aggregation, stage], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                            "delta": {n: (after[n] - before[n]).tolist() for n in before},
+                            "ref_loss": ref_loss, "ref_grad_norm": ref_norm, "ref_delta": ref_delta})
+        dist.barrier()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])

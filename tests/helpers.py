@@ -1,0 +1,43 @@
+"""Test helpers shared by several test files (not fixtures)."""
+
+import socket
+
+import torch
+
+from grpo.batch import RolloutBatch
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool = True) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(group_sizes)
+    lengths = torch.randint(1, 9, (n,), generator=g).tolist()
+    completions = [torch.randint(0, 50000, (c,), generator=g) for c in lengths]
+    return RolloutBatch(
+        step=step, policy_version=max(0, step - 1),
+        prompt_ids=[torch.randint(0, 50000, (p,), generator=g) for p in (5, 11)[:len(group_sizes)]],
+        completion_ids=completions, group_sizes=list(group_sizes),
+        old_logps=[-torch.rand(c, generator=g) for c in lengths],
+        ref_logps=[-torch.rand(c, generator=g) for c in lengths] if with_ref else None,
+        rewards=torch.randn(n, 2, generator=g), reward_names=["gsm8k_answer", "think_answer_format"],
+        advantages=torch.randn(n, generator=g), truncated=torch.rand(n, generator=g) > 0.5,
+        num_tokens=sum(lengths), num_sequences=n, meta={"sample_ids": ["train-1", "train-2"], "metrics": {"a": 1.5}})
+
+
+def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
+    for name in ("schema", "step", "policy_version", "group_sizes", "reward_names", "num_tokens", "num_sequences",
+                 "meta"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert len(x) == len(y) and all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y)), name
+    for name in ("rewards", "advantages", "truncated"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x, y) and x.dtype == y.dtype, name

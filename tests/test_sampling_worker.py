@@ -1,0 +1,134 @@
+"""The real sampler process on loopback: staleness, hot-swap order, refusals, cursor resume."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from grpo.config import LoraConfig, ModelConfig
+from grpo.logprobs import completion_logprobs
+from grpo.models import add_lora, load_model
+from grpo.transport import BatchReceiver, TransportTimeout
+from grpo.weights import publish, version_dir
+from data.cursor import PromptCursor
+from conftest import REPO
+from helpers import free_tcp_address
+
+
+def start_sampler(run_dir, model_dir, data_dir, address, *extra):
+    args = [sys.executable, str(REPO / "sampling_worker.py"), "--config", str(REPO / "config.yaml"),
+            f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
+            f"transport.address={address}", "sampling.prompts_per_step=2", "sampling.group_size=3",
+            "sampling.max_new_tokens=6", "lora.r=4", "sampling.wait_timeout_s=120", "transport.send_timeout_s=120",
+            "logging.level=INFO", *extra]
+    log = open(run_dir / "sampler.log", "ab")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+
+
+def trained_adapter(model_dir, seed):
+    model = add_lora(load_model(ModelConfig(name_or_path=str(model_dir))), LoraConfig(r=4))
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return model.eval()
+
+
+def logps_of(model, batch):
+    with torch.no_grad():
+        return completion_logprobs(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes, temperature=0.9)
+
+
+def close(a, b):
+    return all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+
+
+def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_path, tiny_model_dir, tiny_gsm8k):
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
+                         "training.steps=3")
+    try:
+        first = receiver.receive(timeout_s=120)
+        assert (first.step, first.policy_version) == (0, 0)
+        assert first.ref_logps is not None and len(first.completion_ids) == 6
+        assert set(first.meta["metrics"]) >= {"reward", "reward_std", "frac_reward_zero_std",
+                                              "completions/mean_length", "completions/clipped_ratio",
+                                              "completions/eos_rate", "timing/generate_s", "timing/logprobs_s",
+                                              "timing/rewards_s", "sampler/tokens_per_s", "policy_version",
+                                              "rewards/gsm8k_answer/mean", "rewards/think_answer_format/std"}
+        with pytest.raises(TransportTimeout):  # step 1 needs v1, which does not exist yet
+            receiver.receive(timeout_s=3)
+
+        v1 = trained_adapter(tiny_model_dir, seed=1)
+        publish(v1, tmp_path / "weights", version=1, step=1)
+        second = receiver.receive(timeout_s=60)
+        assert (second.step, second.policy_version) == (1, 1)
+        assert close(second.old_logps, logps_of(v1, second))  # generated and scored by v1
+        with v1.disable_adapter():
+            assert close(second.ref_logps, logps_of(v1, second))  # reference: the adapter off
+            assert not close(second.old_logps, logps_of(v1, second))
+
+        # v2 arrives corrupted: refused, v1 kept; then re-published intact: loaded, then used
+        v2 = trained_adapter(tiny_model_dir, seed=2)
+        publish(v2, tmp_path / "weights", version=2, step=2)
+        path = version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors"
+        path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+        with pytest.raises(TransportTimeout):
+            receiver.receive(timeout_s=3)
+        publish(v2, tmp_path / "weights", version=2, step=2)
+        third = receiver.receive(timeout_s=60)
+        assert (third.step, third.policy_version) == (2, 2)
+        assert third.meta["metrics"]["sampler/weight_load_failures"] == 1.0
+        assert close(third.old_logps, logps_of(v2, third))
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        receiver.close()
+    log = (tmp_path / "sampler.log").read_text()
+    events = [log.index(e) for e in ("step 0 v0", "loaded weights v1", "step 1 v1", "refused weights v2",
+                                     "loaded weights v2", "step 2 v2")]
+    assert events == sorted(events), log[-3000:]
+
+
+def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_dir, tiny_gsm8k):
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    try:
+        proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
+                             "training.steps=3")
+        got = [receiver.receive(timeout_s=120) for _ in range(3)]
+        assert proc.wait(timeout=60) == 0
+        proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
+                             "training.steps=5")
+        got += [receiver.receive(timeout_s=120) for _ in range(2)]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        receiver.close()
+    cursor = PromptCursor(12, seed=0)  # one uninterrupted run's order
+    expected = [[f"train-{i}" for i in cursor.take(2)] for _ in range(5)]
+    assert [b.step for b in got] == [0, 1, 2, 3, 4]
+    assert [b.meta["sample_ids"] for b in got] == expected
+    assert "resuming at step 3" in (tmp_path / "sampler.log").read_text()
+
+
+def test_embedded_model_streams_real_gsm8k_batches(tmp_path, shared_gsm8k):
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    proc = start_sampler(tmp_path, "smollm2-135m-instruct", shared_gsm8k, address, "training.steps=1",
+                         "sampling.max_new_tokens=24", "sampling.group_size=2", "sampling.prompts_per_step=1")
+    try:
+        batch = receiver.receive(timeout_s=300)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        receiver.close()
+    assert batch.group_sizes == [2] and batch.meta["sample_ids"][0].startswith("train-")
+    assert all(len(c) <= 24 for c in batch.completion_ids)
+    assert batch.rewards.shape == (2, 2) and batch.num_tokens == sum(len(c) for c in batch.completion_ids)
+    assert all(bool((x <= 0).all()) for x in batch.old_logps)

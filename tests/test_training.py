@@ -1,0 +1,110 @@
+"""The trainer on real DeepSpeed ranks (gloo, CPU) with a real sampler process on loopback."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.weights import read_latest, version_dir
+from conftest import REPO
+from helpers import free_tcp_address
+from test_sampling_worker import start_sampler
+
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
+    """GRPO and GSPO, each aggregation, ZeRO-0 and ZeRO-2: W=2 ranks with several micro-batches each."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
+                           str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = json.loads(out.read_text())
+    assert len(cases) == 7
+    for case in cases:
+        assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
+        assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
+        delta = torch.tensor([x for n in case["delta"] for x in torch.tensor(case["delta"][n]).flatten().tolist()])
+        ref = torch.tensor([x for n in case["ref_delta"] for x in torch.tensor(case["ref_delta"][n]).flatten().tolist()])
+        assert ((delta - ref).norm() / ref.norm()).item() <= 1e-6, case["case"]
+
+
+def start_trainer(run_dir, model_dir, data_dir, address, *extra):
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "training_worker.py"),
+            "--config", str(REPO / "config.yaml"), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
+            f"data.path={data_dir}", f"transport.address={address}", "sampling.prompts_per_step=2",
+            "sampling.group_size=3", "sampling.max_new_tokens=6", "lora.r=4", "transport.recv_timeout_s=300",
+            *extra]
+    log = open(run_dir / "trainer.log", "ab")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=ENV)
+
+
+LEARNING = ["sampling.max_new_tokens=1", "sampling.group_size=8", "sampling.prompts_per_step=2",
+            "rewards.names=[gsm8k_answer_lenient]", "rewards.weights=[1.0]", "training.learning_rate=0.05",
+            "sampling.max_staleness=1"]
+
+TRAINER_KEYS = {"step", "loss", "policy_loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "grad_norm", "learning_rate", "staleness", "timing/wait_s",
+                "timing/train_s", "timing/publish_s", "trainer/tokens_per_s"}
+SAMPLER_KEYS = {"reward", "reward_std", "timing/generate_s", "completions/mean_length", "policy_version"}
+
+
+def run_both(run_dir, model_dir, data_dir, *extra, timeout=600):
+    address = free_tcp_address()
+    trainer = start_trainer(run_dir, model_dir, data_dir, address, *extra)
+    sampler = start_sampler(run_dir, model_dir, data_dir, address, *extra)
+    try:
+        codes = trainer.wait(timeout=timeout), sampler.wait(timeout=120)
+    finally:
+        trainer.kill()
+        sampler.kill()
+    logs = (run_dir / "trainer.log").read_text()[-4000:] + (run_dir / "sampler.log").read_text()[-2000:]
+    assert codes == (0, 0), logs
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, tiny_gsm8k):
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", *LEARNING)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["sampler_step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert TRAINER_KEYS | SAMPLER_KEYS <= set(row), TRAINER_KEYS | SAMPLER_KEYS - set(row)
+        assert 0 <= row["staleness"] <= 1
+    assert any(r["frac_reward_zero_std"] < 1 for r in rows)  # some group had a learning signal
+    weights = tmp_path / "weights"
+    assert read_latest(weights) == 3 and all(version_dir(weights, v).is_dir() for v in (1, 2, 3))
+    adapter = load_file(version_dir(weights, 3) / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # LoRA B starts at 0
+    assert (tmp_path / "tb").is_dir() and (tmp_path / "checkpoints" / "latest").is_file()
+
+
+def test_stopped_run_resumes_without_training_a_sampler_step_twice_or_skipping_one(tmp_path, digit_model_dir,
+                                                                                    tiny_gsm8k):
+    first = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2", "checkpoint.every=1", *LEARNING)
+    v2 = load_file(version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors")
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=4", "checkpoint.every=1", *LEARNING)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # metrics.jsonl is appended
+    assert [r["sampler_step"] for r in rows] == [0, 1, 2, 3]
+    assert "resumed from" in (tmp_path / "trainer.log").read_text()
+    assert "resuming at step 2" in (tmp_path / "sampler.log").read_text()
+    republished = load_file(version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors") \
+        if version_dir(tmp_path / "weights", 2).is_dir() else v2
+    assert all(torch.equal(v2[k], republished[k]) for k in v2)  # the checkpoint holds the published weights
+    assert first[-1]["step"] == 2

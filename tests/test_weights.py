@@ -1,0 +1,125 @@
+"""Publishing and hot-swapping weights: atomic versions, checksums, the watcher keeps serving."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from grpo.config import LoraConfig
+from grpo.models import add_lora
+from grpo.weights import (LATEST, WeightWatcher, WeightsError, publish, published_versions, read_latest, verify,
+                          version_dir)
+from conftest import tiny_model
+
+
+def lora_model(seed=0):
+    model = add_lora(tiny_model("llama"), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def lora_state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_publish_writes_an_adapter_only_version_with_a_manifest_and_latest(tmp_path):
+    folder = publish(lora_model(), tmp_path, version=1, step=1)
+    assert folder == version_dir(tmp_path, 1) and read_latest(tmp_path) == 1
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["README.md", "adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    manifest = verify(folder)
+    assert (manifest["version"], manifest["step"], manifest["kind"]) == (1, 1, "lora")
+    assert os.path.getsize(folder / "adapter_model.safetensors") < 100_000  # the adapter, not the model
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_published_adapter_loads_with_peft_as_it_is(tmp_path):
+    from peft import PeftModel
+
+    model = lora_model()
+    folder = publish(model, tmp_path, version=1, step=1)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), folder)
+    ids = torch.randint(3, 100, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_full_model_versions_hold_the_whole_model(tmp_path):
+    model = tiny_model("qwen2")
+    folder = publish(model, tmp_path, version=3, step=3)
+    assert verify(folder)["kind"] == "full" and (folder / "model.safetensors").is_file()
+    target = tiny_model("qwen2", seed=1)
+    watcher = WeightWatcher(tmp_path, target)
+    assert watcher.poll().loaded and watcher.version == 3
+    for (name, a), b in zip(target.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_keep_last_prunes_old_versions_but_never_latest(tmp_path):
+    model = lora_model()
+    for v in range(1, 6):
+        publish(model, tmp_path, version=v, step=v, keep_last=2)
+    assert sorted(published_versions(tmp_path)) == [4, 5]
+
+
+def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
+    trained, live = lora_model(seed=1), lora_model(seed=2)
+    watcher = WeightWatcher(tmp_path, live)
+    assert watcher.poll() is None and watcher.version == 0  # nothing published yet
+    publish(trained, tmp_path, version=1, step=1)
+    result = watcher.poll()
+    assert result.loaded and watcher.version == 1
+    for k, v in lora_state(trained).items():
+        assert torch.equal(lora_state(live)[k], v)
+    assert watcher.poll() is None  # nothing newer
+
+
+def test_sampler_never_loads_half_written_or_corrupted_weights(tmp_path, caplog):
+    live = lora_model(seed=2)
+    watcher = WeightWatcher(tmp_path, live)
+    publish(lora_model(seed=1), tmp_path, version=1, step=1)
+    watcher.poll()
+    serving = lora_state(live)
+
+    # a half-written version: the folder exists, LATEST points at it, but no manifest
+    half = version_dir(tmp_path, 2)
+    half.mkdir()
+    (half / "adapter_model.safetensors").write_bytes(b"partial")
+    (tmp_path / LATEST).write_text("2")
+    result = watcher.poll()
+    assert not result.loaded and "unreadable manifest" in result.error
+    # a corrupted file: checksum mismatch
+    publish(lora_model(seed=3), tmp_path, version=3, step=3)
+    path = version_dir(tmp_path, 3) / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = watcher.poll()
+    assert not result.loaded and "checksum mismatch" in result.error
+    # an adapter for another model shape
+    publish(add_lora(tiny_model("llama"), LoraConfig(r=8, alpha=8, target_modules=["q_proj", "v_proj"])),
+            tmp_path, version=4, step=4)
+    result = watcher.poll()
+    assert not result.loaded and "do not fit the model" in result.error
+
+    assert watcher.version == 1 and watcher.failures == 3
+    assert all(torch.equal(lora_state(live)[k], v) for k, v in serving.items())  # untouched
+    assert "refused weights v3" in caplog.text and "still serving v1" in caplog.text
+    publish(lora_model(seed=5), tmp_path, version=5, step=5)  # a good later version is taken
+    assert watcher.poll().loaded and watcher.version == 5
+
+
+def test_verify_names_what_is_wrong(tmp_path):
+    folder = publish(lora_model(), tmp_path, version=1, step=1)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["../escape"] = "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(WeightsError, match="file '../escape' is missing"):
+        verify(folder)
+    (tmp_path / LATEST).write_text("twelve")
+    with pytest.raises(WeightsError, match="holds 'twelve', not a version number"):
+        read_latest(tmp_path)

@@ -1,0 +1,215 @@
+"""The training process: DeepSpeed ranks, group-aware sharding, the GRPO/GSPO loss, weight publishing.
+
+    deepspeed [--num_gpus N] training_worker.py [--config config.yaml] [key=value ...]
+
+One loop, one step per sampler batch:
+  rank 0 receives and validates a RolloutBatch (duplicates by step are dropped) -> every rank
+  gets the raw frames and decodes them itself (no pickle) -> whole groups are split across
+  ranks by token cost -> each rank packs its groups into micro-batches -> shared-prefix forward,
+  policy_loss with the batch's global denominators, engine.backward per micro-batch ->
+  engine.step once -> rank 0 publishes the new weights (the LoRA adapter or the full model),
+  logs metrics, and checkpoints every `checkpoint.every` steps.
+
+Exactness: each micro-batch's loss uses the whole batch's num_sequences / num_tokens, so the
+pieces over all micro-batches and ranks sum to the whole batch's loss. DeepSpeed averages
+gradients over ranks, so each loss is multiplied by the world size before backward; the
+update is then the whole batch's gradient, however the batch was split.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpo.config import parse_cli, save_config
+from grpo.logprobs import verify_shared_prefix
+from grpo.models import load_policy
+from grpo.training import (GradNormClipper, TrainerState, clips_itself, deepspeed_config, train_step,
+                           warmup_lambda)
+from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
+from grpo.weights import publish, published_versions, version_dir
+
+log = logging.getLogger("trainer")
+STOP = {"requested": False}
+
+
+def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
+    """Rank 0's raw message to every rank, as byte tensors (each rank decodes and validates it).
+    None from rank 0 means stop, and every rank gets None."""
+    sizes = torch.tensor([len(f) for f in frames] if frames is not None else [], dtype=torch.long, device=device)
+    count = torch.tensor([len(sizes) if frames is not None else -1], dtype=torch.long, device=device)
+    dist.broadcast(count, 0)
+    if int(count) < 0:
+        return None
+    if dist.get_rank() != 0:
+        sizes = torch.empty(int(count), dtype=torch.long, device=device)
+    dist.broadcast(sizes, 0)
+    data = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8).to(device) if frames is not None \
+        else torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, 0)
+    raw = data.cpu().numpy().tobytes()
+    out, start = [], 0
+    for n in sizes.tolist():
+        out.append(raw[start:start + n])
+        start += n
+    return out
+
+
+def receive_next(receiver, state: TrainerState, timeout_s: float) -> list[bytes] | None:
+    """Rank 0: the next batch's frames, dropping re-sent steps already trained; None on SIGTERM."""
+    deadline = time.monotonic() + timeout_s
+    while not STOP["requested"]:
+        try:  # short polls, so that SIGTERM is noticed while waiting
+            frames, batch = receiver.receive_frames(min(1.0, max(deadline - time.monotonic(), 0.01)))
+        except TransportTimeout:
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"no batch from the sampler on {receiver.address} for {timeout_s:g} s "
+                                       "(is sampling_worker.py running? transport.recv_timeout_s)") from None
+            continue
+        if batch.step >= state.next_sampler_step:
+            if batch.step > state.next_sampler_step:
+                log.warning("sampler steps %d..%d never arrived; training step %d", state.next_sampler_step,
+                            batch.step - 1, batch.step)
+            return frames
+        log.info("dropping batch of sampler step %d: already trained", batch.step)
+    return None
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_cli(argv)
+    import deepspeed
+
+    cuda = torch.cuda.is_available()
+    backend = cfg.deepspeed.backend if cfg.deepspeed.backend != "auto" else ("nccl" if cuda else "gloo")
+    deepspeed.init_distributed(dist_backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
+    logging.basicConfig(level=cfg.logging.level if rank == 0 else "WARNING",
+                        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
+    run_dir = cfg.run_dir
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ model, optimizer, engine
+    model = load_policy(cfg, device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.training.warmup_steps))
+    clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                           config=deepspeed_config(cfg, world))
+    log.info("%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, backend,
+             sum(p.numel() for p in params), cfg.deepspeed.zero_stage)
+
+    # ------------------------------------------------------------------ resume
+    ckpt_dir = run_dir / "checkpoints"
+    state_path = run_dir / "trainer_state.json"
+    state = TrainerState()
+    resume_from = ckpt_dir if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+    if cfg.checkpoint.resume != "never" and (resume_from / "latest").is_file():
+        _, client = engine.load_checkpoint(str(resume_from))
+        state = TrainerState(**client["trainer"])
+        log.info("resumed from %s at step %d", resume_from, state.step)
+    if rank == 0:
+        # versions past the checkpoint came from a trajectory that is being redone
+        for v in published_versions(cfg.weights_dir):
+            if v > state.step:
+                shutil.rmtree(version_dir(cfg.weights_dir, v), ignore_errors=True)
+        if state.step > 0:
+            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
+        state.save(state_path)  # the sampler restarts from here
+
+    receiver = metrics_file = writer = None
+    if rank == 0:
+        receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
+                                 max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
+        metrics_file = open(run_dir / "metrics.jsonl", "a")
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(run_dir / "tb"))
+
+    # ------------------------------------------------------------------ the loop
+    verified = not cfg.training.verify_shared_prefix
+    stopped = False
+    while state.step < cfg.training.steps:
+        t0 = time.perf_counter()
+        frames = broadcast_frames(receive_next(receiver, state, cfg.transport.recv_timeout_s) if rank == 0
+                                  else None, device)
+        if frames is None:  # rank 0 got SIGTERM: all ranks checkpoint and leave together
+            stopped = True
+            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
+            break
+        batch = decode_batch(frames)
+        wait_s = time.perf_counter() - t0
+        if not verified:
+            verify_shared_prefix(engine.module, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
+                                 temperature=cfg.sampling.temperature)
+            verified = True
+
+        t1 = time.perf_counter()
+        metrics = train_step(engine, batch, cfg, rank, world, device, clipper)
+        train_s = time.perf_counter() - t1
+        state.step += 1
+        state.next_sampler_step = batch.step + 1
+
+        # -------------------------------------------------------------- publish, log, checkpoint
+        t2 = time.perf_counter()
+        if rank == 0 and state.step % cfg.weights.publish_every == 0:
+            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
+        publish_s = time.perf_counter() - t2
+        if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps:
+            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
+        if rank == 0:
+            completion_tokens = sum(len(c) for c in batch.completion_ids)
+            row = {"step": state.step, **metrics, "learning_rate": scheduler.get_last_lr()[0], "staleness": state.step - 1 - batch.policy_version,
+                   "timing/wait_s": wait_s, "timing/train_s": train_s, "timing/publish_s": publish_s,
+                   "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(train_s, 1e-9),
+                   "trainer/rejected_messages": receiver.rejected, "sampler_step": batch.step,
+                   **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if writer is not None:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)):
+                        writer.add_scalar(k, v, state.step)
+            log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs",
+                     state.step, metrics["loss"], row.get("reward", float("nan")), metrics.get("kl", 0.0),
+                     row["grad_norm"], row["staleness"], wait_s, train_s)
+
+    if stopped:
+        log.info("stopped by SIGTERM at step %d (checkpoint saved)", state.step)
+    if rank == 0:
+        receiver.close()
+        metrics_file.close()
+        if writer is not None:
+            writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def save_checkpoint(engine, ckpt_dir: Path, state: TrainerState, keep_last: int, rank: int, state_path: Path):
+    """DeepSpeed checkpoint (every rank) plus the trainer state the sampler resumes from."""
+    engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}", client_state={"trainer": vars(state)})
+    if rank == 0:
+        state.save(state_path)
+        tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
+        for old in tags[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -33,7 +33,8 @@ from grpo.config import parse_cli, save_config
 from grpo.logprobs import completion_logprobs
 from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
 from grpo.rollout import make_engine
-from grpo.sampling import SamplerState, loss_counts, required_version, sampler_metrics, wait_for_version
+from grpo.sampling import (SamplerState, loss_counts, required_version, sampler_metrics, strict_rates,
+                           wait_for_version)
 from grpo.training import TrainerState
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher
@@ -112,14 +113,15 @@ def main(argv: list[str]) -> int:
 
         t = time.perf_counter()
         args = (prompt_ids, rollouts.completion_ids, [G] * len(chosen))
+        kwargs = dict(temperature=s.temperature, shared_prefix=cfg.training.shared_prefix)
         with torch.no_grad():
-            old_logps = completion_logprobs(model, *args, temperature=s.temperature)
+            old_logps = completion_logprobs(model, *args, **kwargs)
             ref_logps = None
             if cfg.training.beta > 0 and cfg.lora.enabled:
                 with model.disable_adapter():
-                    ref_logps = completion_logprobs(model, *args, temperature=s.temperature)
+                    ref_logps = completion_logprobs(model, *args, **kwargs)
             elif reference is not None:
-                ref_logps = completion_logprobs(reference, *args, temperature=s.temperature)
+                ref_logps = completion_logprobs(reference, *args, **kwargs)
         timings["timing/logprobs_s"] = time.perf_counter() - t
 
         truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
@@ -135,6 +137,7 @@ def main(argv: list[str]) -> int:
             meta={"sample_ids": [p.problem.id for p in chosen]})
         metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
         metrics["sampler/weight_load_failures"] = float(watcher.failures)
+        metrics.update(strict_rates(texts, answers))
         if rollouts.engine_logps is not None:  # vLLM's sampled log-probs against the recomputed ones
             gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.engine_logps, old_logps)]
             metrics["sampler/engine_logp_gap_max"] = max(gaps)

@@ -127,9 +127,9 @@ def main(argv: list[str]) -> int:
         for v in published_versions(cfg.weights_dir):
             if v > state.step:
                 shutil.rmtree(version_dir(cfg.weights_dir, v), ignore_errors=True)
-        if state.step > 0:
-            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
         state.save(state_path)  # the sampler restarts from here
+        if state.step > 0:  # the checkpoint's weights become the served version again
+            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
 
     receiver = metrics_file = writer = None
     if rank == 0:

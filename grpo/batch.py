@@ -31,14 +31,6 @@ class RolloutBatch:
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     schema: str = SCHEMA
 
-    @property
-    def num_prompts(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_completions(self) -> int:
-        return len(self.completion_ids)
-
     def group_slices(self) -> list[slice]:
         """The completions of each prompt."""
         out, start = [], 0

@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 from grpo.models import unwrap_causal_lm
-from grpo.shared_prefix import NO_MASK, group_bounds, install_shared_prefix_attention, pack_groups
+from grpo.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
 
 HEAD_CHUNK_TOKENS = 1024  # rows of [chunk, vocab] float32 logits alive at once (~200 MB at 49k vocab)
 DEFAULT_MAX_TOKENS_PER_FORWARD = 8192
@@ -45,9 +45,10 @@ def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Mo
     not asked for.
     """
     logps, entropies = [], []
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if recompute:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_chunk, h, t, head, temperature, with_entropy,
                                                         use_reentrant=False)
         else:
@@ -164,9 +165,6 @@ def pad_right(tensors: Sequence[torch.Tensor], value: float = 0.0) -> tuple[torc
     return padded, mask.to(padded.device)
 
 
-__all__ = ["completion_logprobs", "head_logprobs", "pad_right", "group_bounds"]
-
-
 class SharedPrefixMismatch(RuntimeError):
     """The shared-prefix forward disagrees with the plain forward on this model."""
 
@@ -196,5 +194,5 @@ def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temp
         raise SharedPrefixMismatch(
             f"shared-prefix log-probs differ from the plain forward by {diff:.3g} (tolerance {tolerance:g} for "
             f"{dtype}) on {len(sizes)} groups: this model's attention is not served correctly by the shared-prefix "
-            "hook. Report it, and train with the plain path meanwhile")
+            "hook. Set training.shared_prefix=false to use the plain forward")
     return diff

@@ -81,6 +81,16 @@ def sampler_metrics(batch: RolloutBatch, total_rewards: torch.Tensor, failures: 
     return metrics
 
 
+def strict_rates(texts: list[str], answers: list[str]) -> dict[str, float]:
+    """The strict GSM8K answer accuracy and exact-format rate, whatever rewards the run trains on."""
+    from rewards.gsm8k_answer import CORRECT, gsm8k_answer
+    from rewards.think_format import FORMAT_OK, think_answer_format
+
+    n = max(len(texts), 1)
+    return {"strict/answer_accuracy": sum(gsm8k_answer(t, a) == CORRECT for t, a in zip(texts, answers)) / n,
+            "strict/format_rate": sum(think_answer_format(t, a) == FORMAT_OK for t, a in zip(texts, answers)) / n}
+
+
 class SamplerState:
     """The next step and the data cursor, saved together after each send (atomically)."""
 

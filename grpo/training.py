@@ -25,8 +25,8 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[s
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens)."""
     t = cfg.training
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
-                                           temperature=cfg.sampling.temperature, return_entropy=True,
-                                           max_tokens_per_forward=t.max_tokens_per_micro_batch)
+                                           shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
+                                           return_entropy=True, max_tokens_per_forward=t.max_tokens_per_micro_batch)
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
@@ -78,8 +78,8 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
     """One optimizer step per pass over `batch` on this rank's share of it; the reduced metrics.
 
     Every rank runs the same number of micro-batches (a short rank pads with zero-loss ones),
-    backward only accumulates (DeepSpeed's unmanaged accumulation), and engine.step() reduces
-    once. Each loss already carries the whole batch's denominators and is multiplied by the
+    and the accumulation boundary is set by hand: only the last backward of a pass reduces
+    (ZeRO-2/3 reduce-scatter along the way, as in plain accumulation). Each loss already carries the whole batch's denominators and is multiplied by the
     world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
     """
     costs = group_costs(batch)
@@ -90,6 +90,7 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
     sums = MetricSums()
     for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
         for i in range(int(count)):
+            engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
             if i < len(micro):
                 loss, metrics, tokens = micro_batch_loss(engine.module, select_groups(batch, micro[i]), cfg)
                 sums.add(metrics, tokens)
@@ -155,16 +156,12 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def deepspeed_config(cfg, world_size: int) -> dict:
-    """The DeepSpeed config: one 'sample' per rank and step, and the caller owns accumulation.
-
-    managed_gradient_accumulation=false: backward() only accumulates and step() is the one
-    reduction and update, so ranks may run different numbers of micro-batches.
-    """
+    """The DeepSpeed config: one 'sample' per rank and step; train_step sets the accumulation
+    boundary itself, since the number of micro-batches changes from batch to batch."""
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
-        "managed_gradient_accumulation": False,
         "gradient_clipping": 0.0 if clips_itself(cfg) else cfg.training.max_grad_norm,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},

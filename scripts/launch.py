@@ -1,10 +1,167 @@
-"""Start the sampler and the DeepSpeed trainer for one run (`make train`).
+"""Start the sampler and the DeepSpeed trainer for one run, show progress, stop both together.
 
-Not available yet: the two workers land with issues #5 (sampler) and #6 (trainer).
+    python scripts/launch.py [--config config.yaml] [key=value ...]        (what `make train` runs)
+
+Placement (override with launch.trainer_ranks / launch.cpu_threads): with several GPUs the last
+one samples and the others train; with one GPU both share it; on a CPU-only machine one trainer
+rank and the sampler split the cores so that they do not oversubscribe them. Everything lands
+in the run folder: config, sampler.log, trainer.log, metrics.jsonl, tb/, weights/, checkpoints/.
+Ctrl-C or a failure of either process stops both (the trainer checkpoints on SIGTERM); the
+exit code says which failed (3: sampler, 4: trainer, 130: interrupted) and the failing log's
+last lines are shown.
 """
 
-import sys
+from __future__ import annotations
 
-sys.stderr.write("not yet: `make train` starts the sampler and the trainer once they exist "
-                 "(sampling_worker.py and training_worker.py are still being built).\n")
-sys.exit(2)
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from grpo.config import ConfigError, parse_cli  # noqa: E402
+
+EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
+STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
+
+
+def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int) -> dict:
+    """Ranks, visible GPUs and thread counts for the two processes (a pure function)."""
+    if gpus == 0:
+        threads = cpu_threads or max(1, cores // 2)
+        cpu_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
+        return {"ranks": trainer_ranks or 1, "trainer_env": dict(cpu_env), "sampler_env": dict(cpu_env)}
+    if gpus == 1:
+        return {"ranks": 1, "trainer_env": {"CUDA_VISIBLE_DEVICES": "0"}, "sampler_env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    ranks = trainer_ranks or gpus - 1
+    sampler_gpu = ranks if ranks < gpus else gpus - 1  # the first GPU the trainer does not use
+    return {"ranks": ranks, "trainer_env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(ranks))},
+            "sampler_env": {"CUDA_VISIBLE_DEVICES": str(sampler_gpu)}}
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def progress_line(row: dict, total_steps: int, step_times: deque) -> str:
+    done = row["step"]
+    per_step = sum(step_times) / len(step_times) if step_times else float("nan")
+    eta = per_step * (total_steps - done)
+    eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+    return (f"step {done}/{total_steps} | reward {row.get('reward', float('nan')):+.3f} | "
+            f"answer {100 * row.get('strict/answer_accuracy', float('nan')):5.1f}% | "
+            f"format {100 * row.get('strict/format_rate', float('nan')):5.1f}% | "
+            f"kl {row.get('kl', 0.0):.4f} | {per_step:6.1f} s/step | ETA {eta_text}")
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process and everything it started, wait for all of them, then SIGKILL.
+
+    The whole tree: deepspeed's runner returns as soon as it has passed the signal on, while
+    its ranks are still writing their checkpoint.
+    """
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+    for p in alive:
+        p.kill()
+    proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_cli(argv)  # a bad config stops here, before anything starts
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1)
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    trainer_cmd = [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_port()),
+                   str(ROOT / "training_worker.py"), *argv]
+    sampler_cmd = [sys.executable, str(ROOT / "sampling_worker.py"), *argv]
+    logs = {"trainer": run_dir / "trainer.log", "sampler": run_dir / "sampler.log"}
+    procs = {}
+    for name, cmd, env in (("trainer", trainer_cmd, plan["trainer_env"]), ("sampler", sampler_cmd, plan["sampler_env"])):
+        with open(logs[name], "ab") as log:
+            # their own session: Ctrl-C reaches only this launcher, which stops them in order
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **env}, start_new_session=True)
+    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and sampler started; logs in "
+          f"{logs['trainer'].name} and {logs['sampler'].name}", flush=True)
+
+    interrupted = {"flag": False}
+    signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
+    metrics_path, step_times, last = run_dir / "metrics.jsonl", deque(maxlen=10), time.monotonic()
+    seen = len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0  # resumed run
+    while True:
+        if metrics_path.is_file():
+            rows = metrics_path.read_text().splitlines()
+            for line in rows[seen:]:
+                now = time.monotonic()
+                step_times.append(now - last)
+                last = now
+                try:
+                    print(progress_line(json.loads(line), cfg.training.steps, step_times), flush=True)
+                except json.JSONDecodeError:
+                    break  # a line being written: read it next time
+                seen += 1
+        sampler_code, trainer_code = procs["sampler"].poll(), procs["trainer"].poll()
+        if interrupted["flag"]:
+            print("interrupted: stopping the sampler and the trainer (the trainer saves a checkpoint)", flush=True)
+            stop(procs["sampler"])
+            stop(procs["trainer"])
+            return EXIT_INTERRUPTED
+        for name, code, exit_code in (("sampler", sampler_code, EXIT_SAMPLER_FAILED),
+                                      ("trainer", trainer_code, EXIT_TRAINER_FAILED)):
+            if code not in (None, 0):
+                other = "trainer" if name == "sampler" else "sampler"
+                print(f"the {name} failed (exit code {code}); stopping the {other}. Last lines of {logs[name]}:\n"
+                      f"{tail(logs[name])}", file=sys.stderr, flush=True)
+                stop(procs[other])
+                return exit_code
+        if trainer_code == 0:
+            stop(procs["sampler"])  # the trainer is done; the sampler may be waiting on weights
+            print(f"done: {cfg.training.steps} steps; weights in {cfg.weights_dir}", flush=True)
+            return 0
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

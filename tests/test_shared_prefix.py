@@ -211,5 +211,25 @@ def test_verify_shared_prefix_passes_on_a_supported_model_and_stops_a_broken_one
 
     monkeypatch.setattr(prefix_attention, "available", lambda device: False)  # the masked kernel
     monkeypatch.setattr(shared_prefix.GroupSpan, "completion_mask", prompt_hidden)
-    with pytest.raises(SharedPrefixMismatch, match="shared-prefix log-probs differ from the plain forward by"):
+    with pytest.raises(SharedPrefixMismatch, match="differ from the plain forward by .* Set training.shared_prefix=false"):
         verify_shared_prefix(model, prompts, completions, [2, 3, 2])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_masked_kernel_used_off_the_cpu_is_exact_too(kind, monkeypatch):
+    """Other devices use SDPA with the group's completion mask; check that path here too."""
+    from grpo import prefix_attention
+
+    monkeypatch.setattr(prefix_attention, "available", lambda device: False)
+    model = add_lora(tiny_model(kind), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    sizes = [3, 1, 2]
+    prompts, completions = random_groups(4, [6, 9, 4], sizes)
+    weights = [torch.ones(len(c)) for c in completions]
+    with torch.no_grad():
+        assert max_abs_diff(completion_logprobs(model, prompts, completions, sizes),
+                            completion_logprobs(model, prompts, completions, sizes, shared_prefix=False)) <= 1e-5
+    assert relative_error(weighted_sum_grads(model, prompts, completions, sizes, True, weights),
+                          weighted_sum_grads(model, prompts, completions, sizes, False, weights)) <= 1e-5

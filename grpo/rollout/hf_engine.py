@@ -87,8 +87,6 @@ class HFEngine:
                     eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **sampling)
             for row in out[:, ids.shape[1]:].cpu():
                 tokens, cut = cut_at_eos(row, self.eos_ids)
-                if len(tokens) == 0:  # max_new_tokens=0 cannot happen (config >= 1); keep shapes sane
-                    tokens, cut = row[:1], True
                 produced.append(tokens)
                 truncated.append(cut)
         return Rollouts(chunk_major_to_prompt_major(produced, len(prompts), plan),

@@ -1,0 +1,104 @@
+"""GSM8K test accuracy (greedy, pass@1) and exact-format rate, for the base model or trained weights.
+
+    .venv/bin/python scripts/evaluate.py [--config config.yaml] [--weights PATH] [--limit N]
+                                         [--batch-size 16] [--out summary.json] [key=value ...]
+
+--weights takes a published version folder (runs/<name>/weights/v000200, adapter or full model,
+checksums verified) or any PEFT adapter folder; without it the base model is evaluated. The
+prompt (system prompt, chat template, prefill) and the strict rewards are the training ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from data.gsm8k import load_problems  # noqa: E402
+from data.prompts import encode_prompts  # noqa: E402
+from grpo.config import parse_cli  # noqa: E402
+from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
+from grpo.rollout.hf_engine import HFEngine  # noqa: E402
+from grpo.sampling import strict_rates  # noqa: E402
+from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
+
+
+def load_evaluated_model(cfg, weights: Path | None, device):
+    """The base model, or the base model with published / PEFT weights applied."""
+    base = load_model(cfg.model, device)
+    if weights is None:
+        return base.eval()
+    if (weights / MANIFEST).is_file():  # a published version: verify, then load like the sampler does
+        manifest = verify(weights)
+        model = add_lora(base, cfg.lora) if manifest["kind"] == "lora" else base
+        load_into(model, weights, manifest)
+        return model.eval()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(weights)).eval()
+
+
+def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, split: str) -> tuple[dict, list]:
+    device = resolve_device(cfg.sampling.device)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_evaluated_model(cfg, weights, device)
+    problems, _ = load_problems(cfg.data.path, split)
+    problems = problems[:limit] if limit else problems
+    prompts, dropped = encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.prefill,
+                                      cfg.data.max_prompt_tokens)
+    engine = HFEngine(model, tokenizer, cfg.sampling)
+    samples, start = [], time.perf_counter()
+    for i in tqdm(range(0, len(prompts), batch_size), desc="evaluate", unit="batch", file=sys.stderr):
+        chunk = prompts[i:i + batch_size]
+        rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
+        texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        for prompt, text, ids, cut in zip(chunk, texts, rollouts.completion_ids, rollouts.truncated):
+            completion = cfg.data.prefill + text
+            rates = strict_rates([completion], [prompt.problem.answer])
+            samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
+                            "correct": rates["strict/answer_accuracy"] == 1.0,
+                            "format": rates["strict/format_rate"] == 1.0, "tokens": len(ids), "truncated": cut})
+    n = max(len(samples), 1)
+    summary = {
+        "model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
+        "problems": len(samples), "dropped_overlong": dropped,
+        "answer_accuracy": sum(s["correct"] for s in samples) / n,
+        "format_rate": sum(s["format"] for s in samples) / n,
+        "mean_completion_tokens": sum(s["tokens"] for s in samples) / n,
+        "truncated_rate": sum(s["truncated"] for s in samples) / n,
+        "max_new_tokens": cfg.sampling.max_new_tokens, "seconds": round(time.perf_counter() - start, 1),
+    }
+    return summary, samples
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="config.yaml")
+    parser.add_argument("--weights", type=Path, help="published version folder or PEFT adapter folder")
+    parser.add_argument("--limit", type=int, help="first N test problems")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--out", type=Path, help="JSON summary path (samples go next to it as .samples.jsonl)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = parse_cli(["--config", args.config, *overrides])
+    torch.manual_seed(cfg.seed)
+    summary, samples = evaluate(cfg, args.weights, args.limit, args.batch_size, args.split)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        args.out.with_suffix(".samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

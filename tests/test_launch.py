@@ -1,0 +1,75 @@
+"""scripts/launch.py: placement, a real two-step run, and a killed sampler stopping everything."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO
+from helpers import free_tcp_address
+
+sys.path.insert(0, str(REPO / "scripts"))
+from launch import EXIT_SAMPLER_FAILED, placement  # noqa: E402
+
+
+@pytest.mark.parametrize("ranks, threads, gpus, cores, expected_ranks, trainer_gpus, sampler_gpus", [
+    (0, 0, 0, 2, 1, "", ""),  # CPU: one rank, the cores split
+    (0, 0, 1, 16, 1, "0", "0"),  # one GPU shared
+    (0, 0, 3, 16, 2, "0,1", "2"),  # the README's three-GPU layout: two train, the last samples
+    (0, 0, 8, 64, 7, "0,1,2,3,4,5,6", "7"),
+    (4, 0, 8, 64, 4, "0,1,2,3", "4"),  # override
+])
+def test_placement(ranks, threads, gpus, cores, expected_ranks, trainer_gpus, sampler_gpus):
+    plan = placement(ranks, threads, gpus, cores)
+    assert plan["ranks"] == expected_ranks
+    assert plan["trainer_env"]["CUDA_VISIBLE_DEVICES"] == trainer_gpus
+    assert plan["sampler_env"]["CUDA_VISIBLE_DEVICES"] == sampler_gpus
+
+
+def test_cpu_threads_do_not_oversubscribe_the_cores():
+    plan = placement(0, 0, 0, 2)
+    assert plan["trainer_env"]["OMP_NUM_THREADS"] == plan["sampler_env"]["OMP_NUM_THREADS"] == "1"
+    assert placement(0, 3, 0, 2)["trainer_env"]["OMP_NUM_THREADS"] == "3"
+
+
+def launch(run_dir, model_dir, data_dir, *extra):
+    args = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(REPO / "config.yaml"),
+            f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
+            f"transport.address={free_tcp_address()}", "sampling.prompts_per_step=2", "sampling.group_size=4",
+            "sampling.max_new_tokens=1", "lora.r=4", "launch.cpu_threads=1", *extra]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, digit_model_dir, tiny_gsm8k):
+    proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "step 1/2 | reward" in out and "step 2/2 | reward" in out and "done: 2 steps" in out
+    for name in ("config.yaml", "sampler.log", "trainer.log", "metrics.jsonl", "weights", "checkpoints", "tb"):
+        assert (tmp_path / name).exists(), name
+
+
+def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_model_dir, tiny_gsm8k):
+    proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=500", "sampling.max_staleness=0")
+    lines = []
+    try:
+        for line in proc.stdout:  # wait for training to be under way
+            lines.append(line)
+            if line.startswith("step 1/500"):
+                break
+        children = psutil.Process(proc.pid).children(recursive=True)
+        sampler = next(p for p in children if "sampling_worker.py" in " ".join(p.cmdline()))
+        trainers = [p for p in children if "training_worker.py" in " ".join(p.cmdline())]
+        os.kill(sampler.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_SAMPLER_FAILED, "".join(lines) + out
+    assert "the sampler failed (exit code -9); stopping the trainer" in out
+    time.sleep(1)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in trainers)

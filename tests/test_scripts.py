@@ -1,0 +1,73 @@
+"""scripts/evaluate.py and scripts/plot_metrics.py on small real inputs."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from grpo.config import LoraConfig, ModelConfig
+from grpo.models import add_lora, load_model
+from grpo.weights import publish, version_dir
+from conftest import REPO
+
+
+def run_script(name, *args):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_evaluate_writes_a_summary_for_the_base_model_and_a_published_adapter(tmp_path, digit_model_dir, tiny_gsm8k):
+    common = [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "sampling.max_new_tokens=1",
+              "lora.r=4", "--limit", "5", "--batch-size", "2"]
+    run_script("evaluate.py", "--out", str(tmp_path / "base.json"), *common)
+    base = json.loads((tmp_path / "base.json").read_text())
+    samples = [json.loads(line) for line in (tmp_path / "base.samples.jsonl").read_text().splitlines()]
+    assert base["problems"] == 5 and len(samples) == 5
+    assert [s["id"] for s in samples] == [f"test-{i}" for i in range(5)]
+    assert base["answer_accuracy"] == sum(s["correct"] for s in samples) / 5
+    assert base["format_rate"] == 0.0 and base["mean_completion_tokens"] == 1.0
+    # greedy: every sample is the model's single most likely digit, and the score says whether it is the answer
+    assert all(s["completion"].isdigit() and s["correct"] == (s["completion"] == s["answer"]) for s in samples)
+
+    model = add_lora(load_model(ModelConfig(name_or_path=str(digit_model_dir))), LoraConfig(r=4))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=5.0)  # big enough to change the greedy digit somewhere
+    publish(model, tmp_path / "weights", version=7, step=7)
+    run_script("evaluate.py", "--out", str(tmp_path / "v7.json"), "--weights",
+               str(version_dir(tmp_path / "weights", 7)), *common)
+    trained = json.loads((tmp_path / "v7.json").read_text())
+    assert trained["weights"].endswith("v000007") and trained["problems"] == 5
+    trained_samples = [json.loads(line) for line in (tmp_path / "v7.samples.jsonl").read_text().splitlines()]
+    assert [s["completion"] for s in trained_samples] != [s["completion"] for s in samples]
+
+
+def test_plot_metrics_overlays_runs_into_pngs(tmp_path):
+    for run, offset in (("grpo", 0.0), ("gspo", 0.1)):
+        (tmp_path / run).mkdir()
+        rows = [{"step": s, "strict/answer_accuracy": 0.1 + offset, "strict/format_rate": s / 10, "reward": -1 + s / 5,
+                 "entropy": 1.0, "kl": 0.01 * s, "completions/mean_length": 100 - s, "timing/wait_s": 1.0,
+                 "timing/train_s": 2.0} for s in range(1, 11)]
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "rew')
+    out = run_script("plot_metrics.py", str(tmp_path / "grpo"), str(tmp_path / "gspo"), "--labels", "GRPO,GSPO",
+                     "--out", str(tmp_path / "figures"), "--smooth", "3")
+    assert "wrote 8 figures" in out
+    names = sorted(p.name for p in (tmp_path / "figures").iterdir())
+    assert names == sorted(["metrics.png", "answer_accuracy.png", "format_rate.png", "reward.png", "entropy.png",
+                            "kl.png", "completion_length.png", "step_time.png"])
+    for name in names:
+        assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoothing_and_series_worked_numbers():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from plot_metrics import series, smooth
+
+    assert smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
+    rows = [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 5.0}, {"step": 3, "a": 1.5, "b": 0.5}]
+    assert series(rows, ["a", "b"]) == ([1, 3], [3.0, 2.0])  # summed keys; rows missing one are skipped

@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                                  max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
-        metrics_file = open(run_dir / "metrics.jsonl", "a")
+        metrics_file = open_metrics(run_dir / "metrics.jsonl", state.step)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -174,7 +174,8 @@ def main(argv: list[str]) -> int:
             save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
         if rank == 0:
             completion_tokens = sum(len(c) for c in batch.completion_ids)
-            row = {"step": state.step, **metrics, "learning_rate": scheduler.get_last_lr()[0], "staleness": state.step - 1 - batch.policy_version,
+            row = {"step": state.step, **metrics, "learning_rate": scheduler.get_last_lr()[0],
+                   "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
                    "timing/wait_s": wait_s, "timing/train_s": train_s, "timing/publish_s": publish_s,
                    "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(train_s, 1e-9),
                    "trainer/rejected_messages": receiver.rejected, "sampler_step": batch.step,
@@ -199,6 +200,23 @@ def main(argv: list[str]) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def open_metrics(path: Path, resumed_step: int):
+    """metrics.jsonl for appending, without the rows of steps after the checkpoint we resume
+    from: those steps are trained again and would otherwise appear twice."""
+    if path.is_file():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= resumed_step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by a crash
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return open(path, "a")
 
 
 def save_checkpoint(engine, ckpt_dir: Path, state: TrainerState, keep_last: int, rank: int, state_path: Path):

@@ -474,7 +474,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config (after defaults and overrides) as YAML."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # both workers write it, maybe at once
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     os.replace(tmp, path)
 

@@ -73,12 +73,23 @@ def _check_inputs(prompt_ids, completion_ids, group_sizes) -> list[int]:
     return sizes
 
 
-def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy):
+def _model_parts(model):
+    """(the *ForCausalLM, its decoder stack, its LM head) inside an optional PEFT wrapper."""
     causal_lm = unwrap_causal_lm(model)
-    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    return causal_lm, causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+
+
+def _store(logps: list, entropies: list, indices: list[int], lp, ent, completion_ids) -> None:
+    """Scatter one forward's flat per-token results back to their completions."""
+    lens = [len(completion_ids[j]) for j in indices]
+    for j, a, b in zip(indices, lp.split(lens), _split(ent, lens)):
+        logps[j], entropies[j] = a, b
+
+
+def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy):
+    causal_lm, decoder, head = _model_parts(model)
     device = head.weight.device
-    logps: list = [None] * len(completion_ids)
-    entropies: list = [None] * len(completion_ids)
+    logps, entropies = [None] * len(completion_ids), [None] * len(completion_ids)
     install_shared_prefix_attention(causal_lm)
     for row in pack_groups(prompt_ids, completion_ids, sizes, max_tokens):
         hidden = decoder(input_ids=row.input_ids[None].to(device), position_ids=row.position_ids[None].to(device),
@@ -86,9 +97,7 @@ def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperatur
                          shared_prefix_groups=row.groups).last_hidden_state[0]  # [L, H]
         lp, ent = head_logprobs(hidden[row.hidden_index.to(device)], row.targets.to(device), head, temperature,
                                 with_entropy=with_entropy)
-        lens = [len(completion_ids[j]) for j in row.completion_index]
-        for j, a, b in zip(row.completion_index, lp.split(lens), _split(ent, lens)):
-            logps[j], entropies[j] = a, b
+        _store(logps, entropies, row.completion_index, lp, ent, completion_ids)
     return logps, entropies
 
 
@@ -108,11 +117,9 @@ def _plain_rows(prompt_ids, completion_ids, sizes, max_tokens):
 
 def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy):
     """The baseline: each completion in its own right-padded row with its prompt repeated."""
-    causal_lm = unwrap_causal_lm(model)
-    decoder, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    _, decoder, head = _model_parts(model)
     device = head.weight.device
-    logps: list = [None] * len(completion_ids)
-    entropies: list = [None] * len(completion_ids)
+    logps, entropies = [None] * len(completion_ids), [None] * len(completion_ids)
     prompt_of, batches = _plain_rows(prompt_ids, completion_ids, sizes, max_tokens)
     for batch in batches:
         rows = [torch.cat([prompt_ids[prompt_of[j]], completion_ids[j]]) for j in batch]
@@ -133,9 +140,7 @@ def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_t
         index = (torch.cat(select_row).to(device), torch.cat(select_pos).to(device))
         lp, ent = head_logprobs(hidden[index], torch.cat(targets).long().to(device), head, temperature,
                                 with_entropy=with_entropy)
-        lens = [len(completion_ids[j]) for j in batch]
-        for j, a, b in zip(batch, lp.split(lens), _split(ent, lens)):
-            logps[j], entropies[j] = a, b
+        _store(logps, entropies, batch, lp, ent, completion_ids)
     return logps, entropies
 
 
@@ -188,7 +193,7 @@ def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temp
         shared = completion_logprobs(model, prompts, completions, sizes, temperature=temperature)
         plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=temperature)
     diff = max((a - b).abs().max().item() for a, b in zip(shared, plain))
-    dtype = unwrap_causal_lm(model).get_output_embeddings().weight.dtype
+    dtype = _model_parts(model)[2].weight.dtype
     tolerance = VERIFY_TOLERANCE.get(dtype, 1e-3)
     if not diff <= tolerance:
         raise SharedPrefixMismatch(

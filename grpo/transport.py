@@ -149,7 +149,7 @@ def _tensor(spec, frame: bytes):
     return name, tensor.reshape(dims), dims
 
 
-def _check_consistency(h: dict, t: dict, dims: dict) -> None:
+def _check_consistency(h: dict, dims: dict) -> None:
     sizes = _int_list(h["group_sizes"], "group_sizes", 1)
     n = sum(sizes)
     if len(dims["prompt_ids"]) != len(sizes):
@@ -208,7 +208,7 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
     for name, (_, _, optional) in TENSOR_FIELDS.items():
         if name not in tensors and not optional:
             raise MessageError(f"missing tensor field '{name}'")
-    _check_consistency(header, tensors, dims)
+    _check_consistency(header, dims)
     return RolloutBatch(
         step=header["step"], policy_version=header["policy_version"], prompt_ids=tensors["prompt_ids"],
         completion_ids=tensors["completion_ids"], group_sizes=header["group_sizes"],

@@ -61,11 +61,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def format_duration(seconds: float) -> str:
+    """1:02:03 for 3723 s; hours are not wrapped at a day."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
 def progress_line(row: dict, total_steps: int, step_times: deque) -> str:
     done = row["step"]
     per_step = sum(step_times) / len(step_times) if step_times else float("nan")
     eta = per_step * (total_steps - done)
-    eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+    eta_text = format_duration(eta) if eta == eta else "?"
     return (f"step {done}/{total_steps} | reward {row.get('reward', float('nan')):+.3f} | "
             f"answer {100 * row.get('strict/answer_accuracy', float('nan')):5.1f}% | "
             f"format {100 * row.get('strict/format_rate', float('nan')):5.1f}% | "

@@ -13,7 +13,7 @@ from conftest import REPO
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
-from launch import EXIT_SAMPLER_FAILED, placement  # noqa: E402
+from launch import EXIT_SAMPLER_FAILED, format_duration, placement, progress_line  # noqa: E402
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, expected_ranks, trainer_gpus, sampler_gpus", [
@@ -73,3 +73,11 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
     assert "the sampler failed (exit code -9); stopping the trainer" in out
     time.sleep(1)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in trainers)
+
+
+def test_progress_line_and_eta_past_a_day():
+    assert format_duration(3723) == "1:02:03" and format_duration(90_000) == "25:00:00"
+    row = {"step": 4, "reward": -0.4375, "strict/answer_accuracy": 0.0625, "strict/format_rate": 0.125, "kl": 0.0019}
+    line = progress_line(row, 1000, [77.7])
+    assert line == ("step 4/1000 | reward -0.438 | answer   6.2% | format  12.5% | kl 0.0019 |   77.7 s/step | "
+                    "ETA 21:29:49")

@@ -25,6 +25,9 @@ def test_default_config_yaml_loads_and_matches_documented_defaults():
     assert cfg.lora.enabled is True and cfg.training.use_gspo is False
     assert (cfg.training.clip_low, cfg.training.clip_high) == (0.2, 0.2)
     assert (cfg.training.beta, cfg.training.kl_estimator) == (0.04, "k3")
+    # shaped for the embedded model (see the comments in config.yaml)
+    assert cfg.data.prefill == "<think>\n" and cfg.training.learning_rate == 2e-4
+    assert cfg.rewards.names == ["gsm8k_answer_lenient", "think_answer_format_partial"]
     assert str(cfg.run_dir) == "runs/gsm8k-lora-grpo"
     assert str(cfg.weights_dir) == "runs/gsm8k-lora-grpo/weights"
 

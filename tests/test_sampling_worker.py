@@ -60,7 +60,9 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
                                               "completions/mean_length", "completions/clipped_ratio",
                                               "completions/eos_rate", "timing/generate_s", "timing/logprobs_s",
                                               "timing/rewards_s", "sampler/tokens_per_s", "policy_version",
-                                              "rewards/gsm8k_answer/mean", "rewards/think_answer_format/std"}
+                                              "rewards/gsm8k_answer_lenient/mean",
+                                              "rewards/think_answer_format_partial/std",
+                                              "strict/answer_accuracy", "strict/format_rate"}
         with pytest.raises(TransportTimeout):  # step 1 needs v1, which does not exist yet
             receiver.receive(timeout_s=3)
 

@@ -20,7 +20,7 @@ def run_script(name, *args):
 
 
 def test_evaluate_writes_a_summary_for_the_base_model_and_a_published_adapter(tmp_path, digit_model_dir, tiny_gsm8k):
-    common = [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "sampling.max_new_tokens=1",
+    common = [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "data.prefill=", "sampling.max_new_tokens=1",
               "lora.r=4", "--limit", "5", "--batch-size", "2"]
     run_script("evaluate.py", "--out", str(tmp_path / "base.json"), *common)
     base = json.loads((tmp_path / "base.json").read_text())

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import parse_cli, save_config
+from grpo.files import write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
 from grpo.training import (GradNormClipper, TrainerState, clips_itself, deepspeed_config, train_step,
@@ -213,9 +214,7 @@ def open_metrics(path: Path, resumed_step: int):
                     kept.append(line)
             except json.JSONDecodeError:
                 pass  # a line cut short by a crash
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomically(path, "".join(line + "\n" for line in kept))
     return open(path, "a")
 
 

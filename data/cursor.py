@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from grpo.files import write_atomically
+
 
 @dataclass
 class CursorState:
@@ -64,13 +66,7 @@ class PromptCursor:
         self._order = self._permutation(restored.epoch)
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w") as f:
-            json.dump(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(self.state_dict()))
 
     def restore(self, path: str | os.PathLike) -> bool:
         """Load a saved state if the file exists; True when restored."""

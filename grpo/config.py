@@ -472,11 +472,11 @@ def to_dict(cfg: Config) -> dict:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config (after defaults and overrides) as YAML."""
+    from grpo.files import write_atomically
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # both workers write it, maybe at once
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
+    write_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))  # both workers write it
 
 
 def reference_markdown() -> str:

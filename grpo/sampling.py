@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from grpo.batch import RolloutBatch
+from grpo.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,4 @@ class SamplerState:
         return json.loads(self.path.read_text())
 
     def save(self, next_step: int, cursor: dict) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"next_step": next_step, "cursor": cursor}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps({"next_step": next_step, "cursor": cursor}))

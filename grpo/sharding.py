@@ -12,10 +12,13 @@ import torch
 from grpo.batch import RolloutBatch
 
 
-def group_costs(batch: RolloutBatch) -> list[int]:
+def group_token_cost(prompt: torch.Tensor, completions) -> int:
     """Tokens one group puts through the shared-prefix forward: its prompt plus its completions."""
-    return [len(p) + sum(len(c) for c in batch.completion_ids[s])
-            for p, s in zip(batch.prompt_ids, batch.group_slices())]
+    return len(prompt) + sum(len(c) for c in completions)
+
+
+def group_costs(batch: RolloutBatch) -> list[int]:
+    return [group_token_cost(p, batch.completion_ids[s]) for p, s in zip(batch.prompt_ids, batch.group_slices())]
 
 
 def shard_groups(costs: list[int], world_size: int) -> list[list[int]]:

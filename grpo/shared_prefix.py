@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo import prefix_attention
+from grpo.sharding import group_token_cost, pack_micro_batches
 
 ATTENTION_NAME = "grpo_shared_prefix"
 
@@ -78,10 +79,6 @@ def group_bounds(group_sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def group_token_cost(prompt: torch.Tensor, completions: Sequence[torch.Tensor]) -> int:
-    return len(prompt) + sum(len(c) for c in completions)
-
-
 def pack_groups(prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
                 group_sizes: Sequence[int], max_tokens: int) -> list[PackedRow]:
     """Pack whole groups, in order, into rows of at most `max_tokens` tokens.
@@ -89,16 +86,9 @@ def pack_groups(prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[tor
     A group larger than the budget gets a row of its own (a group is never split: its
     completions must see the same prompt computation).
     """
-    rows: list[list[int]] = []
-    cost = 0
     bounds = group_bounds(group_sizes)
-    for i, (a, b) in enumerate(bounds):
-        c = group_token_cost(prompt_ids[i], completion_ids[a:b])
-        if not rows or cost + c > max_tokens:
-            rows.append([])
-            cost = 0
-        rows[-1].append(i)
-        cost += c
+    costs = [group_token_cost(prompt_ids[i], completion_ids[a:b]) for i, (a, b) in enumerate(bounds)]
+    rows = pack_micro_batches(list(range(len(bounds))), costs, max_tokens)
     return [_build_row(groups, prompt_ids, completion_ids, bounds) for groups in rows]
 
 

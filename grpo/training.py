@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from grpo.batch import RolloutBatch
 from grpo.completions import loss_mask
+from grpo.files import write_atomically
 from grpo.logprobs import completion_logprobs, pad_right
 from grpo.losses import policy_loss
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
@@ -182,12 +182,7 @@ class TrainerState:
     next_sampler_step: int = 0  # the sampler step the next batch must carry
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, path: Path) -> "TrainerState | None":

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from grpo.files import fsync_path, write_atomically
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -48,24 +50,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
 def save_weights(model, folder: Path) -> str:
     """Write the adapter (PEFT model) or the full model into `folder`; returns the kind."""
     if hasattr(model, "peft_config"):
@@ -88,15 +72,15 @@ def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: 
         manifest = {"version": version, "step": step, "kind": kind, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+            fsync_path(p)
+        fsync_path(tmp)
         if target.exists():  # a re-publish after a restart: replace the old copy whole
             shutil.rmtree(target)
         os.rename(tmp, target)
-        _fsync(root)
+        fsync_path(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _write_atomically(root / LATEST, str(version))
+    write_atomically(root / LATEST, str(version))
     prune(root, keep_last)
     return target
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +14,6 @@ class Rollouts:
     completion_ids: list[torch.Tensor]  # N x int64 [C_j]
     truncated: list[bool]  # [N]: hit max_new_tokens without EOS
     engine_logps: list[torch.Tensor] | None = None  # the engine's own sampled log-probs (vLLM), if any
-    stats: dict = field(default_factory=dict)
 
 
 def make_engine(cfg, model, tokenizer):

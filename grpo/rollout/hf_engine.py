@@ -90,5 +90,4 @@ class HFEngine:
                 produced.append(tokens)
                 truncated.append(cut)
         return Rollouts(chunk_major_to_prompt_major(produced, len(prompts), plan),
-                        chunk_major_to_prompt_major(truncated, len(prompts), plan),
-                        stats={"chunks": len(plan)})
+                        chunk_major_to_prompt_major(truncated, len(prompts), plan))

@@ -34,8 +34,8 @@ from grpo.config import parse_cli, save_config
 from grpo.files import write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
-from grpo.training import (GradNormClipper, TrainerState, clips_itself, deepspeed_config, train_step,
-                           warmup_lambda)
+from grpo.training import (GradNormClipper, PolicyObjective, TrainerState, clips_itself, deepspeed_config,
+                           train_step, warmup_lambda)
 from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
 from grpo.weights import publish, published_versions, version_dir
 
@@ -109,8 +109,8 @@ def main(argv: list[str]) -> int:
     optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.training.warmup_steps))
     clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                           config=deepspeed_config(cfg, world))
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
+                                                           lr_scheduler=scheduler, config=deepspeed_config(cfg, world))
     log.info("%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, backend,
              sum(p.numel() for p in params), cfg.deepspeed.zero_stage)
 
@@ -129,8 +129,8 @@ def main(argv: list[str]) -> int:
             if v > state.step:
                 shutil.rmtree(version_dir(cfg.weights_dir, v), ignore_errors=True)
         state.save(state_path)  # the sampler restarts from here
-        if state.step > 0:  # the checkpoint's weights become the served version again
-            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
+    if state.step > 0:  # the checkpoint's weights become the served version again
+        publish_weights(model, cfg, state.step, rank)
 
     receiver = metrics_file = writer = None
     if rank == 0:
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
         batch = decode_batch(frames)
         wait_s = time.perf_counter() - t0
         if not verified:
-            verify_shared_prefix(engine.module, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
+            verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
                                  temperature=cfg.sampling.temperature)
             verified = True
 
@@ -168,8 +168,8 @@ def main(argv: list[str]) -> int:
 
         # -------------------------------------------------------------- publish, log, checkpoint
         t2 = time.perf_counter()
-        if rank == 0 and state.step % cfg.weights.publish_every == 0:
-            publish(engine.module, cfg.weights_dir, state.step, state.step, cfg.weights.keep_last)
+        if state.step % cfg.weights.publish_every == 0:
+            publish_weights(model, cfg, state.step, rank)
         publish_s = time.perf_counter() - t2
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps:
             save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
@@ -216,6 +216,17 @@ def open_metrics(path: Path, resumed_step: int):
                 pass  # a line cut short by a crash
         write_atomically(path, "".join(line + "\n" for line in kept))
     return open(path, "a")
+
+
+def publish_weights(model, cfg, version: int, rank: int) -> None:
+    """Rank 0 writes the adapter (or the full model); under ZeRO-3 every rank first takes part
+    in gathering the partitioned parameters, so all ranks call this."""
+    import deepspeed  # imported late, as in main()
+
+    params = [p for p in model.parameters() if p.requires_grad] if cfg.lora.enabled else list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=cfg.deepspeed.zero_stage == 3):
+        if rank == 0:
+            publish(model, cfg.weights_dir, version, version, cfg.weights.keep_last)
 
 
 def save_checkpoint(engine, ckpt_dir: Path, state: TrainerState, keep_last: int, rank: int, state_path: Path):

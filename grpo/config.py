@@ -123,7 +123,7 @@ class TrainingConfig:
 @dataclass
 class DeepSpeedConfig:
     backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
-    zero_stage: int = _f(0, "ZeRO stage 0-2 (3 is refused until its accumulated update is exact).")
+    zero_stage: int = _f(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered first).")
     config: dict = _f({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
 
 
@@ -163,6 +163,8 @@ class LaunchConfig:
     trainer_ranks: int = _f(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
                                "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.")
     cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = the cores split between sampler and trainer.")
+    max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both processes "
+                                 "cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.")
 
 
 @dataclass
@@ -379,15 +381,12 @@ def validate(cfg: Config) -> Config:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
         errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
+    if cfg.launch.max_minutes < 0:
+        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
     if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
         errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
     if not 0 <= cfg.deepspeed.zero_stage <= 3:
         errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
-    elif cfg.deepspeed.zero_stage == 3:
-        # measured: with several micro-batches per rank, ZeRO-3's update differs from the exact
-        # whole-batch update (its hooks expect every forward to go through the root module)
-        errors.append("deepspeed.zero_stage=3 is not supported yet (its gradient over several micro-batches is not "
-                      "the exact update); use stage 2, which partitions gradients and optimizer state")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:

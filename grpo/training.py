@@ -44,6 +44,25 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[s
     return loss, metrics, tokens
 
 
+class PolicyObjective(torch.nn.Module):
+    """The policy with the GRPO/GSPO loss as its forward: what `deepspeed.initialize` wraps.
+
+    Every micro-batch then runs through `engine(...)`, where DeepSpeed does per-forward
+    bookkeeping; ZeRO-3 counts accumulation micro-steps there, and a forward that bypassed
+    the engine made it overwrite the earlier micro-batches' gradients instead of adding them.
+    `mb=None` is the zero-loss forward of a rank with fewer micro-batches than the others.
+    """
+
+    def __init__(self, policy: torch.nn.Module, cfg):
+        super().__init__()
+        self.policy, self.cfg = policy, cfg
+
+    def forward(self, mb: RolloutBatch | None, batch: RolloutBatch):
+        if mb is None:
+            return dummy_loss(self.policy, batch, self.cfg), {}, 0
+        return micro_batch_loss(self.policy, mb, self.cfg)
+
+
 def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
     """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
     every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require."""
@@ -77,10 +96,11 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
                clipper: GradNormClipper | None = None) -> dict[str, float]:
     """One optimizer step per pass over `batch` on this rank's share of it; the reduced metrics.
 
-    Every rank runs the same number of micro-batches (a short rank pads with zero-loss ones),
-    and the accumulation boundary is set by hand: only the last backward of a pass reduces
-    (ZeRO-2/3 reduce-scatter along the way, as in plain accumulation). Each loss already carries the whole batch's denominators and is multiplied by the
-    world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
+    `engine` wraps a `PolicyObjective`. Every rank runs the same number of micro-batches (a
+    short rank pads with zero-loss ones), and the accumulation boundary is set by hand: only
+    the last backward of a pass reduces (ZeRO-2/3 reduce-scatter along the way, as in plain
+    accumulation). Each loss already carries the whole batch's denominators and is multiplied
+    by the world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
     """
     costs = group_costs(batch)
     micro = pack_micro_batches(shard_groups(costs, world)[rank], costs, cfg.training.max_tokens_per_micro_batch)
@@ -91,11 +111,9 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
     for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
         for i in range(int(count)):
             engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
-            if i < len(micro):
-                loss, metrics, tokens = micro_batch_loss(engine.module, select_groups(batch, micro[i]), cfg)
+            loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch)
+            if metrics:  # not a padding forward
                 sums.add(metrics, tokens)
-            else:
-                loss = dummy_loss(engine.module, batch, cfg)
             engine.backward(loss * world)
         engine.step()
     metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)

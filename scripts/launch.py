@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
     metrics_path, step_times, last = run_dir / "metrics.jsonl", deque(maxlen=10), time.monotonic()
+    deadline = last + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
     seen = len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0  # resumed run
     while True:
         if metrics_path.is_file():
@@ -155,6 +156,12 @@ def main(argv: list[str]) -> int:
             stop(procs["sampler"])
             stop(procs["trainer"])
             return EXIT_INTERRUPTED
+        if time.monotonic() >= deadline:
+            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {seen} steps; stopping both "
+                  f"(the trainer saves a checkpoint); weights in {cfg.weights_dir}", flush=True)
+            stop(procs["sampler"])
+            stop(procs["trainer"])
+            return 0
         for name, code, exit_code in (("sampler", sampler_code, EXIT_SAMPLER_FAILED),
                                       ("trainer", trainer_code, EXIT_TRAINER_FAILED)):
             if code not in (None, 0):

@@ -21,11 +21,12 @@ from grpo.batch import RolloutBatch  # noqa: E402
 from grpo.config import LoraConfig, load_config  # noqa: E402
 from grpo.logprobs import completion_logprobs  # noqa: E402
 from grpo.models import add_lora  # noqa: E402
-from grpo.training import (GradNormClipper, clips_itself, deepspeed_config, micro_batch_loss,  # noqa: E402
-                           train_step)
+from grpo.training import (GradNormClipper, PolicyObjective, clips_itself, deepspeed_config,  # noqa: E402
+                           micro_batch_loss, train_step)
 
 CASES = [(level, agg, 0) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
-        [("token", "grpo", 2)]  # ZeRO-2 partitions gradients: the same update
+        [("token", "grpo", 2),  # ZeRO-2 partitions gradients: the same update
+         ("token", "dapo", 3), ("sequence", "grpo", 3)]  # ZeRO-3 partitions the parameters too
 
 
 def start_model():
@@ -54,7 +55,10 @@ def make_batch(model, sizes=(3, 1, 4, 2, 3)) -> RolloutBatch:
 
 
 def lora_params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # under ZeRO-3 each rank holds a slice: gather the whole tensors (a collective; no-op otherwise)
+    with deepspeed.zero.GatheredParameters([p for _, p in trainable]):
+        return {n: p.detach().clone() for n, p in trainable}
 
 
 def reference_update(cfg, batch):
@@ -87,9 +91,10 @@ def main(out_path: str) -> None:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                       lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
         clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
+        engine, *_ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
+                                          config=deepspeed_config(cfg, world))
         metrics = train_step(engine, batch, cfg, rank, world, torch.device("cpu"), clipper)
-        after = lora_params(engine.module)
+        after = lora_params(model)
         if rank == 0:
             ref_loss, ref_norm, ref_delta = reference_update(cfg, batch)
             results.append({"case": [level, aggregation, stage], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],

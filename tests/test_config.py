@@ -99,7 +99,6 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3; got 4"),
-    (["deepspeed.zero_stage=3"], "deepspeed.zero_stage=3 is not supported yet"),
     (["rewards.weights=[1.0]"], "rewards.weights has 1 entries but rewards.names has 2; give one weight per"),
     (["rewards.names=[gsm8k_answer,nope]"], "unknown reward 'nope'; valid names: gsm8k_answer, gsm8k_answer_lenient"),
     (["lora.target_modules=[]"], "lora.target_modules is empty"),

@@ -1,6 +1,8 @@
-"""scripts/launch.py: placement, a real two-step run, and a killed sampler stopping everything."""
+"""scripts/launch.py: placement, a real two-step run, the time limit, and a killed sampler stopping everything."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import psutil
 import pytest
 
 from conftest import REPO
+from grpo.weights import read_latest
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -73,6 +76,18 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
     assert "the sampler failed (exit code -9); stopping the trainer" in out
     time.sleep(1)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in trainers)
+
+
+def test_time_limit_stops_both_cleanly_with_a_checkpoint(tmp_path, digit_model_dir, tiny_gsm8k):
+    proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=500", "launch.max_minutes=0.75")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    steps = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    reported = re.search(r"time limit: 0.75 min reached after (\d+) steps", out)
+    assert reported and 0 < int(reported[1]) <= steps < 500, out  # a step may finish while it stops
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert state["step"] == steps and (tmp_path / "checkpoints" / f"step{state['step']:06d}").is_dir()
+    assert read_latest(tmp_path / "weights") == state["step"]  # the result is the last trained version
 
 
 def test_progress_line_and_eta_past_a_day():

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from grpo.config import LoraConfig
+from grpo.models import add_lora
 from grpo.weights import read_latest, version_dir
 from conftest import REPO
 from helpers import free_tcp_address
@@ -31,14 +35,14 @@ def relative(a: float, b: float) -> float:
 
 
 def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
-    """GRPO and GSPO, each aggregation, ZeRO-0 and ZeRO-2: W=2 ranks with several micro-batches each."""
+    """GRPO and GSPO, each aggregation, ZeRO-0, 2 and 3: W=2 ranks with several micro-batches each."""
     out = tmp_path / "result.json"
     proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
                            str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 7
+    assert len(cases) == 9
     for case in cases:
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
@@ -95,11 +99,18 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
     assert (tmp_path / "tb").is_dir() and (tmp_path / "checkpoints" / "latest").is_file()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
 def test_stopped_run_resumes_without_training_a_sampler_step_twice_or_skipping_one(tmp_path, digit_model_dir,
-                                                                                    tiny_gsm8k):
-    first = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2", "checkpoint.every=1", *LEARNING)
-    v2 = load_file(version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors")
-    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=4", "checkpoint.every=1", *LEARNING)
+                                                                                    tiny_gsm8k, stage):
+    """ZeRO-3 too: its checkpoints hold parameter slices, and publishing gathers them on every rank."""
+    zero = f"deepspeed.zero_stage={stage}"
+    first = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2", "checkpoint.every=1", zero, *LEARNING)
+    v1, v2 = (load_file(version_dir(tmp_path / "weights", v) / "adapter_model.safetensors") for v in (1, 2))
+    fresh = get_peft_model_state_dict(add_lora(AutoModelForCausalLM.from_pretrained(digit_model_dir),
+                                               LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
+    assert {k: v.shape for k, v in v2.items()} == {k.replace(".default", ""): v.shape for k, v in fresh.items()}
+    assert any(not torch.equal(v1[k], v2[k]) for k in v1)  # whole tensors, and step 2 changed them
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=4", "checkpoint.every=1", zero, *LEARNING)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # metrics.jsonl is appended
     assert [r["sampler_step"] for r in rows] == [0, 1, 2, 3]
     assert "resumed from" in (tmp_path / "trainer.log").read_text()

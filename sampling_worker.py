@@ -35,6 +35,7 @@ from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
 from grpo.rollout import make_engine
 from grpo.sampling import (SamplerState, loss_counts, required_version, sampler_metrics, strict_rates,
                            wait_for_version)
+from grpo.spool import Redelivery, Spool
 from grpo.training import TrainerState
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher
@@ -73,13 +74,16 @@ def main(argv: list[str]) -> int:
     if saved is not None:
         cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
         start_step = saved["next_step"]
+    spool = Spool(run_dir / "spool")
     trainer = TrainerState.load(run_dir / "trainer_state.json")
     if trainer is not None and trainer.next_sampler_step < start_step:
-        # the trainer restarts from a checkpoint older than our position: redo the steps after it
-        log.warning("trainer resumes at sampler step %d; rewinding from step %d", trainer.next_sampler_step,
-                    start_step)
-        start_step = trainer.next_sampler_step
-        cursor.seek(start_step * s.prompts_per_step)
+        # steps after the trainer's checkpoint are re-sent from the spool; any it lacks are generated again
+        missing = sorted(set(range(trainer.next_sampler_step, start_step)) - set(spool.steps()))
+        if missing:
+            log.warning("trainer resumes at sampler step %d and the spool lacks step %d: rewinding from step %d",
+                        trainer.next_sampler_step, missing[0], start_step)
+            start_step = missing[0]
+            cursor.seek(start_step * s.prompts_per_step)
     if start_step:
         log.info("resuming at step %d (cursor epoch %d, index %d)", start_step, cursor.state.epoch,
                  cursor.state.index)
@@ -90,11 +94,13 @@ def main(argv: list[str]) -> int:
     watcher = WeightWatcher(cfg.weights_dir, model, on_loaded=getattr(engine, "load_adapter", None))
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
+    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json")
 
     # ------------------------------------------------------------------ the loop
     for step in range(start_step, cfg.training.steps):
+        redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
         wait_for_version(watcher, required_version(step, s.max_staleness, cfg.weights.publish_every),
-                         s.wait_timeout_s)
+                         s.wait_timeout_s, on_poll=lambda: redelivery.check(step))
         timings = {}
         chosen = [prompts[i] for i in cursor.take(s.prompts_per_step)]
         prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in chosen]
@@ -143,7 +149,9 @@ def main(argv: list[str]) -> int:
             metrics["sampler/engine_logp_gap_max"] = max(gaps)
         batch.meta["metrics"] = metrics
 
-        sender.send(batch)  # blocks at the high-water mark: a slow trainer applies back-pressure
+        frames = sender.encode(batch)
+        spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
+        sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
         state.save(step + 1, cursor.state_dict())
         log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", step, watcher.version,
                  metrics["reward"], timings["timing/generate_s"], timings["timing/logprobs_s"],

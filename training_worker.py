@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from grpo.weights import publish, published_versions, version_dir
 
 log = logging.getLogger("trainer")
 STOP = {"requested": False}
+WAIT_NOTE_S = 30.0  # how often a trainer waiting for the sampler says so
 
 
 def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
@@ -65,23 +67,40 @@ def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
     return out
 
 
-def receive_next(receiver, state: TrainerState, timeout_s: float) -> list[bytes] | None:
-    """Rank 0: the next batch's frames, dropping re-sent steps already trained; None on SIGTERM."""
-    deadline = time.monotonic() + timeout_s
+def receive_next(receiver, state: TrainerState, pending: dict[int, list[bytes]],
+                 timeout_s: float) -> list[bytes] | None:
+    """Rank 0: the frames of sampler step `state.next_sampler_step`; None on SIGTERM.
+
+    Steps are trained strictly in order (grpo/spool.py): one already trained is dropped, one
+    that arrives early waits in `pending` until the steps before it are re-sent.
+    """
+    wanted = state.next_sampler_step
+    for step in [s for s in pending if s < wanted]:
+        del pending[step]
+    start = time.monotonic()
+    note_every = min(WAIT_NOTE_S, timeout_s / 4)
+    next_note = start + note_every
     while not STOP["requested"]:
+        if wanted in pending:
+            return pending.pop(wanted)
+        now = time.monotonic()
+        if now >= next_note:
+            log.warning("waiting for sampler step %d on %s for %.0f s (gives up after %g s; is sampling_worker.py "
+                        "running?)", wanted, receiver.address, now - start, timeout_s)
+            next_note += note_every
         try:  # short polls, so that SIGTERM is noticed while waiting
-            frames, batch = receiver.receive_frames(min(1.0, max(deadline - time.monotonic(), 0.01)))
+            frames, batch = receiver.receive_frames(min(1.0, max(start + timeout_s - now, 0.01)))
         except TransportTimeout:
-            if time.monotonic() >= deadline:
-                raise TransportTimeout(f"no batch from the sampler on {receiver.address} for {timeout_s:g} s "
+            if time.monotonic() >= start + timeout_s:
+                raise TransportTimeout(f"sampler step {wanted} did not arrive on {receiver.address} in {timeout_s:g} s "
                                        "(is sampling_worker.py running? transport.recv_timeout_s)") from None
             continue
-        if batch.step >= state.next_sampler_step:
-            if batch.step > state.next_sampler_step:
-                log.warning("sampler steps %d..%d never arrived; training step %d", state.next_sampler_step,
-                            batch.step - 1, batch.step)
-            return frames
-        log.info("dropping batch of sampler step %d: already trained", batch.step)
+        if batch.step < wanted or batch.step in pending:
+            log.info("dropping sampler step %d: already %s", batch.step, "trained" if batch.step < wanted else "held")
+        else:
+            pending[batch.step] = frames
+            if batch.step > wanted:
+                log.info("holding sampler step %d until step %d arrives", batch.step, wanted)
     return None
 
 
@@ -128,7 +147,6 @@ def main(argv: list[str]) -> int:
         for v in published_versions(cfg.weights_dir):
             if v > state.step:
                 shutil.rmtree(version_dir(cfg.weights_dir, v), ignore_errors=True)
-        state.save(state_path)  # the sampler restarts from here
     if state.step > 0:  # the checkpoint's weights become the served version again
         publish_weights(model, cfg, state.step, rank)
 
@@ -141,14 +159,17 @@ def main(argv: list[str]) -> int:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(run_dir / "tb"))
+        state.incarnation = uuid.uuid4().hex[:12]
+        state.save(state_path)  # bound and ready: the sampler re-sends from next_sampler_step (grpo/spool.py)
 
     # ------------------------------------------------------------------ the loop
     verified = not cfg.training.verify_shared_prefix
+    pending: dict[int, list[bytes]] = {}  # sampler steps that arrived early (rank 0)
     stopped = False
     while state.step < cfg.training.steps:
         t0 = time.perf_counter()
-        frames = broadcast_frames(receive_next(receiver, state, cfg.transport.recv_timeout_s) if rank == 0
-                                  else None, device)
+        frames = broadcast_frames(receive_next(receiver, state, pending, cfg.transport.recv_timeout_s)
+                                  if rank == 0 else None, device)
         if frames is None:  # rank 0 got SIGTERM: all ranks checkpoint and leave together
             stopped = True
             save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)

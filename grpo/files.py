@@ -15,16 +15,21 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: str | os.PathLike, text: str) -> None:
+def write_atomically(path: str | os.PathLike, content: str | bytes) -> None:
     """Write to a unique temporary file beside `path`, fsync, rename over it, fsync the folder.
 
-    The temporary name is unique, so two processes writing the same file cannot collide.
+    The temporary name is unique, so two processes writing the same file cannot collide; a
+    failed write (a full disk) removes it and raises, leaving the old content in place.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)

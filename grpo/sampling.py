@@ -29,11 +29,14 @@ def required_version(step: int, max_staleness: int, publish_every: int) -> int:
     return needed - needed % publish_every
 
 
-def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2) -> None:
-    """Poll the weights folder, loading new versions, until `watcher.version >= needed`."""
+def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None) -> None:
+    """Poll the weights folder, loading new versions, until `watcher.version >= needed`;
+    `on_poll()` runs at each poll (the sampler re-sends spooled batches to a restarted trainer)."""
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:
+        if on_poll is not None:
+            on_poll()
         watcher.poll()
         if watcher.version >= needed:
             return

@@ -198,6 +198,7 @@ def warmup_lambda(warmup_steps: int):
 class TrainerState:
     step: int = 0  # optimizer steps done == the weights version they produce
     next_sampler_step: int = 0  # the sampler step the next batch must carry
+    incarnation: str = ""  # new at each trainer start: tells the sampler to re-send its spool
 
     def save(self, path: Path) -> None:
         write_atomically(path, json.dumps(asdict(self)))

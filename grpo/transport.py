@@ -240,11 +240,18 @@ class BatchSender:
         self._socket.setsockopt(zmq.LINGER, int(send_timeout_s * 1000))  # flush queued batches at close
         self._socket.connect(address)
 
+    def encode(self, batch: RolloutBatch) -> list[bytes]:
+        """The frames `send_frames` sends: signed when a secret is set."""
+        return encode_batch(batch, self._secret)
+
     def send(self, batch: RolloutBatch) -> None:
+        self.send_frames(self.encode(batch))
+
+    def send_frames(self, frames: list[bytes]) -> None:
         import zmq
 
         try:
-            self._socket.send_multipart(encode_batch(batch, self._secret), copy=False)
+            self._socket.send_multipart(frames, copy=False)
         except zmq.Again:
             raise TransportTimeout(f"no trainer is receiving on {self.address} after {self.send_timeout_s:g} s "
                                    "(is training_worker.py running with the same transport.address?)") from None

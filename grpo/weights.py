@@ -205,9 +205,12 @@ class WeightWatcher:
             return None
 
     def poll(self) -> LoadResult | None:
-        """Load the newest published version if it is newer than ours; None when nothing new."""
+        """Load the version LATEST names when it is not ours; None when nothing changed.
+
+        LATEST moves back only when a trainer restarts from an older checkpoint: the versions
+        after it belong to a trajectory being redone, so the sampler follows it back."""
         latest = self.latest()
-        if latest is None or latest <= self.version:
+        if latest is None or latest == self.version:
             return None
         folder = version_dir(self.root, latest)
         identity = _identity(folder)

@@ -35,14 +35,15 @@ from grpo.config import parse_cli, save_config
 from grpo.files import write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
-from grpo.training import (GradNormClipper, PolicyObjective, TrainerState, clips_itself, deepspeed_config,
-                           train_step, warmup_lambda)
+from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer, train_step,
+                           warmup_lambda)
 from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
 from grpo.weights import publish, published_versions, version_dir
 
 log = logging.getLogger("trainer")
 STOP = {"requested": False}
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for the sampler says so
+EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 
 
 def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
@@ -125,9 +126,8 @@ def main(argv: list[str]) -> int:
     # ------------------------------------------------------------------ model, optimizer, engine
     model = load_policy(cfg, device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+    optimizer = make_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.training.warmup_steps))
-    clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
     engine, optimizer, _, scheduler = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=deepspeed_config(cfg, world))
     log.info("%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, backend,
@@ -165,6 +165,8 @@ def main(argv: list[str]) -> int:
     # ------------------------------------------------------------------ the loop
     verified = not cfg.training.verify_shared_prefix
     pending: dict[int, list[bytes]] = {}  # sampler steps that arrived early (rank 0)
+    bad_in_row = skipped_total = 0
+    failed = ""
     stopped = False
     while state.step < cfg.training.steps:
         t0 = time.perf_counter()
@@ -182,10 +184,15 @@ def main(argv: list[str]) -> int:
             verified = True
 
         t1 = time.perf_counter()
-        metrics = train_step(engine, batch, cfg, rank, world, device, clipper)
+        metrics = train_step(engine, batch, cfg, rank, world, device)
         train_s = time.perf_counter() - t1
         state.step += 1
         state.next_sampler_step = batch.step + 1
+        bad_in_row = bad_in_row + 1 if metrics["skipped"] else 0  # the ranks agree: decided by an all-reduce
+        skipped_total += int(metrics["skipped"])
+        if metrics["skipped"]:
+            log.warning("step %d skipped: a non-finite loss or gradient (%d in a row; training.max_bad_steps=%d)",
+                        state.step, bad_in_row, cfg.training.max_bad_steps)
 
         # -------------------------------------------------------------- publish, log, checkpoint
         t2 = time.perf_counter()
@@ -200,7 +207,8 @@ def main(argv: list[str]) -> int:
                    "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
                    "timing/wait_s": wait_s, "timing/train_s": train_s, "timing/publish_s": publish_s,
                    "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(train_s, 1e-9),
-                   "trainer/rejected_messages": receiver.rejected, "sampler_step": batch.step,
+                   "trainer/rejected_messages": receiver.rejected, "trainer/skipped_steps": skipped_total,
+                   "sampler_step": batch.step,
                    **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
@@ -211,7 +219,16 @@ def main(argv: list[str]) -> int:
             log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs",
                      state.step, metrics["loss"], row.get("reward", float("nan")), metrics.get("kl", 0.0),
                      row["grad_norm"], row["staleness"], wait_s, train_s)
+        if bad_in_row >= cfg.training.max_bad_steps:
+            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
+            failed = (f"{bad_in_row} steps in a row (up to step {state.step}) had a non-finite loss or gradient and "
+                      f"were skipped (training.max_bad_steps={cfg.training.max_bad_steps}); stopped with a "
+                      f"checkpoint at step {state.step}. Lower training.learning_rate or look at those batches' "
+                      "rewards and advantages in metrics.jsonl")
+            break
 
+    if failed:
+        log.error(failed)
     if stopped:
         log.info("stopped by SIGTERM at step %d (checkpoint saved)", state.step)
     if rank == 0:
@@ -221,7 +238,7 @@ def main(argv: list[str]) -> int:
             writer.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return EXIT_BAD_STEPS if failed else 0
 
 
 def open_metrics(path: Path, resumed_step: int):

@@ -106,6 +106,8 @@ class TrainingConfig:
     warmup_steps: int = _f(0, "Linear learning-rate warmup steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
+    max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
+                               "row stop the run with a checkpoint and an error.")
     beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
     kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
     clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
@@ -381,6 +383,8 @@ def validate(cfg: Config) -> Config:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
         errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
+    if t.max_bad_steps < 1:
+        errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
     if cfg.launch.max_minutes < 0:
         errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
     if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,28 +73,53 @@ def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
 
 
 def clips_itself(cfg) -> bool:
-    """Plain float32 ZeRO-0: DeepSpeed would clip without reporting the norm, so we clip instead."""
+    """Plain float32 ZeRO-0: DeepSpeed would clip without reporting the norm, so SkippingAdamW clips."""
     return cfg.deepspeed.zero_stage == 0 and cfg.model.dtype == "float32"
 
 
-class GradNormClipper:
-    """Clip the reduced gradients right before the optimizer steps, and keep their total norm.
+def make_optimizer(params, cfg) -> "SkippingAdamW":
+    return SkippingAdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay,
+                         clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
 
-    An optimizer step pre-hook: by then DeepSpeed has reduced the gradients over ranks.
+
+class SkippingAdamW(torch.optim.AdamW):
+    """AdamW that skips a step (no update, moments untouched) when any rank saw a non-finite
+    loss (`skip_next`, set by train_step) or holds a non-finite gradient.
+
+    With `clip_norm` it also clips the gradients (what DeepSpeed's plain float32 ZeRO-0 would
+    do without reporting the norm) and keeps their total norm in `grad_norm`; the norm is
+    checked before clipping, which would otherwise turn an inf norm into zero gradients. It
+    clips inside `step`, not in a step hook: torch runs an instance's hooks again when a
+    subclass's step calls AdamW.step, once any plain AdamW exists in the process.
+    DeepSpeed calls this step on every rank at once (each on its partition under ZeRO), so
+    the ranks agree by an all-reduce and skip together. ZeRO-1/2/3 skip an overflowing step
+    themselves and then never call it: `skipped` stays None, which train_step reads as skipped.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, max_norm: float):
-        self.max_norm, self.value = max_norm, float("nan")
-        optimizer.register_step_pre_hook(self._clip)
+    def __init__(self, params, *, clip_norm: float | None = None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.clip_norm, self.grad_norm = clip_norm, float("nan")
+        self.skip_next = False
+        self.skipped: bool | None = None
 
-    def _clip(self, optimizer, args, kwargs) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        limit = self.max_norm if self.max_norm > 0 else float("inf")
-        self.value = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        with_grad = [p for p in params if p.grad is not None]
+        if self.clip_norm is not None:
+            limit = self.clip_norm if self.clip_norm > 0 else float("inf")
+            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, limit))  # the norm before clipping
+            finite = math.isfinite(self.grad_norm)
+        else:
+            finite = all(bool(torch.isfinite(n)) for n in torch._foreach_norm([p.grad for p in with_grad]))
+        bad = torch.tensor([float(self.skip_next or not finite)], device=params[0].device)
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.skipped = bool(bad.item())
+        return None if self.skipped else super().step(closure)
 
 
-def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
-               clipper: GradNormClipper | None = None) -> dict[str, float]:
+def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) -> dict[str, float]:
     """One optimizer step per pass over `batch` on this rank's share of it; the reduced metrics.
 
     `engine` wraps a `PolicyObjective`. Every rank runs the same number of micro-batches (a
@@ -108,18 +134,35 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device,
     if dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     sums = MetricSums()
+    optimizer, skipped = base_optimizer(engine), False
     for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
         for i in range(int(count)):
             engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
             loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch)
             if metrics:  # not a padding forward
                 sums.add(metrics, tokens)
+            if not torch.isfinite(loss):
+                optimizer.skip_next = True
             engine.backward(loss * world)
+        optimizer.skipped = None
         engine.step()
+        skipped = skipped or optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
+        optimizer.skip_next = False
     metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)
-    grad_norm = clipper.value if clipper is not None else engine.get_global_grad_norm()
+    grad_norm = optimizer.grad_norm if optimizer.clip_norm is not None else engine.get_global_grad_norm()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["skipped"] = float(skipped)
     return metrics
+
+
+def base_optimizer(engine) -> SkippingAdamW:
+    """The SkippingAdamW under DeepSpeed's wrappers (ZeRO and bf16 keep it as `.optimizer`)."""
+    optimizer = engine.optimizer
+    while not isinstance(optimizer, SkippingAdamW):
+        if not hasattr(optimizer, "optimizer"):
+            raise TypeError(f"the engine's optimizer ({type(engine.optimizer).__name__}) does not wrap a SkippingAdamW")
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class MetricSums:
@@ -182,6 +225,7 @@ def deepspeed_config(cfg, world_size: int) -> dict:
         "train_batch_size": world_size,
         "gradient_clipping": 0.0 if clips_itself(cfg) else cfg.training.max_grad_norm,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_allow_untested_optimizer": True,  # SkippingAdamW: torch's AdamW plus a skip check
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "fp16": {"enabled": cfg.model.dtype == "float16"},
         "steps_per_print": 10**9,

@@ -21,8 +21,8 @@ from grpo.batch import RolloutBatch  # noqa: E402
 from grpo.config import LoraConfig, load_config  # noqa: E402
 from grpo.logprobs import completion_logprobs  # noqa: E402
 from grpo.models import add_lora  # noqa: E402
-from grpo.training import (GradNormClipper, PolicyObjective, clips_itself, deepspeed_config,  # noqa: E402
-                           micro_batch_loss, train_step)
+from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
+                           train_step)
 
 CASES = [(level, agg, 0) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
         [("token", "grpo", 2),  # ZeRO-2 partitions gradients: the same update
@@ -88,12 +88,10 @@ def main(out_path: str) -> None:
         model = start_model()
         batch = make_batch(model)
         before = lora_params(model)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                      lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
-        clipper = GradNormClipper(optimizer, cfg.training.max_grad_norm) if clips_itself(cfg) else None
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         engine, *_ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
                                           config=deepspeed_config(cfg, world))
-        metrics = train_step(engine, batch, cfg, rank, world, torch.device("cpu"), clipper)
+        metrics = train_step(engine, batch, cfg, rank, world, torch.device("cpu"))
         after = lora_params(model)
         if rank == 0:
             ref_loss, ref_norm, ref_delta = reference_update(cfg, batch)

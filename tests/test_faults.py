@@ -1,4 +1,5 @@
-"""Killed processes on real DeepSpeed ranks and sockets: nothing trained twice, nothing lost.
+"""Faults on real DeepSpeed ranks and sockets: killed processes (nothing trained twice, nothing
+lost) and non-finite steps (skipped, then a clean stop).
 
 The delivery rule under test (grpo/spool.py): at-least-once from the sampler's spool,
 de-duplicated by sampler step, trained strictly in order.
@@ -13,10 +14,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
 from conftest import REPO
+from grpo.batch import RolloutBatch
+from grpo.logprobs import completion_logprobs
+from grpo.transport import BatchSender
+from grpo.weights import version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
 from test_training import free_port
+from training_worker import EXIT_BAD_STEPS
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -109,3 +119,45 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
     assert "resumed from" in logs and "re-sent spooled steps 2.." in (tmp_path / "sampler.log").read_text()
     # the steps after the checkpoint were re-sent from the spool, not generated again
     assert sorted(generated_steps(tmp_path)) == [0, 1, 2, 3, 4, 5] and {2, 3} <= sent_before_restart
+
+
+def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:
+    """Two groups of four 3-token digit completions with the model's own log-probs; an
+    advantage of 3e38 overflows the loss to inf."""
+    g = torch.Generator().manual_seed(step)
+    prompts = [torch.randint(3, 60, (6,), generator=g) for _ in range(2)]
+    completions = [torch.randint(3, 60, (3,), generator=g) for _ in range(8)]
+    with torch.no_grad():
+        logps = completion_logprobs(model, prompts, completions, [4, 4], temperature=0.9)  # the sampling temperature
+    return RolloutBatch(step=step, policy_version=step, prompt_ids=prompts, completion_ids=completions,
+                        group_sizes=[4, 4], old_logps=logps, ref_logps=logps, rewards=torch.zeros(8, 1),
+                        reward_names=["r"], advantages=torch.tensor([advantage, -advantage] * 4),
+                        truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8)
+
+
+def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoint(tmp_path, digit_model_dir,
+                                                                                  tiny_gsm8k):
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2", "weights.keep_last=10",
+                            "training.steps=10")
+    sender = BatchSender(address, send_timeout_s=120)
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    try:
+        for step, advantage in enumerate([1.0, 3e38, 1.0, 3e38, 3e38]):
+            sender.send(crafted_batch(model, step, advantage))
+        code = trainer.wait(timeout=300)
+    finally:
+        sender.close()
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    log = (tmp_path / "trainer.log").read_text()
+    assert code == EXIT_BAD_STEPS, log[-3000:]
+    assert "2 steps in a row (up to step 5) had a non-finite loss or gradient" in log
+    trained = rows(tmp_path)
+    assert [r["skipped"] for r in trained] == [0, 1, 0, 1, 1]
+    assert [r["trainer/skipped_steps"] for r in trained] == [0, 1, 1, 2, 3]
+    adapters = [load_file(version_dir(tmp_path / "weights", v) / "adapter_model.safetensors") for v in (1, 2, 3)]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # a skipped step changes nothing
+    assert any(not torch.equal(adapters[1][k], adapters[2][k]) for k in adapters[0])  # the next good one does
+    assert all(torch.isfinite(v).all() for v in adapters[2].values())
+    assert (tmp_path / "checkpoints" / "step000005").is_dir()

@@ -40,6 +40,7 @@ from grpo.training import TrainerState
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher
 from rewards import score_completions
+from rewards.sandbox import RewardSandbox
 
 log = logging.getLogger("sampler")
 
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> int:
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json")
+    sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
 
     # ------------------------------------------------------------------ the loop
     for step in range(start_step, cfg.training.steps):
@@ -113,7 +115,8 @@ def main(argv: list[str]) -> int:
         texts = [cfg.data.prefill + x for x in tokenizer.batch_decode(rollouts.completion_ids,
                                                                        skip_special_tokens=True)]
         answers = [p.problem.answer for p in chosen for _ in range(G)]
-        scores = score_completions(texts, answers, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback)
+        scores = score_completions(texts, answers, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback,
+                                   call=sandbox)
         advantages = group_advantages(scores.total, G, scale=cfg.training.advantage_scale)
         timings["timing/rewards_s"] = time.perf_counter() - t
 
@@ -158,6 +161,8 @@ def main(argv: list[str]) -> int:
                  metrics["completions/mean_length"])
 
     sender.close()
+    if sandbox is not None:
+        sandbox.close()
     log.info("done: %d steps", cfg.training.steps)
     return 0
 

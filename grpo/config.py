@@ -95,7 +95,10 @@ class SamplingConfig:
 class RewardsConfig:
     names: list[str] = _f(["gsm8k_answer", "think_answer_format"], "Reward functions, by registry name.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
-    fallback: float = _f(-1.0, "Reward given when a reward function raises on a sample (counted in metrics).")
+    fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
+                               "sample (counted in metrics as rewards/<name>/failures).")
+    timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
+                                "child process that is replaced after a timeout. 0 = in the sampler, no limit.")
 
 
 @dataclass
@@ -383,6 +386,8 @@ def validate(cfg: Config) -> Config:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
         errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
+    if cfg.rewards.timeout_s < 0:
+        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
     if t.max_bad_steps < 1:
         errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
     if cfg.launch.max_minutes < 0:

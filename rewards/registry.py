@@ -39,10 +39,17 @@ class RewardScores:
 
 
 def score_completions(completions: Sequence[str], answers: Sequence[str], names: Sequence[str],
-                      weights: Sequence[float], fallback: float) -> RewardScores:
+                      weights: Sequence[float], fallback: float,
+                      call: Callable[[str, str, str], float] | None = None) -> RewardScores:
     """Score every completion with every reward. A function that raises or returns a
-    non-finite value gives `fallback` for that sample and is counted, never a crash."""
+    non-finite value gives `fallback` for that sample and is counted, never a crash.
+
+    `call(name, completion, answer)` runs a function elsewhere (rewards.sandbox.RewardSandbox,
+    which also times it out); by default it runs here.
+    """
     fns = [get_reward(n) for n in names]
+    if call is not None:
+        fns = [lambda c, a, name=name: call(name, c, a) for name in names]
     scores = torch.empty(len(completions), len(fns), dtype=torch.float32)
     failures = {n: 0 for n in names}
     for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):

@@ -1,12 +1,18 @@
-"""Rewards: worked examples, malformed and adversarial output, and the error fallback."""
+"""Rewards: worked examples, malformed and adversarial output, the error fallback, and the
+sandbox that times out a reward that hangs."""
 
 import math
+import os
+import re
+import signal
+import time
 
 import pytest
 import torch
 
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from rewards.sandbox import RewardSandbox
 from rewards.think_format import think_answer_format, think_answer_format_partial
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
@@ -109,3 +115,43 @@ def test_a_reward_that_raises_gets_the_fallback_and_is_counted(monkeypatch):
     scores = score_completions(["ok", "boom", "nan"], ["1", "1", "1"], ["flaky"], [1.0], fallback=-3.0)
     assert torch.equal(scores.per_function[:, 0], torch.tensor([2.0, -3.0, -3.0]))
     assert scores.failures == {"flaky": 2}
+
+
+def troublesome(completion, answer):
+    """Hangs in Python, hangs inside `re` (holding the GIL), raises, or scores 2."""
+    if "spin" in completion:
+        while True:
+            pass
+    if "regex" in completion:
+        re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking: years
+    if "boom" in completion:
+        raise RuntimeError("bug in reward")
+    return 2.0
+
+
+def test_sandboxed_rewards_time_out_fall_back_and_keep_going(monkeypatch):
+    monkeypatch.setitem(REWARD_FUNCTIONS, "troublesome", troublesome)  # before the fork: the child has it
+    sandbox = RewardSandbox(timeout_s=0.5)
+    try:
+        texts = ["ok", "spin", "ok", "regex", "boom", GOOD]
+        started = time.monotonic()
+        scores = score_completions(texts, ["7"] * 6, ["troublesome", "gsm8k_answer"], [1.0, 1.0], fallback=-3.0,
+                                   call=sandbox)
+        elapsed = time.monotonic() - started
+    finally:
+        sandbox.close()
+    assert scores.per_function[:, 0].tolist() == [2.0, -3.0, 2.0, -3.0, -3.0, 2.0]
+    assert scores.per_function[:, 1].tolist() == [-1.0, -1.0, -1.0, -1.0, -1.0, 1.0]  # the same as in-process
+    assert scores.failures == {"troublesome": 3, "gsm8k_answer": 0}
+    assert elapsed < 10  # two 0.5 s timeouts and two forks, not a hang
+
+
+def test_sandbox_replaces_a_child_that_was_killed():
+    sandbox = RewardSandbox(timeout_s=5)
+    try:
+        assert sandbox("gsm8k_answer", GOOD, "7") == 1.0
+        os.kill(sandbox._process.pid, signal.SIGKILL)
+        sandbox._process.join()
+        assert sandbox("gsm8k_answer", GOOD, "7") == 1.0
+    finally:
+        sandbox.close()

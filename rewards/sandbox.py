@@ -1,0 +1,71 @@
+"""Reward functions in a child process, so that one that hangs on a sample can be stopped.
+
+A thread cannot do it: a catastrophic regular expression runs inside `re` without releasing
+the GIL, so the sampler itself would hang. The child is forked, so it has every function in
+`REWARD_FUNCTIONS` as the parent had it (a test's too); requests and answers cross the pipe as
+JSON, never pickle. On a timeout the child is killed and a fresh one forked for the next call.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+from rewards.registry import get_reward
+
+
+class RewardFailed(RuntimeError):
+    """The function raised in the child, or did not answer within the timeout."""
+
+
+def _serve(conn) -> None:
+    while True:
+        try:
+            name, completion, answer = json.loads(conn.recv_bytes())
+        except EOFError:
+            return  # the parent is gone
+        try:
+            reply = ["ok", float(get_reward(name)(completion, answer))]
+        except Exception as e:  # reported to the parent, which logs and counts it
+            reply = ["error", f"{type(e).__name__}: {e}"]
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+class RewardSandbox:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._context = multiprocessing.get_context("fork")
+        self._start()
+
+    def _start(self) -> None:
+        self._conn, child = self._context.Pipe()
+        self._process = self._context.Process(target=_serve, args=(child,), daemon=True, name="rewards")
+        self._process.start()
+        child.close()
+
+    def _restart(self) -> None:
+        self._process.kill()
+        self._process.join()
+        self._conn.close()
+        self._start()
+
+    def __call__(self, name: str, completion: str, answer: str) -> float:
+        if not self._process.is_alive():  # killed from outside, or crashed in C
+            self._restart()
+        self._conn.send_bytes(json.dumps([name, completion, answer]).encode())
+        if not self._conn.poll(self.timeout_s):
+            self._restart()
+            raise RewardFailed(f"no answer within rewards.timeout_s={self.timeout_s:g} s")
+        try:
+            status, value = json.loads(self._conn.recv_bytes())
+        except EOFError:
+            self._restart()
+            raise RewardFailed("the reward process died") from None
+        if status != "ok":
+            raise RewardFailed(value)
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+        self._process.kill()
+        self._process.join()

@@ -30,6 +30,7 @@ from data.prompts import encode_prompts
 from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
 from grpo.config import parse_cli, save_config
+from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import completion_logprobs
 from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
 from grpo.rollout import make_engine
@@ -48,8 +49,11 @@ log = logging.getLogger("sampler")
 def main(argv: list[str]) -> int:
     cfg = parse_cli(argv)
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s sampler %(levelname)s %(message)s")
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = ensure_writable(cfg.run_dir)
+    except RunFolderError as e:
+        log.error("%s", e)
+        return 2
     save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)

@@ -18,6 +18,7 @@ update is then the whole batch's gradient, however the batch was split.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import parse_cli, save_config
-from grpo.files import write_atomically
+from grpo.files import RunFolderError, ensure_writable, write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
 from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer, train_step,
@@ -44,6 +45,7 @@ log = logging.getLogger("trainer")
 STOP = {"requested": False}
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for the sampler says so
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
+EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
 
 
 def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
@@ -119,7 +121,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     run_dir = cfg.run_dir
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            ensure_writable(run_dir)
+        except RunFolderError as e:
+            log.error("%s", e)
+            return 2  # the launcher stops the other ranks
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
 
@@ -199,8 +205,6 @@ def main(argv: list[str]) -> int:
         if state.step % cfg.weights.publish_every == 0:
             publish_weights(model, cfg, state.step, rank)
         publish_s = time.perf_counter() - t2
-        if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps:
-            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
         if rank == 0:
             completion_tokens = sum(len(c) for c in batch.completion_ids)
             row = {"step": state.step, **metrics, "learning_rate": scheduler.get_last_lr()[0],
@@ -210,8 +214,9 @@ def main(argv: list[str]) -> int:
                    "trainer/rejected_messages": receiver.rejected, "trainer/skipped_steps": skipped_total,
                    "sampler_step": batch.step,
                    **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
+            with reported_write(f"metrics of step {state.step}", metrics_file.name):
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
             if writer is not None:
                 for k, v in row.items():
                     if isinstance(v, (int, float)):
@@ -219,8 +224,10 @@ def main(argv: list[str]) -> int:
             log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs",
                      state.step, metrics["loss"], row.get("reward", float("nan")), metrics.get("kl", 0.0),
                      row["grad_norm"], row["staleness"], wait_s, train_s)
-        if bad_in_row >= cfg.training.max_bad_steps:
-            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
+        too_many_bad = bad_in_row >= cfg.training.max_bad_steps
+        if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps or too_many_bad:
+            save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)  # after the row
+        if too_many_bad:
             failed = (f"{bad_in_row} steps in a row (up to step {state.step}) had a non-finite loss or gradient and "
                       f"were skipped (training.max_bad_steps={cfg.training.max_bad_steps}); stopped with a "
                       f"checkpoint at step {state.step}. Lower training.learning_rate or look at those batches' "
@@ -256,6 +263,20 @@ def open_metrics(path: Path, resumed_step: int):
     return open(path, "a")
 
 
+class WriteFailed(RuntimeError):
+    """Weights, a checkpoint or metrics could not be written (a full disk, lost permissions)."""
+
+
+@contextlib.contextmanager
+def reported_write(what: str, path: Path):
+    try:
+        yield
+    except OSError as e:
+        raise WriteFailed(f"cannot write {what} to {path}: {e}") from e
+    except RuntimeError as e:  # how torch.save reports a failed write
+        raise WriteFailed(f"cannot write {what} to {path} (a full disk or a file size limit?): {e}") from e
+
+
 def publish_weights(model, cfg, version: int, rank: int) -> None:
     """Rank 0 writes the adapter (or the full model); under ZeRO-3 every rank first takes part
     in gathering the partitioned parameters, so all ranks call this."""
@@ -264,18 +285,28 @@ def publish_weights(model, cfg, version: int, rank: int) -> None:
     params = [p for p in model.parameters() if p.requires_grad] if cfg.lora.enabled else list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=cfg.deepspeed.zero_stage == 3):
         if rank == 0:
-            publish(model, cfg.weights_dir, version, version, cfg.weights.keep_last)
+            with reported_write(f"weights v{version}", cfg.weights_dir):
+                publish(model, cfg.weights_dir, version, version, cfg.weights.keep_last)
 
 
 def save_checkpoint(engine, ckpt_dir: Path, state: TrainerState, keep_last: int, rank: int, state_path: Path):
-    """DeepSpeed checkpoint (every rank) plus the trainer state the sampler resumes from."""
-    engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}", client_state={"trainer": vars(state)})
+    """DeepSpeed checkpoint (every rank) plus the trainer state the sampler resumes from.
+    DeepSpeed names a checkpoint in `latest` only once it is written whole."""
+    with reported_write(f"the checkpoint of step {state.step}", ckpt_dir):
+        engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}", client_state={"trainer": vars(state)})
     if rank == 0:
-        state.save(state_path)
+        with reported_write("the trainer state", state_path):
+            state.save(state_path)
         tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
         for old in tags[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except WriteFailed as e:
+        log.error("%s. Nothing partial is visible: weights and checkpoints are written aside and renamed into "
+                  "place, so LATEST and the last checkpoint are whole. Free space or fix permissions and restart; "
+                  "it resumes from the last checkpoint", e)
+        sys.exit(EXIT_WRITE_FAILED)

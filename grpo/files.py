@@ -33,3 +33,22 @@ def write_atomically(path: str | os.PathLike, content: str | bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+class RunFolderError(OSError):
+    """The run folder cannot be created or written."""
+
+
+def ensure_writable(folder: str | os.PathLike) -> Path:
+    """Create `folder` and prove it takes a file, so that a bad run folder stops a process at
+    its start with one clear line instead of at its first weights or metrics."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunFolderError(f"the run folder {folder} is not writable ({e.strerror}: {e.filename}); "
+                             "set run.dir to a folder you can write") from None
+    return folder

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpo.config import ConfigError, parse_cli  # noqa: E402
+from grpo.files import RunFolderError, ensure_writable  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -115,8 +116,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = ensure_writable(cfg.run_dir)
+    except RunFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1)
     deepspeed = Path(sys.executable).parent / "deepspeed"
     trainer_cmd = [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_port()),

@@ -1,5 +1,5 @@
 """Faults on real DeepSpeed ranks and sockets: killed processes (nothing trained twice, nothing
-lost) and non-finite steps (skipped, then a clean stop).
+lost), non-finite steps (skipped, then a clean stop), failed writes and a bad run folder.
 
 The delivery rule under test (grpo/spool.py): at-least-once from the sampler's spool,
 de-duplicated by sampler step, trained strictly in order.
@@ -8,6 +8,7 @@ de-duplicated by sampler step, trained strictly in order.
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -22,11 +23,11 @@ from conftest import REPO
 from grpo.batch import RolloutBatch
 from grpo.logprobs import completion_logprobs
 from grpo.transport import BatchSender
-from grpo.weights import version_dir
+from grpo.weights import read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
 from test_training import free_port
-from training_worker import EXIT_BAD_STEPS
+from training_worker import EXIT_BAD_STEPS, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -36,13 +37,14 @@ COMMON = ["sampling.max_new_tokens=1", "sampling.group_size=4", "sampling.prompt
           "transport.send_timeout_s=300"]
 
 
-def start_trainer(run_dir, model_dir, data_dir, address, *extra):
+def start_trainer(run_dir, model_dir, data_dir, address, *extra, preexec_fn=None):
     """Two ranks in their own process group, so that a test can SIGKILL all of them at once."""
     args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "training_worker.py"),
             "--config", str(REPO / "config.yaml"), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
             f"data.path={data_dir}", f"transport.address={address}", "lora.r=4", *COMMON, *extra]
     log = open(run_dir / "trainer.log", "ab")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=ENV, start_new_session=True)
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=ENV, start_new_session=True,
+                            preexec_fn=preexec_fn)
 
 
 def rows(run_dir):
@@ -161,3 +163,47 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     assert any(not torch.equal(adapters[1][k], adapters[2][k]) for k in adapters[0])  # the next good one does
     assert all(torch.isfinite(v).all() for v in adapters[2].values())
     assert (tmp_path / "checkpoints" / "step000005").is_dir()
+
+
+def limit_file_size():
+    """In the trainer's processes: any write past 1 MiB fails (EFBIG), as on a full disk (ENOSPC)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+
+
+def test_a_failed_write_stops_the_trainer_clearly_and_leaves_nothing_partial(tmp_path, digit_model_dir, tiny_gsm8k):
+    address = free_tcp_address()
+    # adapters (9 KB) and metrics fit under the limit; the 12 MB checkpoint of step 2 does not
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2",
+                            preexec_fn=limit_file_size)
+    sender = BatchSender(address, send_timeout_s=120)
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    try:
+        for step in range(3):
+            sender.send(crafted_batch(model, step, 1.0))
+        code = trainer.wait(timeout=300)
+    finally:
+        sender.close()
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    log = (tmp_path / "trainer.log").read_text()
+    assert code == EXIT_WRITE_FAILED, log[-3000:]
+    assert f"cannot write the checkpoint of step 2 to {tmp_path / 'checkpoints'}" in log
+    assert "Nothing partial is visible" in log
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2]  # every trained step's metrics are there
+    assert read_latest(tmp_path / "weights") == 2
+    assert [verify(version_dir(tmp_path / "weights", v))["version"] for v in (1, 2)] == [1, 2]  # whole
+    assert not (tmp_path / "checkpoints" / "latest").exists()  # a resume would not pick the broken one
+
+
+def test_an_unwritable_run_folder_stops_the_launcher_and_the_sampler_at_start(tmp_path, digit_model_dir,
+                                                                              tiny_gsm8k):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    bad = blocker / "run"
+    for script in ("scripts/launch.py", "sampling_worker.py"):
+        proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(REPO / "config.yaml"),
+                               f"run.dir={bad}", f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}"],
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"the run folder {bad} is not writable (Not a directory" in proc.stdout + proc.stderr, script

@@ -128,10 +128,10 @@ def _tensor(spec, frame: bytes):
     if not isinstance(spec, dict):
         raise MessageError("tensor spec must be an object")
     name = spec.get("name")
-    if name not in TENSOR_FIELDS:
+    if not isinstance(name, str) or name not in TENSOR_FIELDS:
         raise MessageError(f"unknown tensor field {str(name)[:80]!r}")
     dtype, ragged, _ = TENSOR_FIELDS[name]
-    if spec.get("dtype") != dtype:
+    if not isinstance(spec.get("dtype"), str) or spec["dtype"] != dtype:
         raise MessageError(f"{name}: dtype {str(spec.get('dtype'))[:20]!r} not allowed, expected {dtype!r}")
     dims = _int_list(spec.get("lengths" if ragged else "shape"), f"{name} {'lengths' if ragged else 'shape'}", 0)
     count = sum(dims) if ragged else math.prod(dims)

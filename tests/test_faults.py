@@ -7,6 +7,7 @@ de-duplicated by sampler step, trained strictly in order.
 
 import json
 import os
+import random
 import re
 import resource
 import signal
@@ -16,13 +17,14 @@ import time
 from pathlib import Path
 
 import torch
+import zmq
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO
 from grpo.batch import RolloutBatch
 from grpo.logprobs import completion_logprobs
-from grpo.transport import BatchSender
+from grpo.transport import BatchSender, encode_batch
 from grpo.weights import read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
@@ -207,3 +209,30 @@ def test_an_unwritable_run_folder_stops_the_launcher_and_the_sampler_at_start(tm
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert f"the run folder {bad} is not writable (Not a directory" in proc.stdout + proc.stderr, script
+
+
+def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path, digit_model_dir, tiny_gsm8k):
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.steps=2")
+    context = zmq.Context()
+    raw = context.socket(zmq.PUSH)
+    raw.connect(address)
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    rng = random.Random(0)
+    good = [encode_batch(crafted_batch(model, step, 1.0)) for step in range(2)]
+    pickled = [b'{"schema": "grpo.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
+    try:
+        for step in range(2):
+            for _ in range(10):
+                raw.send_multipart([rng.randbytes(rng.randrange(1, 200)) for _ in range(rng.randrange(1, 4))])
+            raw.send_multipart(pickled)
+            raw.send_multipart(good[step])
+        code = trainer.wait(timeout=300)
+    finally:
+        raw.close(linger=0)
+        context.term()
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    trained = rows(tmp_path)
+    assert [r["step"] for r in trained] == [1, 2] and trained[-1]["trainer/rejected_messages"] == 22

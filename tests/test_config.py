@@ -104,6 +104,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["lora.target_modules=[]"], "lora.target_modules is empty"),
     (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),
     (["transport.address=http://x"], "transport.address must start with tcp://, ipc:// or inproc://"),
+    (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1, got 0"),
+    (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit), got -1.0"),
+    (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit), got -5.0"),
 ])
 def test_cross_field_rules_say_what_to_do(overrides, message):
     with pytest.raises(ConfigError) as e:

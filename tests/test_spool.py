@@ -1,0 +1,50 @@
+"""The sampler's spool and its re-delivery rule, on real files."""
+
+import json
+
+import pytest
+
+from grpo.spool import Redelivery, Spool, SpoolError
+
+
+def frames_of(step: int) -> list[bytes]:
+    return [f'{{"step": {step}}}'.encode(), bytes(range(step % 7)), b""]  # an empty frame too
+
+
+def test_frames_round_trip_bit_exact_and_prune_keeps_the_rest(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    for step in (3, 1, 2, 10):
+        spool.put(step, frames_of(step))
+    assert spool.steps() == [1, 2, 3, 10]
+    assert all(spool.get(s) == frames_of(s) for s in spool.steps())
+    spool.prune(below=3)
+    assert spool.steps() == [3, 10]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"PK\x03\x04zipfile", "is not a spool file"),
+    (b"GRPOSPL1" + (5).to_bytes(4, "little"), "header names 5 frames but the file ends at byte 12"),
+    (b"GRPOSPL1" + (1).to_bytes(4, "little") + (9).to_bytes(8, "little") + b"abc", "frames add up to 29 bytes"),
+])
+def test_a_damaged_spool_file_is_named(tmp_path, data, message):
+    spool = Spool(tmp_path)
+    (tmp_path / "step00000004.batch").write_bytes(data)
+    with pytest.raises(SpoolError, match=message):
+        spool.get(4)
+
+
+def test_each_new_trainer_gets_the_steps_after_its_checkpoint_once(tmp_path):
+    spool, sent = Spool(tmp_path / "spool"), []
+    for step in range(6):
+        spool.put(step, frames_of(step))
+    state = tmp_path / "trainer_state.json"
+    redelivery = Redelivery(spool, sent.append, state)
+    assert redelivery.check(next_step=6) == [] and sent == []  # no trainer yet
+    state.write_text(json.dumps({"step": 2, "next_sampler_step": 2, "incarnation": "a"}))
+    assert redelivery.check(next_step=6) == [2, 3, 4, 5]
+    assert sent == [frames_of(s) for s in (2, 3, 4, 5)] and spool.steps() == [2, 3, 4, 5]  # 0, 1 pruned
+    assert redelivery.check(next_step=6) == []  # the same trainer: nothing again
+    state.write_text(json.dumps({"step": 4, "next_sampler_step": 4, "incarnation": "a"}))  # it checkpointed
+    assert redelivery.check(next_step=6) == [] and spool.steps() == [4, 5]
+    state.write_text(json.dumps({"step": 4, "next_sampler_step": 4, "incarnation": "b"}))  # it restarted
+    assert redelivery.check(next_step=6) == [4, 5]

@@ -86,7 +86,10 @@ def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: 
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` versions (never the one LATEST names)."""
+    """Delete all but the newest `keep_last` versions (never the one LATEST names), and the
+    temporary folders a publisher killed mid-write left behind (invisible to readers)."""
+    for leftover in root.glob(".tmp-v*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     latest = read_latest(root)
     versions = sorted(published_versions(root))
     for v in versions[:-keep_last] if keep_last > 0 else versions:

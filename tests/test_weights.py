@@ -2,6 +2,9 @@
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from grpo.config import LoraConfig
 from grpo.models import add_lora
 from grpo.weights import (LATEST, WeightWatcher, WeightsError, publish, published_versions, read_latest, verify,
                           version_dir)
-from conftest import tiny_model
+from conftest import REPO, tiny_model
 
 
 def lora_model(seed=0):
@@ -123,3 +126,35 @@ def test_verify_names_what_is_wrong(tmp_path):
     (tmp_path / LATEST).write_text("twelve")
     with pytest.raises(WeightsError, match="holds 'twelve', not a version number"):
         read_latest(tmp_path)
+
+
+CRASH_MID_PUBLISH = """
+import os, signal, sys
+import torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+import grpo.weights as weights
+from test_weights import lora_model
+
+save = weights.save_weights
+def save_then_die(model, folder):
+    kind = save(model, folder)  # every file written, nothing renamed into place yet
+    os.kill(os.getpid(), signal.SIGKILL)
+weights.save_weights = save_then_die
+weights.publish(lora_model(seed=2), {root!r}, version=2, step=2)
+"""
+
+
+def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
+    publish(lora_model(seed=1), tmp_path, version=1, step=1)
+    model = lora_model(seed=9)
+    watcher = WeightWatcher(tmp_path, model)
+    assert watcher.poll().loaded and watcher.version == 1
+    code = subprocess.run([sys.executable, "-c", CRASH_MID_PUBLISH.format(
+        repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path))], timeout=120).returncode
+    assert code == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-v000002")]  # the half-done write
+    assert read_latest(tmp_path) == 1 and published_versions(tmp_path) == [1]
+    assert watcher.poll() is None and watcher.version == 1 and watcher.failures == 0  # nothing to see
+    publish(lora_model(seed=2), tmp_path, version=2, step=2)  # the restarted trainer publishes again
+    assert watcher.poll().loaded and watcher.version == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # and the leftover is gone

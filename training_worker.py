@@ -36,8 +36,8 @@ from grpo.config import parse_cli, save_config
 from grpo.files import RunFolderError, ensure_writable, write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
-from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer, train_step,
-                           warmup_lambda)
+from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer,
+                           release_deepspeed_shm, train_step, warmup_lambda)
 from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
 from grpo.weights import publish, published_versions, version_dir
 
@@ -114,6 +114,7 @@ def main(argv: list[str]) -> int:
     cuda = torch.cuda.is_available()
     backend = cfg.deepspeed.backend if cfg.deepspeed.backend != "auto" else ("nccl" if cuda else "gloo")
     deepspeed.init_distributed(dist_backend=backend)
+    release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     logging.basicConfig(level=cfg.logging.level if rank == 0 else "WARNING",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -214,6 +215,22 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def release_deepspeed_shm() -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory segment; call on every rank
+    right after `deepspeed.init_distributed`.
+
+    DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp) creates
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (69 MB) at every start and
+    never removes it: /dev/shm is memory, and a day of runs and tests filled it until the
+    kernel killed a trainer. Once every rank has mapped its peers' segments (the barrier),
+    the names can go; the memory stays mapped until the processes exit, even on SIGKILL.
+    """
+    dist.barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
 def deepspeed_config(cfg, world_size: int) -> dict:

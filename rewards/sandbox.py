@@ -8,17 +8,27 @@ JSON, never pickle. On a timeout the child is killed and a fresh one forked for 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
+import signal
 
 from rewards.registry import get_reward
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class RewardFailed(RuntimeError):
     """The function raised in the child, or did not answer within the timeout."""
 
 
-def _serve(conn) -> None:
+def _serve(conn, parent_end) -> None:
+    parent_end.close()  # else this copy of the parent's end keeps the pipe open after the parent dies
+    try:  # and a child busy in a hang dies with its parent too (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
     while True:
         try:
             name, completion, answer = json.loads(conn.recv_bytes())
@@ -39,7 +49,7 @@ class RewardSandbox:
 
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child,), daemon=True, name="rewards")
+        self._process = self._context.Process(target=_serve, args=(child, self._conn), daemon=True, name="rewards")
         self._process.start()
         child.close()
 

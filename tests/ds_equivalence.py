@@ -22,7 +22,7 @@ from grpo.config import LoraConfig, load_config  # noqa: E402
 from grpo.logprobs import completion_logprobs  # noqa: E402
 from grpo.models import add_lora  # noqa: E402
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
-                           train_step)
+                           release_deepspeed_shm, train_step)
 
 CASES = [(level, agg, 0) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
         [("token", "grpo", 2),  # ZeRO-2 partitions gradients: the same update
@@ -77,6 +77,7 @@ def reference_update(cfg, batch):
 
 def main(out_path: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
+    release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for level, aggregation, stage in CASES:

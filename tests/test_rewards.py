@@ -5,11 +5,15 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 
+from conftest import REPO
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.sandbox import RewardSandbox
@@ -155,3 +159,26 @@ def test_sandbox_replaces_a_child_that_was_killed():
         assert sandbox("gsm8k_answer", GOOD, "7") == 1.0
     finally:
         sandbox.close()
+
+
+ORPHAN = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from rewards.sandbox import RewardSandbox
+sandbox = RewardSandbox(timeout_s=5)
+print(sandbox._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_reward_child_dies_with_a_killed_sampler():
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN.format(repo=str(REPO))], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert psutil.pid_exists(child)
+        parent.kill()  # SIGKILL: no clean-up code runs in the parent
+        parent.wait()
+        psutil.wait_procs([psutil.Process(child)], timeout=10)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()

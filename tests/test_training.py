@@ -85,8 +85,14 @@ def run_both(run_dir, model_dir, data_dir, *extra, timeout=600):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def deepspeed_shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
 def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, tiny_gsm8k):
+    segments = deepspeed_shm_segments()
     rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", *LEARNING)
+    assert deepspeed_shm_segments() <= segments  # DeepSpeed's 69 MB /dev/shm segments are not left behind
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["sampler_step"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert TRAINER_KEYS | SAMPLER_KEYS <= set(row), TRAINER_KEYS | SAMPLER_KEYS - set(row)

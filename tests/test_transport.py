@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from conftest import REPO
+from grpo.config import load_config
 from grpo.transport import (BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch,
                             encode_batch)
 from helpers import assert_batches_equal, free_tcp_address, make_batch
@@ -277,3 +278,25 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
                 hits.append(f"{path.name}:{node.lineno} uses .{node.attr}")
     assert hits == []
     assert "recv_multipart" in (REPO / "grpo" / "transport.py").read_text()  # the one way bytes come in
+
+
+def test_the_secret_can_come_from_the_environment(monkeypatch):
+    """GRPO_TRANSPORT_SECRET signs and checks messages on real sockets, and lets a non-loopback
+    address start; an unsigned sender is rejected by such a receiver."""
+    monkeypatch.setenv("GRPO_TRANSPORT_SECRET", "from-env")
+    assert load_config(None, ["transport.address=tcp://0.0.0.0:5555"]).transport.secret is None
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    signed = BatchSender(address, send_timeout_s=10)
+    monkeypatch.delenv("GRPO_TRANSPORT_SECRET")
+    unsigned = BatchSender(address, send_timeout_s=10)
+    try:
+        unsigned.send(make_batch(step=1))
+        with pytest.raises(TransportTimeout):
+            receiver.receive(timeout_s=2)  # it arrives and is rejected
+        assert receiver.rejected == 1
+        signed.send(make_batch(step=2))
+        assert receiver.receive(timeout_s=10).step == 2
+    finally:
+        for socket in (signed, unsigned, receiver):
+            socket.close()

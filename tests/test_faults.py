@@ -73,6 +73,21 @@ def finish(run_dir, trainer, sampler):
     return logs
 
 
+def kill_both(trainer, sampler):
+    os.killpg(trainer.pid, signal.SIGKILL)
+    sampler.kill()
+
+
+def finish_with_each_step_trained_and_generated_once(run_dir, trainer, sampler) -> str:
+    """Both exit 0; sampler steps 0-5 were trained once each, in order, and generated once each."""
+    logs = finish(run_dir, trainer, sampler)
+    trained = rows(run_dir)
+    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6], logs
+    assert [r["sampler_step"] for r in trained] == [0, 1, 2, 3, 4, 5], logs
+    assert sorted(generated_steps(run_dir)) == [0, 1, 2, 3, 4, 5], logs
+    return logs
+
+
 def generated_steps(run_dir):
     """Sampler steps in the order they were generated (the sampler logs one line per step)."""
     return [int(m) for m in re.findall(r"sampler INFO step (\d+) v", (run_dir / "sampler.log").read_text())]
@@ -90,15 +105,10 @@ def test_killed_sampler_restarts_and_no_step_is_trained_twice_or_skipped(tmp_pat
                  "the trainer to say it is waiting", timeout=120)
         sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON)
     except BaseException:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        sampler.kill()
+        kill_both(trainer, sampler)
         raise
-    logs = finish(tmp_path, trainer, sampler)
-    trained = rows(tmp_path)
-    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6], logs
-    assert [r["sampler_step"] for r in trained] == [0, 1, 2, 3, 4, 5], logs
-    assert sorted(generated_steps(tmp_path)) == [0, 1, 2, 3, 4, 5]  # resumed from its cursor: none generated twice
-    assert all(0 <= r["staleness"] <= 1 for r in trained)
+    finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)  # it resumed from its cursor
+    assert all(0 <= r["staleness"] <= 1 for r in rows(tmp_path))
 
 
 def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(tmp_path, digit_model_dir,
@@ -113,16 +123,12 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
         sent_before_restart = set(generated_steps(tmp_path))
         trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2")
     except BaseException:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        sampler.kill()
+        kill_both(trainer, sampler)
         raise
-    logs = finish(tmp_path, trainer, sampler)
-    trained = rows(tmp_path)
-    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6], logs
-    assert [r["sampler_step"] for r in trained] == [0, 1, 2, 3, 4, 5], logs
-    assert "resumed from" in logs and "re-sent spooled steps 2.." in (tmp_path / "sampler.log").read_text()
     # the steps after the checkpoint were re-sent from the spool, not generated again
-    assert sorted(generated_steps(tmp_path)) == [0, 1, 2, 3, 4, 5] and {2, 3} <= sent_before_restart
+    logs = finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)
+    assert "resumed from" in logs and "re-sent spooled steps 2.." in (tmp_path / "sampler.log").read_text()
+    assert {2, 3} <= sent_before_restart
 
 
 def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:
@@ -139,22 +145,27 @@ def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:
                         truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8)
 
 
-def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoint(tmp_path, digit_model_dir,
-                                                                                  tiny_gsm8k):
-    address = free_tcp_address()
-    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2", "weights.keep_last=10",
-                            "training.steps=10")
+def feed_trainer(trainer, address, model_dir, advantages: list[float], run_dir) -> tuple[int, str]:
+    """Send one crafted batch per advantage (sampler steps 0, 1, ...); the trainer's exit code and log."""
     sender = BatchSender(address, send_timeout_s=120)
-    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     try:
-        for step, advantage in enumerate([1.0, 3e38, 1.0, 3e38, 3e38]):
+        for step, advantage in enumerate(advantages):
             sender.send(crafted_batch(model, step, advantage))
         code = trainer.wait(timeout=300)
     finally:
         sender.close()
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
-    log = (tmp_path / "trainer.log").read_text()
+    return code, (run_dir / "trainer.log").read_text()
+
+
+def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoint(tmp_path, digit_model_dir,
+                                                                                  tiny_gsm8k):
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2",
+                            "weights.keep_last=10", "training.steps=10")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0, 3e38, 3e38], tmp_path)
     assert code == EXIT_BAD_STEPS, log[-3000:]
     assert "2 steps in a row (up to step 5) had a non-finite loss or gradient" in log
     trained = rows(tmp_path)
@@ -178,17 +189,7 @@ def test_a_failed_write_stops_the_trainer_clearly_and_leaves_nothing_partial(tmp
     # adapters (9 KB) and metrics fit under the limit; the 12 MB checkpoint of step 2 does not
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2",
                             preexec_fn=limit_file_size)
-    sender = BatchSender(address, send_timeout_s=120)
-    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
-    try:
-        for step in range(3):
-            sender.send(crafted_batch(model, step, 1.0))
-        code = trainer.wait(timeout=300)
-    finally:
-        sender.close()
-        if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-    log = (tmp_path / "trainer.log").read_text()
+    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)
     assert code == EXIT_WRITE_FAILED, log[-3000:]
     assert f"cannot write the checkpoint of step 2 to {tmp_path / 'checkpoints'}" in log
     assert "Nothing partial is visible" in log

@@ -78,11 +78,6 @@ def clips_itself(cfg) -> bool:
     return cfg.deepspeed.zero_stage == 0 and cfg.model.dtype == "float32"
 
 
-def make_optimizer(params, cfg) -> "SkippingAdamW":
-    return SkippingAdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay,
-                         clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
-
-
 class SkippingAdamW(torch.optim.AdamW):
     """AdamW that skips a step (no update, moments untouched) when any rank saw a non-finite
     loss (`skip_next`, set by train_step) or holds a non-finite gradient.
@@ -118,6 +113,11 @@ class SkippingAdamW(torch.optim.AdamW):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.skipped = bool(bad.item())
         return None if self.skipped else super().step(closure)
+
+
+def make_optimizer(params, cfg) -> SkippingAdamW:
+    return SkippingAdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay,
+                         clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
 
 
 def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) -> dict[str, float]:

@@ -128,7 +128,7 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
     # the steps after the checkpoint were re-sent from the spool, not generated again
     logs = finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)
     assert "resumed from" in logs and "re-sent spooled steps 2.." in (tmp_path / "sampler.log").read_text()
-    assert {2, 3} <= sent_before_restart
+    assert 2 in sent_before_restart  # trained as step 3 before the kill: a step after the checkpoint
 
 
 def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:

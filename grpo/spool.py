@@ -13,12 +13,12 @@ File format (written and read only by this module; never unpickled): b"GRPOSPL1"
 frame count (uint32 LE), each frame's length (uint64 LE), then the frames.
 """
 
-import json
 import logging
 import struct
 from pathlib import Path
 
 from grpo.files import write_atomically
+from grpo.training import TrainerState
 
 MAGIC = b"GRPOSPL1"
 log = logging.getLogger("sampler")
@@ -81,19 +81,22 @@ class Redelivery:
     def __init__(self, spool: Spool, send_frames, trainer_state_path: str | Path):
         self.spool, self.send_frames, self.path = spool, send_frames, Path(trainer_state_path)
         self.served: str | None = None  # the trainer incarnation we have re-sent to
+        self.pruned_below = 0
 
     def check(self, next_step: int) -> list[int]:
         """Prune what the trainer has checkpointed; re-send the rest below `next_step` to a new
         trainer. Returns the steps re-sent."""
         try:
-            state = json.loads(self.path.read_text())
-            durable, incarnation = int(state["next_sampler_step"]), state.get("incarnation")
-        except FileNotFoundError:
-            return []  # no trainer has started yet
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            state = TrainerState.load(self.path)
+        except (OSError, ValueError, TypeError) as e:
             log.warning("cannot read %s (%s); not re-sending anything this time", self.path, e)
             return []
-        self.spool.prune(below=durable)
+        if state is None:
+            return []  # no trainer has started yet
+        durable, incarnation = state.next_sampler_step, state.incarnation
+        if durable > self.pruned_below:  # called at every poll while waiting: prune once per checkpoint
+            self.spool.prune(below=durable)
+            self.pruned_below = durable
         if incarnation == self.served:
             return []
         self.served = incarnation

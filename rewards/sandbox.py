@@ -54,9 +54,7 @@ class RewardSandbox:
         child.close()
 
     def _restart(self) -> None:
-        self._process.kill()
-        self._process.join()
-        self._conn.close()
+        self.close()
         self._start()
 
     def __call__(self, name: str, completion: str, answer: str) -> float:

@@ -164,9 +164,10 @@ def main(argv: list[str]) -> int:
                  metrics["reward"], timings["timing/generate_s"], timings["timing/logprobs_s"],
                  metrics["completions/mean_length"])
 
-    sender.close()
     if sandbox is not None:
         sandbox.close()
+    redelivery.wait_until_checkpointed(cfg.training.steps, s.wait_timeout_s)
+    sender.close()
     log.info("done: %d steps", cfg.training.steps)
     return 0
 

@@ -31,10 +31,11 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+# No literal template with placeholders: a small model copies "<think>reasoning</think>
+# <answer>number</answer>" verbatim and GRPO rewards the copy (docs/results.md, first runs).
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math tutor. First think through the problem step by step inside "
-    "<think> </think> tags, then give only the final number inside <answer> </answer> tags.\n"
-    "Format: <think>\nreasoning\n</think>\n<answer>\nnumber\n</answer>"
+    "<think> </think> tags, then give only the final number inside <answer> </answer> tags."
 )
 
 

@@ -15,6 +15,7 @@ frame count (uint32 LE), each frame's length (uint64 LE), then the frames.
 
 import logging
 import struct
+import time
 from pathlib import Path
 
 from grpo.files import write_atomically
@@ -82,6 +83,7 @@ class Redelivery:
         self.spool, self.send_frames, self.path = spool, send_frames, Path(trainer_state_path)
         self.served: str | None = None  # the trainer incarnation we have re-sent to
         self.pruned_below = 0
+        self.state: TrainerState | None = None  # as last read
 
     def check(self, next_step: int) -> list[int]:
         """Prune what the trainer has checkpointed; re-send the rest below `next_step` to a new
@@ -91,6 +93,7 @@ class Redelivery:
         except (OSError, ValueError, TypeError) as e:
             log.warning("cannot read %s (%s); not re-sending anything this time", self.path, e)
             return []
+        self.state = state
         if state is None:
             return []  # no trainer has started yet
         durable, incarnation = state.next_sampler_step, state.incarnation
@@ -111,3 +114,22 @@ class Redelivery:
             log.info("trainer %s resumes at sampler step %d: re-sent spooled steps %d..%d", incarnation, durable,
                      steps[0], steps[-1])
         return steps
+
+    def wait_until_checkpointed(self, end_step: int, timeout_s: float, poll_s: float = 0.2) -> None:
+        """After the last step: keep serving restarted trainers until one has checkpointed every
+        step, so that a trainer killed near the end still gets the batches it lacks. Returns at
+        once when no trainer has started (nothing will read the spool)."""
+        deadline, announced = time.monotonic() + timeout_s, False
+        while True:
+            self.check(end_step)
+            if self.state is None or self.state.next_sampler_step >= end_step:
+                return
+            if not announced:
+                log.info("all %d steps sent; waiting for the trainer to checkpoint past them", end_step)
+                announced = True
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"after {timeout_s:g} s the trainer has checkpointed only sampler steps below "
+                    f"{self.state.next_sampler_step} of {end_step}; the rest stay in {self.spool.folder} and are "
+                    "re-sent when the trainer and sampler are started again (sampling.wait_timeout_s)")
+            time.sleep(poll_s)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from rewards.parsing import find_numbers
+
 FORMAT_OK, FORMAT_BAD = 1.25, -1.0
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 STRICT_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
@@ -11,11 +13,19 @@ STRICT_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", r
 
 def think_answer_format(completion: str, answer: str) -> float:
     """+1.25 for exactly `<think>…</think>` then `<answer>…</answer>` (whitespace around tolerated)
-    with nothing else outside and no tag repeated inside; else -1."""
+    with nothing else outside, no tag repeated inside, some reasoning in the think block and
+    exactly one number in the answer block (as `gsm8k_answer` reads it); else -1.
+
+    The content checks keep the format from being met by empty or placeholder blocks: a model
+    learns `<think></think><answer>number</answer>` in a few steps if that is enough.
+    """
     match = STRICT_RE.fullmatch(completion)
     if match is None:
         return FORMAT_BAD
-    if any(tag in part for part in match.groups() for tag in TAGS):
+    reasoning, final = match.groups()
+    if any(tag in part for part in (reasoning, final) for tag in TAGS):
+        return FORMAT_BAD
+    if not reasoning.strip() or len(find_numbers(final)) != 1:
         return FORMAT_BAD
     return FORMAT_OK
 

@@ -78,13 +78,13 @@ def kill_both(trainer, sampler):
     sampler.kill()
 
 
-def finish_with_each_step_trained_and_generated_once(run_dir, trainer, sampler) -> str:
-    """Both exit 0; sampler steps 0-5 were trained once each, in order, and generated once each."""
+def finish_with_each_step_trained_and_generated_once(run_dir, trainer, sampler, steps: int = 6) -> str:
+    """Both exit 0; sampler steps 0..steps-1 were trained once each, in order, and generated once each."""
     logs = finish(run_dir, trainer, sampler)
     trained = rows(run_dir)
-    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6], logs
-    assert [r["sampler_step"] for r in trained] == [0, 1, 2, 3, 4, 5], logs
-    assert sorted(generated_steps(run_dir)) == [0, 1, 2, 3, 4, 5], logs
+    assert [r["step"] for r in trained] == list(range(1, steps + 1)), logs
+    assert [r["sampler_step"] for r in trained] == list(range(steps)), logs
+    assert sorted(generated_steps(run_dir)) == list(range(steps)), logs
     return logs
 
 
@@ -113,22 +113,31 @@ def test_killed_sampler_restarts_and_no_step_is_trained_twice_or_skipped(tmp_pat
 
 def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(tmp_path, digit_model_dir,
                                                                                 tiny_gsm8k):
-    address = free_tcp_address()
-    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2")
-    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON)
+    """Wherever the kill lands (after three steps, before the end), the new trainer resumes at
+    its last checkpoint and gets every later step exactly once, even when the sampler has
+    already sent its last step (it waits for the trainer to checkpoint past it)."""
+    address, steps = free_tcp_address(), "training.steps=12"
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2", steps)
+    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, steps)
     try:
-        wait_for(lambda: len(rows(tmp_path)) >= 3, "three trained steps (one past the checkpoint)")
+        wait_for(lambda: len(rows(tmp_path)) >= 3, "three trained steps")
         os.killpg(trainer.pid, signal.SIGKILL)  # mid-run: the launcher and both ranks, no clean-up
         trainer.wait()
-        sent_before_restart = set(generated_steps(tmp_path))
-        trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2")
+        trained_before_kill = len(rows(tmp_path))
+        assert trained_before_kill < 12, "the trainer finished before the kill; nothing to test"
+        trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2", steps)
     except BaseException:
         kill_both(trainer, sampler)
         raise
-    # the steps after the checkpoint were re-sent from the spool, not generated again
-    logs = finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)
-    assert "resumed from" in logs and "re-sent spooled steps 2.." in (tmp_path / "sampler.log").read_text()
-    assert 2 in sent_before_restart  # trained as step 3 before the kill: a step after the checkpoint
+    logs = finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler, 12)
+    checkpoint = int(re.search(r"resumed from \S+ at step (\d+)", logs).group(1))
+    # the last even step, or the one before if the kill landed while that checkpoint was being written
+    assert checkpoint >= 2 and checkpoint in (trained_before_kill // 2 * 2, trained_before_kill // 2 * 2 - 2)
+    # re-sends start at the resuming trainer's checkpoint (none are logged when the batches after it
+    # were still queued in the sampler's socket and reached the new trainer, or it had checkpointed past them)
+    resends = re.findall(r"resumes at sampler step (\d+): re-sent spooled steps (\d+)\.\.",
+                         (tmp_path / "sampler.log").read_text())
+    assert all(at == first for at, first in resends), logs
 
 
 def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:

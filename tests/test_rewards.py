@@ -52,7 +52,13 @@ def test_gsm8k_answer_worked_examples(completion, answer, expected):
     (GOOD, 1.25),
     ("<think>a</think><answer>1</answer>", 1.25),
     ("  \n<think>a</think>\n\n<answer>1</answer>\n ", 1.25),  # whitespace outside tolerated
-    ("<think></think><answer></answer>", 1.25),  # empty blocks are still the format
+    ("<think>a</think><answer>72 apples</answer>", 1.25),  # one number, as gsm8k_answer reads it
+    ("<think>a</think><answer>$1,234.50</answer>", 1.25),
+    ("<think></think><answer>1</answer>", -1.0),  # no reasoning
+    ("<think> \n </think><answer>1</answer>", -1.0),
+    ("<think>a</think><answer></answer>", -1.0),  # no number
+    ("<think>\nreasoning\n</think>\n<answer>\nnumber\n</answer>", -1.0),  # a placeholder template
+    ("<think>a</think><answer>72 or 73</answer>", -1.0),  # two numbers
     ("Sure! <think>a</think><answer>1</answer>", -1.0),  # text before
     ("<think>a</think><answer>1</answer> Hope this helps", -1.0),  # text after
     ("<think>a</think> so <answer>1</answer>", -1.0),  # text between
@@ -76,6 +82,7 @@ def test_think_answer_format_worked_examples(completion, expected):
     ("<think>a</think>", 0.5),
     ("<think>a</think><answer>7", 0.75),
     ("<think>a</think> text <answer>7</answer>", 1.0),  # all four tags in order, text between
+    ("<think>a</think><answer>number</answer>", 1.0),  # the tags, but no number: not the format
     ("<answer>7</answer>", 0.5),  # tags after the missing ones still count in order
     ("</think><think>", 0.25),  # out of order: only the first found in sequence counts
     ("<think><think></think>", 0.25),  # a repeated tag earns nothing

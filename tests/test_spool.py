@@ -48,3 +48,42 @@ def test_each_new_trainer_gets_the_steps_after_its_checkpoint_once(tmp_path):
     assert redelivery.check(next_step=6) == [] and spool.steps() == [4, 5]
     state.write_text(json.dumps({"step": 4, "next_sampler_step": 4, "incarnation": "b"}))  # it restarted
     assert redelivery.check(next_step=6) == [4, 5]
+
+
+def test_after_the_last_step_the_sampler_serves_a_restarted_trainer_until_it_checkpoints_everything(tmp_path):
+    spool, sent = Spool(tmp_path / "spool"), []
+    for step in range(6):
+        spool.put(step, frames_of(step))
+    state = tmp_path / "trainer_state.json"
+    redelivery = Redelivery(spool, sent.append, state)
+    redelivery.wait_until_checkpointed(6, timeout_s=0)  # no trainer ever started: nothing to wait for
+    state.write_text(json.dumps({"step": 4, "next_sampler_step": 4, "incarnation": "a"}))
+    redelivery.check(next_step=6)
+    sent.clear()
+
+    def trainer_restarts_then_finishes():  # what the poll sees, one file state per poll
+        yield {"step": 4, "next_sampler_step": 4, "incarnation": "a"}  # killed after its checkpoint at 4
+        yield {"step": 4, "next_sampler_step": 4, "incarnation": "b"}  # restarted: wants 4 and 5 again
+        yield {"step": 6, "next_sampler_step": 6, "incarnation": "b"}  # trained and checkpointed them
+
+    states = trainer_restarts_then_finishes()
+    original_check = redelivery.check
+
+    def check_after_the_next_write(next_step):
+        state.write_text(json.dumps(next(states)))
+        return original_check(next_step)
+
+    redelivery.check = check_after_the_next_write
+    redelivery.wait_until_checkpointed(6, timeout_s=60, poll_s=0)
+    assert sent == [frames_of(4), frames_of(5)] and spool.steps() == []
+
+
+def test_a_trainer_that_never_finishes_times_out_naming_the_spool(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    spool.put(5, frames_of(5))
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"step": 5, "next_sampler_step": 5, "incarnation": "a"}))
+    redelivery = Redelivery(spool, lambda frames: None, state)
+    with pytest.raises(TimeoutError, match=r"checkpointed only sampler steps below 5 of 6; the rest stay in .*spool"):
+        redelivery.wait_until_checkpointed(6, timeout_s=0.3, poll_s=0.05)
+    assert spool.steps() == [5]  # nothing lost

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install train test bench clean-venv
+.PHONY: install train test bench-trl clean-venv
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,16 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+BENCH_STAMP := $(VENV)/.bench-$(shell cat requirements-bench.txt requirements.txt | cksum | cut -d' ' -f1)
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q --no-build-isolation -r requirements-bench.txt
+	rm -f $(VENV)/.bench-*
+	touch $(BENCH_STAMP)
+
+bench-trl: $(BENCH_STAMP)
+	$(PY) scripts/bench_vs_trl.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,7 +26,7 @@ import torch
 
 from data.cursor import PromptCursor
 from data.gsm8k import load_problems
-from data.prompts import encode_prompts
+from data.prompts import build_prompts
 from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
 from grpo.config import parse_cli, save_config
@@ -67,8 +67,7 @@ def main(argv: list[str]) -> int:
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
 
     problems, _ = load_problems(cfg.data.path, cfg.data.split)
-    prompts, dropped = encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.prefill,
-                                      cfg.data.max_prompt_tokens)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     s, G = cfg.sampling, cfg.sampling.group_size
@@ -103,16 +102,22 @@ def main(argv: list[str]) -> int:
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
 
     # ------------------------------------------------------------------ the loop
+    previous_send_s = 0.0
     for step in range(start_step, cfg.training.steps):
         redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
+        t, loaded_before = time.perf_counter(), watcher.load_seconds
         wait_for_version(watcher, required_version(step, s.max_staleness, cfg.weights.publish_every),
                          s.wait_timeout_s, on_poll=lambda: redelivery.check(step))
-        timings = {}
+        timings = {"timing/weights_wait_s": time.perf_counter() - t,  # loading included
+                   "timing/weight_load_s": watcher.load_seconds - loaded_before,
+                   "timing/previous_send_s": previous_send_s}  # this batch's own send is not over when it is encoded
         chosen = [prompts[i] for i in cursor.take(s.prompts_per_step)]
         prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in chosen]
 
         t = time.perf_counter()
-        rollouts = engine.generate([p.token_ids for p in chosen], G, seed=cfg.seed * 1_000_003 + step)
+        from_generation = s.old_logps == "generation"
+        rollouts = engine.generate([p.token_ids for p in chosen], G, seed=cfg.seed * 1_000_003 + step,
+                                   **({"record_logps": True} if from_generation else {}))
         timings["timing/generate_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -128,7 +133,7 @@ def main(argv: list[str]) -> int:
         args = (prompt_ids, rollouts.completion_ids, [G] * len(chosen))
         kwargs = dict(temperature=s.temperature, shared_prefix=cfg.training.shared_prefix)
         with torch.no_grad():
-            old_logps = completion_logprobs(model, *args, **kwargs)
+            old_logps = rollouts.engine_logps if from_generation else completion_logprobs(model, *args, **kwargs)
             ref_logps = None
             if cfg.training.beta > 0 and cfg.lora.enabled:
                 with model.disable_adapter():
@@ -151,14 +156,25 @@ def main(argv: list[str]) -> int:
         metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
         metrics["sampler/weight_load_failures"] = float(watcher.failures)
         metrics.update(strict_rates(texts, answers))
-        if rollouts.engine_logps is not None:  # vLLM's sampled log-probs against the recomputed ones
-            gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.engine_logps, old_logps)]
+        if rollouts.engine_logps is not None and (not from_generation or step == start_step):
+            # the engine's sampled log-probs against the recomputed ones: vLLM's at every step; the
+            # recorded ones that replace the recompute, once per start
+            recomputed = old_logps
+            if from_generation:
+                with torch.no_grad():
+                    recomputed = completion_logprobs(model, *args, **kwargs)
+            gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.engine_logps, recomputed)]
             metrics["sampler/engine_logp_gap_max"] = max(gaps)
+            if from_generation:
+                log.info("old log-probs read off generation differ from the recomputed ones by at most %.2e",
+                         max(gaps))
         batch.meta["metrics"] = metrics
 
+        t = time.perf_counter()
         frames = sender.encode(batch)
         spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
         sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
+        previous_send_s = time.perf_counter() - t
         state.save(step + 1, cursor.state_dict())
         log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", step, watcher.version,
                  metrics["reward"], timings["timing/generate_s"], timings["timing/logprobs_s"],

@@ -208,9 +208,10 @@ def main(argv: list[str]) -> int:
         publish_s = time.perf_counter() - t2
         if rank == 0:
             completion_tokens = sum(len(c) for c in batch.completion_ids)
-            row = {"step": state.step, **metrics, "learning_rate": scheduler.get_last_lr()[0],
+            row = {"step": state.step, "wall_time": time.time(), **metrics, "learning_rate": scheduler.get_last_lr()[0],
                    "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
                    "timing/wait_s": wait_s, "timing/train_s": train_s, "timing/publish_s": publish_s,
+                   "trainer/completion_tokens": completion_tokens,
                    "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(train_s, 1e-9),
                    "trainer/rejected_messages": receiver.rejected, "trainer/skipped_steps": skipped_total,
                    "sampler_step": batch.step,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class Problem:
     id: str  # "<split>-<row index>", stable across runs
     question: str
     answer: str  # the final number, commas removed (e.g. "1234")
+    reasoning: str = ""  # the worked solution before '####', calculator notes removed (few-shot examples)
 
 
 @dataclass
@@ -44,6 +46,14 @@ def parse_final_answer(solution: str) -> str | None:
         return None
     text = solution.rsplit("####", 1)[1].strip().replace(",", "")
     return text if to_decimal(text) is not None else None
+
+
+CALCULATOR_NOTE_RE = re.compile(r"<<[^<>]*>>")
+
+
+def solution_reasoning(solution: str) -> str:
+    """GSM8K's worked solution without its '#### N' line and its '<<48/2=24>>' calculator notes."""
+    return CALCULATOR_NOTE_RE.sub("", solution.rsplit("####", 1)[0]).strip()
 
 
 def parse_rows(raw_rows, split: str, stats: LoadStats) -> list[Problem]:
@@ -65,7 +75,7 @@ def parse_rows(raw_rows, split: str, stats: LoadStats) -> list[Problem]:
         if final is None:
             stats.skip("non-numeric answer")
             continue
-        problems.append(Problem(f"{split}-{i}", question.strip(), final))
+        problems.append(Problem(f"{split}-{i}", question.strip(), final, solution_reasoning(solution)))
     return problems
 
 

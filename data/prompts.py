@@ -13,18 +13,31 @@ class Prompt:
     token_ids: list[int]  # the whole prompt, prefill included, no padding
 
 
-def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "") -> str:
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+def solved_turns(shots: list[Problem]) -> list[dict]:
+    """Few-shot examples as earlier chat turns, answered in the trained format."""
+    turns = []
+    for shot in shots:
+        turns += [{"role": "user", "content": shot.question},
+                  {"role": "assistant", "content": f"<think>\n{shot.reasoning}\n</think>\n<answer>\n{shot.answer}\n</answer>"}]
+    return turns
+
+
+def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = ()) -> str:
+    messages = [{"role": "system", "content": system_prompt}, *solved_turns(shots),
+                {"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text + prefill
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
-                   max_prompt_tokens: int) -> tuple[list[Prompt], int]:
-    """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`."""
-    prompts, dropped = [], 0
+                   max_prompt_tokens: int, shots: list[Problem] = ()) -> tuple[list[Prompt], int]:
+    """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`.
+    The `shots` themselves are not asked."""
+    prompts, dropped, shown = [], 0, {shot.id for shot in shots}
     for problem in problems:
-        text = prompt_text(tokenizer, problem.question, system_prompt, prefill)
+        if problem.id in shown:
+            continue
+        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots)
         # the chat template already holds the special tokens; do not add BOS twice
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
@@ -32,3 +45,20 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
             continue
         prompts.append(Prompt(problem, ids))
     return prompts, dropped
+
+
+def few_shot_examples(path: str, count: int) -> list[Problem]:
+    """The first `count` train problems (data.few_shot), solved, to show before every question."""
+    if count == 0:
+        return []
+    from data.gsm8k import load_problems
+
+    problems, _ = load_problems(path, "train")
+    return problems[:count]
+
+
+def build_prompts(tokenizer, data_cfg, problems: list[Problem]) -> tuple[list[Prompt], int]:
+    """The training / evaluation prompts as `data.*` configures them."""
+    shots = few_shot_examples(data_cfg.path, data_cfg.few_shot)
+    return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
+                          shots)

@@ -75,6 +75,7 @@ class DataConfig:
     max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
     system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
     prefill: str = _f("", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
+    few_shot: int = _f(0, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown as earlier chat turns before each question; they are not asked themselves.")
 
 
 @dataclass
@@ -89,6 +90,7 @@ class SamplingConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
+    old_logps: str = _f("recompute", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (read off the logits generate() sampled from: one forward pass fewer; hf engine only; checked against the recompute on the first step).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
@@ -323,6 +325,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 VALID = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "sampling.engine": ("hf", "vllm"),
+    "sampling.old_logps": ("recompute", "generation"),
     "training.kl_estimator": ("k1", "k2", "k3"),
     "training.aggregation": ("grpo", "dapo", "dr_grpo"),
     "training.advantage_scale": ("group", "batch", "none"),
@@ -374,6 +377,11 @@ def validate(cfg: Config) -> Config:
         errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
+    if s.old_logps == "generation" and s.engine != "hf":
+        errors.append("sampling.old_logps=generation needs sampling.engine=hf (vLLM's log-probs come from other "
+                      "kernels: they are compared with the recomputed ones, not used)")
+    if cfg.data.few_shot < 0:
+        errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
     if t.beta < 0:

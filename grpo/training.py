@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,7 +137,9 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) 
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     sums = MetricSums()
     optimizer, skipped = base_optimizer(engine), False
+    forward_backward_s = optimizer_s = 0.0
     for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
+        t = time.perf_counter()
         for i in range(int(count)):
             engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
             loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch)
@@ -145,14 +148,18 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) 
             if not torch.isfinite(loss):
                 optimizer.skip_next = True
             engine.backward(loss * world)
+        forward_backward_s += time.perf_counter() - t
+        t = time.perf_counter()
         optimizer.skipped = None
         engine.step()
+        optimizer_s += time.perf_counter() - t
         skipped = skipped or optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
         optimizer.skip_next = False
     metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)
     grad_norm = optimizer.grad_norm if optimizer.clip_norm is not None else engine.get_global_grad_norm()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["skipped"] = float(skipped)
+    metrics["timing/forward_backward_s"], metrics["timing/optimizer_s"] = forward_backward_s, optimizer_s  # this rank's
     return metrics
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,7 @@ class WeightWatcher:
         self.root, self.model, self.on_loaded = Path(root), model, on_loaded
         self.version = initial_version
         self.failures = 0
+        self.load_seconds = 0.0  # spent verifying and copying versions in, in all
         self._refused: dict[int, tuple] = {}  # version -> identity of the folder that failed
 
     def latest(self) -> int | None:
@@ -219,6 +221,7 @@ class WeightWatcher:
         identity = _identity(folder)
         if self._refused.get(latest) == identity:
             return None  # already refused this copy; a re-published one is tried afresh
+        started = time.perf_counter()
         try:
             manifest = verify(folder)
             if manifest["version"] != latest:
@@ -227,10 +230,12 @@ class WeightWatcher:
             if self.on_loaded is not None:
                 self.on_loaded(folder, latest)
         except (WeightsError, OSError, ValueError, RuntimeError) as e:
+            self.load_seconds += time.perf_counter() - started
             self.failures += 1
             self._refused[latest] = identity
             log.error("refused weights v%d (%s); still serving v%d", latest, e, self.version)
             return LoadResult(latest, False, str(e))
+        self.load_seconds += time.perf_counter() - started
         self.version = latest
         log.info("loaded weights v%d from %s", latest, folder)
         return LoadResult(latest, True)

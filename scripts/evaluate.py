@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from data.gsm8k import load_problems  # noqa: E402
-from data.prompts import encode_prompts  # noqa: E402
+from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
@@ -52,8 +52,7 @@ def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, spli
     model = load_evaluated_model(cfg, weights, device)
     problems, _ = load_problems(cfg.data.path, split)
     problems = problems[:limit] if limit else problems
-    prompts, dropped = encode_prompts(tokenizer, problems, cfg.data.system_prompt, cfg.data.prefill,
-                                      cfg.data.max_prompt_tokens)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     engine = HFEngine(model, tokenizer, cfg.sampling)
     samples, start = [], time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc="evaluate", unit="batch", file=sys.stderr):

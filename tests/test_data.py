@@ -5,8 +5,9 @@ import json
 import pytest
 
 from data.cursor import PromptCursor
-from data.gsm8k import DataError, load_problems, parse_final_answer
-from data.prompts import encode_prompts, prompt_text
+from data.gsm8k import DataError, load_problems, parse_final_answer, solution_reasoning
+from data.prompts import build_prompts, encode_prompts, prompt_text
+from grpo.config import DataConfig
 
 
 def test_real_gsm8k_has_all_rows_and_every_answer_parses(shared_gsm8k):
@@ -116,3 +117,27 @@ def test_prompts_use_the_chat_template_and_drop_overlong(smollm2, shared_gsm8k):
     limit = lengths[25]
     kept, dropped = encode_prompts(tokenizer, problems[:50], "SYS", "", max_prompt_tokens=limit)
     assert dropped == sum(n > limit for n in lengths) and len(kept) == 50 - dropped
+
+
+def test_solution_reasoning_drops_the_final_line_and_calculator_notes():
+    solution = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert solution_reasoning(solution) == ("Natalia sold 48/2 = 24 clips in May.\n"
+                                            "Natalia sold 48+24 = 72 clips altogether in April and May.")
+
+
+def test_few_shot_prompts_show_solved_train_problems_and_do_not_ask_them(smollm2, shared_gsm8k):
+    _, tokenizer = smollm2
+    train, _ = load_problems(str(shared_gsm8k), "train")
+    data = DataConfig(path=str(shared_gsm8k), system_prompt="SYS", prefill="<think>\n", few_shot=2,
+                      max_prompt_tokens=10**6)
+    prompts, dropped = build_prompts(tokenizer, data, train[:5])
+    assert [p.problem.id for p in prompts] == ["train-2", "train-3", "train-4"] and dropped == 0
+    text = tokenizer.decode(prompts[0].token_ids)
+    first_shot = ("<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as "
+                  "many clips in May. How many clips did Natalia sell altogether in April and May?<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\nNatalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 "
+                  "clips altogether in April and May.\n</think>\n<answer>\n72\n</answer><|im_end|>\n")
+    assert text.startswith("<|im_start|>system\nSYS<|im_end|>\n" + first_shot + "<|im_start|>user\nWeng earns")
+    assert text.count("<|im_start|>assistant\n") == 3  # two solved, one open
+    assert text.endswith(train[2].question + "<|im_end|>\n<|im_start|>assistant\n<think>\n")

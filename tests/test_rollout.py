@@ -84,6 +84,28 @@ def test_old_logps_equal_a_fresh_plain_forward_and_reference_equals_the_base_mod
     assert max((a - r).abs().max().item() for a, r in zip(old, ref)) > 1e-2  # the adapter matters
 
 
+def test_log_probs_recorded_while_sampling_equal_the_recomputed_old_log_probs():
+    """The behaviour policy's log-probs read off `generate` (sampling.old_logps=generation) match
+    the shared-prefix recompute, with chunking, uneven prompts (left padding) and EOS cuts."""
+    model = add_lora(tiny_model("qwen2", vocab_size=101), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    for max_sequences in (64, 4):
+        engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=10, temperature=1.5,
+                                                                 generation_batch_size=max_sequences))
+        rollouts = engine.generate(PROMPTS, 4, seed=3, record_logps=True)
+        plain = engine.generate(PROMPTS, 4, seed=3)
+        assert all(torch.equal(a, b) for a, b in zip(rollouts.completion_ids, plain.completion_ids))  # same draw
+        assert any(not cut for cut in rollouts.truncated) and any(rollouts.truncated)  # both kinds are covered
+        with torch.no_grad():
+            old = completion_logprobs(model, [torch.tensor(p) for p in PROMPTS], rollouts.completion_ids,
+                                      [4, 4, 4], temperature=1.5)
+        for recorded, recomputed, tokens in zip(rollouts.engine_logps, old, rollouts.completion_ids):
+            assert recorded.shape == tokens.shape
+            torch.testing.assert_close(recorded, recomputed, rtol=0, atol=1e-5)
+
+
 def test_default_config_builds_the_hf_engine():
     from grpo.rollout import make_engine
 

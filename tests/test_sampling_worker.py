@@ -119,6 +119,30 @@ def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_
     assert "resuming at step 3" in (tmp_path / "sampler.log").read_text()
 
 
+def test_old_logps_read_off_generation_are_the_serving_versions_and_checked_once(tmp_path, tiny_model_dir,
+                                                                                 tiny_gsm8k):
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
+                         "training.steps=2", "sampling.old_logps=generation")
+    try:
+        first = receiver.receive(timeout_s=120)
+        v1 = trained_adapter(tiny_model_dir, seed=1)
+        with v1.disable_adapter():  # v0: the adapter's B starts at zero, so v0 is the base model
+            assert close(first.old_logps, logps_of(v1, first))
+        assert first.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-5  # checked on the first step
+        publish(v1, tmp_path / "weights", version=1, step=1)
+        second = receiver.receive(timeout_s=60)
+        assert second.policy_version == 1 and close(second.old_logps, logps_of(v1, second))
+        assert "sampler/engine_logp_gap_max" not in second.meta["metrics"]  # only once per start
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        receiver.close()
+    assert "old log-probs read off generation differ from the recomputed ones by at most" in (
+        tmp_path / "sampler.log").read_text()
+
+
 def test_embedded_model_streams_real_gsm8k_batches(tmp_path, shared_gsm8k):
     address = free_tcp_address()
     receiver = BatchReceiver(address)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
@@ -71,3 +72,26 @@ def test_smoothing_and_series_worked_numbers():
     assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
     rows = [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 5.0}, {"step": 3, "a": 1.5, "b": 0.5}]
     assert series(rows, ["a", "b"]) == ([1, 3], [3.0, 2.0])  # summed keys; rows missing one are skipped
+
+
+def test_bench_vs_trl_summary_worked_numbers():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_vs_trl import overlap_efficiency, summarize
+
+    # steps end at 10, 30, 34, 40, 50 s; the first two are warm-up: timed steps 4, 6, 10 s
+    result = summarize([10.0, 30.0, 34.0, 40.0, 50.0], [100, 100, 40, 60, 100], warmup=1)
+    assert result == {"timed_steps": 3, "median_step_s": 6.0, "completion_tokens_per_s": 200 / 20,
+                      "timed_completion_tokens": 200}
+    with pytest.raises(ValueError, match="need at least 3 steps with times and token counts, got 2 times"):
+        summarize([1.0, 2.0], [1, 1], warmup=1)
+
+    def row(t, generate, train):
+        return {"wall_time": t, "timing/generate_s": generate, "timing/logprobs_s": 1.0, "timing/rewards_s": 0.5,
+                "timing/previous_send_s": 0.5, "timing/forward_backward_s": train, "timing/optimizer_s": 0.5}
+
+    rows = [row(0.0, 50.0, 9.0), row(10.0, 6.0, 7.0), row(20.0, 7.0, 8.5), row(32.0, 8.0, 9.5)]
+    result = overlap_efficiency(rows, warmup=0)
+    # sampler busy: medians of 8, 9, 10 -> 9; trainer busy: 7.5, 9, 10 -> 9; steps 10, 10, 12 -> 10
+    assert result["sampler_busy_s"] == 9.0 and result["trainer_busy_s"] == 9.0
+    assert result["overlap_efficiency"] == 10.0 / 9.0
+    assert result["medians"]["timing/generate_s"] == 7.0 and result["medians"]["timing/publish_s"] == 0.0

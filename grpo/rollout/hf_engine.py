@@ -43,6 +43,30 @@ def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[in
     return plan
 
 
+class SampledLogprobs:
+    """Records log softmax(logits / T) of each token `generate` draws: the behaviour policy's
+    log-probs, without a second forward pass over the completions.
+
+    A logits processor passed to `generate` runs before its temperature / top-p warpers, so it
+    sees the raw logits. The token drawn at step t is known only at step t+1 (the last input
+    id), so each call settles the step before; `finish` settles the last one.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.pending, self.steps = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """[N, steps] log-probs; `last_tokens` is the last column `generate` returned."""
+        steps = [*self.steps, self.pending.gather(-1, last_tokens[:, None]).squeeze(-1)]
+        return torch.stack(steps, dim=1)
+
+
 class HFEngine:
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
@@ -64,7 +88,8 @@ class HFEngine:
         return cache
 
     def generate(self, prompts: list[list[int]], group_size: int, *, greedy: bool = False,
-                 seed: int | None = None) -> Rollouts:
+                 seed: int | None = None, record_logps: bool = False) -> Rollouts:
+        """`record_logps`: also return each sampled token's log-prob (`Rollouts.engine_logps`)."""
         cfg = self.cfg
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -74,20 +99,28 @@ class HFEngine:
             torch.manual_seed(seed)
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=cfg.temperature,
                                                              top_p=cfg.top_p, top_k=cfg.top_k or None)
-        produced, truncated = [], []
+        produced, truncated, logps = [], [], []
         for k in plan:
             chunk_cache = None
             if cache is not None:
                 chunk_cache = cache if len(plan) == 1 else copy.deepcopy(cache)
                 chunk_cache.batch_repeat_interleave(k)
+            recorder = SampledLogprobs(1.0 if greedy else cfg.temperature) if record_logps else None
             with torch.no_grad():
                 out = self.model.generate(
                     input_ids=ids.repeat_interleave(k, 0), attention_mask=mask.repeat_interleave(k, 0),
                     past_key_values=chunk_cache, max_new_tokens=cfg.max_new_tokens,
-                    eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, **sampling)
-            for row in out[:, ids.shape[1]:].cpu():
+                    eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id,
+                    logits_processor=[recorder] if recorder else None, **sampling)
+            completions = out[:, ids.shape[1]:]
+            recorded = recorder.finish(completions[:, -1]).cpu() if recorder else None
+            for i, row in enumerate(completions.cpu()):
                 tokens, cut = cut_at_eos(row, self.eos_ids)
                 produced.append(tokens)
                 truncated.append(cut)
-        return Rollouts(chunk_major_to_prompt_major(produced, len(prompts), plan),
-                        chunk_major_to_prompt_major(truncated, len(prompts), plan))
+                if recorded is not None:
+                    logps.append(recorded[i, :len(tokens)].clone())
+        def prompt_major(items):
+            return chunk_major_to_prompt_major(items, len(prompts), plan)
+
+        return Rollouts(prompt_major(produced), prompt_major(truncated), prompt_major(logps) if record_logps else None)

@@ -1,0 +1,290 @@
+"""Our sampler + trainer against TRL's GRPOTrainer on the same work, one after the other in one run.
+
+    make bench-trl                                   # installs requirements-bench.txt, then runs this
+    .venv/bin/python scripts/bench_vs_trl.py [--workloads gsm8k,long] [--steps 8] [--warmup 2]
+                                             [--out runs/bench/vs_trl.json] [key=value ...]
+
+Both systems get the same model (the configured one, the embedded SmolLM2-135M-Instruct by
+default, LoRA r 16 on the attention projections), the same prompts in the same order (our
+prompt text and our PromptCursor's order, given to TRL as plain-text prompts with shuffling off),
+G, temperature, completion limit, learning rate, KL beta, loss aggregation, rewards and steps.
+
+Workloads: `gsm8k` (plain questions, 2 prompts x G 8 per step, completions <= 128 tokens) and
+`long` (4 solved train examples before each question, ~660 prompt tokens, G 8, completions
+<= 64 tokens). Each system runs in its own subprocess; a thread samples the memory of its
+whole process tree every 0.5 s (summed RSS, as asked, and summed PSS, which counts pages
+shared between our processes once). The first `--warmup` steps (model load, first
+generation) are not timed. Printed per system: median step time, completion tokens trained
+per second over the timed steps, peak memory, and ours / TRL; for ours also the median
+per-step timings from metrics.jsonl and the overlap efficiency (step time over
+max(sampler busy, trainer busy)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {
+    "gsm8k": ["data.few_shot=0", "sampling.prompts_per_step=2", "sampling.group_size=8",
+              "sampling.max_new_tokens=128"],
+    "long": ["data.few_shot=4", "sampling.prompts_per_step=2", "sampling.group_size=8",
+             "sampling.max_new_tokens=64", "data.max_prompt_tokens=2048"],
+}
+SAMPLER_TIMINGS = ["timing/weights_wait_s", "timing/generate_s", "timing/rewards_s", "timing/logprobs_s",
+                   "timing/previous_send_s"]
+TRAINER_TIMINGS = ["timing/wait_s", "timing/forward_backward_s", "timing/optimizer_s", "timing/publish_s"]
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(summed RSS, summed PSS) in bytes of a process and all its descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    rss = pss = 0
+    for proc in procs:
+        try:
+            info = proc.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
+    return rss, pss
+
+
+def run_measured(cmd: list[str], log_path: Path, env: dict) -> dict:
+    """Run `cmd` to the end; its exit code, wall time and peak tree memory."""
+    peak = {"rss": 0, "pss": 0}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                rss, pss = tree_memory(proc.pid)
+                peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss)
+                done.wait(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        start = time.perf_counter()
+        watcher.start()
+        code = proc.wait()
+        done.set()
+        watcher.join()
+    return {"exit_code": code, "wall_s": time.perf_counter() - start, "peak_rss": peak["rss"], "peak_pss": peak["pss"]}
+
+
+def summarize(step_end_times: list[float], completion_tokens: list[int], warmup: int) -> dict:
+    """Median step time and completion tokens per second over the steps after `warmup`.
+
+    Step i's time is end[i] - end[i-1]; the timed window runs from the end of step `warmup`
+    to the end of the last step, and counts the completion tokens of the steps inside it.
+    """
+    if len(step_end_times) != len(completion_tokens) or len(step_end_times) < warmup + 2:
+        raise ValueError(f"need at least {warmup + 2} steps with times and token counts, got "
+                         f"{len(step_end_times)} times and {len(completion_tokens)} counts")
+    times = step_end_times[warmup:]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    tokens = sum(completion_tokens[warmup + 1:])
+    return {"timed_steps": len(steps), "median_step_s": statistics.median(steps),
+            "completion_tokens_per_s": tokens / (times[-1] - times[0]), "timed_completion_tokens": tokens}
+
+
+def overlap_efficiency(rows: list[dict], warmup: int) -> dict:
+    """Median per-step timings of both processes and step time over max(sampler busy, trainer busy).
+
+    Busy: the sampler's generate + rewards + log-probs + send, the trainer's forward-backward +
+    optimizer + publish. 1.0 means the slower process never waits for the other.
+    """
+    timed = rows[warmup + 1:]
+    medians = {k: statistics.median(r.get(k, 0.0) for r in timed) for k in SAMPLER_TIMINGS + TRAINER_TIMINGS}
+    sampler_busy = statistics.median(sum(r.get(k, 0.0) for k in SAMPLER_TIMINGS[1:]) for r in timed)
+    trainer_busy = statistics.median(sum(r.get(k, 0.0) for k in TRAINER_TIMINGS[1:]) for r in timed)
+    times = [r["wall_time"] for r in rows[warmup:]]
+    step = statistics.median(b - a for a, b in zip(times, times[1:]))
+    return {"medians": medians, "sampler_busy_s": sampler_busy, "trainer_busy_s": trainer_busy,
+            "overlap_efficiency": step / max(sampler_busy, trainer_busy)}
+
+
+# ---------------------------------------------------------------------------- the two systems
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_ours(workload: str, args, overrides: list[str], folder: Path) -> dict:
+    run_dir = folder / f"ours-{workload}"
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(args.config), f"run.dir={run_dir}",
+           *WORKLOADS[workload], f"training.steps={args.steps}", "checkpoint.every=100000",
+           "logging.tensorboard=false", f"transport.address={free_address()}", *overrides]
+    measured = run_measured(cmd, folder / f"ours-{workload}.log", dict(os.environ))
+    if measured["exit_code"] != 0:
+        raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'ours-{workload}.log'} and {run_dir}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    result = summarize([r["wall_time"] for r in rows], [r["trainer/completion_tokens"] for r in rows], args.warmup)
+    return {**measured, **result, **overlap_efficiency(rows, args.warmup)}
+
+
+def run_trl(workload: str, args, overrides: list[str], folder: Path) -> dict:
+    out = folder / f"trl-{workload}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", workload, "--steps", str(args.steps),
+           "--config", str(args.config), "--out", str(out), *overrides]
+    measured = run_measured(cmd, folder / f"trl-{workload}.log", dict(os.environ))
+    if measured["exit_code"] != 0:
+        raise SystemExit(f"the TRL run failed ({measured['exit_code']}); see {folder / f'trl-{workload}.log'}")
+    steps = json.loads(out.read_text())
+    result = summarize([s["end_time"] for s in steps], [s["completion_tokens"] for s in steps], args.warmup)
+    return {**measured, **result}
+
+
+def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: list[str]) -> None:
+    """Runs in the TRL subprocess: GRPOTrainer with our settings, prompts and rewards."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from data.cursor import PromptCursor
+    from data.gsm8k import load_problems
+    from data.prompts import build_prompts, few_shot_examples, prompt_text
+    from grpo.config import parse_cli
+    from grpo.models import load_model, load_tokenizer
+    from rewards import get_reward
+
+    cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides])
+    s, t = cfg.sampling, cfg.training
+    tokenizer = load_tokenizer(cfg.model)
+    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
+    shots = few_shot_examples(cfg.data.path, cfg.data.few_shot)
+    cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
+    chosen = [prompts[i] for _ in range(steps) for i in cursor.take(s.prompts_per_step)]
+    rows = []
+    for p in chosen:
+        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots)
+        if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt
+            raise SystemExit(f"TRL would see other prompt tokens than ours for {p.problem.id}")
+        rows.append({"prompt": text, "answer": p.problem.answer})
+
+    def trl_reward(name: str):
+        function = get_reward(name)
+
+        def reward(completions, answer, **_):  # our rewards score the prefill + completion
+            return [function(cfg.data.prefill + c, a) for c, a in zip(completions, answer)]
+
+        reward.__name__ = name
+        return reward
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_log(self, _args, state, _control, logs=None, **_):
+            if logs and "completions/mean_length" in logs:
+                self.steps.append({"step": state.global_step, "end_time": time.time(),
+                                   "completion_tokens": round(logs["completions/mean_length"] * s.prompts_per_step
+                                                              * s.group_size)})
+
+    if t.aggregation not in ("grpo", "dapo", "dr_grpo") or t.use_gspo or t.num_iterations != 1:
+        raise SystemExit("the TRL side is set up for GRPO with num_iterations 1 and the grpo/dapo/dr_grpo losses")
+    trl_args = GRPOConfig(
+        output_dir=str(out.parent / f"trl-{workload}"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
+        per_device_train_batch_size=s.prompts_per_step * s.group_size, gradient_accumulation_steps=1,
+        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+        top_p=s.top_p, learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=t.beta, loss_type=t.aggregation,
+        epsilon=0.2, scale_rewards=t.advantage_scale, mask_truncated_completions=t.mask_truncated_completions,
+        reward_weights=list(cfg.rewards.weights), max_steps=steps, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+    callback = StepTimes()
+    trainer = GRPOTrainer(model=load_model(cfg.model, "cpu"), reward_funcs=[trl_reward(n) for n in cfg.rewards.names],
+                          args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          peft_config=lora, callbacks=[callback])
+    print(f"TRL {__import__('trl').__version__}, torch threads {torch.get_num_threads()}", flush=True)
+    trainer.train()
+    out.write_text(json.dumps(callback.steps))
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def table(workload: str, results: dict, args) -> str:
+    ours, trl = results["ours"], results["trl"]
+    lines = [f"workload {workload}: {' '.join(WORKLOADS[workload])}, {args.steps} steps, first {args.warmup} not timed",
+             f"{'system':<6} {'median step s':>14} {'compl. tok/s':>13} {'peak RSS MiB':>13} {'peak PSS MiB':>13}"]
+    for name, r in (("ours", ours), ("TRL", trl)):
+        lines.append(f"{name:<6} {r['median_step_s']:>14.2f} {r['completion_tokens_per_s']:>13.2f} "
+                     f"{r['peak_rss'] / 2**20:>13.0f} {r['peak_pss'] / 2**20:>13.0f}")
+    lines.append(f"ours/TRL: tokens/s x{ours['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f}, "
+                 f"step time x{ours['median_step_s'] / trl['median_step_s']:.2f}, "
+                 f"peak RSS x{ours['peak_rss'] / trl['peak_rss']:.2f}, peak PSS x{ours['peak_pss'] / trl['peak_pss']:.2f}")
+    m = ours["medians"]
+    lines.append("ours, median per step (s): " + ", ".join(f"{k.split('/')[1][:-2]} {v:.2f}" for k, v in m.items()))
+    lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, trainer busy {ours['trainer_busy_s']:.2f} s, "
+                 f"step / max(busy) = {ours['overlap_efficiency']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="gsm8k,long")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "vs_trl.json")
+    parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args(argv)
+    if args.trl_worker:
+        trl_worker(args.trl_worker, args.steps, args.config, args.out, overrides)
+        return 0
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL is not installed: make bench-trl (or .venv/bin/pip install -r requirements-bench.txt)",
+              file=sys.stderr)
+        return 2
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown or args.steps < args.warmup + 2:
+        print(f"workloads are {', '.join(WORKLOADS)}; --steps must be >= --warmup + 2", file=sys.stderr)
+        return 2
+    folder = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    report, printed = {}, []
+    for workload in args.workloads.split(","):
+        results = {"ours": run_ours(workload, args, overrides, folder),
+                   "trl": run_trl(workload, args, overrides, folder)}
+        report[workload] = results
+        printed.append(table(workload, results, args))
+        print(printed[-1] + "\n", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"steps": args.steps, "warmup": args.warmup, "overrides": overrides,
+                                    "cpu_count": os.cpu_count(), "results": report}, indent=1))
+    print(f"wrote {args.out}; logs and run folders in {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,13 +1,17 @@
-"""Old-policy log-probs read off generation vs recomputed after it, side by side.
+"""The sampler's generate + old log-probs, three ways side by side.
 
     .venv/bin/python scripts/bench_old_logps.py [--repeats 2] [key=value ...]
 
-The sampler's generate + old log-probs on the configured model (the embedded SmolLM2-135M
-with a LoRA adapter that looks trained), the first `sampling.prompts_per_step` prompts of the
-configured data, G and completion limit as configured. `recompute`: `generate`, then the
-shared-prefix forward over the completions; `generation`: `generate` recording the log-prob of
-each token it draws. Both draw the same completions (same seed); the variants alternate and
-the medians are printed with their ratio and the largest log-prob difference.
+On the configured model (the embedded SmolLM2-135M with a LoRA adapter that looks trained),
+the first `sampling.prompts_per_step` prompts of the configured data, G and completion limit
+as configured:
+- `multinomial + recompute`: transformers' sampling (torch.multinomial), then the shared-prefix
+  forward over the completions (what the sampler did before);
+- `inverse-CDF + recompute`: our TokenSampler, then the same forward (sampling.old_logps=recompute);
+- `inverse-CDF + recorded`: our TokenSampler recording each drawn token's log-prob
+  (sampling.old_logps=generation).
+The last two draw the same completions (same seed). Variants alternate; medians are printed
+with ratios and the largest log-prob difference between recorded and recomputed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("multinomial + recompute", "inverse-CDF + recompute", "inverse-CDF + recorded")
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +41,8 @@ def main(argv: list[str]) -> int:
     from grpo.config import parse_cli
     from grpo.logprobs import completion_logprobs
     from grpo.models import load_policy, load_tokenizer
-    from grpo.rollout.hf_engine import HFEngine
+    from grpo.completions import cut_at_eos
+    from grpo.rollout.hf_engine import HFEngine, left_pad
 
     cfg = parse_cli(["--config", args.config, *overrides])
     s = cfg.sampling
@@ -50,37 +57,56 @@ def main(argv: list[str]) -> int:
     prompt_ids = [p.token_ids for p in prompts]
     engine = HFEngine(model, tokenizer, s)
 
+    def multinomial_generate():
+        """The engine's prefill-once generation with transformers' own sampling."""
+        ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+        cache = engine._prefill(ids, mask)
+        cache.batch_repeat_interleave(s.group_size)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.repeat_interleave(s.group_size, 0),
+                                 attention_mask=mask.repeat_interleave(s.group_size, 0), past_key_values=cache,
+                                 max_new_tokens=s.max_new_tokens, do_sample=True, temperature=s.temperature,
+                                 top_p=s.top_p, top_k=s.top_k or None, eos_token_id=engine.eos_ids,
+                                 pad_token_id=tokenizer.pad_token_id)
+        return [cut_at_eos(row, engine.eos_ids)[0] for row in out[:, ids.shape[1]:]]
+
     def step(variant: str):
         t = time.perf_counter()
-        rollouts = engine.generate(prompt_ids, s.group_size, seed=0, record_logps=variant == "generation")
+        if variant == VARIANTS[0]:
+            completions = multinomial_generate()
+        else:
+            rollouts = engine.generate(prompt_ids, s.group_size, seed=0, record_logps=variant == VARIANTS[2])
+            completions = rollouts.completion_ids
         generated = time.perf_counter()
-        if variant == "generation":
+        if variant == VARIANTS[2]:
             logps = rollouts.engine_logps
         else:
             with torch.no_grad():
-                logps = completion_logprobs(model, [torch.tensor(p) for p in prompt_ids], rollouts.completion_ids,
+                logps = completion_logprobs(model, [torch.tensor(p) for p in prompt_ids], completions,
                                             [s.group_size] * len(prompt_ids), temperature=s.temperature)
-        return time.perf_counter() - t, generated - t, rollouts.completion_ids, logps
+        tokens = sum(len(c) for c in completions)
+        return time.perf_counter() - t, generated - t, tokens, completions, logps
 
-    times = {"recompute": [], "generation": []}
+    times = {v: [] for v in VARIANTS}
     results = {}
     for r in range(args.repeats):
-        for variant in ("generation", "recompute") if r % 2 else ("recompute", "generation"):
-            total, generate_s, completions, logps = step(variant)
-            times[variant].append((total, generate_s))
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            total, generate_s, tokens, completions, logps = step(variant)
+            times[variant].append((total, generate_s, tokens))
             results[variant] = (completions, logps)
-    same = all(torch.equal(a, b) for a, b in zip(results["recompute"][0], results["generation"][0]))
-    diff = max((a - b).abs().max().item() for a, b in zip(results["recompute"][1], results["generation"][1]))
-    tokens = sum(len(c) for c in results["recompute"][0])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(prompt_ids)} prompts x G {s.group_size}, "
-          f"{tokens} completion tokens, median of {args.repeats}; same completions: {same}; "
-          f"max |log-prob difference| {diff:.1e}")
-    print("| old log-probs | generate + old log-probs s | of which generate s | completion tokens/s |")
-    print("| --- | --- | --- | --- |")
-    median = {v: (statistics.median(t for t, _ in x), statistics.median(g for _, g in x)) for v, x in times.items()}
-    for variant, (total, generate_s) in median.items():
-        print(f"| {variant} | {total:.2f} | {generate_s:.2f} | {tokens / total:.1f} |")
-    print(f"speed-up of generation over recompute: {median['recompute'][0] / median['generation'][0]:.2f}x")
+    ours_recompute, ours_recorded = results[VARIANTS[1]], results[VARIANTS[2]]
+    same = all(torch.equal(a, b) for a, b in zip(ours_recompute[0], ours_recorded[0]))
+    diff = max((a - b).abs().max().item() for a, b in zip(ours_recompute[1], ours_recorded[1]))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(prompt_ids)} prompts x G "
+          f"{s.group_size}, up to {s.max_new_tokens} tokens, median of {args.repeats}; recorded vs recomputed: same "
+          f"completions {same}, max |log-prob difference| {diff:.1e}")
+    print("| sampling + old log-probs | seconds | of which generate | completion tokens | tokens/s | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rate = {v: statistics.median(n / t for t, _, n in x) for v, x in times.items()}
+    for variant, x in times.items():
+        print(f"| {variant} | {statistics.median(t for t, _, _ in x):.2f} | {statistics.median(g for _, g, _ in x):.2f} "
+              f"| {statistics.median(n for _, _, n in x):.0f} | {rate[variant]:.1f} | {rate[variant] / rate[VARIANTS[0]]:.2f}x |")
     return 0
 
 

@@ -5,13 +5,16 @@
 One loop, one step per training step k:
   wait until weights v >= k - max_staleness are loaded -> take B prompts -> G completions each
   -> rewards (per function and weighted) -> group-relative advantages -> old log-probs (the
-  generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0),
-  both with the shared-prefix forward at the sampling temperature -> send the RolloutBatch
-  -> save the data cursor (after the send, so a restart neither repeats nor skips prompts).
+  generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
+  and training.reference_on=sampler) with the shared-prefix forward at the sampling
+  temperature -> send the RolloutBatch -> save the data cursor (after the send, so a restart
+  neither repeats nor skips prompts).
 
-Departures from the GRPO paper: the old log-probs are recomputed by the same forward the
-trainer uses (not taken from the sampler's kernels), so the importance ratio is exactly 1 for
-on-policy data; and the policy may be up to `sampling.max_staleness` versions behind.
+Old log-probs: `sampling.old_logps=recompute` runs the forward the trainer uses, so the
+importance ratio is exactly 1 for on-policy data; `generation` records them while sampling
+(one forward pass fewer; they differ from the recompute by float rounding, ~5e-5 on the
+embedded model, logged on the first step). The policy may be up to `sampling.max_staleness`
+versions behind.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def main(argv: list[str]) -> int:
         with torch.no_grad():
             old_logps = rollouts.engine_logps if from_generation else completion_logprobs(model, *args, **kwargs)
             ref_logps = None
-            if cfg.training.beta > 0 and cfg.lora.enabled:
+            if cfg.training.beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
                 with model.disable_adapter():
                     ref_logps = completion_logprobs(model, *args, **kwargs)
             elif reference is not None:

@@ -115,6 +115,7 @@ class TrainingConfig:
     max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
                                "row stop the run with a checkpoint and an error.")
     beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
+    reference_on: str = _f("sampler", "Which process computes the reference log-probs: 'sampler' (adapter off, before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' balances the two when the sampler is the slower one.")
     kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
     clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
     clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).")
@@ -326,6 +327,7 @@ VALID = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "sampling.engine": ("hf", "vllm"),
     "sampling.old_logps": ("recompute", "generation"),
+    "training.reference_on": ("sampler", "trainer"),
     "training.kl_estimator": ("k1", "k2", "k3"),
     "training.aggregation": ("grpo", "dapo", "dr_grpo"),
     "training.advantage_scale": ("group", "batch", "none"),
@@ -380,6 +382,9 @@ def validate(cfg: Config) -> Config:
     if s.old_logps == "generation" and s.engine != "hf":
         errors.append("sampling.old_logps=generation needs sampling.engine=hf (vLLM's log-probs come from other "
                       "kernels: they are compared with the recomputed ones, not used)")
+    if t.reference_on == "trainer" and not cfg.lora.enabled:
+        errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
+                      "off; a full fine-tune would need a second copy of the model in every rank)")
     if cfg.data.few_shot < 0:
         errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
     if s.max_staleness < 0:

@@ -33,7 +33,10 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[s
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
-    ref = pad_right([x.to(device) for x in mb.ref_logps])[0] if mb.ref_logps is not None else None
+    ref_logps = mb.ref_logps
+    if ref_logps is None and t.beta > 0 and t.reference_on == "trainer":
+        ref_logps = reference_logps(model, mb, cfg)
+    ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
     mask = loss_mask(mask, mb.truncated.to(device), t.mask_truncated_completions)
     loss, metrics = policy_loss(
         new, old, mb.advantages.to(device), mask, ref_logps=ref, level="sequence" if t.use_gspo else "token",
@@ -45,6 +48,16 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[s
     metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
     metrics["loss"] = loss.item()
     return loss, metrics, tokens
+
+
+def reference_logps(model, mb: RolloutBatch, cfg) -> list[torch.Tensor]:
+    """The reference policy's log-probs (the LoRA adapter off, no grad), computed here when the
+    sampler leaves them to the trainer (training.reference_on=trainer)."""
+    t = cfg.training
+    with torch.no_grad(), model.disable_adapter():
+        return completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
+                                   shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
+                                   max_tokens_per_forward=t.max_tokens_per_micro_batch)
 
 
 class PolicyObjective(torch.nn.Module):

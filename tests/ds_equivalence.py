@@ -5,6 +5,7 @@ and, on rank 0, the single-process whole-batch update from the same start; rank 
 """
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ from grpo.models import add_lora  # noqa: E402
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
                            release_deepspeed_shm, train_step)
 
-CASES = [(level, agg, 0) for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
-        [("token", "grpo", 2),  # ZeRO-2 partitions gradients: the same update
-         ("token", "dapo", 3), ("sequence", "grpo", 3)]  # ZeRO-3 partitions the parameters too
+CASES = [(level, agg, 0, "sampler") for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
+        [("token", "grpo", 2, "sampler"),  # ZeRO-2 partitions gradients: the same update
+         ("token", "dapo", 3, "sampler"), ("sequence", "grpo", 3, "sampler"),  # ZeRO-3 partitions the parameters too
+         # the trainer computes the reference log-probs (adapter off) that the single process is given
+         ("token", "grpo", 0, "trainer"), ("sequence", "dapo", 3, "trainer")]
 
 
 def start_model():
@@ -80,14 +83,21 @@ def main(out_path: str) -> None:
     release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for level, aggregation, stage in CASES:
+    for level, aggregation, stage, reference_on in CASES:
         cfg = load_config(None, [f"training.use_gspo={level == 'sequence'}", f"training.aggregation={aggregation}",
+                                 f"training.reference_on={reference_on}",
                                  "training.max_tokens_per_micro_batch=30", "training.beta=0.04",
                                  "training.learning_rate=0.01", "training.max_grad_norm=0.1",
                                  "training.mask_truncated_completions=true", "sampling.max_new_tokens=10",
                                  "training.clip_low=0.2", "training.clip_high=0.28", f"deepspeed.zero_stage={stage}"])
         model = start_model()
         batch = make_batch(model)
+        given = batch
+        if reference_on == "trainer":
+            with torch.no_grad(), model.disable_adapter():
+                adapter_off = completion_logprobs(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
+                                                  temperature=cfg.sampling.temperature)
+            batch, given = dataclasses.replace(batch, ref_logps=None), dataclasses.replace(batch, ref_logps=adapter_off)
         before = lora_params(model)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         engine, *_ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
@@ -95,8 +105,9 @@ def main(out_path: str) -> None:
         metrics = train_step(engine, batch, cfg, rank, world, torch.device("cpu"))
         after = lora_params(model)
         if rank == 0:
-            ref_loss, ref_norm, ref_delta = reference_update(cfg, batch)
-            results.append({"case": [level, aggregation, stage], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            ref_loss, ref_norm, ref_delta = reference_update(dataclasses.replace(cfg, training=dataclasses.replace(
+                cfg.training, reference_on="sampler")), given)
+            results.append({"case": [level, aggregation, stage, reference_on], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                             "delta": {n: (after[n] - before[n]).tolist() for n in before},
                             "ref_loss": ref_loss, "ref_grad_norm": ref_norm, "ref_delta": ref_delta})
         dist.barrier()

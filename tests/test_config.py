@@ -98,6 +98,7 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["data.few_shot=-1"], "data.few_shot must be >= 0 (0 = none); got -1"),
     (["sampling.old_logps=generation", "sampling.engine=vllm"], "sampling.old_logps=generation needs sampling.engine=hf"),
     (["sampling.old_logps=cached"], "sampling.old_logps must be one of recompute, generation; got 'cached'"),
+    (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
     (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),
     (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),

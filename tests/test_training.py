@@ -35,14 +35,15 @@ def relative(a: float, b: float) -> float:
 
 
 def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
-    """GRPO and GSPO, each aggregation, ZeRO-0, 2 and 3: W=2 ranks with several micro-batches each."""
+    """GRPO and GSPO, each aggregation, ZeRO-0, 2 and 3, the reference log-probs from the sampler or
+    computed by the trainer: W=2 ranks with several micro-batches each."""
     out = tmp_path / "result.json"
     proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
                            str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 9
+    assert len(cases) == 11
     for case in cases:
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
@@ -67,8 +68,11 @@ LEARNING = ["sampling.max_new_tokens=1", "sampling.group_size=8", "sampling.prom
 
 TRAINER_KEYS = {"step", "loss", "policy_loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "grad_norm", "learning_rate", "staleness", "timing/wait_s",
-                "timing/train_s", "timing/publish_s", "trainer/tokens_per_s"}
-SAMPLER_KEYS = {"reward", "reward_std", "timing/generate_s", "completions/mean_length", "policy_version"}
+                "timing/train_s", "timing/publish_s", "timing/forward_backward_s", "timing/optimizer_s",
+                "trainer/tokens_per_s", "trainer/completion_tokens", "wall_time"}
+SAMPLER_KEYS = {"reward", "reward_std", "timing/generate_s", "timing/logprobs_s", "timing/rewards_s",
+                "timing/weights_wait_s", "timing/weight_load_s", "timing/previous_send_s", "completions/mean_length",
+                "policy_version"}
 
 
 def run_both(run_dir, model_dir, data_dir, *extra, timeout=600):
@@ -91,13 +95,16 @@ def deepspeed_shm_segments() -> set[str]:
 
 def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, tiny_gsm8k):
     segments = deepspeed_shm_segments()
-    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", *LEARNING)
+    # the trainer computes the reference log-probs here (the sampler ships none); KL > 0 once the adapter moved
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", "training.reference_on=trainer",
+                    *LEARNING)
     assert deepspeed_shm_segments() <= segments  # DeepSpeed's 69 MB /dev/shm segments are not left behind
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["sampler_step"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert TRAINER_KEYS | SAMPLER_KEYS <= set(row), TRAINER_KEYS | SAMPLER_KEYS - set(row)
         assert 0 <= row["staleness"] <= 1
     assert any(r["frac_reward_zero_std"] < 1 for r in rows)  # some group had a learning signal
+    assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # v0 is the reference itself (LoRA B starts at 0)
     weights = tmp_path / "weights"
     assert read_latest(weights) == 3 and all(version_dir(weights, v).is_dir() for v in (1, 2, 3))
     adapter = load_file(version_dir(weights, 3) / "adapter_model.safetensors")

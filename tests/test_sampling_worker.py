@@ -51,7 +51,7 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
     address = free_tcp_address()
     receiver = BatchReceiver(address)
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
-                         "training.steps=3")
+                         "training.steps=3", "training.reference_on=sampler")
     try:
         first = receiver.receive(timeout_s=120)
         assert (first.step, first.policy_version) == (0, 0)

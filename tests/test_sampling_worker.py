@@ -102,18 +102,20 @@ def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_
     receiver = BatchReceiver(address)
     try:
         proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
-                             "training.steps=3")
+                             "training.steps=3", "data.few_shot=2")
         got = [receiver.receive(timeout_s=120) for _ in range(3)]
         assert proc.wait(timeout=60) == 0
         proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
-                             "training.steps=5")
+                             "training.steps=5", "data.few_shot=2")
         got += [receiver.receive(timeout_s=120) for _ in range(2)]
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
         receiver.close()
-    cursor = PromptCursor(12, seed=0)  # one uninterrupted run's order
-    expected = [[f"train-{i}" for i in cursor.take(2)] for _ in range(5)]
+    # one uninterrupted run's order over the 10 problems that are asked: train-0 and train-1 are
+    # the two few-shot examples, shown in every prompt and never asked themselves
+    cursor = PromptCursor(10, seed=0)
+    expected = [[f"train-{2 + i}" for i in cursor.take(2)] for _ in range(5)]
     assert [b.step for b in got] == [0, 1, 2, 3, 4]
     assert [b.meta["sample_ids"] for b in got] == expected
     assert "resuming at step 3" in (tmp_path / "sampler.log").read_text()

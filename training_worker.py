@@ -36,6 +36,7 @@ from grpo.config import parse_cli, save_config
 from grpo.files import RunFolderError, ensure_writable, write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
+from grpo.sources import SourceError
 from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer,
                            release_deepspeed_shm, train_step, warmup_lambda)
 from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
@@ -131,7 +132,11 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ model, optimizer, engine
-    model = load_policy(cfg, device).train()
+    try:
+        model = load_policy(cfg, device).train()
+    except SourceError as e:  # offline Hub id or missing folder: one line, no traceback
+        log.error("%s", e)
+        return 2
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.training.warmup_steps))

@@ -1,1 +1,1 @@
-"""Datasets (GSM8K from the Hub or a local folder), chat prompts, and the resumable cursor."""
+"""Datasets (the embedded GSM8K copy, GSM8K from the Hub or a local folder), chat prompts, and the resumable cursor."""

@@ -1,6 +1,6 @@
-"""GSM8K rows from the Hub (`openai/gsm8k`, config `main`) or a local folder.
+"""GSM8K rows from the embedded copy (the default), the Hub (`openai/gsm8k`, config `main`) or a local folder.
 
-A local folder holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's
+`data.path: gsm8k-embedded` is the copy inside the project (data/embedded.py). A local folder holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's
 layout) with the fields `question` and `answer`; the final answer follows `####`.
 """
 
@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
+from grpo.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 from rewards.parsing import to_decimal
 
 log = logging.getLogger(__name__)
@@ -19,8 +21,8 @@ log = logging.getLogger(__name__)
 HUB_CONFIG = "main"
 
 
-class DataError(ValueError):
-    """A dataset that cannot be loaded at all (missing, empty, offline)."""
+class DataError(SourceError, ValueError):
+    """A dataset that cannot be loaded at all (missing, empty, damaged, offline)."""
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,16 @@ def _local_files(folder: Path, split: str) -> list[Path]:
     return []
 
 
-def _read_local(folder: Path, split: str, stats: LoadStats) -> list:
+def _require_local_files(folder: Path, split: str) -> list[Path]:
     files = _local_files(folder, split)
     if not files:
         raise DataError(f"{folder} has no {split}.jsonl or {split}.parquet; "
                         "a local GSM8K folder needs train.jsonl and test.jsonl (fields question, answer)")
+    return files
+
+
+def _read_local(folder: Path, split: str, stats: LoadStats) -> list:
+    files = _require_local_files(folder, split)
     if files[0].suffix == ".jsonl":
         return _read_jsonl(files[0], stats)
     import datasets
@@ -112,24 +119,64 @@ def _read_local(folder: Path, split: str, stats: LoadStats) -> list:
     return list(datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train"))
 
 
+def _hub_unreachable_error(name: str, reason: str) -> DataError:
+    return DataError(f"data.path={name!r} is a Hugging Face Hub id and the Hub cannot be reached ({reason}); use the "
+                     f"embedded copy (data.path={EMBEDDED_GSM8K}) or a local folder (data.path=/path/to/folder with "
+                     "train.jsonl and test.jsonl)")
+
+
+def check_hub_dataset(name: str) -> str | None:
+    """A one-line `DataError` now, rather than a minute of retries, for a Hub id the Hub cannot serve.
+    Returns why the Hub is unreachable when the user asked for offline mode (the cache may have it)."""
+    if not HUB_ID_RE.match(name):
+        raise DataError(f"data.path={name!r} is not a folder, a Hub dataset id (org/name) or {EMBEDDED_GSM8K}")
+    reason = hub_unreachable_reason()
+    if reason is not None and not hub_offline_by_request():
+        raise _hub_unreachable_error(name, reason)
+    return reason
+
+
 def _read_hub(name: str, split: str) -> list:
+    offline_reason = check_hub_dataset(name)
     import datasets
 
     try:
         return list(datasets.load_dataset(name, HUB_CONFIG, split=split))
     except Exception as e:
-        raise DataError(
-            f"could not load '{name}' (config '{HUB_CONFIG}', split '{split}') from the Hugging Face Hub: "
-            f"{type(e).__name__}: {str(e)[:200]}. Offline? Pass data.path=/path/to/folder with "
-            "train.jsonl and test.jsonl"
-        ) from None
+        if offline_reason is not None:  # HF_HUB_OFFLINE and not in the cache
+            raise _hub_unreachable_error(name, f"{offline_reason} and it is not in the local cache") from None
+        raise DataError(f"could not load data.path={name!r} (config '{HUB_CONFIG}', split '{split}') from the Hugging "
+                        f"Face Hub: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _read_embedded(split: str) -> list:
+    try:
+        return embedded_rows(split)
+    except EmbeddedDataError as e:
+        raise DataError(str(e)) from None
+
+
+def _read_rows(path: str, split: str, stats: LoadStats) -> list:
+    if path == EMBEDDED_GSM8K:
+        return _read_embedded(split)
+    folder = Path(path).expanduser()
+    return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split)
+
+
+def check_source(path: str, split: str) -> None:
+    """Fail now, in one line, if the data cannot be had (the launcher calls this before starting)."""
+    if path == EMBEDDED_GSM8K:
+        _read_embedded(split)
+    elif Path(path).expanduser().is_dir():
+        _require_local_files(Path(path).expanduser(), split)
+    else:
+        check_hub_dataset(path)
 
 
 def load_problems(path: str, split: str) -> tuple[list[Problem], LoadStats]:
     """All usable problems of a split, and what was skipped."""
     stats = LoadStats()
-    folder = Path(path).expanduser()
-    raw = _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split)
+    raw = _read_rows(path, split, stats)
     problems = parse_rows(raw, split, stats)
     if stats.skipped:
         log.warning("%s/%s: skipped %d of %d rows: %s", path, split, sum(stats.skipped.values()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import json
 import os
 import types
 import typing
@@ -70,12 +71,13 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    path: str = _f("openai/gsm8k", "Hub dataset id (config 'main') or a local folder with train.jsonl/test.jsonl or parquet.")
+    path: str = _f("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub dataset id "
+                               "(e.g. openai/gsm8k, config 'main') or a local folder with train.jsonl/test.jsonl or parquet.")
     split: str = _f("train", "Split used for training prompts.")
     max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
     system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
-    prefill: str = _f("", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
-    few_shot: int = _f(0, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown as earlier chat turns before each question; they are not asked themselves.")
+    prefill: str = _f("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
+    few_shot: int = _f(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown as earlier chat turns before each question; they are not asked themselves.")
 
 
 @dataclass
@@ -84,19 +86,19 @@ class SamplingConfig:
     device: str = _f("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
     prompts_per_step: int = _f(2, "Prompts per step (B).")
     group_size: int = _f(8, "Completions per prompt (G).")
-    max_new_tokens: int = _f(256, "Completion length limit; longer completions are cut and marked truncated.")
+    max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated.")
     temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
-    old_logps: str = _f("recompute", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (read off the logits generate() sampled from: one forward pass fewer; hf engine only; checked against the recompute on the first step).")
+    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (read off the logits generate() sampled from: one forward pass fewer; hf engine only; checked against the recompute on the first step).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
 @dataclass
 class RewardsConfig:
-    names: list[str] = _f(["gsm8k_answer", "think_answer_format"], "Reward functions, by registry name.")
+    names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"], "Reward functions, by registry name.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
     fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
                                "sample (counted in metrics as rewards/<name>/failures).")
@@ -108,14 +110,14 @@ class RewardsConfig:
 class TrainingConfig:
     steps: int = _f(200, "Optimizer steps (one sampler batch each).")
     use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's token-level.")
-    learning_rate: float = _f(1e-5, "AdamW peak learning rate.")
+    learning_rate: float = _f(2e-4, "AdamW peak learning rate.")
     warmup_steps: int = _f(0, "Linear learning-rate warmup steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
     max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
                                "row stop the run with a checkpoint and an error.")
     beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
-    reference_on: str = _f("sampler", "Which process computes the reference log-probs: 'sampler' (adapter off, before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' balances the two when the sampler is the slower one.")
+    reference_on: str = _f("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' balances the two when the sampler is the slower one.")
     kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
     clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
     clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).")
@@ -512,10 +514,13 @@ def reference_markdown() -> str:
                 walk(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
                 continue
             default = getattr(obj, f.name)
-            shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
-            shown = shown.removesuffix("\n...").removesuffix("...").strip()
-            if len(shown) > 40:
-                shown = shown[:37] + "..."
+            if isinstance(default, str) and "\n" in default:
+                shown = json.dumps(default)  # one table row: "<think>\n", not a broken line
+            else:
+                shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
+                shown = shown.removesuffix("\n...").removesuffix("...").strip()
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
             rows.append(f"| `{prefix}{f.name}` | `{shown}` | {f.metadata['help']} |")
 
     walk(Config, Config(), "")

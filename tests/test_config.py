@@ -3,7 +3,8 @@
 import pytest
 import yaml
 
-from grpo.config import Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config
+from grpo.config import (Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config,
+                         to_dict, validate)
 from conftest import REPO
 
 REQUIRED_KEYS = [
@@ -30,6 +31,27 @@ def test_default_config_yaml_loads_and_matches_documented_defaults():
     assert cfg.rewards.names == ["gsm8k_answer_lenient", "think_answer_format_partial"]
     assert str(cfg.run_dir) == "runs/gsm8k-lora-grpo"
     assert str(cfg.weights_dir) == "runs/gsm8k-lora-grpo/weights"
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "config":  # deepspeed.config is one pass-through value
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def test_config_yaml_and_the_built_in_defaults_are_the_same_run():
+    """One source of defaults: every value in config.yaml is the dataclass default (deleting a line
+    changes nothing), and README's table is generated from the dataclasses (next test but one)."""
+    shipped = _leaves(to_dict(load_config(REPO / "config.yaml")))
+    built_in = _leaves(to_dict(validate(Config())))
+    assert {k: (shipped[k], built_in[k]) for k in shipped if shipped[k] != built_in[k]} == {}
+    written = _leaves(yaml.safe_load((REPO / "config.yaml").read_text()))
+    assert {k: (v, built_in[k]) for k, v in written.items() if v != built_in[k]} == {}
+    assert built_in["data.path"] == "gsm8k-embedded"  # the default run needs no network
 
 
 def test_overrides_are_coerced_to_the_field_types():

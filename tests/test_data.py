@@ -1,23 +1,55 @@
 """GSM8K loading, answer parsing, prompts, and the resumable cursor."""
 
+import gzip
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from data.cursor import PromptCursor
+from data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
 from data.gsm8k import DataError, load_problems, parse_final_answer, solution_reasoning
 from data.prompts import build_prompts, encode_prompts, prompt_text
 from grpo.config import DataConfig
 
 
-def test_real_gsm8k_has_all_rows_and_every_answer_parses(shared_gsm8k):
-    train, train_stats = load_problems(str(shared_gsm8k), "train")
-    test, test_stats = load_problems(str(shared_gsm8k), "test")
+def test_embedded_gsm8k_has_all_rows_and_every_answer_parses(gsm8k_data):
+    train, train_stats = load_problems(gsm8k_data, "train")
+    test, test_stats = load_problems(gsm8k_data, "test")
     assert (len(train), len(test)) == (7473, 1319)
     assert train_stats.skipped == {} and test_stats.skipped == {}
     assert train[0].id == "train-0" and train[0].question.startswith("Natalia sold clips")
     assert train[0].answer == "72"
     assert all(p.answer.lstrip("-").replace(".", "", 1).isdigit() for p in train + test)
+
+
+def test_embedded_gsm8k_is_the_shared_copy_row_for_row(shared_gsm8k):
+    for split in ("train", "test"):
+        assert embedded_rows(split) == [json.loads(line) for line in
+                                        (shared_gsm8k / f"{split}.jsonl").read_text().splitlines()]
+        assert load_problems(EMBEDDED_GSM8K, split)[0] == load_problems(str(shared_gsm8k), split)[0]
+
+
+def _damaged_copy(tmp_path, split: str, mutate) -> Path:
+    folder = tmp_path / "embedded"
+    shutil.copytree(EMBEDDED_DIR, folder)
+    path = folder / f"{split}.jsonl.gz"
+    path.write_bytes(mutate(path.read_bytes()))
+    return folder
+
+
+def test_a_damaged_embedded_copy_is_an_error_not_a_shorter_dataset(tmp_path):
+    # one row fewer, recompressed: valid gzip, valid JSONL, 7472 rows
+    shorter = _damaged_copy(tmp_path / "a", "train",
+                            lambda b: gzip.compress(b"\n".join(gzip.decompress(b).split(b"\n")[1:])))
+    with pytest.raises(EmbeddedDataError, match=r"train.jsonl.gz is damaged: sha256 .*\(7472 rows, expected 7473\)"):
+        embedded_rows("train", shorter)
+    cut = _damaged_copy(tmp_path / "b", "test", lambda b: b[: len(b) // 2])
+    with pytest.raises(EmbeddedDataError, match="test.jsonl.gz cannot be read"):
+        embedded_rows("test", cut)
+    with pytest.raises(DataError, match="the embedded GSM8K has the splits train, test; got data.split='validation'"):
+        load_problems(EMBEDDED_GSM8K, "validation")
 
 
 @pytest.mark.parametrize("solution, expected", [
@@ -71,8 +103,12 @@ def test_missing_empty_and_offline_datasets_say_what_to_do(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
     with pytest.raises(DataError, match="has no usable rows \\(1 read, skipped: {'missing answer': 1}\\)"):
         load_problems(str(tmp_path), "train")
-    with pytest.raises(DataError, match="Pass data.path=/path/to/folder with train.jsonl and test.jsonl"):
+    with pytest.raises(DataError, match=r"data.path='no-such-user/no-such-dataset' is a Hugging Face Hub id and the Hub "
+                                        r"cannot be reached \(HF_HUB_OFFLINE is set and it is not in the local cache\); "
+                                        r"use the embedded copy \(data.path=gsm8k-embedded\) or a local folder"):
         load_problems("no-such-user/no-such-dataset", "train")  # HF_HUB_OFFLINE=1 in tests
+    with pytest.raises(DataError, match="data.path='/no/such/folder' is not a folder, a Hub dataset id"):
+        load_problems("/no/such/folder", "train")
 
 
 def test_cursor_is_deterministic_and_covers_each_epoch_once():
@@ -104,9 +140,9 @@ def test_cursor_refuses_a_state_from_another_dataset(tmp_path):
     assert PromptCursor(8, seed=1).restore(tmp_path / "absent.json") is False
 
 
-def test_prompts_use_the_chat_template_and_drop_overlong(smollm2, shared_gsm8k):
+def test_prompts_use_the_chat_template_and_drop_overlong(smollm2, gsm8k_data):
     _, tokenizer = smollm2
-    problems, _ = load_problems(str(shared_gsm8k), "test")
+    problems, _ = load_problems(str(gsm8k_data), "test")
     text = prompt_text(tokenizer, problems[0].question, "SYS", prefill="<think>")
     assert text.startswith("<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\n")
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n<think>")
@@ -126,10 +162,10 @@ def test_solution_reasoning_drops_the_final_line_and_calculator_notes():
                                             "Natalia sold 48+24 = 72 clips altogether in April and May.")
 
 
-def test_few_shot_prompts_show_solved_train_problems_and_do_not_ask_them(smollm2, shared_gsm8k):
+def test_few_shot_prompts_show_solved_train_problems_and_do_not_ask_them(smollm2, gsm8k_data):
     _, tokenizer = smollm2
-    train, _ = load_problems(str(shared_gsm8k), "train")
-    data = DataConfig(path=str(shared_gsm8k), system_prompt="SYS", prefill="<think>\n", few_shot=2,
+    train, _ = load_problems(str(gsm8k_data), "train")
+    data = DataConfig(path=str(gsm8k_data), system_prompt="SYS", prefill="<think>\n", few_shot=2,
                       max_prompt_tokens=10**6)
     prompts, dropped = build_prompts(tokenizer, data, train[:5])
     assert [p.problem.id for p in prompts] == ["train-2", "train-3", "train-4"] and dropped == 0

@@ -57,6 +57,28 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, digit_model_dir, 
         assert (tmp_path / name).exists(), name
 
 
+@pytest.mark.parametrize("override, named", [
+    ("data.path=openai/gsm8k", "data.path='openai/gsm8k' is a Hugging Face Hub id"),
+    ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct", "model.name_or_path='Qwen/Qwen2.5-0.5B-Instruct' is a Hugging Face Hub id"),
+])
+def test_a_hub_id_without_the_hub_fails_in_one_line_before_anything_starts(tmp_path, override, named):
+    """No HF_HUB_OFFLINE, an empty Hugging Face cache and a Hub that refuses connections (a closed
+    loopback port): the launcher answers in one line naming the key and the fix, and starts nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=free_tcp_address().replace("tcp://", "http://"), HF_HOME=str(tmp_path / "hf"))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(REPO / "config.yaml"),
+                           f"run.dir={tmp_path / 'run'}", override], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {named}") and "the Hub cannot be reached" in proc.stderr
+    fix = "data.path=gsm8k-embedded" if override.startswith("data") else "model.name_or_path=smollm2-135m-instruct"
+    assert fix in proc.stderr
+    assert elapsed < 10 and not (tmp_path / "run").exists()
+
+
 def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_model_dir, tiny_gsm8k):
     proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=500", "sampling.max_staleness=0")
     lines = []

@@ -1,10 +1,12 @@
 """The embedded model loads offline, deterministically, and LoRA-disabled equals the base."""
 
+import shutil
+
 import pytest
 import torch
 
 from grpo.config import Config, LoraConfig, ModelConfig
-from grpo.models import ModelError, add_lora, embedded_gguf_path, load_model
+from grpo.models import ModelError, add_lora, embedded_gguf_path, load_model, resolve_model_path
 from conftest import tiny_model
 
 
@@ -65,8 +67,30 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
 
 
 def test_unknown_model_names_the_choices(tmp_path):
-    with pytest.raises(ModelError, match="cannot load model .*one of: smollm2-135m-instruct"):
+    with pytest.raises(ModelError, match="is not a folder, a Hub id \\(org/name\\) or one of: smollm2-135m-instruct"):
         load_model(ModelConfig(name_or_path=str(tmp_path / "nothing-here")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="cannot load model .*one of: smollm2-135m-instruct"):
+        load_model(ModelConfig(name_or_path=str(tmp_path / "empty")))
+
+
+def test_a_hub_model_in_the_local_cache_loads_without_the_hub(tmp_path, tiny_model_dir, monkeypatch):
+    """HF_HUB_OFFLINE=1 (as in every test): a cached Hub id resolves to its snapshot folder and loads;
+    one that is not cached is a one-line error naming the key and the fix."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model_path("org/tiny") == str(snapshot)
+    model = load_model(ModelConfig(name_or_path="org/tiny"))
+    assert model.config.hidden_size == 32
+    with pytest.raises(ModelError, match="model.name_or_path='org/other' is a Hugging Face Hub id, it is not in the "
+                                         "local cache and the Hub cannot be reached \\(HF_HUB_OFFLINE is set\\); use "
+                                         "the embedded model \\(model.name_or_path=smollm2-135m-instruct\\)"):
+        resolve_model_path("org/other")
 
 
 def test_bad_lora_targets_are_named():

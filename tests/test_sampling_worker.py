@@ -145,10 +145,10 @@ def test_old_logps_read_off_generation_are_the_serving_versions_and_checked_once
         tmp_path / "sampler.log").read_text()
 
 
-def test_embedded_model_streams_real_gsm8k_batches(tmp_path, shared_gsm8k):
+def test_embedded_model_streams_real_gsm8k_batches(tmp_path, gsm8k_data):
     address = free_tcp_address()
     receiver = BatchReceiver(address)
-    proc = start_sampler(tmp_path, "smollm2-135m-instruct", shared_gsm8k, address, "training.steps=1",
+    proc = start_sampler(tmp_path, "smollm2-135m-instruct", gsm8k_data, address, "training.steps=1",
                          "sampling.max_new_tokens=24", "sampling.group_size=2", "sampling.prompts_per_step=1")
     try:
         batch = receiver.receive(timeout_s=300)

@@ -123,7 +123,7 @@ def test_bad_inputs_are_rejected_with_the_reason():
         completion_logprobs(model, p, [torch.tensor([5]), torch.tensor([], dtype=torch.long)], [2])
 
 
-def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm2, shared_gsm8k):
+def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm2, gsm8k_data):
     """Over 30 layers float32 rounding alone moves log-probs by ~2e-5 (the plain path against a
     float64 forward), more than the 1e-5 used on tiny models. So exactness is checked in
     float64, and in float32 the two paths must differ by less than that rounding noise."""
@@ -131,7 +131,7 @@ def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm
     from data.prompts import prompt_text
 
     model, tokenizer = smollm2
-    problem = load_problems(str(shared_gsm8k), "test")[0][0]
+    problem = load_problems(str(gsm8k_data), "test")[0][0]
     prompt = tokenizer(prompt_text(tokenizer, problem.question, "Think step by step."), add_special_tokens=False,
                        return_tensors="pt").input_ids
     torch.manual_seed(0)
@@ -148,8 +148,12 @@ def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm
         plain64 = completion_logprobs(model64, *args, shared_prefix=False, temperature=0.9)
     assert max_abs_diff(shared64, plain64) <= 1e-10
     truth = [x.double() for x in plain64]
-    float32_noise = max_abs_diff(plain, truth)  # ~2e-5: the plain path against exact arithmetic
-    assert max_abs_diff(shared, plain) <= float32_noise
+    float32_noise = max_abs_diff(plain, truth)  # ~1e-5 to 2e-5: the plain path against exact arithmetic
+    # Two float32 paths, each within the rounding noise of the truth, are within twice it of each
+    # other (triangle inequality). On an AVX-512 MKL build: shared-truth 9.1e-6, plain-truth 1.02e-5,
+    # shared-plain 1.14e-5, so "shared-plain <= plain-truth" was not an invariant.
+    assert max_abs_diff(shared, truth) <= 1.1 * float32_noise
+    assert max_abs_diff(shared, plain) <= 2 * float32_noise
     assert mean_abs_diff(shared, truth) <= 1.1 * mean_abs_diff(plain, truth)
 
 

@@ -15,7 +15,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
 def test_selecting_vllm_without_it_says_how_to_install():
     with pytest.raises(RuntimeError, match="sampling.engine=vllm needs vLLM: .venv/bin/pip install -r requirements-vllm.txt"):
-        make_engine(load_config(None, ["sampling.engine=vllm"]), model=None, tokenizer=None)
+        make_engine(load_config(None, ["sampling.engine=vllm", "sampling.old_logps=recompute"]), model=None, tokenizer=None)
 
 
 @pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()), reason="needs vLLM and a GPU")

@@ -33,6 +33,7 @@ from data.prompts import build_prompts
 from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
 from grpo.config import parse_cli, save_config
+from grpo.delivery import Redelivery, Spool, TrainerState, resume_step
 from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import completion_logprobs
 from grpo.models import load_model, load_tokenizer, add_lora, resolve_device
@@ -40,14 +41,13 @@ from grpo.rollout import make_engine
 from grpo.sampling import (SamplerState, loss_counts, required_version, sampler_metrics, strict_rates,
                            wait_for_version)
 from grpo.sources import SourceError
-from grpo.spool import Redelivery, Spool
-from grpo.training import TrainerState
 from grpo.transport import BatchSender
-from grpo.weights import WeightWatcher
+from grpo.weights import WeightWatcher, into_model
 from rewards import score_completions
 from rewards.sandbox import RewardSandbox
 
 log = logging.getLogger("sampler")
+SAMPLER_ID = 0  # the delivery key is (sampler, step); one sampler per run for now
 
 
 def main(argv: list[str]) -> int:
@@ -86,27 +86,23 @@ def main(argv: list[str]) -> int:
     if saved is not None:
         cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
         start_step = saved["next_step"]
-    spool = Spool(run_dir / "spool")
-    trainer = TrainerState.load(run_dir / "trainer_state.json")
-    if trainer is not None and trainer.next_sampler_step < start_step:
-        # steps after the trainer's checkpoint are re-sent from the spool; any it lacks are generated again
-        missing = sorted(set(range(trainer.next_sampler_step, start_step)) - set(spool.steps()))
-        if missing:
-            log.warning("trainer resumes at sampler step %d and the spool lacks step %d: rewinding from step %d",
-                        trainer.next_sampler_step, missing[0], start_step)
-            start_step = missing[0]
-            cursor.seek(start_step * s.prompts_per_step)
+    spool = Spool.of_sampler(run_dir, SAMPLER_ID)
+    saved_step, start_step = start_step, resume_step(spool, TrainerState.load(run_dir / "trainer_state.json"),
+                                                      SAMPLER_ID, start_step)
+    if start_step != saved_step:  # rewound: the spool lost steps the trainer still needs
+        cursor.seek(start_step * s.prompts_per_step)
     if start_step:
         log.info("resuming at step %d (cursor epoch %d, index %d)", start_step, cursor.state.epoch,
                  cursor.state.index)
 
     engine = make_engine(cfg, model, tokenizer)
-    # the HF model always follows the published weights (it computes the old log-probs);
-    # an engine with its own copy (vLLM) is told about each new version too
-    watcher = WeightWatcher(cfg.weights_dir, model, on_loaded=getattr(engine, "load_adapter", None))
+    # the HF engine generates with the scoring model itself; an engine with its own copy of the
+    # weights (vLLM) gets each version too, after the scoring model (recomputed and reference log-probs)
+    loaders = [engine.load_weights] if cfg.sampling.engine == "hf" else [into_model(model), engine.load_weights]
+    watcher = WeightWatcher(cfg.weights_dir, loaders)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
-    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json")
+    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", SAMPLER_ID)
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
 
     # ------------------------------------------------------------------ the loop
@@ -124,8 +120,7 @@ def main(argv: list[str]) -> int:
 
         t = time.perf_counter()
         from_generation = s.old_logps == "generation"
-        rollouts = engine.generate([p.token_ids for p in chosen], G, seed=cfg.seed * 1_000_003 + step,
-                                   **({"record_logps": True} if from_generation else {}))
+        rollouts = engine.generate([p.token_ids for p in chosen], G, seed=cfg.seed * 1_000_003 + step)
         timings["timing/generate_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -141,7 +136,7 @@ def main(argv: list[str]) -> int:
         args = (prompt_ids, rollouts.completion_ids, [G] * len(chosen))
         kwargs = dict(temperature=s.temperature, shared_prefix=cfg.training.shared_prefix)
         with torch.no_grad():
-            old_logps = rollouts.engine_logps if from_generation else completion_logprobs(model, *args, **kwargs)
+            old_logps = rollouts.logps if from_generation else completion_logprobs(model, *args, **kwargs)
             ref_logps = None
             if cfg.training.beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
                 with model.disable_adapter():
@@ -154,7 +149,7 @@ def main(argv: list[str]) -> int:
         num_tokens, num_sequences = loss_counts(rollouts.completion_ids, truncated,
                                                 cfg.training.mask_truncated_completions)
         batch = RolloutBatch(
-            step=step, policy_version=watcher.version, prompt_ids=prompt_ids,
+            step=step, sampler=SAMPLER_ID, policy_version=watcher.version, prompt_ids=prompt_ids,
             completion_ids=rollouts.completion_ids, group_sizes=[G] * len(chosen),
             old_logps=[x.float().cpu() for x in old_logps],
             ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
@@ -164,14 +159,14 @@ def main(argv: list[str]) -> int:
         metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
         metrics["sampler/weight_load_failures"] = float(watcher.failures)
         metrics.update(strict_rates(texts, answers))
-        if rollouts.engine_logps is not None and (not from_generation or step == start_step):
-            # the engine's sampled log-probs against the recomputed ones: vLLM's at every step; the
-            # recorded ones that replace the recompute, once per start
+        if not from_generation or step == start_step:
+            # the engine's sampled log-probs against the recomputed ones: at every step when the
+            # recompute runs anyway; once per start when the recorded ones replace it
             recomputed = old_logps
             if from_generation:
                 with torch.no_grad():
                     recomputed = completion_logprobs(model, *args, **kwargs)
-            gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.engine_logps, recomputed)]
+            gaps = [(a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.logps, recomputed)]
             metrics["sampler/engine_logp_gap_max"] = max(gaps)
             if from_generation:
                 log.info("old log-probs read off generation differ from the recomputed ones by at most %.2e",

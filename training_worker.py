@@ -32,19 +32,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from grpo.batch import RolloutBatch
 from grpo.config import parse_cli, save_config
+from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable, write_atomically
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy
 from grpo.sources import SourceError
-from grpo.training import (PolicyObjective, TrainerState, deepspeed_config, make_optimizer,
+from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer,
                            release_deepspeed_shm, train_step, warmup_lambda)
-from grpo.transport import BatchReceiver, TransportTimeout, decode_batch
+from grpo.transport import BatchReceiver, decode_batch
 from grpo.weights import publish, published_versions, version_dir
 
 log = logging.getLogger("trainer")
 STOP = {"requested": False}
-WAIT_NOTE_S = 30.0  # how often a trainer waiting for the sampler says so
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
 
@@ -71,41 +72,9 @@ def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
     return out
 
 
-def receive_next(receiver, state: TrainerState, pending: dict[int, list[bytes]],
-                 timeout_s: float) -> list[bytes] | None:
-    """Rank 0: the frames of sampler step `state.next_sampler_step`; None on SIGTERM.
-
-    Steps are trained strictly in order (grpo/spool.py): one already trained is dropped, one
-    that arrives early waits in `pending` until the steps before it are re-sent.
-    """
-    wanted = state.next_sampler_step
-    for step in [s for s in pending if s < wanted]:
-        del pending[step]
-    start = time.monotonic()
-    note_every = min(WAIT_NOTE_S, timeout_s / 4)
-    next_note = start + note_every
-    while not STOP["requested"]:
-        if wanted in pending:
-            return pending.pop(wanted)
-        now = time.monotonic()
-        if now >= next_note:
-            log.warning("waiting for sampler step %d on %s for %.0f s (gives up after %g s; is sampling_worker.py "
-                        "running?)", wanted, receiver.address, now - start, timeout_s)
-            next_note += note_every
-        try:  # short polls, so that SIGTERM is noticed while waiting
-            frames, batch = receiver.receive_frames(min(1.0, max(start + timeout_s - now, 0.01)))
-        except TransportTimeout:
-            if time.monotonic() >= start + timeout_s:
-                raise TransportTimeout(f"sampler step {wanted} did not arrive on {receiver.address} in {timeout_s:g} s "
-                                       "(is sampling_worker.py running? transport.recv_timeout_s)") from None
-            continue
-        if batch.step < wanted or batch.step in pending:
-            log.info("dropping sampler step %d: already %s", batch.step, "trained" if batch.step < wanted else "held")
-        else:
-            pending[batch.step] = frames
-            if batch.step > wanted:
-                log.info("holding sampler step %d until step %d arrives", batch.step, wanted)
-    return None
+def _keyed(received: tuple[list[bytes], RolloutBatch]) -> tuple[list[bytes], tuple[int, int]]:
+    frames, batch = received
+    return frames, (batch.sampler, batch.step)
 
 
 def main(argv: list[str]) -> int:
@@ -152,7 +121,7 @@ def main(argv: list[str]) -> int:
     resume_from = ckpt_dir if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
     if cfg.checkpoint.resume != "never" and (resume_from / "latest").is_file():
         _, client = engine.load_checkpoint(str(resume_from))
-        state = TrainerState(**client["trainer"])
+        state = TrainerState.from_dict(client["trainer"])
         log.info("resumed from %s at step %d", resume_from, state.step)
     if rank == 0:
         # versions past the checkpoint came from a trajectory that is being redone
@@ -172,18 +141,18 @@ def main(argv: list[str]) -> int:
 
             writer = SummaryWriter(str(run_dir / "tb"))
         state.incarnation = uuid.uuid4().hex[:12]
-        state.save(state_path)  # bound and ready: the sampler re-sends from next_sampler_step (grpo/spool.py)
+        state.save(state_path)  # bound and ready: the samplers re-send from their next steps (grpo/delivery.py)
 
     # ------------------------------------------------------------------ the loop
     verified = not cfg.training.verify_shared_prefix
-    pending: dict[int, list[bytes]] = {}  # sampler steps that arrived early (rank 0)
+    inbox = Inbox(lambda timeout: _keyed(receiver.receive_frames(timeout)), receiver.address,
+                  stop=lambda: STOP["requested"]) if rank == 0 else None
     bad_in_row = skipped_total = 0
     failed = ""
     stopped = False
     while state.step < cfg.training.steps:
         t0 = time.perf_counter()
-        frames = broadcast_frames(receive_next(receiver, state, pending, cfg.transport.recv_timeout_s)
-                                  if rank == 0 else None, device)
+        frames = broadcast_frames(inbox.next(state, cfg.transport.recv_timeout_s) if rank == 0 else None, device)
         if frames is None:  # rank 0 got SIGTERM: all ranks checkpoint and leave together
             stopped = True
             save_checkpoint(engine, ckpt_dir, state, cfg.checkpoint.keep_last, rank, state_path)
@@ -199,7 +168,7 @@ def main(argv: list[str]) -> int:
         metrics = train_step(engine, batch, cfg, rank, world, device)
         train_s = time.perf_counter() - t1
         state.step += 1
-        state.next_sampler_step = batch.step + 1
+        state.delivered(batch.sampler, batch.step)
         bad_in_row = bad_in_row + 1 if metrics["skipped"] else 0  # the ranks agree: decided by an all-reduce
         skipped_total += int(metrics["skipped"])
         if metrics["skipped"]:

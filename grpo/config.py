@@ -92,7 +92,7 @@ class SamplingConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
-    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (read off the logits generate() sampled from: one forward pass fewer; hf engine only; checked against the recompute on the first step).")
+    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the first step).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
@@ -381,9 +381,6 @@ def validate(cfg: Config) -> Config:
         errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
-    if s.old_logps == "generation" and s.engine != "hf":
-        errors.append("sampling.old_logps=generation needs sampling.engine=hf (vLLM's log-probs come from other "
-                      "kernels: they are compared with the recomputed ones, not used)")
     if t.reference_on == "trainer" and not cfg.lora.enabled:
         errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
                       "off; a full fine-tune would need a second copy of the model in every rank)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.batch import RolloutBatch
+from grpo.batch import FIELDS, RolloutBatch
 
 
 def group_token_cost(prompt: torch.Tensor, completions) -> int:
@@ -46,17 +46,20 @@ def pack_micro_batches(groups: list[int], costs: list[int], max_tokens: int) -> 
 
 
 def select_groups(batch: RolloutBatch, groups: list[int]) -> RolloutBatch:
-    """The sub-batch holding `groups`; global denominators are kept from the whole batch."""
+    """The sub-batch holding `groups`: every per-prompt, per-completion and per-token field (FIELDS)
+    keeps those groups' entries; whole-batch fields (the global denominators too) are kept as they are."""
     slices = batch.group_slices()
     rows = [j for i in groups for j in range(slices[i].start, slices[i].stop)]
-    pick = (lambda xs: [xs[j] for j in rows]) if rows else (lambda xs: [])
     index = torch.tensor(rows, dtype=torch.long)
-    return RolloutBatch(
-        step=batch.step, policy_version=batch.policy_version,
-        prompt_ids=[batch.prompt_ids[i] for i in groups], completion_ids=pick(batch.completion_ids),
-        group_sizes=[batch.group_sizes[i] for i in groups],
-        old_logps=pick(batch.old_logps) if batch.old_logps is not None else None,
-        ref_logps=pick(batch.ref_logps) if batch.ref_logps is not None else None,
-        rewards=batch.rewards[index], reward_names=batch.reward_names, advantages=batch.advantages[index],
-        truncated=batch.truncated[index], num_tokens=batch.num_tokens, num_sequences=batch.num_sequences,
-        meta=batch.meta, schema=batch.schema)
+    picked = {}
+    for f in FIELDS:
+        value = getattr(batch, f.name)
+        if value is None or not f.rows:
+            picked[f.name] = value
+        elif f.rows == "prompt":
+            picked[f.name] = [value[i] for i in groups]
+        elif isinstance(value, torch.Tensor):
+            picked[f.name] = value[index]
+        else:
+            picked[f.name] = [value[j] for j in rows]
+    return RolloutBatch(**picked)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -15,7 +13,6 @@ import torch.distributed as dist
 
 from grpo.batch import RolloutBatch
 from grpo.completions import loss_mask
-from grpo.files import write_atomically
 from grpo.logprobs import completion_logprobs, pad_right
 from grpo.losses import policy_loss
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
@@ -273,17 +270,3 @@ def deepspeed_config(cfg, world_size: int) -> dict:
 
 def warmup_lambda(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-
-
-@dataclass
-class TrainerState:
-    step: int = 0  # optimizer steps done == the weights version they produce
-    next_sampler_step: int = 0  # the sampler step the next batch must carry
-    incarnation: str = ""  # new at each trainer start: tells the sampler to re-send its spool
-
-    def save(self, path: Path) -> None:
-        write_atomically(path, json.dumps(asdict(self)))
-
-    @classmethod
-    def load(cls, path: Path) -> "TrainerState | None":
-        return cls(**json.loads(path.read_text())) if path.is_file() else None

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from grpo.batch import SCHEMA, RolloutBatch
+from grpo.batch import FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +28,9 @@ SECRET_ENV = "GRPO_TRANSPORT_SECRET"
 DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
 
-# field -> (dtype on the wire, ragged list of 1-D tensors?, may be absent)
-TENSOR_FIELDS = {
-    "prompt_ids": ("<i8", True, False),
-    "completion_ids": ("<i8", True, False),
-    "old_logps": ("<f4", True, True),
-    "ref_logps": ("<f4", True, True),
-    "rewards": ("<f4", False, False),
-    "advantages": ("<f4", False, False),
-    "truncated": ("|b1", False, False),
-}
+TENSORS = {f.name: f for f in TENSOR_FIELDS}
 TORCH_DTYPE = {"<i8": torch.int64, "<f4": torch.float32, "|b1": torch.bool}
-SCALAR_FIELDS = {"schema": str, "step": int, "policy_version": int, "group_sizes": list, "reward_names": list,
-                 "num_tokens": int, "num_sequences": int, "meta": dict, "tensors": list}
+HEADER_TYPES = {**{f.name: f.dtype for f in HEADER_FIELDS}, "tensors": list}  # "tensors": the frames' specs
 
 
 class MessageError(ValueError):
@@ -62,9 +52,9 @@ def _signature(secret: bytes, frames: list[bytes]) -> bytes:
 
 # ----------------------------------------------------------------------------- encode
 
-def _flat(field: str, value) -> tuple[np.ndarray, list[int]]:
-    dtype, ragged, _ = TENSOR_FIELDS[field]
-    if ragged:
+def _flat(field, value) -> tuple[np.ndarray, list[int]]:
+    dtype = field.dtype
+    if field.wire == "ragged":
         lengths = [int(t.numel()) for t in value]
         flat = torch.cat([t.reshape(-1) for t in value]) if value else torch.zeros(0)
         return flat.to(TORCH_DTYPE[dtype]).cpu().numpy().astype(dtype, copy=False), lengths
@@ -72,22 +62,25 @@ def _flat(field: str, value) -> tuple[np.ndarray, list[int]]:
     return array, list(array.shape)
 
 
+def _json_scalar(value):
+    """numpy / torch integers and floats that reached a header field, as plain numbers."""
+    return value.item() if hasattr(value, "item") else int(value)
+
+
 def encode_batch(batch: RolloutBatch, secret: bytes | None = None) -> list[bytes]:
     """The multipart frames of `batch`; signed when `secret` is given."""
     specs, buffers = [], []
-    for name in TENSOR_FIELDS:
-        value = getattr(batch, name)
+    for f in TENSOR_FIELDS:
+        value = getattr(batch, f.name)
         if value is None:
             continue
-        array, shape = _flat(name, value)
-        key = "lengths" if TENSOR_FIELDS[name][1] else "shape"
-        specs.append({"name": name, "dtype": TENSOR_FIELDS[name][0], key: shape, "nbytes": array.nbytes})
+        array, shape = _flat(f, value)
+        key = "lengths" if f.wire == "ragged" else "shape"
+        specs.append({"name": f.name, "dtype": f.dtype, key: shape, "nbytes": array.nbytes})
         buffers.append(np.ascontiguousarray(array).tobytes())
-    header = {"schema": batch.schema, "step": batch.step, "policy_version": batch.policy_version,
-              "group_sizes": [int(g) for g in batch.group_sizes], "reward_names": list(batch.reward_names),
-              "num_tokens": int(batch.num_tokens), "num_sequences": int(batch.num_sequences),
-              "meta": batch.meta, "tensors": specs}
-    frames = [json.dumps(header, allow_nan=False).encode()] + buffers
+    header = {f.name: getattr(batch, f.name) for f in HEADER_FIELDS}
+    header["tensors"] = specs
+    frames = [json.dumps(header, allow_nan=False, default=_json_scalar).encode()] + buffers
     return [_signature(secret, frames)] + frames if secret else frames
 
 
@@ -104,7 +97,7 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
-    for key, kind in SCALAR_FIELDS.items():
+    for key, kind in HEADER_TYPES.items():
         if key not in header:
             raise MessageError(f"missing field '{key}'")
         value = header[key]
@@ -128,9 +121,9 @@ def _tensor(spec, frame: bytes):
     if not isinstance(spec, dict):
         raise MessageError("tensor spec must be an object")
     name = spec.get("name")
-    if not isinstance(name, str) or name not in TENSOR_FIELDS:
+    if not isinstance(name, str) or name not in TENSORS:
         raise MessageError(f"unknown tensor field {str(name)[:80]!r}")
-    dtype, ragged, _ = TENSOR_FIELDS[name]
+    dtype, ragged = TENSORS[name].dtype, TENSORS[name].wire == "ragged"
     if not isinstance(spec.get("dtype"), str) or spec["dtype"] != dtype:
         raise MessageError(f"{name}: dtype {str(spec.get('dtype'))[:20]!r} not allowed, expected {dtype!r}")
     dims = _int_list(spec.get("lengths" if ragged else "shape"), f"{name} {'lengths' if ragged else 'shape'}", 0)
@@ -158,19 +151,21 @@ def _check_consistency(h: dict, dims: dict) -> None:
         raise MessageError(f"{len(dims['completion_ids'])} completions but group sizes sum to {n}")
     if 0 in dims["prompt_ids"] or 0 in dims["completion_ids"]:
         raise MessageError("empty prompt or completion")
-    for name in ("old_logps", "ref_logps"):
-        if name in dims and dims[name] != dims["completion_ids"]:
-            raise MessageError(f"{name} lengths do not match the completions")
     if not all(isinstance(r, str) for r in h["reward_names"]):
         raise MessageError("reward_names must be strings")
-    expected = {"rewards": [n, len(h["reward_names"])], "advantages": [n], "truncated": [n]}
-    for name, shape in expected.items():
-        if dims[name] != shape:
-            raise MessageError(f"{name} has shape {dims[name]}, expected {shape}")
+    for f in TENSOR_FIELDS:
+        if f.name not in dims:
+            continue
+        if f.rows == "token" and dims[f.name] != dims["completion_ids"]:
+            raise MessageError(f"{f.name} lengths do not match the completions")
+        if f.wire == "tensor":
+            shape = [n] + ([len(h[f.columns])] if f.columns else [])
+            if dims[f.name] != shape:
+                raise MessageError(f"{f.name} has shape {dims[f.name]}, expected {shape}")
     if not 0 <= h["num_sequences"] <= n or not 0 <= h["num_tokens"] <= sum(dims["completion_ids"]):
         raise MessageError("num_sequences / num_tokens out of range")
-    if h["step"] < 0 or h["policy_version"] < 0:
-        raise MessageError("step and policy_version must be >= 0")
+    if h["step"] < 0 or h["sampler"] < 0 or h["policy_version"] < 0:
+        raise MessageError("step, sampler and policy_version must be >= 0")
 
 
 def decode_batch(frames, secret: bytes | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutBatch:
@@ -205,17 +200,11 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
         if name in tensors:
             raise MessageError(f"tensor field '{name}' appears twice")
         tensors[name], dims[name] = value, shape
-    for name, (_, _, optional) in TENSOR_FIELDS.items():
-        if name not in tensors and not optional:
-            raise MessageError(f"missing tensor field '{name}'")
+    for f in TENSOR_FIELDS:
+        if f.name not in tensors and not f.optional:
+            raise MessageError(f"missing tensor field '{f.name}'")
     _check_consistency(header, dims)
-    return RolloutBatch(
-        step=header["step"], policy_version=header["policy_version"], prompt_ids=tensors["prompt_ids"],
-        completion_ids=tensors["completion_ids"], group_sizes=header["group_sizes"],
-        old_logps=tensors.get("old_logps"), ref_logps=tensors.get("ref_logps"), rewards=tensors["rewards"],
-        reward_names=header["reward_names"], advantages=tensors["advantages"], truncated=tensors["truncated"],
-        num_tokens=header["num_tokens"], num_sequences=header["num_sequences"], meta=header["meta"],
-        schema=header["schema"])
+    return RolloutBatch(**{f.name: header[f.name] if f.wire == "header" else tensors.get(f.name) for f in FIELDS})
 
 
 # ----------------------------------------------------------------------------- sockets

@@ -187,16 +187,24 @@ class LoadResult:
     error: str | None = None
 
 
+Loader = Callable[[Path, dict, int], None]  # (verified folder, its manifest, version); raises on failure
+
+
+def into_model(model) -> Loader:
+    """A loader that copies each version into a live transformers/PEFT model."""
+    return lambda folder, manifest, version: load_into(model, folder, manifest)
+
+
 class WeightWatcher:
-    """The sampler's side: load each new published version into the live model.
+    """The sampler's side: verify each new published version, then hand it to every loader (the
+    rollout engine's `load_weights`, and the scoring model when the engine keeps its own copy).
 
     On any failure (half-written, checksum mismatch, incompatible) it keeps serving the
     version it has, logs why, and counts the failure; a later version is tried afresh.
     """
 
-    def __init__(self, root: str | os.PathLike, model, initial_version: int = 0,
-                 on_loaded: Callable[[Path, int], None] | None = None):
-        self.root, self.model, self.on_loaded = Path(root), model, on_loaded
+    def __init__(self, root: str | os.PathLike, loaders: list[Loader], initial_version: int = 0):
+        self.root, self.loaders = Path(root), list(loaders)
         self.version = initial_version
         self.failures = 0
         self.load_seconds = 0.0  # spent verifying and copying versions in, in all
@@ -226,9 +234,8 @@ class WeightWatcher:
             manifest = verify(folder)
             if manifest["version"] != latest:
                 raise WeightsError(f"{folder}: manifest says version {manifest['version']}")
-            load_into(self.model, folder, manifest)
-            if self.on_loaded is not None:
-                self.on_loaded(folder, latest)
+            for load in self.loaders:
+                load(folder, manifest, latest)
         except (WeightsError, OSError, ValueError, RuntimeError) as e:
             self.load_seconds += time.perf_counter() - started
             self.failures += 1

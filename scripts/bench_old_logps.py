@@ -76,11 +76,11 @@ def main(argv: list[str]) -> int:
         if variant == VARIANTS[0]:
             completions = multinomial_generate()
         else:
-            rollouts = engine.generate(prompt_ids, s.group_size, seed=0, record_logps=variant == VARIANTS[2])
+            rollouts = engine.generate(prompt_ids, s.group_size, seed=0)  # always records; the variant decides
             completions = rollouts.completion_ids
         generated = time.perf_counter()
         if variant == VARIANTS[2]:
-            logps = rollouts.engine_logps
+            logps = rollouts.logps
         else:
             with torch.no_grad():
                 logps = completion_logprobs(model, [torch.tensor(p) for p in prompt_ids], completions,

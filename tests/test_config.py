@@ -118,7 +118,6 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]; got 1.5"),
     (["sampling.max_staleness=-1"], "sampling.max_staleness must be >= 0"),
     (["data.few_shot=-1"], "data.few_shot must be >= 0 (0 = none); got -1"),
-    (["sampling.old_logps=generation", "sampling.engine=vllm"], "sampling.old_logps=generation needs sampling.engine=hf"),
     (["sampling.old_logps=cached"], "sampling.old_logps must be one of recompute, generation; got 'cached'"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
     (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),

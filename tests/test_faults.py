@@ -1,7 +1,7 @@
 """Faults on real DeepSpeed ranks and sockets: killed processes (nothing trained twice, nothing
 lost), non-finite steps (skipped, then a clean stop), failed writes and a bad run folder.
 
-The delivery rule under test (grpo/spool.py): at-least-once from the sampler's spool,
+The delivery rule under test (grpo/delivery.py): at-least-once from the sampler's spool,
 de-duplicated by sampler step, trained strictly in order.
 """
 
@@ -101,7 +101,7 @@ def test_killed_sampler_restarts_and_no_step_is_trained_twice_or_skipped(tmp_pat
         wait_for(lambda: len(rows(tmp_path)) >= 2, "two trained steps")
         sampler.send_signal(signal.SIGKILL)
         sampler.wait()
-        wait_for(lambda: "waiting for sampler step" in (tmp_path / "trainer.log").read_text(),
+        wait_for(lambda: "waiting for sampler 0 step" in (tmp_path / "trainer.log").read_text(),
                  "the trainer to say it is waiting", timeout=120)
         sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON)
     except BaseException:

@@ -94,14 +94,15 @@ def test_log_probs_recorded_while_sampling_equal_the_recomputed_old_log_probs():
     for max_sequences in (64, 4):
         engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=10, temperature=1.5,
                                                                  generation_batch_size=max_sequences))
-        rollouts = engine.generate(PROMPTS, 4, seed=3, record_logps=True)
-        plain = engine.generate(PROMPTS, 4, seed=3)
-        assert all(torch.equal(a, b) for a, b in zip(rollouts.completion_ids, plain.completion_ids))  # same draw
+        rollouts = engine.generate(PROMPTS, 4, seed=3)
+        again = engine.generate(PROMPTS, 4, seed=3)
+        assert all(torch.equal(a, b) for a, b in zip(rollouts.completion_ids, again.completion_ids))  # same draw
+        assert all(torch.equal(a, b) for a, b in zip(rollouts.logps, again.logps))
         assert any(not cut for cut in rollouts.truncated) and any(rollouts.truncated)  # both kinds are covered
         with torch.no_grad():
             old = completion_logprobs(model, [torch.tensor(p) for p in PROMPTS], rollouts.completion_ids,
                                       [4, 4, 4], temperature=1.5)
-        for recorded, recomputed, tokens in zip(rollouts.engine_logps, old, rollouts.completion_ids):
+        for recorded, recomputed, tokens in zip(rollouts.logps, old, rollouts.completion_ids):
             assert recorded.shape == tokens.shape
             torch.testing.assert_close(recorded, recomputed, rtol=0, atol=1e-5)
 

@@ -264,7 +264,7 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     unpicklers = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
     pickling_calls = {"recv_pyobj", "recv_serialized", "recv", "unsafe_load"}  # Connection.recv unpickles
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
-    paths = [REPO / "grpo" / "transport.py", REPO / "grpo" / "batch.py", REPO / "grpo" / "spool.py",
+    paths = [REPO / "grpo" / "transport.py", REPO / "grpo" / "batch.py", REPO / "grpo" / "delivery.py",
              REPO / "training_worker.py", REPO / "sampling_worker.py", REPO / "rewards" / "sandbox.py"]
     hits = []
     for path in paths:

@@ -15,7 +15,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
 def test_selecting_vllm_without_it_says_how_to_install():
     with pytest.raises(RuntimeError, match="sampling.engine=vllm needs vLLM: .venv/bin/pip install -r requirements-vllm.txt"):
-        make_engine(load_config(None, ["sampling.engine=vllm", "sampling.old_logps=recompute"]), model=None, tokenizer=None)
+        make_engine(load_config(None, ["sampling.engine=vllm"]), model=None, tokenizer=None)
 
 
 @pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()), reason="needs vLLM and a GPU")
@@ -31,10 +31,10 @@ def test_vllm_rollouts_are_prompt_major_and_match_recomputed_logps(tiny_model_di
     engine = make_engine(cfg, None, tokenizer)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rollouts = engine.generate(prompts, 3, seed=0)
-    assert len(rollouts.completion_ids) == 6 and len(rollouts.engine_logps) == 6
+    assert len(rollouts.completion_ids) == 6 and len(rollouts.logps) == 6
     model = add_lora(load_model(cfg.model, "cuda"), cfg.lora).eval()
     with torch.no_grad():
         ours = completion_logprobs(model, [torch.tensor(p) for p in prompts], rollouts.completion_ids, [3, 3],
                                    temperature=cfg.sampling.temperature)
-    for a, b in zip(rollouts.engine_logps, ours):
+    for a, b in zip(rollouts.logps, ours):
         assert (a - b.cpu()).abs().max() < 0.05  # different kernels: close, not equal

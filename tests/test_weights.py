@@ -12,7 +12,7 @@ import torch
 from grpo.config import LoraConfig
 from grpo.models import add_lora
 from grpo.weights import (LATEST, WeightWatcher, WeightsError, publish, published_versions, read_latest, verify,
-                          version_dir)
+                          into_model, version_dir)
 from conftest import REPO, tiny_model
 
 
@@ -56,7 +56,7 @@ def test_full_model_versions_hold_the_whole_model(tmp_path):
     folder = publish(model, tmp_path, version=3, step=3)
     assert verify(folder)["kind"] == "full" and (folder / "model.safetensors").is_file()
     target = tiny_model("qwen2", seed=1)
-    watcher = WeightWatcher(tmp_path, target)
+    watcher = WeightWatcher(tmp_path, [into_model(target)])
     assert watcher.poll().loaded and watcher.version == 3
     for (name, a), b in zip(target.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -71,7 +71,7 @@ def test_keep_last_prunes_old_versions_but_never_latest(tmp_path):
 
 def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
     trained, live = lora_model(seed=1), lora_model(seed=2)
-    watcher = WeightWatcher(tmp_path, live)
+    watcher = WeightWatcher(tmp_path, [into_model(live)])
     assert watcher.poll() is None and watcher.version == 0  # nothing published yet
     publish(trained, tmp_path, version=1, step=1)
     result = watcher.poll()
@@ -83,7 +83,7 @@ def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
 
 def test_sampler_never_loads_half_written_or_corrupted_weights(tmp_path, caplog):
     live = lora_model(seed=2)
-    watcher = WeightWatcher(tmp_path, live)
+    watcher = WeightWatcher(tmp_path, [into_model(live)])
     publish(lora_model(seed=1), tmp_path, version=1, step=1)
     watcher.poll()
     serving = lora_state(live)
@@ -147,7 +147,7 @@ weights.publish(lora_model(seed=2), {root!r}, version=2, step=2)
 def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
     publish(lora_model(seed=1), tmp_path, version=1, step=1)
     model = lora_model(seed=9)
-    watcher = WeightWatcher(tmp_path, model)
+    watcher = WeightWatcher(tmp_path, [into_model(model)])
     assert watcher.poll().loaded and watcher.version == 1
     code = subprocess.run([sys.executable, "-c", CRASH_MID_PUBLISH.format(
         repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path))], timeout=120).returncode

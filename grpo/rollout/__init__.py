@@ -1,10 +1,18 @@
-"""Rollout engines: `hf` (transformers generate, any device) and `vllm` (GPU, optional)."""
+"""Rollout engines behind one interface: `hf` (transformers generate, any device) and `vllm` (optional).
+
+`RolloutEngine` is the sampler's only view of an engine. Each engine owns its copy of the policy
+weights and says which published version it serves.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
+
+ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -13,10 +21,26 @@ class Rollouts:
 
     completion_ids: list[torch.Tensor]  # N x int64 [C_j]
     truncated: list[bool]  # [N]: hit max_new_tokens without EOS
-    engine_logps: list[torch.Tensor] | None = None  # the engine's own sampled log-probs (vLLM), if any
+    logps: list[torch.Tensor]  # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
 
 
-def make_engine(cfg, model, tokenizer):
+@runtime_checkable
+class RolloutEngine(Protocol):
+    version: int  # the published weights version it serves (0: the initial weights)
+
+    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                 greedy: bool = False) -> Rollouts:
+        """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs."""
+
+    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
+        """Serve a published version whose checksums were verified (`grpo.weights.verify`); raise on
+        failure and keep serving the old one."""
+
+    def close(self) -> None:
+        """Release the engine's processes and memory."""
+
+
+def make_engine(cfg, model, tokenizer) -> RolloutEngine:
     """The configured rollout engine; vLLM is imported only when selected."""
     if cfg.sampling.engine == "vllm":
         from grpo.rollout.vllm_engine import VllmEngine

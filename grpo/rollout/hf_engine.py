@@ -5,17 +5,19 @@ prompts are prefilled once (all but their last token), the cache is repeated G w
 the batch, and `generate` continues from it. Large B x G is generated in chunks of at most
 `generation_batch_size` sequences, each chunk taking some completions of every prompt, and
 the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`, which also
-records their log-probs (`sampling.old_logps=generation`).
+records their log-probs (used as the old log-probs with `sampling.old_logps=generation`).
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
 from grpo.rollout import Rollouts
+from grpo.weights import load_into
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -83,9 +85,19 @@ class TokenSampler:
 
 
 class HFEngine:
+    """The `RolloutEngine` on a transformers model, which is also the sampler's scoring model."""
+
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
         self.eos_ids = eos_token_ids(tokenizer, model)
+        self.version = 0
+
+    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
+        load_into(self.model, folder, manifest)
+        self.version = version
+
+    def close(self) -> None:
+        pass  # the model is the sampler's; nothing of the engine's own to release
 
     @property
     def device(self) -> torch.device:
@@ -102,9 +114,8 @@ class HFEngine:
                        past_key_values=cache, use_cache=True)
         return cache
 
-    def generate(self, prompts: list[list[int]], group_size: int, *, greedy: bool = False,
-                 seed: int | None = None, record_logps: bool = False) -> Rollouts:
-        """`record_logps`: also return each sampled token's log-prob (`Rollouts.engine_logps`)."""
+    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                 greedy: bool = False) -> Rollouts:
         cfg = self.cfg
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -129,10 +140,9 @@ class HFEngine:
                 tokens, cut = cut_at_eos(row, self.eos_ids)
                 produced.append(tokens)
                 truncated.append(cut)
-                if record_logps:
-                    logps.append(recorded[i, :len(tokens)].clone())
+                logps.append(recorded[i, :len(tokens)].clone())
 
         def prompt_major(items):
             return chunk_major_to_prompt_major(items, len(prompts), plan)
 
-        return Rollouts(prompt_major(produced), prompt_major(truncated), prompt_major(logps) if record_logps else None)
+        return Rollouts(prompt_major(produced), prompt_major(truncated), prompt_major(logps))

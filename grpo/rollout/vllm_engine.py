@@ -1,15 +1,16 @@
-"""vLLM rollouts (GPU, optional: `pip install -r requirements-vllm.txt`).
+"""vLLM rollouts (optional: `pip install -r requirements-vllm.txt`).
 
 Prefix caching serves the G samples of a prompt from one prefill. Each published LoRA version
-is loaded as a LoRARequest under a new name and id, so the prefix cache (keyed by adapter)
-can never serve an older adapter's KV. vLLM's own sampled log-probs are kept so the sampler
-can report their gap to the recomputed old log-probs.
+is served as its own LoRARequest (integer id = version + 1), so the prefix cache (keyed by
+adapter) can never serve an older adapter's KV. Log-probs are vLLM's "processed" ones: those of
+the distribution the token was drawn from (after temperature), the trainer's definition.
 
-Full fine-tuning is not served by this engine (vLLM's in-place weight reload API differs
-between releases); use sampling.engine=hf for full fine-tuning.
+Full fine-tuning is not served by this engine yet; use sampling.engine=hf for full fine-tuning.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,8 @@ from grpo.rollout import Rollouts
 
 
 class VllmEngine:
+    """The `RolloutEngine` on vLLM, with its own copy of the base weights and the adapter per version."""
+
     def __init__(self, cfg, tokenizer):
         try:
             import vllm
@@ -29,16 +32,23 @@ class VllmEngine:
         self._vllm, self.cfg, self.tokenizer = vllm, cfg, tokenizer
         self.llm = vllm.LLM(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
                             dtype=cfg.model.dtype, enable_lora=True, max_lora_rank=cfg.lora.r,
-                            enable_prefix_caching=True, seed=cfg.seed)
+                            enable_prefix_caching=True, seed=cfg.seed, logprobs_mode="processed_logprobs")
         self.lora_request = None  # None: the base model (version 0)
+        self.version = 0
 
-    def load_adapter(self, folder, version: int) -> None:
+    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
+        if manifest.get("kind") != "lora":
+            raise RuntimeError(f"{folder} holds a full model; sampling.engine=vllm serves LoRA adapters only")
         self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        self.version = version
 
-    def generate(self, prompts: list[list[int]], group_size: int, *, greedy: bool = False,
-                 seed: int | None = None) -> Rollouts:
+    def close(self) -> None:
+        del self.llm
+
+    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                 greedy: bool = False) -> Rollouts:
         from vllm.inputs import TokensPrompt
 
         s = self.cfg.sampling
@@ -54,4 +64,4 @@ class VllmEngine:
                 completions.append(torch.tensor(ids, dtype=torch.long))
                 truncated.append(sample.finish_reason == "length")
                 logps.append(torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)]))
-        return Rollouts(completions, truncated, engine_logps=logps)
+        return Rollouts(completions, truncated, logps)

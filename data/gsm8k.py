@@ -10,11 +10,11 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
 from grpo.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
-from rewards.parsing import to_decimal
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,15 @@ def parse_final_answer(solution: str) -> str | None:
     if not isinstance(solution, str) or "####" not in solution:
         return None
     text = solution.rsplit("####", 1)[1].strip().replace(",", "")
-    return text if to_decimal(text) is not None else None
+    return text if _is_number(text) else None
+
+
+def _is_number(text: str) -> bool:
+    """One finite number, '$' and a closing period allowed (as the answer rewards read it)."""
+    try:
+        return Decimal(text.replace("$", "").rstrip(".")).is_finite()
+    except InvalidOperation:
+        return False
 
 
 CALCULATOR_NOTE_RE = re.compile(r"<<[^<>]*>>")

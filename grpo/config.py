@@ -2,17 +2,15 @@
 
 Both workers call `parse_cli(argv)` (or `load_config`), so a setting is defined in exactly one
 place: the dataclass field below, whose `help` metadata is its documentation. Unknown keys,
-wrong types and impossible combinations are errors that name the key and say what to do.
+wrong types and impossible combinations are errors that name the key and say what to do. The
+machinery (types, overrides, the README table) is grpo/config_tree.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import ipaddress
-import json
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +18,8 @@ from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config file, override or combination of settings that cannot run."""
-
-
-def _f(default, help: str, **kw):
-    """A config field with its documentation; list/dict defaults are copied per instance."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+from grpo.config_tree import ConfigError, all_keys as _all_keys, apply_mapping, markdown_table, parse_override, set_key
+from grpo.config_tree import setting as _f
 
 
 # No literal template with placeholders: a small model copies "<think>reasoning</think>
@@ -204,140 +194,42 @@ class Config:
         return Path(self.weights.dir) if self.weights.dir else self.run_dir / "weights"
 
 
-# ----------------------------------------------------------------------------- typing
-
-_TYPE_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _TYPE_HINTS:
-        _TYPE_HINTS[cls] = typing.get_type_hints(cls)
-    return _TYPE_HINTS[cls]
-
-
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type) and not typing.get_args(tp):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
-    """Check `value` against the annotation `tp`; return it converted (int -> float, str from the CLI)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0], from_cli)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list of {_type_name(args[0])}, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, args[0], from_cli) for i, v in enumerate(value)]
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-6` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if from_cli and isinstance(value, (int, float, bool)):
-            return str(value)  # `run.name=123` means the string "123"
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the config tree, in declaration order."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            keys += all_keys(tp, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _unknown_key_error(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _set(node: Any, parts: list[str], value: Any, from_cli: bool, full_key: str) -> None:
-    name = parts[0]
-    names = {f.name for f in dataclasses.fields(node)}
-    if name not in names:
-        raise _unknown_key_error(full_key)
-    tp = _hints(type(node))[name]
-    if dataclasses.is_dataclass(tp):
-        if len(parts) == 1:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{full_key}: expected a section (mapping), got {value!r}")
-            for k, v in value.items():
-                _set(getattr(node, name), [str(k)], v, from_cli, f"{full_key}.{k}")
-            return
-        _set(getattr(node, name), parts[1:], value, from_cli, full_key)
-        return
-    if len(parts) > 1:
-        if tp is not dict:
-            raise _unknown_key_error(full_key)
-        # pass-through mappings (deepspeed.config) take any nested key
-        target = getattr(node, name)
-        for part in parts[1:-1]:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"{full_key}: '{part}' is not a mapping")
-        target[parts[-1]] = value
-        return
-    setattr(node, name, _coerce(full_key, value, tp, from_cli))
-
-
-def _apply_mapping(cfg: Config, mapping: dict, from_cli: bool) -> None:
-    for key, value in mapping.items():
-        _set(cfg, str(key).split("."), value, from_cli, str(key))
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`training.use_gspo=true` -> ("training.use_gspo", True); values are read as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. sampling.temperature=0.7)")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
 # ----------------------------------------------------------------------------- validation
 
-VALID = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "sampling.engine": ("hf", "vllm"),
-    "sampling.old_logps": ("recompute", "generation"),
-    "training.reference_on": ("sampler", "trainer"),
-    "training.kl_estimator": ("k1", "k2", "k3"),
-    "training.aggregation": ("grpo", "dapo", "dr_grpo"),
-    "training.advantage_scale": ("group", "batch", "none"),
-    "deepspeed.backend": ("auto", "nccl", "gloo"),
-    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-}
+# Choices that no module of ours implements (they pick a process, DeepSpeed's backend, a log level):
+# the config owns these lists. Every other choice list belongs to the module that implements it.
+REFERENCE_SOURCES = ("sampler", "trainer")  # training.reference_on: which process computes them
+BACKENDS = ("auto", "nccl", "gloo")  # deepspeed.backend; auto: nccl on GPUs, gloo on the CPU
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def option_lists() -> dict[str, tuple]:
+    """The valid values of each choice key, from the module that implements the choice (imported
+    late: they need torch). Both workers validate, so none of these is a worker's own module."""
+    from grpo.advantages import SCALES
+    from grpo.losses import AGGREGATIONS, KL_ESTIMATORS
+    from grpo.models import DTYPES
+    from grpo.rollout import ENGINES
+    from grpo.sampling import OLD_LOGPS_SOURCES
+
+    return {
+        "model.dtype": tuple(DTYPES),
+        "sampling.engine": ENGINES,
+        "sampling.old_logps": OLD_LOGPS_SOURCES,
+        "training.reference_on": REFERENCE_SOURCES,
+        "training.kl_estimator": KL_ESTIMATORS,
+        "training.aggregation": AGGREGATIONS,
+        "training.advantage_scale": SCALES,
+        "deepspeed.backend": BACKENDS,
+        "logging.level": LOG_LEVELS,
+    }
 GRPO_CLIP = (0.2, 0.2)  # GRPO / PPO paper default epsilon
 GSPO_CLIP = (3e-4, 4e-4)  # GSPO paper: sequence ratios live much closer to 1
+
+
+def all_keys() -> list[str]:
+    """Every dotted leaf key of the config tree, in declaration order."""
+    return _all_keys(Config)
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -361,12 +253,24 @@ def is_loopback_address(address: str) -> bool:
 
 
 def validate(cfg: Config) -> Config:
-    """All cross-field rules in one place; fills the defaults that depend on other settings."""
+    """All cross-field rules in one place, every error reported at once; fills the defaults that
+    depend on other settings (the clip range follows training.use_gspo)."""
+    t = cfg.training
+    default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
+    t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
+    t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
+    errors = _choice_and_count_errors(cfg) + _value_errors(cfg) + _reward_errors(cfg) + _transport_errors(cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _choice_and_count_errors(cfg: Config) -> list[str]:
     errors = []
-    for key, options in VALID.items():
+    for key, options in option_lists().items():
         if _get(cfg, key) not in options:
             errors.append(f"{key} must be one of {', '.join(options)}; got {_get(cfg, key)!r}")
-    s, t = cfg.sampling, cfg.training
+    s = cfg.sampling
     if s.group_size < 2:
         errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
     for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
@@ -375,6 +279,11 @@ def validate(cfg: Config) -> Config:
                 "lora.r", "data.max_prompt_tokens", "transport.high_water_mark"):
         if _get(cfg, key) < 1:
             errors.append(f"{key} must be >= 1; got {_get(cfg, key)}")
+    return errors
+
+
+def _value_errors(cfg: Config) -> list[str]:
+    errors, s, t = [], cfg.sampling, cfg.training
     if not s.temperature > 0:
         errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
     if not 0 < s.top_p <= 1:
@@ -392,9 +301,6 @@ def validate(cfg: Config) -> Config:
         errors.append(f"training.beta must be >= 0; got {t.beta}")
     if t.learning_rate <= 0:
         errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
-    default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
-    t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
-    t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
     if not 0 <= t.clip_low < 1:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
@@ -413,6 +319,11 @@ def validate(cfg: Config) -> Config:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:
         errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
+    return errors
+
+
+def _reward_errors(cfg: Config) -> list[str]:
+    errors = []
     r = cfg.rewards
     if not r.names:
         errors.append("rewards.names is empty; list at least one reward function")
@@ -424,6 +335,11 @@ def validate(cfg: Config) -> Config:
     for name in r.names:
         if name not in REWARD_FUNCTIONS:
             errors.append(f"rewards.names: unknown reward '{name}'; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}")
+    return errors
+
+
+def _transport_errors(cfg: Config) -> list[str]:
+    errors = []
     tr = cfg.transport
     if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
         errors.append(f"transport.address must start with tcp://, ipc:// or inproc://; got {tr.address!r}")
@@ -431,9 +347,7 @@ def validate(cfg: Config) -> Config:
             and not tr.allow_insecure:
         errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
                       "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    return cfg
+    return errors
 
 
 # ----------------------------------------------------------------------------- loading
@@ -451,10 +365,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(mapping, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(mapping).__name__}")
-        _apply_mapping(cfg, mapping, from_cli=False)
+        apply_mapping(cfg, mapping, from_cli=False)
     for text in overrides:
         key, value = parse_override(text)
-        _set(cfg, key.split("."), value, True, key)
+        set_key(cfg, key.split("."), value, True, key, Config)
     return validate(cfg)
 
 
@@ -502,23 +416,4 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 def reference_markdown() -> str:
     """The config reference table (README), generated from the fields' help."""
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
-
-    def walk(cls: type, obj: Any, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            tp = _hints(cls)[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
-                continue
-            default = getattr(obj, f.name)
-            if isinstance(default, str) and "\n" in default:
-                shown = json.dumps(default)  # one table row: "<think>\n", not a broken line
-            else:
-                shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
-                shown = shown.removesuffix("\n...").removesuffix("...").strip()
-            if len(shown) > 60:
-                shown = shown[:57] + "..."
-            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {f.metadata['help']} |")
-
-    walk(Config, Config(), "")
-    return "\n".join(rows)
+    return markdown_table(Config)

@@ -13,6 +13,7 @@ from grpo.batch import RolloutBatch
 from grpo.files import write_atomically
 
 log = logging.getLogger(__name__)
+OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps (grpo/sampler_step.policy_logprobs)
 
 
 class StalenessTimeout(TimeoutError):
@@ -82,16 +83,6 @@ def sampler_metrics(batch: RolloutBatch, total_rewards: torch.Tensor, failures: 
         metrics[f"rewards/{name}/failures"] = float(failures.get(name, 0))
     metrics.update(timings)
     return metrics
-
-
-def strict_rates(texts: list[str], answers: list[str]) -> dict[str, float]:
-    """The strict GSM8K answer accuracy and exact-format rate, whatever rewards the run trains on."""
-    from rewards.gsm8k_answer import CORRECT, gsm8k_answer
-    from rewards.think_format import FORMAT_OK, think_answer_format
-
-    n = max(len(texts), 1)
-    return {"strict/answer_accuracy": sum(gsm8k_answer(t, a) == CORRECT for t, a in zip(texts, answers)) / n,
-            "strict/format_rate": sum(think_answer_format(t, a) == FORMAT_OK for t, a in zip(texts, answers)) / n}
 
 
 class SamplerState:

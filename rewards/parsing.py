@@ -1,4 +1,4 @@
-"""Number parsing shared by the GSM8K data loader and the answer rewards."""
+"""Number parsing for the answer rewards."""
 
 from __future__ import annotations
 

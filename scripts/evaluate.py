@@ -27,7 +27,7 @@ from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
-from grpo.sampling import strict_rates  # noqa: E402
+from rewards.strict import strict_rates  # noqa: E402
 from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from data.gsm8k import check_source  # noqa: E402
 from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
+from grpo.transport import free_local_port  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -58,12 +58,6 @@ def gpu_count() -> int:
         return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def format_duration(seconds: float) -> str:
     """1:02:03 for 3723 s; hours are not wrapped at a day."""
     minutes, secs = divmod(int(round(seconds)), 60)
@@ -80,6 +74,36 @@ def progress_line(row: dict, total_steps: int, step_times: deque) -> str:
             f"answer {100 * row.get('strict/answer_accuracy', float('nan')):5.1f}% | "
             f"format {100 * row.get('strict/format_rate', float('nan')):5.1f}% | "
             f"kl {row.get('kl', 0.0):.4f} | {per_step:6.1f} s/step | ETA {eta_text}")
+
+
+# start-up lines worth showing before the first step (which takes a few minutes on a CPU)
+MILESTONES = {"sampler": ("converting ", "prompts from", "resuming at step"),
+              "trainer": ("trainable parameters", "resumed from")}
+
+
+class LogMilestones:
+    """Prints the start-up milestones of the two logs as they appear (read from where it left off)."""
+
+    def __init__(self, logs: dict[str, Path]):
+        self.logs, self.offsets = logs, {name: _size(path) for name, path in logs.items()}  # a resumed run appends
+
+    def print_new(self) -> None:
+        for name, path in self.logs.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[name])
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[:data.rfind(b"\n") + 1]  # a line being written: read it next time
+            self.offsets[name] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if any(pattern in line for pattern in MILESTONES[name]) and " INFO " in line:
+                    print(f"  {name}: {line.split(' INFO ', 1)[1]}", flush=True)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -127,39 +151,65 @@ def main(argv: list[str]) -> int:
     except (SourceError, RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    logs = {"trainer": run_dir / "trainer.log", "sampler": run_dir / "sampler.log"}
+    milestones = LogMilestones(logs)  # before the processes start: only their lines are shown
+    procs, ranks = start_processes(cfg, argv, logs)
+    print(f"run folder {run_dir}: trainer ({ranks} rank(s)) and sampler started; logs in {logs['trainer'].name} and "
+          f"{logs['sampler'].name}. The first step takes a few minutes on a CPU (the first run on a machine "
+          "also converts the embedded model and builds DeepSpeed's CPU op)", flush=True)
+    return supervise(cfg, procs, logs, milestones, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
+
+
+def start_processes(cfg, argv: list[str], logs: dict[str, Path]) -> tuple[dict[str, subprocess.Popen], int]:
+    """The DeepSpeed trainer and the sampler, placed on the GPUs or cores (`placement`); and the
+    trainer's rank count."""
     plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1)
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    trainer_cmd = [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_port()),
-                   str(ROOT / "training_worker.py"), *argv]
-    sampler_cmd = [sys.executable, str(ROOT / "sampling_worker.py"), *argv]
-    logs = {"trainer": run_dir / "trainer.log", "sampler": run_dir / "sampler.log"}
+    commands = {"trainer": [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_local_port()),
+                            str(ROOT / "training_worker.py"), *argv],
+                "sampler": [sys.executable, str(ROOT / "sampling_worker.py"), *argv]}
     procs = {}
-    for name, cmd, env in (("trainer", trainer_cmd, plan["trainer_env"]), ("sampler", sampler_cmd, plan["sampler_env"])):
+    for name in ("trainer", "sampler"):
         with open(logs[name], "ab") as log:
             # their own session: Ctrl-C reaches only this launcher, which stops them in order
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **env}, start_new_session=True)
-    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and sampler started; logs in "
-          f"{logs['trainer'].name} and {logs['sampler'].name}", flush=True)
+            procs[name] = subprocess.Popen(commands[name], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **plan[f"{name}_env"]}, start_new_session=True)
+    return procs, plan["ranks"]
 
+
+class StepProgress:
+    """Prints a progress line for each new metrics.jsonl row (a resumed run's old rows are skipped)."""
+
+    def __init__(self, metrics_path: Path, total_steps: int):
+        self.path, self.total_steps = metrics_path, total_steps
+        self.seen = len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0
+        self.step_times, self.last = deque(maxlen=10), time.monotonic()
+
+    def print_new(self) -> None:
+        if not self.path.is_file():
+            return
+        for line in self.path.read_text().splitlines()[self.seen:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return  # a line being written: read it next time
+            now = time.monotonic()
+            self.step_times.append(now - self.last)
+            self.last = now
+            print(progress_line(row, self.total_steps, self.step_times), flush=True)
+            self.seen += 1
+
+
+def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
+    """Show progress until the trainer finishes, either process fails, Ctrl-C or the time limit;
+    stop both in each case. The exit code says which."""
     interrupted = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
-    metrics_path, step_times, last = run_dir / "metrics.jsonl", deque(maxlen=10), time.monotonic()
-    deadline = last + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
-    seen = len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0  # resumed run
+    deadline = time.monotonic() + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
     while True:
-        if metrics_path.is_file():
-            rows = metrics_path.read_text().splitlines()
-            for line in rows[seen:]:
-                now = time.monotonic()
-                step_times.append(now - last)
-                last = now
-                try:
-                    print(progress_line(json.loads(line), cfg.training.steps, step_times), flush=True)
-                except json.JSONDecodeError:
-                    break  # a line being written: read it next time
-                seen += 1
+        milestones.print_new()
+        progress.print_new()
         sampler_code, trainer_code = procs["sampler"].poll(), procs["trainer"].poll()
         if interrupted["flag"]:
             print("interrupted: stopping the sampler and the trainer (the trainer saves a checkpoint)", flush=True)
@@ -167,7 +217,7 @@ def main(argv: list[str]) -> int:
             stop(procs["trainer"])
             return EXIT_INTERRUPTED
         if time.monotonic() >= deadline:
-            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {seen} steps; stopping both "
+            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {progress.seen} steps; stopping both "
                   f"(the trainer saves a checkpoint); weights in {cfg.weights_dir}", flush=True)
             stop(procs["sampler"])
             stop(procs["trainer"])

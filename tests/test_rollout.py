@@ -131,6 +131,7 @@ def test_token_sampler_draws_from_the_tempered_softmax_and_respects_top_k():
 
 
 def test_default_config_builds_the_hf_engine():
-    from grpo.rollout import make_engine
+    from grpo.sampler_step import make_engine
 
     assert type(make_engine(Config(), tiny_model(), FakeTokenizer())).__name__ == "HFEngine"
+

@@ -7,7 +7,7 @@ import torch
 
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
-from grpo.rollout import make_engine
+from grpo.sampler_step import make_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

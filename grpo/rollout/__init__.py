@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm")  # sampling.engine: grpo/rollout/hf_engine.py, grpo/rollout/vllm_engine.py
 
 
 @dataclass
@@ -38,14 +38,3 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's processes and memory."""
-
-
-def make_engine(cfg, model, tokenizer) -> RolloutEngine:
-    """The configured rollout engine; vLLM is imported only when selected."""
-    if cfg.sampling.engine == "vllm":
-        from grpo.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(cfg, tokenizer)
-    from grpo.rollout.hf_engine import HFEngine
-
-    return HFEngine(model, tokenizer, cfg.sampling)

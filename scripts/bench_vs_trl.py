@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -127,17 +126,13 @@ def overlap_efficiency(rows: list[dict], warmup: int) -> dict:
 # ---------------------------------------------------------------------------- the two systems
 
 
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def run_ours(workload: str, args, overrides: list[str], folder: Path) -> dict:
+    from grpo.transport import free_loopback_address
+
     run_dir = folder / f"ours-{workload}"
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(args.config), f"run.dir={run_dir}",
            *WORKLOADS[workload], f"training.steps={args.steps}", "checkpoint.every=100000",
-           "logging.tensorboard=false", f"transport.address={free_address()}", *overrides]
+           "logging.tensorboard=false", f"transport.address={free_loopback_address()}", *overrides]
     measured = run_measured(cmd, folder / f"ours-{workload}.log", dict(os.environ))
     if measured["exit_code"] != 0:
         raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'ours-{workload}.log'} and {run_dir}")

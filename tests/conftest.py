@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests run: not the shipped default run
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 101):

@@ -4,7 +4,6 @@ For each case, one trainer update (grpo.training.train_step: W ranks, several mi
 and, on rank 0, the single-process whole-batch update from the same start; rank 0 writes both.
 """
 
-import copy
 import dataclasses
 import json
 import sys
@@ -25,9 +24,11 @@ from grpo.models import add_lora  # noqa: E402
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
                            release_deepspeed_shm, train_step)
 
-CASES = [(level, agg, 0, "sampler") for level in ("token", "sequence") for agg in ("grpo", "dapo", "dr_grpo")] + \
-        [("token", "grpo", 2, "sampler"),  # ZeRO-2 partitions gradients: the same update
-         ("token", "dapo", 3, "sampler"), ("sequence", "grpo", 3, "sampler"),  # ZeRO-3 partitions the parameters too
+AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
+CASES = [(level, agg, 0, "sampler") for level in ("token", "sequence") for agg in AGGREGATIONS] + \
+        [("token", agg, 2, "sampler") for agg in AGGREGATIONS] + \
+        [("token", agg, 3, "sampler") for agg in AGGREGATIONS] + \
+        [("sequence", "grpo", 3, "sampler"),  # ZeRO-2 partitions gradients, ZeRO-3 the parameters too
          # the trainer computes the reference log-probs (adapter off) that the single process is given
          ("token", "grpo", 0, "trainer"), ("sequence", "dapo", 3, "trainer")]
 

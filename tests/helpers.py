@@ -1,16 +1,13 @@
 """Test helpers shared by several test files (not fixtures)."""
 
-import socket
-
 import torch
 
 from grpo.batch import RolloutBatch
+from grpo.transport import free_loopback_address
 
 
 def free_tcp_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return free_loopback_address()
 
 
 def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool = True) -> RolloutBatch:

@@ -21,14 +21,13 @@ import zmq
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO
+from conftest import PROCESS_CONFIG, REPO
 from grpo.batch import RolloutBatch
 from grpo.logprobs import completion_logprobs
-from grpo.transport import BatchSender, encode_batch
+from grpo.transport import BatchSender, encode_batch, free_local_port
 from grpo.weights import read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
-from test_training import free_port
 from training_worker import EXIT_BAD_STEPS, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
@@ -41,8 +40,8 @@ COMMON = ["sampling.max_new_tokens=1", "sampling.group_size=4", "sampling.prompt
 
 def start_trainer(run_dir, model_dir, data_dir, address, *extra, preexec_fn=None):
     """Two ranks in their own process group, so that a test can SIGKILL all of them at once."""
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "training_worker.py"),
-            "--config", str(REPO / "config.yaml"), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()), str(REPO / "training_worker.py"),
+            "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
             f"data.path={data_dir}", f"transport.address={address}", "lora.r=4", *COMMON, *extra]
     log = open(run_dir / "trainer.log", "ab")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=ENV, start_new_session=True,
@@ -214,7 +213,7 @@ def test_an_unwritable_run_folder_stops_the_launcher_and_the_sampler_at_start(tm
     blocker.write_text("not a folder")
     bad = blocker / "run"
     for script in ("scripts/launch.py", "sampling_worker.py"):
-        proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(REPO / "config.yaml"),
+        proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(PROCESS_CONFIG),
                                f"run.dir={bad}", f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}"],
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO
+from conftest import PROCESS_CONFIG, REPO
 from grpo.weights import read_latest
 from helpers import free_tcp_address
 
@@ -40,7 +40,7 @@ def test_cpu_threads_do_not_oversubscribe_the_cores():
 
 
 def launch(run_dir, model_dir, data_dir, *extra):
-    args = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(REPO / "config.yaml"),
+    args = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(PROCESS_CONFIG),
             f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
             f"transport.address={free_tcp_address()}", "sampling.prompts_per_step=2", "sampling.group_size=4",
             "sampling.max_new_tokens=1", "lora.r=4", "launch.cpu_threads=1", *extra]
@@ -53,6 +53,9 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, digit_model_dir, 
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "step 1/2 | reward" in out and "step 2/2 | reward" in out and "done: 2 steps" in out
+    # start-up milestones come first: the first step takes minutes with a real model on a CPU
+    assert re.search(r"\n  sampler: \d+ prompts from .*\n", out) and "\n  trainer: 1 ranks (gloo)" in out
+    assert max(out.index("  sampler: "), out.index("  trainer: ")) < out.index("step 1/2")
     for name in ("config.yaml", "sampler.log", "trainer.log", "metrics.jsonl", "weights", "checkpoints", "tb"):
         assert (tmp_path / name).exists(), name
 

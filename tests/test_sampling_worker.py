@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -14,12 +13,12 @@ from grpo.models import add_lora, load_model
 from grpo.transport import BatchReceiver, TransportTimeout
 from grpo.weights import publish, version_dir
 from data.cursor import PromptCursor
-from conftest import REPO
+from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 
 
 def start_sampler(run_dir, model_dir, data_dir, address, *extra):
-    args = [sys.executable, str(REPO / "sampling_worker.py"), "--config", str(REPO / "config.yaml"),
+    args = [sys.executable, str(REPO / "sampling_worker.py"), "--config", str(PROCESS_CONFIG),
             f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
             f"transport.address={address}", "sampling.prompts_per_step=2", "sampling.group_size=3",
             "sampling.max_new_tokens=6", "lora.r=4", "sampling.wait_timeout_s=120", "transport.send_timeout_s=120",

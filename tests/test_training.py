@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import LoraConfig
 from grpo.models import add_lora
+from grpo.transport import free_local_port
 from grpo.weights import read_latest, version_dir
-from conftest import REPO
+from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
 
@@ -24,26 +24,21 @@ DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
 def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
-    """GRPO and GSPO, each aggregation, ZeRO-0, 2 and 3, the reference log-probs from the sampler or
-    computed by the trainer: W=2 ranks with several micro-batches each."""
+    """W=2 ranks with several micro-batches each against one process: every aggregation at both
+    levels (GRPO token, GSPO sequence) at ZeRO-0, every aggregation at the token level at ZeRO-2 and
+    ZeRO-3, GSPO/grpo at ZeRO-3, and the reference log-probs computed by the trainer at ZeRO-0 and 3."""
     out = tmp_path / "result.json"
-    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
+    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()),
                            str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 11
+    assert len(cases) == 15
     for case in cases:
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
@@ -53,8 +48,8 @@ def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
 
 
 def start_trainer(run_dir, model_dir, data_dir, address, *extra):
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "training_worker.py"),
-            "--config", str(REPO / "config.yaml"), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()), str(REPO / "training_worker.py"),
+            "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
             f"data.path={data_dir}", f"transport.address={address}", "sampling.prompts_per_step=2",
             "sampling.group_size=3", "sampling.max_new_tokens=6", "lora.r=4", "transport.recv_timeout_s=300",
             *extra]

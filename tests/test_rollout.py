@@ -1,10 +1,11 @@
 """The sampler's model work on a tiny random model: generation, old and reference log-probs."""
 
+import pytest
 import torch
 
 from grpo.config import Config, LoraConfig, SamplingConfig
 from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora
+from grpo.models import add_lora, unwrap_causal_lm
 from grpo.rollout.hf_engine import HFEngine, chunk_plan
 from conftest import tiny_model
 
@@ -135,3 +136,28 @@ def test_default_config_builds_the_hf_engine():
 
     assert type(make_engine(Config(), tiny_model(), FakeTokenizer())).__name__ == "HFEngine"
 
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_checkpoints_own_generation_config_does_not_change_what_is_sampled_or_recorded(lora):
+    """A tiny Llama whose generation_config carries a repetition penalty, no-repeat n-grams, top-k
+    and a temperature (as Qwen2.5 ships some of them): the engine samples from softmax(logits / T)
+    of our sampling keys only, so the recorded log-probs equal the shared-prefix recompute to fp32
+    precision, and the model's own config is left as it was."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama", vocab_size=101)
+    model.generation_config = GenerationConfig(repetition_penalty=2.0, no_repeat_ngram_size=2, top_k=5,
+                                               temperature=0.3, do_sample=True, eos_token_id=1, pad_token_id=0)
+    shipped = model.generation_config.to_dict()
+    if lora:  # PEFT's generate reaches the base model's generate and its config
+        model = add_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])).eval()
+    engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=24, temperature=1.0))
+    rollouts = engine.generate(PROMPTS, 4, seed=0)
+    with torch.no_grad():
+        recomputed = completion_logprobs(model, [torch.tensor(p) for p in PROMPTS], rollouts.completion_ids,
+                                         [4, 4, 4], temperature=1.0)
+    gap = max((a - b).abs().max().item() for a, b in zip(rollouts.logps, recomputed))
+    assert gap < 1e-5
+    # the processors would have acted: some completion repeats a token (penalised) or a bigram
+    assert any(len(set(c.tolist())) < len(c) for c in rollouts.completion_ids)
+    assert unwrap_causal_lm(model).generation_config.to_dict() == shipped

@@ -10,12 +10,14 @@ records their log-probs (used as the old log-probs with `sampling.old_logps=gene
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
 import torch
 
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
+from grpo.models import unwrap_causal_lm
 from grpo.rollout import Rollouts
 from grpo.weights import load_into
 
@@ -84,12 +86,34 @@ class TokenSampler:
         return torch.stack(self.logps, dim=1)
 
 
+@contextlib.contextmanager
+def only_our_generation_config(model, eos_ids: list[int], pad_id: int):
+    """Generate with a generation config that holds nothing but EOS and padding.
+
+    `generate` fills every setting we leave unset from the checkpoint's own `generation_config`
+    (repetition penalty, no-repeat n-grams, suppressed tokens, ...), and their processors would
+    change the logits before `TokenSampler` draws: the tokens would come from another
+    distribution than the softmax(logits / T) recorded here and recomputed by the trainer
+    (0.12 apart on a tiny model with repetition_penalty 2). So the checkpoint's config is set
+    aside for the call; temperature, top-k and top-p are `sampling.*`, applied by `TokenSampler`.
+    """
+    from transformers import GenerationConfig
+
+    target = unwrap_causal_lm(model)
+    shipped = target.generation_config
+    target.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id)
+    try:
+        yield
+    finally:
+        target.generation_config = shipped
+
+
 class HFEngine:
     """The `RolloutEngine` on a transformers model, which is also the sampler's scoring model."""
 
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
-        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version = 0
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
@@ -130,7 +154,7 @@ class HFEngine:
                 chunk_cache = cache if len(plan) == 1 else copy.deepcopy(cache)
                 chunk_cache.batch_repeat_interleave(k)
             sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)
-            with torch.no_grad():
+            with torch.no_grad(), only_our_generation_config(self.model, self.eos_ids, self.tokenizer.pad_token_id):
                 out = self.model.generate(
                     input_ids=ids.repeat_interleave(k, 0), attention_mask=mask.repeat_interleave(k, 0),
                     past_key_values=chunk_cache, max_new_tokens=cfg.max_new_tokens, do_sample=False,

@@ -31,6 +31,7 @@ import torch
 from data.cursor import PromptCursor
 from data.gsm8k import load_problems
 from data.prompts import build_prompts
+from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Redelivery, Spool, TrainerState, resume_step
 from grpo.files import RunFolderError, ensure_writable
@@ -105,7 +106,8 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     reference = copy.deepcopy(base).eval() if cfg.training.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
-    return SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer), prompts
+    policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer))
+    return policy, prompts
 
 
 def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:

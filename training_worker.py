@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from grpo.behaviour import BehaviourMismatch, behaviour_of, check_behaviour
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import verify_shared_prefix
-from grpo.models import load_policy
+from grpo.models import load_policy, load_tokenizer
 from grpo.sources import SourceError
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm, train_step,
@@ -48,6 +49,7 @@ log = logging.getLogger("trainer")
 STOP = {"requested": False}
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
+EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings than the trainer's (grpo/behaviour.py)
 
 
 def main(argv: list[str]) -> int:
@@ -58,6 +60,7 @@ def main(argv: list[str]) -> int:
             save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
+        expected = behaviour_of(cfg, load_tokenizer(cfg.model))  # what every batch must have been made with
     except (RunFolderError, SourceError) as e:
         log.error("%s", e)
         return 2
@@ -65,20 +68,24 @@ def main(argv: list[str]) -> int:
     state = resume(cfg, engine, model, rank)
     io = RankZero.open(cfg, state) if rank == 0 else None
 
-    failed = train(cfg, engine, model, scheduler, state, io, rank, world, device)
-
+    try:
+        failed, code = train(cfg, engine, model, scheduler, state, io, expected, rank, world, device), EXIT_BAD_STEPS
+    except BehaviourMismatch as e:  # every rank decodes the same batch, so all of them stop here together
+        failed, code = str(e), EXIT_BEHAVIOUR_MISMATCH
     if failed:
         log.error(failed)
     if io is not None:
         io.close()
     dist.barrier()
     dist.destroy_process_group()
-    return EXIT_BAD_STEPS if failed else 0
+    return code if failed else 0
 
 
-def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | None", rank, world, device) -> str:
+def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | None", expected: dict,
+          rank, world, device) -> str:
     """The loop, until `training.steps` are done, SIGTERM, or too many non-finite steps in a row
-    (returned: what to tell the user; empty otherwise)."""
+    (returned: what to tell the user; empty otherwise). A batch made with other settings than
+    `expected` raises `BehaviourMismatch` before anything is trained with it."""
     verified = not cfg.training.verify_shared_prefix
     bad_in_row = skipped_total = 0
     while state.step < cfg.training.steps:
@@ -89,6 +96,7 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
             log.info("stopped by SIGTERM at step %d (checkpoint saved)", state.step)
             return ""
         batch = decode_batch(frames)
+        check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
         timings = {"timing/wait_s": time.perf_counter() - t0}
         if not verified:
             verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,

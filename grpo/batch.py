@@ -33,6 +33,7 @@ class RolloutBatch:
     num_sequences: int  # completions in the loss, over the whole batch (global denominator)
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/delivery.py)
+    behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/behaviour.py), checked by the trainer
     schema: str = SCHEMA
 
     def group_slices(self) -> list[slice]:
@@ -80,6 +81,7 @@ FIELDS = (
     Field("num_tokens", "header", int),
     Field("num_sequences", "header", int),
     Field("meta", "header", dict),
+    Field("behaviour", "header", dict),
 )
 HEADER_FIELDS = tuple(f for f in FIELDS if f.wire == "header")
 TENSOR_FIELDS = tuple(f for f in FIELDS if f.wire != "header")

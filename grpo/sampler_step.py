@@ -32,6 +32,7 @@ class SamplerPolicy:
     model: Any  # the scoring model: recomputed old log-probs, reference log-probs with the adapter off
     reference: Any | None  # a frozen copy of the start, for a full fine-tune with beta > 0
     tokenizer: Any
+    behaviour: dict  # the settings each batch records (grpo/behaviour.py)
 
 
 def make_engine(cfg, model, tokenizer) -> RolloutEngine:
@@ -110,7 +111,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
         rewards=scores.per_function, reward_names=list(cfg.rewards.names), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
-        meta={"sample_ids": [p.problem.id for p in prompts]})
+        meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour)
     metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
     metrics.update(strict_rates(texts, answers))
     if gap is not None:

@@ -19,16 +19,18 @@ from pathlib import Path
 import torch
 import zmq
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import PROCESS_CONFIG, REPO
 from grpo.batch import RolloutBatch
+from grpo.behaviour import behaviour_of
+from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
 from grpo.transport import BatchSender, encode_batch, free_local_port
 from grpo.weights import read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
-from training_worker import EXIT_BAD_STEPS, EXIT_WRITE_FAILED
+from training_worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -139,7 +141,13 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
     assert all(at == first for at, first in resends), logs
 
 
-def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:
+def trainer_behaviour(run_dir, model_dir) -> dict:
+    """The behaviour settings the trainer in `run_dir` expects (from the config it saved at start)."""
+    wait_for(lambda: (run_dir / "config.yaml").is_file(), "the trainer's config.yaml")
+    return behaviour_of(load_config(run_dir / "config.yaml"), AutoTokenizer.from_pretrained(model_dir))
+
+
+def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> RolloutBatch:
     """Two groups of four 3-token digit completions with the model's own log-probs; an
     advantage of 3e38 overflows the loss to inf."""
     g = torch.Generator().manual_seed(step)
@@ -150,16 +158,18 @@ def crafted_batch(model, step: int, advantage: float) -> RolloutBatch:
     return RolloutBatch(step=step, policy_version=step, prompt_ids=prompts, completion_ids=completions,
                         group_sizes=[4, 4], old_logps=logps, ref_logps=logps, rewards=torch.zeros(8, 1),
                         reward_names=["r"], advantages=torch.tensor([advantage, -advantage] * 4),
-                        truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8)
+                        truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8,
+                        behaviour=behaviour)
 
 
 def feed_trainer(trainer, address, model_dir, advantages: list[float], run_dir) -> tuple[int, str]:
     """Send one crafted batch per advantage (sampler steps 0, 1, ...); the trainer's exit code and log."""
     sender = BatchSender(address, send_timeout_s=120)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    behaviour = trainer_behaviour(run_dir, model_dir)
     try:
         for step, advantage in enumerate(advantages):
-            sender.send(crafted_batch(model, step, advantage))
+            sender.send(crafted_batch(model, step, advantage, behaviour))
         code = trainer.wait(timeout=300)
     finally:
         sender.close()
@@ -228,7 +238,8 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     raw.connect(address)
     model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
     rng = random.Random(0)
-    good = [encode_batch(crafted_batch(model, step, 1.0)) for step in range(2)]
+    behaviour = trainer_behaviour(tmp_path, digit_model_dir)
+    good = [encode_batch(crafted_batch(model, step, 1.0, behaviour)) for step in range(2)]
     pickled = [b'{"schema": "grpo.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
     try:
         for step in range(2):
@@ -245,3 +256,23 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     trained = rows(tmp_path)
     assert [r["step"] for r in trained] == [1, 2] and trained[-1]["trainer/rejected_messages"] == 22
+
+
+def test_a_batch_sampled_at_another_temperature_stops_the_trainer_before_it_trains(tmp_path, digit_model_dir,
+                                                                                  tiny_gsm8k):
+    """Sampler at temperature 0.7, trainer at 0.9 (its config): the trainer names the key and both
+    values and exits; no step is trained, no weights are published."""
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "sampling.temperature=0.9")
+    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, "sampling.temperature=0.7")
+    try:
+        code = trainer.wait(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+        sampler.kill()
+    log = (tmp_path / "trainer.log").read_text()
+    assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
+    assert "sampler 0 step 0 was made with other settings than this trainer's; nothing was trained with it" in log
+    assert "sampling.temperature: the sampler used 0.7, this trainer has 0.9" in log
+    assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None

@@ -64,10 +64,10 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     model = add_lora(tiny_model(), cfg.lora).eval()
     engine = FakeEngine()
     engine.load_weights(None, {"kind": "lora"}, 3)
-    policy = SamplerPolicy(engine, model, None, DigitTokenizer())
+    policy = SamplerPolicy(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
     batch = make_batch(cfg, policy, prompts(), step=5, sampler=0, sandbox=None, metrics_so_far={"timing/x": 1.0},
                        check_recorded=True)
-    assert (batch.step, batch.policy_version) == (5, 3)
+    assert (batch.step, batch.policy_version, batch.behaviour) == (5, 3, {"sampling.temperature": 0.9})
     expected = engine.generate([[0], [0]], 2).logps
     assert all(torch.equal(a, b) for a, b in zip(batch.old_logps, expected))
     # the answer reward reads the last number: completions "7" and "8" against answers 7 and 8

@@ -18,11 +18,18 @@ from grpo.losses import policy_loss
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 
 ADDITIVE = ("loss", "policy_loss")  # pieces computed with global denominators: their sum is the whole's value
-EXTREMES = {"ratio/min": dist.ReduceOp.MIN, "ratio/max": dist.ReduceOp.MAX}
+# sampler/trainer mismatch on the first pass, before any update of this step (TRL's names)
+MISMATCH_MEANS = ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
+EXTREMES = {"ratio/min": dist.ReduceOp.MIN, "ratio/max": dist.ReduceOp.MAX,
+            "sampling/sampling_logp_difference/max": dist.ReduceOp.MAX,
+            "sampling/importance_sampling_ratio/min": dist.ReduceOp.MIN,
+            "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
 
 
-def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[str, float], int]:
-    """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens)."""
+def micro_batch_loss(model, mb: RolloutBatch, cfg,
+                     first_pass: bool = True) -> tuple[torch.Tensor, dict[str, float], int]:
+    """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
+    On the first pass the metrics include the sampler/trainer mismatch (`mismatch_metrics`)."""
     t = cfg.training
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                            shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
@@ -44,7 +51,26 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg) -> tuple[torch.Tensor, dict[s
     entropy = pad_right(entropies)[0]
     metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
     metrics["loss"] = loss.item()
+    if first_pass and mb.old_logps is not None:
+        metrics.update(mismatch_metrics(new.detach(), old, mask))
     return loss, metrics, tokens
+
+
+@torch.no_grad()
+def mismatch_metrics(trainer_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """|behaviour log-prob - trainer log-prob| and the ratio pi_trainer / pi_behaviour over the loss
+    tokens, in TRL's names. The trainer's log-probs are those of its forward before this step's update
+    (the proximal policy): at staleness 0 the gap is the engine/trainer mismatch alone; at staleness s
+    it also holds s versions of policy change."""
+    log_ratio = (trainer_logps - behaviour_logps)[mask]  # [tokens]
+    if log_ratio.numel() == 0:
+        return {}
+    ratio = log_ratio.exp()
+    return {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
+            "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
+            "sampling/importance_sampling_ratio/min": ratio.min().item(),
+            "sampling/importance_sampling_ratio/max": ratio.max().item()}
 
 
 def reference_logps(model, mb: RolloutBatch, cfg) -> list[torch.Tensor]:
@@ -70,10 +96,10 @@ class PolicyObjective(torch.nn.Module):
         super().__init__()
         self.policy, self.cfg = policy, cfg
 
-    def forward(self, mb: RolloutBatch | None, batch: RolloutBatch):
+    def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True):
         if mb is None:
             return dummy_loss(self.policy, batch, self.cfg), {}, 0
-        return micro_batch_loss(self.policy, mb, self.cfg)
+        return micro_batch_loss(self.policy, mb, self.cfg, first_pass)
 
 
 def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
@@ -148,11 +174,12 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) 
     sums = MetricSums()
     optimizer, skipped = base_optimizer(engine), False
     forward_backward_s = optimizer_s = 0.0
-    for _ in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
+    for pass_index in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
         t = time.perf_counter()
         for i in range(int(count)):
             engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
-            loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch)
+            loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch,
+                                           pass_index == 0)
             if metrics:  # not a padding forward
                 sums.add(metrics, tokens)
             if not torch.isfinite(loss):
@@ -209,7 +236,9 @@ class MetricSums:
         if dist.is_initialized():
             dist.all_reduce(values)
         tokens = max(values[-1].item(), 1.0)
-        out = {k: values[i].item() / (passes if k in ADDITIVE else tokens) for i, k in enumerate(keys)}
+        # the first-pass-only means saw a 1/passes share of the tokens
+        out = {k: values[i].item() / (passes if k in ADDITIVE else tokens / passes if k in MISMATCH_MEANS else tokens)
+               for i, k in enumerate(keys)}
         for key, op in EXTREMES.items():
             default = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
             value = torch.tensor([self.extremes.get(key, default)], dtype=torch.float64, device=device)
@@ -224,7 +253,7 @@ def metric_keys(cfg) -> list[str]:
     """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
     keys = ["loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "clip_ratio/region_mean", "ratio/mean"]
-    return keys + (["kl"] if cfg.training.beta > 0 else [])
+    return keys + (["kl"] if cfg.training.beta > 0 else []) + list(MISMATCH_MEANS)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -110,3 +110,20 @@ def digit_model_dir(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def penalised_digit_model_dir(digit_model_dir, tmp_path_factory):
+    """The digit model with a generation_config.json that sets a repetition penalty, no-repeat
+    n-grams and top-k, as some checkpoints ship them (Qwen2.5 has a repetition penalty)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path_factory.mktemp("penalised-digit-llama")
+    shutil.copytree(digit_model_dir, folder, dirs_exist_ok=True)
+    shipped = GenerationConfig.from_pretrained(folder)
+    for key, value in {"repetition_penalty": 2.0, "no_repeat_ngram_size": 2, "top_k": 5, "do_sample": True}.items():
+        setattr(shipped, key, value)
+    shipped.save_pretrained(folder)
+    return folder

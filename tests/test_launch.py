@@ -48,8 +48,11 @@ def launch(run_dir, model_dir, data_dir, *extra):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, digit_model_dir, tiny_gsm8k):
-    proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2")
+def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_model_dir, tiny_gsm8k):
+    """Also: a checkpoint whose generation_config carries processors (repetition penalty, ...) is
+    sampled from what is recorded: at staleness 0 the trainer's log-probs of the sampled tokens
+    equal the recorded ones to float32 precision."""
+    proc = launch(tmp_path, penalised_digit_model_dir, tiny_gsm8k, "training.steps=2")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "step 1/2 | reward" in out and "step 2/2 | reward" in out and "done: 2 steps" in out
@@ -58,6 +61,9 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, digit_model_dir, 
     assert max(out.index("  sampler: "), out.index("  trainer: ")) < out.index("step 1/2")
     for name in ("config.yaml", "sampler.log", "trainer.log", "metrics.jsonl", "weights", "checkpoints", "tb"):
         assert (tmp_path / name).exists(), name
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["staleness"] == 0 and first["sampling/sampling_logp_difference/max"] < 1e-3
+    assert 0.999 < first["sampling/importance_sampling_ratio/min"] <= first["sampling/importance_sampling_ratio/max"] < 1.001
 
 
 @pytest.mark.parametrize("override, named", [

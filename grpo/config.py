@@ -55,7 +55,8 @@ class LoraConfig:
     enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
     r: int = _f(16, "LoRA rank.")
     alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
-    dropout: float = _f(0.0, "LoRA dropout. Keep 0 so old/new log-probs are computed by the same function.")
+    dropout: float = _f(0.0, "LoRA dropout: must be 0 (dropout is off in every forward of both processes, so that "
+                             "a token's log-prob is the same function of the weights in each).")
     target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
 
 
@@ -315,6 +316,9 @@ def _value_errors(cfg: Config) -> list[str]:
         errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
     if not 0 <= cfg.deepspeed.zero_stage <= 3:
         errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
+    if cfg.lora.dropout != 0:
+        errors.append(f"lora.dropout must be 0, got {cfg.lora.dropout}: with dropout the trainer's log-prob of a token "
+                      "is not the sampler's, and the importance ratio becomes noise")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:

@@ -99,9 +99,27 @@ def load_model(model_cfg, device: str | torch.device = "cpu"):
         raise ModelError(f"cannot load model '{model_cfg.name_or_path}': {e}. Use a Hub id, a local folder "
                          f"with config.json, or one of: {', '.join(EMBEDDED_MODELS)}") from None
     model.to(device)
+    disable_dropout(model)
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def disable_dropout(model) -> None:
+    """Dropout off in every forward, whatever mode the model is in: the trainer runs in train mode
+    (gradient checkpointing needs it), and a token's log-prob must be the same function of the
+    weights in both processes, or the importance ratio is noise. Attention kernels read the rate
+    as a float attribute (`attention_dropout`), not as a Dropout module."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -101,3 +101,38 @@ def test_bad_lora_targets_are_named():
 def test_config_sections_feed_the_loaders():
     cfg = Config()
     assert cfg.model.name_or_path == "smollm2-135m-instruct" and cfg.lora.r == 16
+
+
+def test_dropout_is_off_in_every_forward_even_in_train_mode(tmp_path):
+    """A checkpoint with attention dropout 0.5 loaded as both processes load it: in train mode (the
+    trainer's, needed by gradient checkpointing) two forwards agree, and equal the eval-mode forward,
+    on the plain and the shared-prefix path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5, eos_token_id=1,
+                         pad_token_id=0, bos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    raw = LlamaForCausalLM.from_pretrained(tmp_path).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    assert not torch.equal(raw(ids).logits, raw(ids).logits)  # the checkpoint's dropout is real
+    model = add_lora(load_model(ModelConfig(name_or_path=str(tmp_path))), LoraConfig(r=4)).train()
+    prompts, completions = [torch.tensor([5, 6, 7])], [torch.tensor([8, 9]), torch.tensor([10, 11, 12])]
+    for shared_prefix in (True, False):
+        first, second = (completion_logprobs(model, prompts, completions, [2], shared_prefix=shared_prefix)
+                         for _ in range(2))
+        model.eval()
+        evaluated = completion_logprobs(model, prompts, completions, [2], shared_prefix=shared_prefix)
+        model.train()
+        for a, b, c in zip(first, second, evaluated):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_lora_dropout_is_refused_with_the_reason():
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="lora.dropout must be 0, got 0.1: with dropout the trainer's log-prob"):
+        load_config(None, ["lora.dropout=0.1"])

@@ -34,12 +34,17 @@ def test_a_damaged_spool_file_is_named(tmp_path, data, message):
         spool.get(4)
 
 
-def test_each_new_trainer_gets_the_steps_after_its_checkpoint_once(tmp_path):
+def six_spooled_steps(tmp_path):
+    """A spool holding steps 0-5, the frames re-sent (a list), the trainer state path, the redelivery."""
     spool, sent = Spool(tmp_path / "spool"), []
     for step in range(6):
         spool.put(step, frames_of(step))
     state = tmp_path / "trainer_state.json"
-    redelivery = Redelivery(spool, sent.append, state)
+    return spool, sent, state, Redelivery(spool, sent.append, state)
+
+
+def test_each_new_trainer_gets_the_steps_after_its_checkpoint_once(tmp_path):
+    spool, sent, state, redelivery = six_spooled_steps(tmp_path)
     assert redelivery.check(next_step=6) == [] and sent == []  # no trainer yet
     state.write_text(json.dumps({"step": 2, "next_steps": {"0": 2}, "incarnation": "a"}))
     assert redelivery.check(next_step=6) == [2, 3, 4, 5]
@@ -52,11 +57,7 @@ def test_each_new_trainer_gets_the_steps_after_its_checkpoint_once(tmp_path):
 
 
 def test_after_the_last_step_the_sampler_serves_a_restarted_trainer_until_it_checkpoints_everything(tmp_path):
-    spool, sent = Spool(tmp_path / "spool"), []
-    for step in range(6):
-        spool.put(step, frames_of(step))
-    state = tmp_path / "trainer_state.json"
-    redelivery = Redelivery(spool, sent.append, state)
+    spool, sent, state, redelivery = six_spooled_steps(tmp_path)
     redelivery.wait_until_checkpointed(6, timeout_s=0)  # no trainer ever started: nothing to wait for
     state.write_text(json.dumps({"step": 4, "next_steps": {"0": 4}, "incarnation": "a"}))
     redelivery.check(next_step=6)

@@ -30,7 +30,8 @@ class EmbeddedDataError(ValueError):
 def read_embedded_jsonl(split: str, folder: Path = EMBEDDED_DIR) -> bytes:
     """The verified JSONL bytes of one embedded split."""
     if split not in EMBEDDED_SPLITS:
-        raise EmbeddedDataError(f"the embedded GSM8K has the splits {', '.join(EMBEDDED_SPLITS)}; got data.split={split!r}")
+        raise EmbeddedDataError(f"the embedded GSM8K has the splits {', '.join(EMBEDDED_SPLITS)}; "
+                                f"got data.split={split!r}")
     path = folder / f"{split}.jsonl.gz"
     try:
         raw = gzip.decompress(path.read_bytes())

@@ -1,7 +1,8 @@
 """GSM8K rows from the embedded copy (the default), the Hub (`openai/gsm8k`, config `main`) or a local folder.
 
-`data.path: gsm8k-embedded` is the copy inside the project (data/embedded.py). A local folder holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's
-layout) with the fields `question` and `answer`; the final answer follows `####`.
+`data.path: gsm8k-embedded` is the copy inside the project (data/embedded.py). A local folder
+holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's layout) with the
+fields `question` and `answer`; the final answer follows `####`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from data.gsm8k import load_problems  # noqa: E402
+from data.prompts import build_prompts  # noqa: E402
+from grpo.completions import cut_at_eos  # noqa: E402
+from grpo.config import parse_cli  # noqa: E402
+from grpo.logprobs import completion_logprobs  # noqa: E402
+from grpo.models import load_policy, load_tokenizer  # noqa: E402
+from grpo.rollout.hf_engine import HFEngine, left_pad  # noqa: E402
+
 VARIANTS = ("multinomial + recompute", "inverse-CDF + recompute", "inverse-CDF + recorded")
+
+
+def setup(cfg) -> tuple:
+    """The policy with a trained-looking adapter, its tokenizer, and the first prompts' token ids."""
+    torch.manual_seed(0)
+    model = load_policy(cfg).eval()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.01)
+    tokenizer = load_tokenizer(cfg.model)
+    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    # the few-shot examples are never asked: take enough rows to keep prompts_per_step
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + cfg.sampling.prompts_per_step])
+    return model, tokenizer, [p.token_ids for p in prompts]
 
 
 def main(argv: list[str]) -> int:
@@ -34,27 +58,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default=str(ROOT / "config.yaml"))
     args, overrides = parser.parse_known_args(argv)
 
-    import torch
-
-    from data.gsm8k import load_problems
-    from data.prompts import build_prompts
-    from grpo.config import parse_cli
-    from grpo.logprobs import completion_logprobs
-    from grpo.models import load_policy, load_tokenizer
-    from grpo.completions import cut_at_eos
-    from grpo.rollout.hf_engine import HFEngine, left_pad
-
     cfg = parse_cli(["--config", args.config, *overrides])
     s = cfg.sampling
-    torch.manual_seed(0)
-    model = load_policy(cfg).eval()
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.01)  # a trained-looking adapter
-    tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:s.prompts_per_step])
-    prompt_ids = [p.token_ids for p in prompts]
+    model, tokenizer, prompt_ids = setup(cfg)
     engine = HFEngine(model, tokenizer, s)
 
     def multinomial_generate():
@@ -101,13 +107,18 @@ def main(argv: list[str]) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(prompt_ids)} prompts x G "
           f"{s.group_size}, up to {s.max_new_tokens} tokens, median of {args.repeats}; recorded vs recomputed: same "
           f"completions {same}, max |log-prob difference| {diff:.1e}")
+    print_table(times)
+    return 0
+
+
+def print_table(times: dict[str, list[tuple[float, float, int]]]) -> None:
+    """Medians per variant of (seconds, of which generating, completion tokens), with the speed-up."""
     print("| sampling + old log-probs | seconds | of which generate | completion tokens | tokens/s | speed-up |")
     print("| --- | --- | --- | --- | --- | --- |")
     rate = {v: statistics.median(n / t for t, _, n in x) for v, x in times.items()}
     for variant, x in times.items():
         print(f"| {variant} | {statistics.median(t for t, _, _ in x):.2f} | {statistics.median(g for _, g, _ in x):.2f} "
               f"| {statistics.median(n for _, _, n in x):.0f} | {rate[variant]:.1f} | {rate[variant] / rate[VARIANTS[0]]:.2f}x |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -153,6 +153,42 @@ def run_trl(workload: str, args, overrides: list[str], folder: Path) -> dict:
     return {**measured, **result}
 
 
+def trl_prompt_rows(cfg, steps: int) -> list[dict]:
+    """The prompts our sampler would take in `steps` steps, as TRL's dataset rows (plain text that
+    TRL tokenizes to exactly our token ids, and the reference answer)."""
+    from data.cursor import PromptCursor
+    from data.gsm8k import load_problems
+    from data.prompts import build_prompts, few_shot_examples, prompt_text
+    from grpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
+    shots = few_shot_examples(cfg.data.path, cfg.data.few_shot)
+    cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
+    chosen = [prompts[i] for _ in range(steps) for i in cursor.take(cfg.sampling.prompts_per_step)]
+    rows = []
+    for p in chosen:
+        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots)
+        if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt
+            raise SystemExit(f"TRL would see other prompt tokens than ours for {p.problem.id}")
+        rows.append({"prompt": text, "answer": p.problem.answer})
+    return rows
+
+
+def trl_reward(name: str, prefill: str):
+    """One of our reward functions in TRL's form; ours score the prefill + completion."""
+    from rewards import get_reward
+
+    function = get_reward(name)
+
+    def reward(completions, answer, **_):
+        return [function(prefill + c, a) for c, a in zip(completions, answer)]
+
+    reward.__name__ = name
+    return reward
+
+
 def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: list[str]) -> None:
     """Runs in the TRL subprocess: GRPOTrainer with our settings, prompts and rewards."""
     import torch
@@ -161,36 +197,12 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from data.cursor import PromptCursor
-    from data.gsm8k import load_problems
-    from data.prompts import build_prompts, few_shot_examples, prompt_text
     from grpo.config import parse_cli
     from grpo.models import load_model, load_tokenizer
-    from rewards import get_reward
 
     cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides])
     s, t = cfg.sampling, cfg.training
-    tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
-    shots = few_shot_examples(cfg.data.path, cfg.data.few_shot)
-    cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
-    chosen = [prompts[i] for _ in range(steps) for i in cursor.take(s.prompts_per_step)]
-    rows = []
-    for p in chosen:
-        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots)
-        if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt
-            raise SystemExit(f"TRL would see other prompt tokens than ours for {p.problem.id}")
-        rows.append({"prompt": text, "answer": p.problem.answer})
-
-    def trl_reward(name: str):
-        function = get_reward(name)
-
-        def reward(completions, answer, **_):  # our rewards score the prefill + completion
-            return [function(cfg.data.prefill + c, a) for c, a in zip(completions, answer)]
-
-        reward.__name__ = name
-        return reward
+    rows = trl_prompt_rows(cfg, steps)
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -216,8 +228,9 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
     callback = StepTimes()
-    trainer = GRPOTrainer(model=load_model(cfg.model, "cpu"), reward_funcs=[trl_reward(n) for n in cfg.rewards.names],
-                          args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    trainer = GRPOTrainer(model=load_model(cfg.model, "cpu"),
+                          reward_funcs=[trl_reward(n, cfg.data.prefill) for n in cfg.rewards.names],
+                          args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(cfg.model),
                           peft_config=lora, callbacks=[callback])
     print(f"TRL {__import__('trl').__version__}, torch threads {torch.get_num_threads()}", flush=True)
     trainer.train()

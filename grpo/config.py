@@ -117,6 +117,12 @@ class TrainingConfig:
     num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).")
     max_tokens_per_micro_batch: int = _f(8192, "Token budget of one packed micro-batch in the trainer.")
     mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss.")
+    importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
+                                          "the sampler's log-probs), or clip against the trainer's own pre-update "
+                                          "log-probs and weigh each token by pi_trainer / pi_sampler, per token or "
+                                          "per sequence, truncated at the cap or masked above it: token_truncate, "
+                                          "token_mask, sequence_truncate, sequence_mask.")
+    importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).")
     shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
                                    "repeated-prompt forward, the fallback.")
     verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
@@ -208,7 +214,7 @@ def option_lists() -> dict[str, tuple]:
     """The valid values of each choice key, from the module that implements the choice (imported
     late: they need torch). Both workers validate, so none of these is a worker's own module."""
     from grpo.advantages import SCALES
-    from grpo.losses import AGGREGATIONS, KL_ESTIMATORS
+    from grpo.losses import AGGREGATIONS, IS_MODES, KL_ESTIMATORS
     from grpo.models import DTYPES
     from grpo.rollout import ENGINES
     from grpo.sampling import OLD_LOGPS_SOURCES
@@ -219,6 +225,7 @@ def option_lists() -> dict[str, tuple]:
         "sampling.old_logps": OLD_LOGPS_SOURCES,
         "training.reference_on": REFERENCE_SOURCES,
         "training.kl_estimator": KL_ESTIMATORS,
+        "training.importance_sampling": IS_MODES,
         "training.aggregation": AGGREGATIONS,
         "training.advantage_scale": SCALES,
         "deepspeed.backend": BACKENDS,
@@ -316,6 +323,12 @@ def _value_errors(cfg: Config) -> list[str]:
         errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
     if not 0 <= cfg.deepspeed.zero_stage <= 3:
         errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
+    if t.importance_sampling != "none" and t.num_iterations != 1:
+        errors.append(f"training.importance_sampling={t.importance_sampling} needs training.num_iterations=1 (the "
+                      "proximal log-probs are the trainer's first forward of the step; keeping them for later passes "
+                      f"is not built); got {t.num_iterations}")
+    if not t.importance_sampling_cap > 0:
+        errors.append(f"training.importance_sampling_cap must be > 0; got {t.importance_sampling_cap}")
     if cfg.lora.dropout != 0:
         errors.append(f"lora.dropout must be 0, got {cfg.lora.dropout}: with dropout the trainer's log-prob of a token "
                       "is not the sampler's, and the importance ratio becomes noise")

@@ -14,6 +14,8 @@ LEVELS = ("token", "sequence")
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_LOG_RATIO = 20.0  # keeps exp() finite when the sampler's and trainer's numbers disagree wildly
+# training.importance_sampling: how pi_proximal / pi_behaviour weighs each token's loss
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def kl_per_token(ref_logps: torch.Tensor, logps: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -41,13 +43,37 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
 
 
+@torch.no_grad()
+def behaviour_weights(prox_logps, behaviour_logps, mask, *, mode: str, cap: float, level: str = "token"):
+    """The decoupled objective's importance weight pi_prox / pi_behaviour (AReaL), [N, T], no grad.
+
+    token_*: one weight per token; sequence_*: one per completion, the product of its token ratios
+    (GRPO, level="token") or their geometric mean (GSPO, level="sequence"), on each of its tokens.
+    *_truncate caps the weight at `cap` (TIS); *_mask zeroes it above `cap` (MIS). Off the mask: 0.
+    """
+    if mode not in IS_MODES[1:]:
+        raise ValueError(f"importance sampling mode must be one of {IS_MODES[1:]}; got {mode!r}")
+    mask = mask.bool()
+    log_w = torch.where(mask, prox_logps - behaviour_logps, 0.0)  # [N, T]
+    if mode.startswith("sequence"):
+        per_seq = log_w.sum(-1)  # [N]
+        if level == "sequence":
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)
+        log_w = per_seq[:, None].expand_as(log_w)  # [N, T]
+    w = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
+    w = w.clamp(max=cap) if mode.endswith("truncate") else torch.where(w <= cap, w, 0.0)
+    return torch.where(mask, w, 0.0)
+
+
 def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="token", aggregation="grpo",
                 clip_low=0.2, clip_high=None, beta=0.0, kl_estimator="k3", num_sequences=None,
-                num_tokens=None, max_completion_length=None) -> tuple[torch.Tensor, dict[str, float]]:
+                num_tokens=None, max_completion_length=None, is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss plus beta * KL; logps, old_logps, ref_logps, mask: [N, T]; advantages: [N].
 
     num_sequences / num_tokens default to this call's counts; pass the whole batch's counts when
     the batch is split into micro-batches or ranks. max_completion_length defaults to T.
+    is_weights [N, T] (`behaviour_weights`): the decoupled objective, where old_logps are the
+    proximal policy's and each token's surrogate is weighed by pi_prox / pi_behaviour.
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}; got {level!r}")
@@ -67,6 +93,8 @@ def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="to
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)  # [N, T]
     adv = advantages.to(ratio.dtype)[:, None]  # [N, 1]
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [N, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights  # [N, T]
     policy = aggregate(per_token, mask, aggregation, num_sequences, num_tokens, max_completion_length)
 
     kl = None
@@ -94,4 +122,8 @@ def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="to
         }
         if kl is not None:
             metrics["kl"] = (kl[mask].sum() / n).item()
+        if is_weights is not None:
+            w = is_weights[mask]
+            metrics["importance_sampling/weight_mean"] = w.mean().item() if w.numel() else 1.0
+            metrics["importance_sampling/zero_fraction"] = (w == 0).float().mean().item() if w.numel() else 0.0
     return loss, metrics

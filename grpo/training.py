@@ -14,7 +14,7 @@ import torch.distributed as dist
 from grpo.batch import RolloutBatch
 from grpo.completions import loss_mask
 from grpo.logprobs import completion_logprobs, pad_right
-from grpo.losses import policy_loss
+from grpo.losses import behaviour_weights, policy_loss
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 
 ADDITIVE = ("loss", "policy_loss")  # pieces computed with global denominators: their sum is the whole's value
@@ -42,11 +42,17 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg,
         ref_logps = reference_logps(model, mb, cfg)
     ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
     mask = loss_mask(mask, mb.truncated.to(device), t.mask_truncated_completions)
+    level = "sequence" if t.use_gspo else "token"
+    clip_against, is_weights = old, None
+    if t.importance_sampling != "none":  # decoupled: clip against the proximal policy (this forward, before
+        clip_against = new.detach()      # the update; num_iterations is 1), weigh by pi_prox / pi_behaviour
+        is_weights = behaviour_weights(clip_against, old, mask, mode=t.importance_sampling,
+                                       cap=t.importance_sampling_cap, level=level)
     loss, metrics = policy_loss(
-        new, old, mb.advantages.to(device), mask, ref_logps=ref, level="sequence" if t.use_gspo else "token",
+        new, clip_against, mb.advantages.to(device), mask, ref_logps=ref, level=level,
         aggregation=t.aggregation, clip_low=t.clip_low, clip_high=t.clip_high, beta=t.beta,
         kl_estimator=t.kl_estimator, num_sequences=max(1, mb.num_sequences), num_tokens=max(1, mb.num_tokens),
-        max_completion_length=cfg.sampling.max_new_tokens)
+        max_completion_length=cfg.sampling.max_new_tokens, is_weights=is_weights)
     tokens = int(mask.sum())
     entropy = pad_right(entropies)[0]
     metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
@@ -253,7 +259,9 @@ def metric_keys(cfg) -> list[str]:
     """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
     keys = ["loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "clip_ratio/region_mean", "ratio/mean"]
-    return keys + (["kl"] if cfg.training.beta > 0 else []) + list(MISMATCH_MEANS)
+    weights = ["importance_sampling/weight_mean", "importance_sampling/zero_fraction"]
+    return (keys + (["kl"] if cfg.training.beta > 0 else []) + list(MISMATCH_MEANS)
+            + (weights if cfg.training.importance_sampling != "none" else []))
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -127,3 +127,16 @@ def test_progress_line_and_eta_past_a_day():
     line = progress_line(row, 1000, [77.7])
     assert line == ("step 4/1000 | reward -0.438 | answer   6.2% | format  12.5% | kl 0.0019 |   77.7 s/step | "
                     "ETA 21:29:49")
+
+
+def test_a_run_with_truncated_importance_sampling(tmp_path, penalised_digit_model_dir, tiny_gsm8k):
+    """training.importance_sampling=token_truncate through the real processes: the weights are
+    logged, at most the cap, and 1 to float32 precision at staleness 0 (no engine mismatch)."""
+    proc = launch(tmp_path, penalised_digit_model_dir, tiny_gsm8k, "training.steps=2",
+                  "training.importance_sampling=token_truncate", "training.importance_sampling_cap=1.5")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["importance_sampling/weight_mean"] <= 1.5 for r in rows)
+    assert rows[0]["staleness"] == 0 and abs(rows[0]["importance_sampling/weight_mean"] - 1) < 1e-3

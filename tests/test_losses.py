@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from grpo.losses import MAX_LOG_RATIO, kl_per_token, policy_loss
+from grpo.losses import MAX_LOG_RATIO, behaviour_weights, kl_per_token, policy_loss
 
 LN = math.log
 
@@ -230,3 +230,62 @@ def test_bad_options_are_named(kwargs, message):
     logps, old, adv, mask = worked_batch()
     with pytest.raises(ValueError, match=message):
         policy_loss(logps, old, adv, mask, ref_logps=old, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the decoupled objective
+
+IS_PROX = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.3, 0.0]])
+IS_BEHAVIOUR = torch.tensor([[-1.5, -1.0, -0.5], [-1.2, -1.3, -7.0]])
+IS_MASK = torch.tensor([[True, True, True], [True, True, False]])
+E = math.e
+
+
+@pytest.mark.parametrize("mode, level, expected", [
+    # log pi_prox - log pi_behaviour: row 0 [0.5, -1, 0] (ratios e^0.5 = 1.649, e^-1 = 0.368, 1); row 1 [1, 1]
+    ("token_truncate", "token", [[1.5, 1 / E, 1.0], [1.5, 1.5, 0.0]]),  # capped at 1.5
+    ("token_mask", "token", [[0.0, 1 / E, 1.0], [0.0, 0.0, 0.0]]),  # above 1.5: zero
+    # one weight per completion: the product of its ratios, e^-0.5 = 0.607 and e^2 = 7.39
+    ("sequence_truncate", "token", [[E ** -0.5] * 3, [1.5, 1.5, 0.0]]),
+    ("sequence_mask", "token", [[E ** -0.5] * 3, [0.0, 0.0, 0.0]]),
+    # GSPO: the geometric mean, e^(-0.5 / 3) = 0.846 and e^(2 / 2) = 2.72
+    ("sequence_truncate", "sequence", [[E ** (-0.5 / 3)] * 3, [1.5, 1.5, 0.0]]),
+    ("sequence_mask", "sequence", [[E ** (-0.5 / 3)] * 3, [0.0, 0.0, 0.0]]),
+])
+def test_behaviour_weights_in_worked_numbers(mode, level, expected):
+    weights = behaviour_weights(IS_PROX, IS_BEHAVIOUR, IS_MASK, mode=mode, cap=1.5, level=level)
+    torch.testing.assert_close(weights, torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_the_decoupled_loss_weighs_each_token_in_worked_numbers():
+    """token_truncate, cap 1.5, advantages [1, -1], grpo aggregation, logps at the proximal policy
+    (ratio 1, nothing clipped): row 0 -(1.5 + 0.368 + 1) / 3 = -0.956, row 1 +(1.5 + 1.5) / 2 = 1.5,
+    loss (-0.956 + 1.5) / 2 = 0.272; d loss / d logp = -A w / len / 2, e.g. -1.5 / 6 = -0.25."""
+    logps = IS_PROX.clone().requires_grad_()
+    weights = behaviour_weights(IS_PROX, IS_BEHAVIOUR, IS_MASK, mode="token_truncate", cap=1.5)
+    loss, metrics = policy_loss(logps, IS_PROX, torch.tensor([1.0, -1.0]), IS_MASK, is_weights=weights)
+    row0 = -(1.5 + 1 / E + 1.0) / 3
+    assert loss.item() == pytest.approx((row0 + 1.5) / 2, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -1 / E / 6, -1 / 6], [0.375, 0.375, 0.0]]),
+                               rtol=0, atol=1e-6)
+    assert metrics["importance_sampling/weight_mean"] == pytest.approx((1.5 + 1 / E + 1 + 1.5 + 1.5) / 5)
+    assert metrics["importance_sampling/zero_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_with_no_mismatch_the_decoupled_loss_is_todays_bit_for_bit(mode, level):
+    """Behaviour == proximal (on-policy, no engine mismatch): every weight is exactly 1 and the loss
+    and its gradient are today's, bit for bit."""
+    logps, old, adv, mask, ref = random_batch(seed=7)
+    behaviour = logps.detach().clone()
+    kwargs = dict(level=level, ref_logps=ref, beta=0.04)
+    today = logps.detach().clone().requires_grad_()
+    loss_today, _ = policy_loss(today, behaviour, adv, mask, **kwargs)
+    loss_today.backward()
+    decoupled = logps.detach().clone().requires_grad_()
+    weights = behaviour_weights(decoupled.detach(), behaviour, mask, mode=mode, cap=2.0, level=level)
+    assert torch.equal(weights, mask.float())
+    loss, _ = policy_loss(decoupled, decoupled.detach(), adv, mask, is_weights=weights, **kwargs)
+    loss.backward()
+    assert torch.equal(loss, loss_today) and torch.equal(decoupled.grad, today.grad)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from grpo.config import get_key
+
 # config keys that change the behaviour log-probs or which tokens the loss sees
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
                   "training.mask_truncated_completions", "model.name_or_path", "model.dtype")
@@ -29,9 +31,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def behaviour_of(cfg, tokenizer) -> dict:
     """What the sampler records in each batch header (and the trainer expects)."""
-    section = {"sampling": cfg.sampling, "training": cfg.training, "model": cfg.model}
-    settings = {key: getattr(section[key.split(".")[0]], key.split(".")[1]) for key in BEHAVIOUR_KEYS}
-    return {**settings, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return {**{key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}, "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 
 def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> None:

@@ -240,7 +240,8 @@ def all_keys() -> list[str]:
     return _all_keys(Config)
 
 
-def _get(cfg: Config, key: str) -> Any:
+def get_key(cfg: Config, key: str) -> Any:
+    """The value of a dotted key, e.g. get_key(cfg, "sampling.temperature")."""
     node = cfg
     for part in key.split("."):
         node = getattr(node, part)
@@ -276,8 +277,8 @@ def validate(cfg: Config) -> Config:
 def _choice_and_count_errors(cfg: Config) -> list[str]:
     errors = []
     for key, options in option_lists().items():
-        if _get(cfg, key) not in options:
-            errors.append(f"{key} must be one of {', '.join(options)}; got {_get(cfg, key)!r}")
+        if get_key(cfg, key) not in options:
+            errors.append(f"{key} must be one of {', '.join(options)}; got {get_key(cfg, key)!r}")
     s = cfg.sampling
     if s.group_size < 2:
         errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
@@ -285,8 +286,8 @@ def _choice_and_count_errors(cfg: Config) -> list[str]:
                 "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
                 "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
                 "lora.r", "data.max_prompt_tokens", "transport.high_water_mark"):
-        if _get(cfg, key) < 1:
-            errors.append(f"{key} must be >= 1; got {_get(cfg, key)}")
+        if get_key(cfg, key) < 1:
+            errors.append(f"{key} must be >= 1; got {get_key(cfg, key)}")
     return errors
 
 

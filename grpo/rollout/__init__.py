@@ -1,7 +1,8 @@
 """Rollout engines behind one interface: `hf` (transformers generate, any device) and `vllm` (optional).
 
-`RolloutEngine` is the sampler's only view of an engine. Each engine owns its copy of the policy
-weights and says which published version it serves.
+`RolloutEngine` is the sampler's only view of an engine: it generates with the weights it serves
+(the HF engine with the sampler's own model, vLLM with its own copy) and says which published
+version that is.
 """
 
 from __future__ import annotations

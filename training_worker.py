@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.behaviour import BehaviourMismatch, behaviour_of, check_behaviour
+from grpo.behaviour import BehaviourMismatch, behaviour_of, check_behaviour, check_weights_digest
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
@@ -43,7 +43,7 @@ from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_check
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm, train_step,
                            warmup_lambda)
 from grpo.transport import BatchReceiver, decode_batch
-from grpo.weights import published_versions, version_dir
+from grpo.weights import published_digests, published_versions, version_dir
 
 log = logging.getLogger("trainer")
 STOP = {"requested": False}
@@ -85,7 +85,8 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
           rank, world, device) -> str:
     """The loop, until `training.steps` are done, SIGTERM, or too many non-finite steps in a row
     (returned: what to tell the user; empty otherwise). A batch made with other settings than
-    `expected` raises `BehaviourMismatch` before anything is trained with it."""
+    `expected`, or with weights this run did not publish, raises `BehaviourMismatch` before
+    anything is trained with it."""
     verified = not cfg.training.verify_shared_prefix
     bad_in_row = skipped_total = 0
     while state.step < cfg.training.steps:
@@ -97,6 +98,7 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
             return ""
         batch = decode_batch(frames)
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
+        check_weights_on_rank_zero(batch, cfg.weights_dir, rank, device)
         timings = {"timing/wait_s": time.perf_counter() - t0}
         if not verified:
             verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
@@ -233,6 +235,22 @@ def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
         out.append(raw[start:start + n])
         start += n
     return out
+
+
+def check_weights_on_rank_zero(batch, weights_dir: Path, rank: int, device) -> None:
+    """Rank 0, the publisher, checks the batch's weights digest against the ones it recorded (only
+    its node need see weights.dir); every rank raises `BehaviourMismatch` when it refuses."""
+    refusal = ""
+    if rank == 0:
+        try:
+            check_weights_digest(batch.policy_version, batch.weights_digest, published_digests(weights_dir),
+                                 batch.sampler, batch.step)
+        except BehaviourMismatch as e:
+            refusal = str(e)
+    refused = torch.tensor([int(bool(refusal))], device=device)
+    dist.broadcast(refused, 0)
+    if refused.item():
+        raise BehaviourMismatch(refusal or "rank 0 refused the batch's weights digest (its log says why)")
 
 
 def step_row(cfg, state: TrainerState, batch, step_metrics: dict, timings: dict, learning_rate: float,

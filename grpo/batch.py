@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from grpo.weights import INITIAL_DIGEST
+
 SCHEMA = "grpo.rollout/1"
 
 
@@ -34,6 +36,7 @@ class RolloutBatch:
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/delivery.py)
     behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/behaviour.py), checked by the trainer
+    weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/weights.py), checked too
     schema: str = SCHEMA
 
     def group_slices(self) -> list[slice]:
@@ -82,6 +85,7 @@ FIELDS = (
     Field("num_sequences", "header", int),
     Field("meta", "header", dict),
     Field("behaviour", "header", dict),
+    Field("weights_digest", "header", str),
 )
 HEADER_FIELDS = tuple(f for f in FIELDS if f.wire == "header")
 TENSOR_FIELDS = tuple(f for f in FIELDS if f.wire != "header")

@@ -1,9 +1,11 @@
-"""How a batch was made: the sampler's behaviour settings travel in every batch header, and the
-trainer checks them against its own config before it trains on the batch.
+"""How a batch was made: the sampler's behaviour settings and the digest of the weights it
+sampled with travel in every batch header, and the trainer checks both before it trains on it.
 
 A sampler started with `sampling.temperature=0.7` and a trainer with 0.9 would otherwise train
 with wrong importance ratios and say nothing; the same for top-p/top-k, the completion limit and
-its masking, the model, its dtype and the tokenizer.
+its masking, the model, its dtype and the tokenizer. The weights digest (the sha256 of the
+version's manifest.json, grpo/weights.py) proves per batch that the sampler ran a version this
+run's trainer published, e.g. not one left in a `weights.dir` by another run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import json
 
 from grpo.config import get_key
+from grpo.weights import INITIAL_DIGEST
 
 # config keys that change the behaviour log-probs or which tokens the loss sees
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
@@ -42,3 +45,13 @@ def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> 
         raise BehaviourMismatch(f"sampler {sampler} step {step} was made with other settings than this trainer's; "
                                 f"nothing was trained with it. Start both with the same config: "
                                 + "; ".join(differences))
+
+
+def check_weights_digest(version: int, digest: str, published: dict[int, set[str]], sampler: int, step: int) -> None:
+    """Raise unless `digest` is one this run published as `version` (`grpo.weights.published_digests`)."""
+    known = {INITIAL_DIGEST} if version == 0 else published.get(version, set())
+    if digest not in known:
+        raise BehaviourMismatch(
+            f"sampler {sampler} step {step} was sampled with weights v{version} whose manifest sha256 is "
+            f"{digest[:16]}, but this trainer published v{version} as {', '.join(sorted(d[:16] for d in known)) or 'nothing'}; "
+            "nothing was trained with it. Does the sampler read this run's weights (weights.dir, run.dir)?")

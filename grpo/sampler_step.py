@@ -88,7 +88,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     """Sampler step `step` on `prompts`: the batch to send, its metrics (those of the step so far,
     e.g. the weights wait, and this function's) in `meta["metrics"]`."""
     timings = dict(metrics_so_far)
-    version = policy.engine.version  # before generating: the weights these rollouts come from
+    version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
     t = time.perf_counter()
     rollouts = generate(cfg, policy.engine, prompts, step)
@@ -111,7 +111,8 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
         rewards=scores.per_function, reward_names=list(cfg.rewards.names), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
-        meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour)
+        meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
+        weights_digest=digest)
     metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
     metrics.update(strict_rates(texts, answers))
     if gap is not None:

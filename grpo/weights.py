@@ -4,10 +4,14 @@
                         or model.safetensors + config.json                 (full fine-tune)
                         manifest.json  {"version", "step", "kind", "files": {name: sha256}}
     <weights>/LATEST    "12"
+    <weights>/digests.jsonl  {"version", "digest"} per publish: the sha256 of that manifest.json
 
-The writer fills a temporary folder, fsyncs it, renames it into place, then replaces LATEST
-by write-temp-and-rename, so a reader never sees a half-written version. The reader verifies
-every checksum before loading and keeps the weights it has when anything is wrong.
+The writer fills a temporary folder, fsyncs it, renames it into place, records the manifest's
+digest, then replaces LATEST by write-temp-and-rename, so a reader never sees a half-written
+version nor one whose digest is unrecorded. The reader verifies every checksum before loading
+and keeps the weights it has when anything is wrong. Each batch names the digest of the version
+it was sampled with, and the trainer accepts only digests it recorded (grpo/behaviour.py): a
+re-publish after a restart adds a line, so batches from before the restart still match.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+DIGESTS = "digests.jsonl"
+INITIAL_DIGEST = "initial"  # version 0: the weights both processes build from model.name_or_path
 LORA_FILES = ("adapter_model.safetensors", "adapter_config.json")
 FULL_FILES = ("model.safetensors", "config.json")
 
@@ -70,8 +76,8 @@ def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: 
         tmp.mkdir()
         kind = save_weights(model, tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {"version": version, "step": step, "kind": kind, "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        manifest = json.dumps({"version": version, "step": step, "kind": kind, "files": files}, indent=1).encode()
+        (tmp / MANIFEST).write_bytes(manifest)
         for p in tmp.iterdir():
             fsync_path(p)
         fsync_path(tmp)
@@ -81,6 +87,7 @@ def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: 
         fsync_path(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    record_digest(root, version, hashlib.sha256(manifest).hexdigest())
     write_atomically(root / LATEST, str(version))
     prune(root, keep_last)
     return target
@@ -96,6 +103,29 @@ def prune(root: Path, keep_last: int) -> None:
     for v in versions[:-keep_last] if keep_last > 0 else versions:
         if v != latest:
             shutil.rmtree(version_dir(root, v), ignore_errors=True)
+
+
+def record_digest(root: Path, version: int, digest: str) -> None:
+    with open(Path(root) / DIGESTS, "a") as f:
+        f.write(json.dumps({"version": version, "digest": digest}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def published_digests(root: str | os.PathLike) -> dict[int, set[str]]:
+    """Every manifest digest published into `root`, by version (a version re-published after a
+    trainer restart has two). A line cut short by a crash is skipped."""
+    out: dict[int, set[str]] = {}
+    path = Path(root) / DIGESTS
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            out.setdefault(int(entry["version"]), set()).add(str(entry["digest"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def published_versions(root: Path) -> list[int]:
@@ -118,10 +148,12 @@ def read_latest(root: str | os.PathLike) -> int | None:
 
 
 def verify(folder: Path) -> dict:
-    """The manifest of a published version, after checking every file's sha256."""
+    """The manifest of a published version, after checking every file's sha256; its own sha256
+    is added as "digest" (what a batch sampled with it names)."""
     manifest_path = folder / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text())
+        raw = manifest_path.read_bytes()
+        manifest = {**json.loads(raw), "digest": hashlib.sha256(raw).hexdigest()}
         files = manifest["files"]
         int(manifest["version"])
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -27,9 +27,9 @@ from grpo.behaviour import behaviour_of
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
 from grpo.transport import BatchSender, encode_batch, free_local_port
-from grpo.weights import read_latest, verify, version_dir
+from grpo.weights import publish, read_latest, verify, version_dir
 from helpers import free_tcp_address
-from test_sampling_worker import start_sampler
+from test_sampling_worker import start_sampler, trained_adapter
 from training_worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
@@ -155,7 +155,7 @@ def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> Rollou
     completions = [torch.randint(3, 60, (3,), generator=g) for _ in range(8)]
     with torch.no_grad():
         logps = completion_logprobs(model, prompts, completions, [4, 4], temperature=0.9)  # the sampling temperature
-    return RolloutBatch(step=step, policy_version=step, prompt_ids=prompts, completion_ids=completions,
+    return RolloutBatch(step=step, policy_version=0, prompt_ids=prompts, completion_ids=completions,
                         group_sizes=[4, 4], old_logps=logps, ref_logps=logps, rewards=torch.zeros(8, 1),
                         reward_names=["r"], advantages=torch.tensor([advantage, -advantage] * 4),
                         truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8,
@@ -275,4 +275,27 @@ def test_a_batch_sampled_at_another_temperature_stops_the_trainer_before_it_trai
     assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
     assert "sampler 0 step 0 was made with other settings than this trainer's; nothing was trained with it" in log
     assert "sampling.temperature: the sampler used 0.7, this trainer has 0.9" in log
+    assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None
+
+
+def test_a_batch_sampled_with_weights_this_trainer_did_not_publish_stops_it_before_it_trains(
+        tmp_path, digit_model_dir, tiny_gsm8k):
+    """The sampler reads another run's weights folder, whose v1 this trainer never published: the
+    batch's manifest digest is not one the trainer recorded, so it names both and exits."""
+    foreign = tmp_path / "other-run-weights"
+    publish(trained_adapter(digit_model_dir, seed=3), foreign, version=1, step=1)
+    stranger = verify(version_dir(foreign, 1))["digest"]
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address)
+    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, f"weights.dir={foreign}")
+    try:
+        code = trainer.wait(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+        sampler.kill()
+    log = (tmp_path / "trainer.log").read_text()
+    assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
+    assert (f"sampler 0 step 0 was sampled with weights v1 whose manifest sha256 is {stranger[:16]}, but this "
+            "trainer published v1 as nothing; nothing was trained with it") in log
     assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None

@@ -18,7 +18,7 @@ class FakeEngine:
     """Two fixed completions per prompt with fixed log-probs, as a remote engine would return them."""
 
     def __init__(self):
-        self.version, self.loaded = 0, []
+        self.version, self.weights_digest, self.loaded = 0, "initial", []
 
     def generate(self, prompts, group_size, *, seed=None, greedy=False):
         n = len(prompts) * group_size
@@ -28,7 +28,7 @@ class FakeEngine:
 
     def load_weights(self, folder, manifest, version):
         self.loaded.append(version)
-        self.version = version
+        self.version, self.weights_digest = version, manifest["digest"]
 
     def close(self):
         pass
@@ -63,11 +63,12 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     assert cfg.sampling.old_logps == "generation"
     model = add_lora(tiny_model(), cfg.lora).eval()
     engine = FakeEngine()
-    engine.load_weights(None, {"kind": "lora"}, 3)
+    engine.load_weights(None, {"kind": "lora", "digest": "d3"}, 3)
     policy = SamplerPolicy(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
     batch = make_batch(cfg, policy, prompts(), step=5, sampler=0, sandbox=None, metrics_so_far={"timing/x": 1.0},
                        check_recorded=True)
-    assert (batch.step, batch.policy_version, batch.behaviour) == (5, 3, {"sampling.temperature": 0.9})
+    assert (batch.step, batch.policy_version, batch.weights_digest, batch.behaviour) == \
+        (5, 3, "d3", {"sampling.temperature": 0.9})
     expected = engine.generate([[0], [0]], 2).logps
     assert all(torch.equal(a, b) for a, b in zip(batch.old_logps, expected))
     # the answer reward reads the last number: completions "7" and "8" against answers 7 and 8

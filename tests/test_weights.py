@@ -11,8 +11,9 @@ import torch
 
 from grpo.config import LoraConfig
 from grpo.models import add_lora
-from grpo.weights import (LATEST, WeightWatcher, WeightsError, publish, published_versions, read_latest, verify,
-                          into_model, version_dir)
+from grpo.behaviour import BehaviourMismatch, check_weights_digest
+from grpo.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, WeightWatcher, WeightsError, publish,
+                          published_digests, published_versions, read_latest, verify, into_model, version_dir)
 from conftest import REPO, tiny_model
 
 
@@ -79,6 +80,34 @@ def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
     for k, v in lora_state(trained).items():
         assert torch.equal(lora_state(live)[k], v)
     assert watcher.poll() is None  # nothing newer
+
+
+def test_each_publish_records_its_manifest_digest_and_only_recorded_digests_pass(tmp_path):
+    """The digest a batch names (what `verify` read) is the sha256 of manifest.json; the trainer
+    accepts a version's digest only if it recorded it, both copies of a version re-published after
+    a restart, and version 0 only as the initial weights."""
+    import hashlib
+
+    first = publish(lora_model(seed=1), tmp_path, version=1, step=1)
+    digest = verify(first)["digest"]
+    assert digest == hashlib.sha256((first / MANIFEST).read_bytes()).hexdigest()
+    publish(lora_model(seed=2), tmp_path, version=1, step=1)  # a restarted trainer's other v1
+    again = verify(version_dir(tmp_path, 1))["digest"]
+    assert published_digests(tmp_path) == {1: {digest, again}} and digest != again
+    foreign = tmp_path / "other-run"
+    stranger = verify(publish(lora_model(seed=3), foreign, version=1, step=1))["digest"]
+    with open(tmp_path / DIGESTS, "a") as f:
+        f.write('{"version": 2, "dig')  # a line cut short by a crash is skipped
+    for ok in (digest, again):
+        check_weights_digest(1, ok, published_digests(tmp_path), sampler=0, step=4)
+    check_weights_digest(0, INITIAL_DIGEST, {}, sampler=0, step=0)
+    with pytest.raises(BehaviourMismatch, match=f"sampler 1 step 4 was sampled with weights v1 whose manifest "
+                                                f"sha256 is {stranger[:16]}, but this trainer published v1 as "):
+        check_weights_digest(1, stranger, published_digests(tmp_path), sampler=1, step=4)
+    with pytest.raises(BehaviourMismatch, match="published v2 as nothing"):
+        check_weights_digest(2, digest, published_digests(tmp_path), sampler=0, step=4)
+    with pytest.raises(BehaviourMismatch, match="published v0 as initial"):
+        check_weights_digest(0, digest, published_digests(tmp_path), sampler=0, step=0)
 
 
 def test_sampler_never_loads_half_written_or_corrupted_weights(tmp_path, caplog):

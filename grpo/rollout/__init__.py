@@ -28,14 +28,15 @@ class Rollouts:
 @runtime_checkable
 class RolloutEngine(Protocol):
     version: int  # the published weights version it serves (0: the initial weights)
+    weights_digest: str  # that version's manifest sha256 (grpo.weights.INITIAL_DIGEST for version 0)
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False) -> Rollouts:
         """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs."""
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
-        """Serve a published version whose checksums were verified (`grpo.weights.verify`); raise on
-        failure and keep serving the old one."""
+        """Serve a published version whose checksums were verified (`grpo.weights.verify`, which
+        adds the manifest's "digest"); raise on failure and keep serving the old one."""
 
     def close(self) -> None:
         """Release the engine's processes and memory."""

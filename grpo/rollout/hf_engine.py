@@ -19,7 +19,7 @@ import torch
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
 from grpo.models import unwrap_causal_lm
 from grpo.rollout import Rollouts
-from grpo.weights import load_into
+from grpo.weights import INITIAL_DIGEST, load_into
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -114,11 +114,11 @@ class HFEngine:
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
-        self.version = 0
+        self.version, self.weights_digest = 0, INITIAL_DIGEST
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
         load_into(self.model, folder, manifest)
-        self.version = version
+        self.version, self.weights_digest = version, manifest["digest"]
 
     def close(self) -> None:
         pass  # the model is the sampler's; nothing of the engine's own to release

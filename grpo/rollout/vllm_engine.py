@@ -16,6 +16,7 @@ import torch
 
 from grpo.models import resolve_model_path
 from grpo.rollout import Rollouts
+from grpo.weights import INITIAL_DIGEST
 
 
 class VllmEngine:
@@ -34,7 +35,7 @@ class VllmEngine:
                             dtype=cfg.model.dtype, enable_lora=True, max_lora_rank=cfg.lora.r,
                             enable_prefix_caching=True, seed=cfg.seed, logprobs_mode="processed_logprobs")
         self.lora_request = None  # None: the base model (version 0)
-        self.version = 0
+        self.version, self.weights_digest = 0, INITIAL_DIGEST
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -42,7 +43,7 @@ class VllmEngine:
         if manifest.get("kind") != "lora":
             raise RuntimeError(f"{folder} holds a full model; sampling.engine=vllm serves LoRA adapters only")
         self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
-        self.version = version
+        self.version, self.weights_digest = version, manifest["digest"]
 
     def close(self) -> None:
         del self.llm

@@ -1,0 +1,73 @@
+"""The asynchronous machinery adds no error: the real sampler and trainer (two trainer ranks) at
+`sampling.max_staleness: 0` publish, step after step, the weights that a synchronous loop in one
+process computes from the same seeds and prompts (same sampled tokens, same update: the whole
+batch as one loss, clipped, AdamW), with no transport, spool, sharding, DeepSpeed or hot-swap."""
+
+import json
+
+import torch
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from data.cursor import PromptCursor
+from data.gsm8k import load_problems
+from data.prompts import build_prompts
+from grpo.config import load_config
+from grpo.models import load_policy, load_tokenizer
+from grpo.rollout.hf_engine import HFEngine
+from grpo.sampler_step import SamplerPolicy, make_batch
+from grpo.training import micro_batch_loss
+from grpo.weights import version_dir
+from test_launch import launch
+
+STEPS = 3
+
+
+def adapter(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Generate with the current weights, score, update; the adapter before and after each step,
+    and each step's mean reward."""
+    torch.manual_seed(cfg.seed)  # as the trainer does before building its model (the LoRA init)
+    model = load_policy(cfg).train()
+    tokenizer = load_tokenizer(cfg.model)
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
+    cursor = PromptCursor(len(prompts), cfg.seed)
+    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+    adapters, rewards = [adapter(model)], []
+    for step in range(STEPS):
+        chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
+        batch = make_batch(cfg, policy, chosen, step, 0, None, {}, check_recorded=False)
+        loss, _, _ = micro_batch_loss(model, batch, cfg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        adapters.append(adapter(model))
+        rewards.append(batch.meta["metrics"]["reward"])
+    return adapters, rewards
+
+
+def test_two_processes_at_staleness_zero_publish_what_one_synchronous_loop_computes(tmp_path, digit_model_dir,
+                                                                                   tiny_gsm8k):
+    proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, f"training.steps={STEPS}", "sampling.max_staleness=0",
+                  "sampling.group_size=8", "training.learning_rate=1e-3", "launch.trainer_ranks=2",
+                  f"weights.keep_last={STEPS}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness"] for r in rows] == [0] * STEPS
+
+    adapters, rewards = synchronous_run(load_config(tmp_path / "config.yaml"))
+    assert [r["reward"] for r in rows] == rewards and len(set(rewards)) > 1  # the same tokens were sampled
+    difference = 0.0
+    for step in range(1, STEPS + 1):
+        published = load_file(version_dir(tmp_path / "weights", step) / "adapter_model.safetensors")
+        assert published.keys() == adapters[step].keys()
+        difference = max(difference, *((published[k] - v).abs().max().item() for k, v in adapters[step].items()))
+    moved = max((adapters[-1][k] - v).abs().max().item() for k, v in adapters[0].items())
+    assert difference < 1e-6 and moved > 1e-3, (difference, moved)  # the updates are 1000x the difference

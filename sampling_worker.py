@@ -2,8 +2,10 @@
 
     python sampling_worker.py [--config config.yaml] [key=value ...]
 
-One loop, one step per training step k:
-  wait until weights v >= k - max_staleness are loaded -> take B prompts -> G completions each
+One loop, one step per training step k (with N samplers, sampler i makes the global steps
+g = i, i + N, i + 2N, ...: prompts, seeds and the staleness gate follow g, so N samplers make
+the batches one sampler would; grpo/delivery.py):
+  wait until weights v >= g - max_staleness are loaded -> take B prompts -> G completions each
   -> rewards (per function and weighted) -> group-relative advantages -> old log-probs (the
   generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
   and training.reference_on=sampler) with the shared-prefix forward at the sampling
@@ -33,7 +35,7 @@ from data.gsm8k import load_problems
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config
-from grpo.delivery import Redelivery, Spool, TrainerState, resume_step
+from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.files import RunFolderError, ensure_writable
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
@@ -44,36 +46,38 @@ from grpo.weights import WeightWatcher, into_model
 from rewards.sandbox import RewardSandbox
 
 log = logging.getLogger("sampler")
-SAMPLER_ID = 0  # the delivery key is (sampler, step); one sampler per run for now
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_cli(argv)
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s sampler %(levelname)s %(message)s")
+    sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
+    name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     try:  # a run folder, model or data that cannot be had: one line, no traceback
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
     except (RunFolderError, SourceError) as e:
         log.error("%s", e)
         return 2
-    save_config(cfg, run_dir / "config.yaml")
-    spool = Spool.of_sampler(run_dir, SAMPLER_ID)
-    state = SamplerState(run_dir / "sampler_state.json")
+    if sampler == 0:
+        save_config(cfg, run_dir / "config.yaml")
+    spool = Spool.of_sampler(run_dir, sampler)
+    state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
     watcher = WeightWatcher(cfg.weights_dir, weight_loaders(cfg, policy))
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
-    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", SAMPLER_ID)
+    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
 
-    previous_send_s = 0.0
-    for step in range(start_step, cfg.training.steps):
+    previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
+    for step in range(start_step, end_step):
         redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
         metrics = wait_for_weights(cfg, watcher, redelivery, step)
         metrics["timing/previous_send_s"] = previous_send_s  # this batch's own send is not over when it is encoded
+        cursor.seek(global_step(sampler, step, cfg.sampling.num_workers) * cfg.sampling.prompts_per_step)
         chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
-        batch = make_batch(cfg, policy, chosen, step, SAMPLER_ID, sandbox, metrics,
-                           check_recorded=step == start_step)
+        batch = make_batch(cfg, policy, chosen, step, sampler, sandbox, metrics, check_recorded=step == start_step)
         t = time.perf_counter()
         frames = sender.encode(batch)
         spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
@@ -84,10 +88,10 @@ def main(argv: list[str]) -> int:
 
     if sandbox is not None:
         sandbox.close()
-    redelivery.wait_until_checkpointed(cfg.training.steps, cfg.sampling.wait_timeout_s)
+    redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
     sender.close()
     policy.engine.close()
-    log.info("done: %d steps", cfg.training.steps)
+    log.info("done: %d steps", end_step)
     return 0
 
 
@@ -99,7 +103,7 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model)
-    base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False), device)
+    base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
     problems, _ = load_problems(cfg.data.path, cfg.data.split)
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
@@ -112,19 +116,19 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
 
 def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
-    trainer needs steps the spool no longer holds (grpo/delivery.py, rule 5)."""
+    trainer needs steps the spool no longer holds (grpo/delivery.py, rule 5). The loop seeks the
+    cursor to each step's global position; a saved cursor still refuses other data or seed."""
     cursor = PromptCursor(num_prompts, cfg.seed)
     saved = state.load()
     saved_step = 0
     if saved is not None:
         cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
         saved_step = saved["next_step"]
-    start_step = resume_step(spool, TrainerState.load(run_dir / "trainer_state.json"), SAMPLER_ID, saved_step)
-    if start_step != saved_step:  # rewound: the spool lost steps the trainer still needs
-        cursor.seek(start_step * cfg.sampling.prompts_per_step)
+    sampler = cfg.sampling.worker_index
+    start_step = resume_step(spool, TrainerState.load(run_dir / "trainer_state.json"), sampler, saved_step)
     if start_step:
-        log.info("resuming at step %d (cursor epoch %d, index %d)", start_step, cursor.state.epoch,
-                 cursor.state.index)
+        log.info("resuming at step %d (global step %d)", start_step,
+                 global_step(sampler, start_step, cfg.sampling.num_workers))
     return cursor, start_step
 
 
@@ -137,10 +141,11 @@ def weight_loaders(cfg, policy: SamplerPolicy) -> list:
 
 
 def wait_for_weights(cfg, watcher: WeightWatcher, redelivery: Redelivery, step: int) -> dict[str, float]:
-    """Block until the weights step `step` may use are served (sampling.max_staleness); the
-    metrics of the wait, loading included."""
+    """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
+    counted in global steps); the metrics of the wait, loading included."""
     t, loaded_before = time.perf_counter(), watcher.load_seconds
-    needed = required_version(step, cfg.sampling.max_staleness, cfg.weights.publish_every)
+    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    needed = required_version(g, cfg.sampling.max_staleness, cfg.weights.publish_every)
     wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: redelivery.check(step))
     return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
             "sampler/weight_load_failures": float(watcher.failures)}

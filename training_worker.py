@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.behaviour import BehaviourMismatch, behaviour_of, check_behaviour, check_weights_digest
+from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_weights_digest,
+                            uncorrected_precision_gap)
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
         expected = behaviour_of(cfg, load_tokenizer(cfg.model))  # what every batch must have been made with
+        if rank == 0 and uncorrected_precision_gap(cfg):
+            log.warning("%s", uncorrected_precision_gap(cfg))
     except (RunFolderError, SourceError) as e:
         log.error("%s", e)
         return 2
@@ -198,7 +201,7 @@ class RankZero:
         receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                                  max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
         inbox = Inbox(lambda timeout: keyed(receiver.receive_frames(timeout)), receiver.address,
-                      stop=lambda: STOP["requested"])
+                      stop=lambda: STOP["requested"], num_samplers=cfg.sampling.num_workers)
         io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard))
         state.incarnation = uuid.uuid4().hex[:12]
         state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/delivery.py)
@@ -262,7 +265,7 @@ def step_row(cfg, state: TrainerState, batch, step_metrics: dict, timings: dict,
            **timings, "trainer/completion_tokens": completion_tokens,
            "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(timings["timing/train_s"], 1e-9),
            "trainer/rejected_messages": rejected, "trainer/skipped_steps": skipped_total,
-           "sampler_step": batch.step, **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
+           "sampler/index": batch.sampler, "sampler_step": batch.step, **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
     log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs", state.step,
              row["loss"], row.get("reward", float("nan")), row.get("kl", 0.0), row["grad_norm"], row["staleness"],
              timings["timing/wait_s"], timings["timing/train_s"])

@@ -9,6 +9,14 @@ import torch
 T = TypeVar("T")
 
 
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's EOS and the checkpoint's generation_config EOS list (both engines stop at these)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
 def cut_at_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, bool]:
     """Keep tokens up to and including the first EOS; (tokens, truncated).
 

@@ -73,8 +73,11 @@ class DataConfig:
 
 @dataclass
 class SamplingConfig:
-    engine: str = _f("hf", "Rollout engine: 'hf' (any device) or 'vllm' (GPU, optional install).")
+    engine: str = _f("hf", "Rollout engine: 'hf' (transformers, any device) or 'vllm' (optional: make install-vllm; CUDA or CPU build).")
     device: str = _f("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
+    dtype: str = _f("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
+                            "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer "
+                            "mismatch (sampling/sampling_logp_difference; see training.importance_sampling).")
     prompts_per_step: int = _f(2, "Prompts per step (B).")
     group_size: int = _f(8, "Completions per prompt (G).")
     max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated.")
@@ -82,6 +85,13 @@ class SamplingConfig:
     top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
+    num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
+                             "scripts/launch.py sets it from launch.samplers). Together they make the batches one "
+                             "sampler would: global step g is made by sampler g % N.")
+    worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
+    vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
+                                                       "takes (weights and KV cache); leave room for a trainer on the same GPU.")
+    vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
     old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the first step).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
@@ -171,6 +181,11 @@ class LaunchConfig:
     trainer_ranks: int = _f(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
                                "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.")
     cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = the cores split between sampler and trainer.")
+    vllm_python: str = _f(".venv-vllm/bin/python", "The Python scripts/launch.py runs a sampler with when "
+                                                   "sampling.engine=vllm (make install-vllm builds it; relative to "
+                                                   "the project). When it does not exist, the launcher's own Python.")
+    samplers: int = _f(1, "Sampler processes scripts/launch.py starts (sets sampling.num_workers and each "
+                          "sampling.worker_index); each gets its own GPU where there are enough, else a share of the cores.")
     max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both processes "
                                  "cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.")
 
@@ -197,6 +212,10 @@ class Config:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
 
     @property
+    def sampler_dtype(self) -> str:
+        return self.model.dtype if self.sampling.dtype == "auto" else self.sampling.dtype
+
+    @property
     def weights_dir(self) -> Path:
         return Path(self.weights.dir) if self.weights.dir else self.run_dir / "weights"
 
@@ -221,6 +240,7 @@ def option_lists() -> dict[str, tuple]:
 
     return {
         "model.dtype": tuple(DTYPES),
+        "sampling.dtype": ("auto", *DTYPES),
         "sampling.engine": ENGINES,
         "sampling.old_logps": OLD_LOGPS_SOURCES,
         "training.reference_on": REFERENCE_SOURCES,
@@ -299,6 +319,12 @@ def _value_errors(cfg: Config) -> list[str]:
         errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
+    if not 0 <= s.worker_index < s.num_workers or cfg.launch.samplers < 1:
+        errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1 and launch.samplers >= 1; got "
+                      f"{s.worker_index}, {s.num_workers} and {cfg.launch.samplers}")
+    if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
+        errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
+                      f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
     if t.reference_on == "trainer" and not cfg.lora.enabled:
         errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
                       "off; a full fine-tune would need a second copy of the model in every rank)")

@@ -2,11 +2,13 @@
 
 The protocol, stated once (docs/reliability.md tests every rule):
 1. A batch is keyed by (sampler id, sampler step). Each sampler numbers its steps 0, 1, 2, ...
+   With N samplers, the run's global step g is sampler g % N's step g // N (`owner`): together
+   they make the batches one sampler would (prompts, seeds and staleness follow g).
 2. The sampler writes a batch's encoded frames to its own spool (`<run>/spool/sampler<i>/`)
    before it sends them: at-least-once.
-3. The trainer trains each sampler's steps strictly in order: a step below the next one it
-   wants from that sampler was trained already and is dropped (de-duplication); a step above it
-   arrived early and is held until the ones before it are in.
+3. The trainer trains global steps strictly in order: a step below the next one it wants from
+   that sampler was trained already and is dropped (de-duplication); any other arrived early
+   and is held until the ones before it are in.
 4. The trainer's position (`TrainerState`: optimizer steps, the next step wanted per sampler)
    is saved to `trainer_state.json` with every checkpoint. Each trainer start writes a new
    `incarnation` there; a sampler that sees a new incarnation re-sends its spooled steps from
@@ -34,6 +36,20 @@ from grpo.files import write_atomically
 MAGIC = b"GRPOSPL1"
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for a batch says so
 log = logging.getLogger(__name__)
+
+
+def owner(global_step: int, num_samplers: int) -> tuple[int, int]:
+    """(sampler, its own step) that makes the run's global step `global_step` (rule 1)."""
+    return global_step % num_samplers, global_step // num_samplers
+
+
+def global_step(sampler: int, step: int, num_samplers: int) -> int:
+    return step * num_samplers + sampler
+
+
+def steps_of_sampler(sampler: int, total_steps: int, num_samplers: int) -> int:
+    """How many of the run's `total_steps` global steps sampler `sampler` makes."""
+    return max(0, -(-(total_steps - sampler) // num_samplers))
 
 
 # ----------------------------------------------------------------------------- the trainer's position
@@ -205,15 +221,13 @@ class Inbox:
     """
 
     def __init__(self, receive: Callable[[float], tuple[list[bytes], tuple[int, int]]], describe: str,
-                 stop: Callable[[], bool] = lambda: False):
-        self.receive, self.describe, self.stop = receive, describe, stop
+                 stop: Callable[[], bool] = lambda: False, num_samplers: int = 1):
+        self.receive, self.describe, self.stop, self.num_samplers = receive, describe, stop, num_samplers
         self.pending: dict[tuple[int, int], list[bytes]] = {}  # (sampler, step) -> frames that arrived early
 
     def _ready(self, state: TrainerState) -> tuple[int, int] | None:
-        for key in sorted(self.pending):
-            if key[1] == state.next_step(key[0]):
-                return key
-        return None
+        wanted = owner(state.step, self.num_samplers)  # global order (rule 3)
+        return wanted if wanted in self.pending and wanted[1] == state.next_step(wanted[0]) else None
 
     def next(self, state: TrainerState, timeout_s: float) -> list[bytes] | None:
         """The frames of a batch that is next in order for its sampler; None when stopped."""
@@ -250,5 +264,5 @@ class Inbox:
         return None
 
     def _wanted(self, state: TrainerState) -> str:
-        known = sorted(set(state.next_steps) | {0})
-        return ", ".join(f"sampler {s} step {state.next_step(s)}" for s in known)
+        sampler, _ = owner(state.step, self.num_samplers)
+        return f"sampler {sampler} step {state.next_step(sampler)}"

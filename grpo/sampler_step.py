@@ -15,6 +15,8 @@ import torch
 
 from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
+from grpo.completions import eos_token_ids
+from grpo.delivery import global_step
 from grpo.logprobs import completion_logprobs
 from grpo.rollout import RolloutEngine, Rollouts
 from grpo.sampling import loss_counts, sampler_metrics
@@ -40,14 +42,15 @@ def make_engine(cfg, model, tokenizer) -> RolloutEngine:
     if cfg.sampling.engine == "vllm":
         from grpo.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg, tokenizer)
+        return VllmEngine(cfg, eos_token_ids(tokenizer, model))
     from grpo.rollout.hf_engine import HFEngine
 
     return HFEngine(model, tokenizer, cfg.sampling)
 
 
 def generate(cfg, engine: RolloutEngine, prompts: list, step: int) -> Rollouts:
-    """G completions of each prompt; the seed depends on the step only, so a re-run repeats it."""
+    """G completions of each prompt; the seed depends on the run's global step only, so a re-run
+    repeats it, and N samplers draw what one would."""
     return engine.generate([p.token_ids for p in prompts], cfg.sampling.group_size,
                            seed=cfg.seed * 1_000_003 + step)
 
@@ -91,7 +94,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
     t = time.perf_counter()
-    rollouts = generate(cfg, policy.engine, prompts, step)
+    rollouts = generate(cfg, policy.engine, prompts, global_step(sampler, step, cfg.sampling.num_workers))
     timings["timing/generate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

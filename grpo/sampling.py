@@ -91,6 +91,10 @@ class SamplerState:
     def __init__(self, path: Path):
         self.path = Path(path)
 
+    @classmethod
+    def of_sampler(cls, run_dir: Path, sampler: int) -> "SamplerState":
+        return cls(Path(run_dir) / ("sampler_state.json" if sampler == 0 else f"sampler{sampler}_state.json"))
+
     def load(self) -> dict | None:
         if not self.path.is_file():
             return None

@@ -1,8 +1,9 @@
 """Check a finished run folder the way a user would use it (CI's smoke step runs this after `make train`).
 
-    python scripts/check_run.py runs/ci-smoke --steps 2
+    python scripts/check_run.py runs/ci-smoke --steps 2 [--max-logp-difference 1e-3]
 
-Asserts: `metrics.jsonl` has one row per step 1..N; `weights/LATEST` is N and that version's
+Asserts: `metrics.jsonl` has one row per step 1..N (and, if asked, every row's
+`sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch); `weights/LATEST` is N and that version's
 checksums verify; and, for a LoRA run, the published adapter loads with `peft.PeftModel.from_pretrained`
 on the base model (a real client, not our loader) and changes its logits. Exit 1 with the reason
 otherwise.
@@ -25,12 +26,18 @@ from grpo.models import load_model, load_tokenizer  # noqa: E402
 from grpo.weights import read_latest, verify, version_dir  # noqa: E402
 
 
-def check(run_dir: Path, steps: int) -> list[str]:
+def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -> list[str]:
     """What is wrong with the run folder (empty when nothing is)."""
     problems = []
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if [row["step"] for row in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[row['step'] for row in rows]}, expected 1..{steps}")
+    key = "sampling/sampling_logp_difference/mean"
+    if max_logp_difference is not None:
+        gaps = [row.get(key) for row in rows]
+        print(f"{key} per step: {gaps}")
+        if not all(gap is not None and gap < max_logp_difference for gap in gaps):
+            problems.append(f"{key} is {gaps}, expected every step below {max_logp_difference:g}")
     cfg = load_config(run_dir / "config.yaml")
     latest = read_latest(cfg.weights_dir)
     if latest != steps:
@@ -59,8 +66,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--max-logp-difference", type=float, help="bound on every row's mean sampler/trainer gap")
     args = parser.parse_args()
-    problems = check(args.run_dir, args.steps)
+    problems = check(args.run_dir, args.steps, args.max_logp_difference)
     for problem in problems:
         print(f"check_run: {problem}", file=sys.stderr)
     if not problems:

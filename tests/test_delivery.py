@@ -119,9 +119,9 @@ def test_a_restarted_sampler_generates_again_only_what_the_spool_lost(tmp_path):
     assert resume_step(spool, trainer, 0, saved_next_step=6) == 3
 
 
-def test_the_inbox_trains_each_samplers_steps_once_and_in_order_on_real_sockets():
-    """Sampler 0 sends 1, 0, 0, 2 (early, then a duplicate); sampler 1 sends 0. The inbox hands
-    over 0:0, 0:1, 0:2 and 1:0, each once, and each sampler's steps in order."""
+def test_the_inbox_trains_the_global_steps_of_two_samplers_once_and_in_order_on_real_sockets():
+    """Sampler 0 sends 1, 0, 0 (early, then a duplicate); sampler 1 sends 1, 0. The inbox hands over
+    global steps 0-3, i.e. 0:0, 1:0, 0:1, 1:1, each once and in that order."""
     from grpo.transport import BatchReceiver, BatchSender
     from helpers import free_tcp_address, make_batch
 
@@ -129,7 +129,7 @@ def test_the_inbox_trains_each_samplers_steps_once_and_in_order_on_real_sockets(
     receiver = BatchReceiver(address)
     sender = BatchSender(address)
     try:
-        for sampler, step in [(0, 1), (0, 0), (0, 0), (1, 0), (0, 2)]:
+        for sampler, step in [(0, 1), (1, 1), (0, 0), (0, 0), (1, 0)]:
             batch = make_batch(step=step, seed=step)
             batch.sampler = sampler
             sender.send(batch)
@@ -138,17 +138,26 @@ def test_the_inbox_trains_each_samplers_steps_once_and_in_order_on_real_sockets(
             frames, batch = receiver.receive_frames(timeout_s)
             return frames, (batch.sampler, batch.step)
 
-        inbox, state, order = Inbox(receive, address), TrainerState(), []
+        inbox, state, order = Inbox(receive, address, num_samplers=2), TrainerState(), []
         for _ in range(4):
             frames = inbox.next(state, timeout_s=10)
             header = json.loads(frames[0])
             order.append((header["sampler"], header["step"]))
             state.delivered(header["sampler"], header["step"])
-        assert sorted(order) == [(0, 0), (0, 1), (0, 2), (1, 0)]
-        assert [k for k in order if k[0] == 0] == [(0, 0), (0, 1), (0, 2)]
+            state.step += 1
+        assert order == [(0, 0), (1, 0), (0, 1), (1, 1)]
         assert inbox.pending == {}  # the duplicate of 0:0 was dropped, not held
-        with pytest.raises(TimeoutError, match="no batch \\(sampler 0 step 3, sampler 1 step 1\\) arrived"):
+        with pytest.raises(TimeoutError, match="no batch \\(sampler 0 step 2\\) arrived"):
             inbox.next(state, timeout_s=0.3)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_n_samplers_split_the_global_steps_between_them():
+    from grpo.delivery import global_step, owner, steps_of_sampler
+
+    assert [owner(g, 3) for g in range(7)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2)]
+    assert all(global_step(*owner(g, 3), 3) == g for g in range(20))
+    assert [steps_of_sampler(i, 7, 3) for i in range(3)] == [3, 2, 2]
+    assert [steps_of_sampler(i, 4, 1) for i in range(1)] == [4] and steps_of_sampler(2, 2, 3) == 0

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import zmq
 from safetensors.torch import load_file
@@ -89,9 +90,9 @@ def finish_with_each_step_trained_and_generated_once(run_dir, trainer, sampler, 
     return logs
 
 
-def generated_steps(run_dir):
+def generated_steps(run_dir, log_name="sampler.log"):
     """Sampler steps in the order they were generated (the sampler logs one line per step)."""
-    return [int(m) for m in re.findall(r"sampler INFO step (\d+) v", (run_dir / "sampler.log").read_text())]
+    return [int(m) for m in re.findall(r"sampler\d* INFO step (\d+) v", (run_dir / log_name).read_text())]
 
 
 def test_killed_sampler_restarts_and_no_step_is_trained_twice_or_skipped(tmp_path, digit_model_dir, tiny_gsm8k):
@@ -299,3 +300,43 @@ def test_a_batch_sampled_with_weights_this_trainer_did_not_publish_stops_it_befo
     assert (f"sampler 0 step 0 was sampled with weights v1 whose manifest sha256 is {stranger[:16]}, but this "
             "trainer published v1 as nothing; nothing was trained with it") in log
     assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None
+
+
+@pytest.mark.parametrize("killed", ["sampler1", "trainer"])
+def test_two_samplers_and_two_ranks_lose_nothing_when_one_process_is_killed(tmp_path, digit_model_dir, tiny_gsm8k,
+                                                                           killed):
+    """kill -9 sampler 1 (then restart it), or the trainer (then restart it from its checkpoint):
+    global steps 0-7 are trained once each and in order, each made by sampler g % 2 as its step
+    g // 2, and each sampler generated each of its steps once."""
+    address, steps, two = free_tcp_address(), "training.steps=8", "sampling.num_workers=2"
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, two, steps, "checkpoint.every=2",
+                            "transport.recv_timeout_s=120")
+    samplers = {f"sampler{i}": start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, two, steps,
+                                             f"sampling.worker_index={i}", log_name=f"sampler{i}.log")
+                for i in range(2)}
+    try:
+        wait_for(lambda: len(rows(tmp_path)) >= 3, "three trained steps")
+        if killed == "trainer":
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+            trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, two, steps, "checkpoint.every=2",
+                                    "transport.recv_timeout_s=120")
+        else:
+            samplers["sampler1"].send_signal(signal.SIGKILL)
+            samplers["sampler1"].wait()
+            samplers["sampler1"] = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, two, steps,
+                                                 "sampling.worker_index=1", log_name="sampler1.log")
+        codes = trainer.wait(timeout=600), *(s.wait(timeout=120) for s in samplers.values())
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+        for s in samplers.values():
+            s.kill()
+    logs = (tmp_path / "trainer.log").read_text()[-3000:] + (tmp_path / "sampler1.log").read_text()[-2000:]
+    assert codes == (0, 0, 0), logs
+    trained = rows(tmp_path)
+    assert [r["step"] for r in trained] == list(range(1, 9)), logs
+    assert [(r["sampler/index"], r["sampler_step"]) for r in trained] == [(g % 2, g // 2) for g in range(8)], logs
+    for i in range(2):
+        assert sorted(generated_steps(tmp_path, f"sampler{i}.log")) == [0, 1, 2, 3], logs
+    assert all(0 <= r["staleness"] <= 1 for r in trained)

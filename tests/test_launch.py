@@ -19,24 +19,27 @@ sys.path.insert(0, str(REPO / "scripts"))
 from launch import EXIT_SAMPLER_FAILED, format_duration, placement, progress_line  # noqa: E402
 
 
-@pytest.mark.parametrize("ranks, threads, gpus, cores, expected_ranks, trainer_gpus, sampler_gpus", [
-    (0, 0, 0, 2, 1, "", ""),  # CPU: one rank, the cores split
-    (0, 0, 1, 16, 1, "0", "0"),  # one GPU shared
-    (0, 0, 3, 16, 2, "0,1", "2"),  # the README's three-GPU layout: two train, the last samples
-    (0, 0, 8, 64, 7, "0,1,2,3,4,5,6", "7"),
-    (4, 0, 8, 64, 4, "0,1,2,3", "4"),  # override
+@pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [
+    (0, 0, 0, 2, 1, 1, "", [""]),  # CPU: one rank, the cores split
+    (0, 0, 1, 16, 1, 1, "0", ["0"]),  # one GPU shared
+    (0, 0, 3, 16, 1, 2, "0,1", ["2"]),  # the README's three-GPU layout: two train, the last samples
+    (0, 0, 8, 64, 1, 7, "0,1,2,3,4,5,6", ["7"]),
+    (4, 0, 8, 64, 1, 4, "0,1,2,3", ["7"]),  # override: the sampler keeps the last GPU
+    (0, 0, 8, 64, 3, 5, "0,1,2,3,4", ["5", "6", "7"]),  # three samplers, one GPU each
+    (0, 0, 2, 16, 2, 1, "0", ["0", "0"]),  # fewer GPUs than processes: all share GPU 0
 ])
-def test_placement(ranks, threads, gpus, cores, expected_ranks, trainer_gpus, sampler_gpus):
-    plan = placement(ranks, threads, gpus, cores)
+def test_placement(ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus):
+    plan = placement(ranks, threads, gpus, cores, samplers)
     assert plan["ranks"] == expected_ranks
     assert plan["trainer_env"]["CUDA_VISIBLE_DEVICES"] == trainer_gpus
-    assert plan["sampler_env"]["CUDA_VISIBLE_DEVICES"] == sampler_gpus
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in plan["sampler_envs"]] == sampler_gpus
 
 
 def test_cpu_threads_do_not_oversubscribe_the_cores():
     plan = placement(0, 0, 0, 2)
-    assert plan["trainer_env"]["OMP_NUM_THREADS"] == plan["sampler_env"]["OMP_NUM_THREADS"] == "1"
+    assert plan["trainer_env"]["OMP_NUM_THREADS"] == plan["sampler_envs"][0]["OMP_NUM_THREADS"] == "1"
     assert placement(0, 3, 0, 2)["trainer_env"]["OMP_NUM_THREADS"] == "3"
+    assert [env["OMP_NUM_THREADS"] for env in placement(0, 0, 0, 12, 3)["sampler_envs"]] == ["3", "3", "3"]
 
 
 def launch(run_dir, model_dir, data_dir, *extra):

@@ -33,3 +33,14 @@ def test_the_first_pass_mean_is_not_diluted_by_later_passes():
     out = sums.reduce(["loss", key], passes=2, device="cpu")
     assert out[key] == pytest.approx((0.2 * 3 + 0.6 * 1) / 4)
     assert out["loss"] == pytest.approx(0.75)  # additive: the sum over micro-batches, averaged over passes
+
+
+def test_a_lower_precision_sampler_without_correction_is_pointed_out():
+    from grpo.behaviour import uncorrected_precision_gap
+    from grpo.config import load_config
+
+    warned = uncorrected_precision_gap(load_config(None, ["sampling.dtype=bfloat16"]))
+    assert warned.startswith("the sampler runs in bfloat16 and the trainer in float32") and "token_truncate" in warned
+    for quiet in (["sampling.dtype=bfloat16", "training.importance_sampling=token_truncate"], ["sampling.dtype=auto"],
+                  ["model.dtype=bfloat16", "sampling.dtype=float32"]):
+        assert uncorrected_precision_gap(load_config(None, quiet)) == "", quiet

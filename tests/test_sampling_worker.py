@@ -17,13 +17,13 @@ from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 
 
-def start_sampler(run_dir, model_dir, data_dir, address, *extra):
+def start_sampler(run_dir, model_dir, data_dir, address, *extra, log_name="sampler.log"):
     args = [sys.executable, str(REPO / "sampling_worker.py"), "--config", str(PROCESS_CONFIG),
             f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
             f"transport.address={address}", "sampling.prompts_per_step=2", "sampling.group_size=3",
             "sampling.max_new_tokens=6", "lora.r=4", "sampling.wait_timeout_s=120", "transport.send_timeout_s=120",
             "logging.level=INFO", *extra]
-    log = open(run_dir / "sampler.log", "ab")
+    log = open(run_dir / log_name, "ab")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 

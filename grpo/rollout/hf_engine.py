@@ -16,17 +16,10 @@ from pathlib import Path
 
 import torch
 
-from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
+from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.models import unwrap_causal_lm
 from grpo.rollout import Rollouts
 from grpo.weights import INITIAL_DIGEST, load_into
-
-
-def eos_token_ids(tokenizer, model) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,25 @@
-"""vLLM rollouts (optional: `pip install -r requirements-vllm.txt`).
+"""vLLM rollouts (optional: `make install-vllm` builds .venv-vllm; the CPU build without a GPU).
 
-Prefix caching serves the G samples of a prompt from one prefill. Each published LoRA version
-is served as its own LoRARequest (integer id = version + 1), so the prefix cache (keyed by
-adapter) can never serve an older adapter's KV. Log-probs are vLLM's "processed" ones: those of
-the distribution the token was drawn from (after temperature), the trainer's definition.
+Prefix caching serves the G samples of a prompt from one prefill (n = G per request). Log-probs
+are vLLM's "processed" ones: those of the distribution the token was drawn from, after
+temperature, as the trainer computes them. The checkpoint's generation_config is ignored
+(`generation_config="vllm"`): its repetition penalty or top-k would change the distribution
+the tokens come from, as with the HF engine (grpo/rollout/hf_engine.py).
 
-Full fine-tuning is not served by this engine yet; use sampling.engine=hf for full fine-tuning.
+Weights are swapped without restarting the engine. LoRA: each published version is added as
+its own adapter (integer id = version + 1), loaded at once so that a bad adapter fails here and
+the previous one keeps serving, then the previous one is removed; the prefix cache is keyed by
+adapter, so no older adapter's KV is reused. Full fine-tuning: the version's safetensors are
+reloaded in place by the engine's workers, and the prefix cache is reset.
+
+On the CPU, vLLM reserves `gpu_memory_utilization` of the *host's* memory at start; the engine
+asks instead for a KV cache of `sampling.vllm_kv_cache_gb`, and says plainly when that does not
+fit in the memory available.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -18,34 +28,94 @@ from grpo.models import resolve_model_path
 from grpo.rollout import Rollouts
 from grpo.weights import INITIAL_DIGEST
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
+                ".venv-vllm/bin/python sampling_worker.py sampling.engine=vllm)")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed, or cannot serve this configuration."""
+
+
+def engine_arguments(cfg, cuda: bool, available_bytes: int) -> dict:
+    """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
+    s = cfg.sampling
+    if s.old_logps == "generation" and (s.top_p < 1 or s.top_k > 0):
+        raise VllmUnavailable("sampling.engine=vllm records the log-probs of the top-p/top-k truncated distribution, "
+                              "the trainer computes them over the full one: use sampling.old_logps=recompute with "
+                              "top-p/top-k")
+    args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
+                seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
+                trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.lora.enabled:
+        rank = next((r for r in LORA_RANKS if r >= cfg.lora.r), None)
+        if rank is None:
+            raise VllmUnavailable(f"lora.r={cfg.lora.r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+        args.update(enable_lora=True, max_lora_rank=rank, max_loras=2)  # the serving version and the next
+    if cuda:
+        args["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization
+    else:
+        kv_bytes = int(s.vllm_kv_cache_gb * 2**30)
+        if kv_bytes > available_bytes // 2:
+            raise VllmUnavailable(f"sampling.vllm_kv_cache_gb={s.vllm_kv_cache_gb:g} is more than half the memory "
+                                  f"available ({available_bytes / 2**30:.1f} GiB): lower it")
+        args["kv_cache_memory_bytes"] = kv_bytes
+    return args
+
+
+def cpu_threads_environment(allowed_cpus: list[int], threads: int, environ) -> dict[str, str]:
+    """vLLM's CPU settings for as many threads as the sampler's torch has (the launcher's share of
+    the cores). Left alone, vLLM binds one thread per physical core and keeps one core for its
+    scheduler: on 2 vCPUs that is 1 thread, half of what the HF engine uses. A user's own
+    VLLM_CPU_OMP_THREADS_BIND wins."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    cpus = allowed_cpus[:max(1, threads)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
 
 class VllmEngine:
-    """The `RolloutEngine` on vLLM, with its own copy of the base weights and the adapter per version."""
+    """The `RolloutEngine` on vLLM, with its own copy of the weights."""
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, eos_ids: list[int]):
         try:
             import vllm
         except ImportError:
-            raise RuntimeError("sampling.engine=vllm needs vLLM: .venv/bin/pip install -r requirements-vllm.txt "
-                               "(GPU only)") from None
-        if not cfg.lora.enabled:
-            raise RuntimeError("sampling.engine=vllm serves LoRA runs; use sampling.engine=hf for full fine-tuning")
-        self._vllm, self.cfg, self.tokenizer = vllm, cfg, tokenizer
-        self.llm = vllm.LLM(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
-                            dtype=cfg.model.dtype, enable_lora=True, max_lora_rank=cfg.lora.r,
-                            enable_prefix_caching=True, seed=cfg.seed, logprobs_mode="processed_logprobs")
-        self.lora_request = None  # None: the base model (version 0)
+            raise VllmUnavailable(f"sampling.engine=vllm needs vLLM: {INSTALL_HINT}") from None
+        import psutil
+
+        self._vllm, self.cfg, self.eos_ids = vllm, cfg, list(eos_ids)
+        if not torch.cuda.is_available():
+            os.environ.update(cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(),
+                                                      os.environ))
+        self.llm = vllm.LLM(**engine_arguments(cfg, torch.cuda.is_available(), psutil.virtual_memory().available))
+        self.lora_request = None  # None: the base model (version 0, or a full fine-tune)
         self.version, self.weights_digest = 0, INITIAL_DIGEST
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
-        from vllm.lora.request import LoRARequest
-
-        if manifest.get("kind") != "lora":
-            raise RuntimeError(f"{folder} holds a full model; sampling.engine=vllm serves LoRA adapters only")
-        self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        if manifest["kind"] == "lora":
+            self._swap_adapter(folder, version)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         self.version, self.weights_digest = version, manifest["digest"]
 
+    def _swap_adapter(self, folder: Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not self.cfg.lora.enabled:
+            raise RuntimeError(f"{folder} is a LoRA adapter but lora.enabled is false")
+        request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):  # loads it now: a bad adapter fails here, the old one still serves
+            raise RuntimeError(f"vLLM could not load the adapter in {folder}")
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            engine.remove_lora(previous.lora_int_id)
+
     def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
@@ -55,7 +125,7 @@ class VllmEngine:
         s = self.cfg.sampling
         params = self._vllm.SamplingParams(
             n=group_size, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=s.max_new_tokens, logprobs=0, seed=seed)
+            max_tokens=s.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=self.eos_ids)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)
         completions, truncated, logps = [], [], []
@@ -64,5 +134,6 @@ class VllmEngine:
                 ids = list(sample.token_ids)
                 completions.append(torch.tensor(ids, dtype=torch.long))
                 truncated.append(sample.finish_reason == "length")
-                logps.append(torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)]))
+                logps.append(torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)],
+                                          dtype=torch.float32))
         return Rollouts(completions, truncated, logps)

@@ -51,8 +51,8 @@ def predicted_step_s(generate_s: float, train_s: float, latency_s: float, stalen
     return max(train_s, generate_s / samplers, (generate_s + train_s + latency_s) / (staleness + 1))
 
 
-def tiny_model(folder: Path) -> None:
-    """A tiny random Llama with the embedded model's tokenizer (what the tests' processes use)."""
+def tiny_model(folder: Path, hidden_size: int = 64) -> None:
+    """A tiny random Llama with the embedded model's tokenizer (the tests' processes use it too)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo.config import ModelConfig
@@ -60,7 +60,8 @@ def tiny_model(folder: Path) -> None:
 
     tokenizer = load_tokenizer(ModelConfig())
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)

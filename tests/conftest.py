@@ -1,6 +1,7 @@
 """Shared fixtures: offline Hugging Face, tiny random models, the real GSM8K (embedded) and SmolLM2."""
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may load from the Hub in tests
@@ -57,20 +58,11 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer and chat template, for processes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from grpo.config import ModelConfig
-    from grpo.models import load_tokenizer
+    sys.path.insert(0, str(REPO / "scripts"))
+    from simulate_scaling import tiny_model
 
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = load_tokenizer(ModelConfig())
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    tiny_model(folder, hidden_size=32)
     return folder
 
 

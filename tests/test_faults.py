@@ -263,20 +263,28 @@ def test_a_batch_sampled_at_another_temperature_stops_the_trainer_before_it_trai
                                                                                   tiny_gsm8k):
     """Sampler at temperature 0.7, trainer at 0.9 (its config): the trainer names the key and both
     values and exits; no step is trained, no weights are published."""
+    log = refused_before_training(tmp_path, digit_model_dir, tiny_gsm8k, ["sampling.temperature=0.9"],
+                                  ["sampling.temperature=0.7"])
+    assert "sampler 0 step 0 was made with other settings than this trainer's; nothing was trained with it" in log
+    assert "sampling.temperature: the sampler used 0.7, this trainer has 0.9" in log
+
+
+def refused_before_training(run_dir, model_dir, data_dir, trainer_extra: list, sampler_extra: list) -> str:
+    """Start both; the trainer must exit with the behaviour-mismatch code having trained and
+    published nothing. Its log."""
     address = free_tcp_address()
-    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "sampling.temperature=0.9")
-    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, "sampling.temperature=0.7")
+    trainer = start_trainer(run_dir, model_dir, data_dir, address, *trainer_extra)
+    sampler = start_sampler(run_dir, model_dir, data_dir, address, *COMMON, *sampler_extra)
     try:
         code = trainer.wait(timeout=300)
     finally:
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
         sampler.kill()
-    log = (tmp_path / "trainer.log").read_text()
+    log = (run_dir / "trainer.log").read_text()
     assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
-    assert "sampler 0 step 0 was made with other settings than this trainer's; nothing was trained with it" in log
-    assert "sampling.temperature: the sampler used 0.7, this trainer has 0.9" in log
-    assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None
+    assert rows(run_dir) == [] and read_latest(run_dir / "weights") is None
+    return log
 
 
 def test_a_batch_sampled_with_weights_this_trainer_did_not_publish_stops_it_before_it_trains(
@@ -286,20 +294,9 @@ def test_a_batch_sampled_with_weights_this_trainer_did_not_publish_stops_it_befo
     foreign = tmp_path / "other-run-weights"
     publish(trained_adapter(digit_model_dir, seed=3), foreign, version=1, step=1)
     stranger = verify(version_dir(foreign, 1))["digest"]
-    address = free_tcp_address()
-    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address)
-    sampler = start_sampler(tmp_path, digit_model_dir, tiny_gsm8k, address, *COMMON, f"weights.dir={foreign}")
-    try:
-        code = trainer.wait(timeout=300)
-    finally:
-        if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-        sampler.kill()
-    log = (tmp_path / "trainer.log").read_text()
-    assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
+    log = refused_before_training(tmp_path, digit_model_dir, tiny_gsm8k, [], [f"weights.dir={foreign}"])
     assert (f"sampler 0 step 0 was sampled with weights v1 whose manifest sha256 is {stranger[:16]}, but this "
             "trainer published v1 as nothing; nothing was trained with it") in log
-    assert rows(tmp_path) == [] and read_latest(tmp_path / "weights") is None
 
 
 @pytest.mark.parametrize("killed", ["sampler1", "trainer"])

@@ -111,7 +111,8 @@ def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
                                   step=4, sampler=0, sandbox=None, metrics_so_far={}, check_recorded=True)
                for source in ("generation", "recompute")}
     rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
-    assert all(torch.equal(a, b) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
+    assert all(torch.equal(a, b) for a, b in zip(batches["generation"].completion_ids, rollouts.completion_ids))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
     with torch.no_grad():
         ours = completion_logprobs(model, batches["recompute"].prompt_ids, batches["recompute"].completion_ids,
                                    batches["recompute"].group_sizes, temperature=cfg.sampling.temperature,

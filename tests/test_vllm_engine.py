@@ -80,8 +80,11 @@ def test_rollouts_are_prompt_major_repeatable_under_a_seed_and_keep_eos(served):
     first, again, other = (engine.generate(prompts, 4, seed=s) for s in (7, 7, 8))
     assert len(first.completion_ids) == len(first.logps) == len(first.truncated) == 8
     assert all(torch.equal(a, b) for a, b in zip(first.completion_ids, again.completion_ids))
-    # the same tokens; their log-probs to float rounding (the repeat reads the prompt's KV from the prefix cache)
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(first.logps, again.logps))
+    # the same tokens; their log-probs within the engine's kernel tolerance, not bit for bit: the
+    # repeat reads the prompt's KV from the prefix cache, computed by another kernel path (CI saw >1e-5)
+    gaps = torch.cat([(a - b).abs() for a, b in zip(first.logps, again.logps)])
+    print(f"repeat under one seed: log-prob gap max {gaps.max():.2e}")
+    assert gaps.max() < LOGP_BOUND
     assert any(not torch.equal(a, b) for a, b in zip(first.completion_ids, other.completion_ids))
     for ids, logps, cut in zip(first.completion_ids, first.logps, first.truncated):
         assert len(ids) == len(logps) <= cfg.sampling.max_new_tokens and logps.dtype == torch.float32
@@ -112,7 +115,8 @@ def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
                for source in ("generation", "recompute")}
     rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
     assert all(torch.equal(a, b) for a, b in zip(batches["generation"].completion_ids, rollouts.completion_ids))
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
+    # within the kernel tolerance: the repeat reads the prompts' KV from the prefix cache (see above)
+    assert all(torch.allclose(a, b, rtol=0, atol=LOGP_BOUND) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
     with torch.no_grad():
         ours = completion_logprobs(model, batches["recompute"].prompt_ids, batches["recompute"].completion_ids,
                                    batches["recompute"].group_sizes, temperature=cfg.sampling.temperature,

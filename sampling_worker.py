@@ -31,11 +31,13 @@ import time
 import torch
 
 from data.cursor import PromptCursor
-from data.gsm8k import load_problems
+from data.gsm8k import load_split
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config
+from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
+from grpo.evaluation import TrainingEvaluator, append_metrics_row
 from grpo.files import RunFolderError, ensure_writable
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
@@ -56,6 +58,7 @@ def main(argv: list[str]) -> int:
     try:  # a run folder, model or data that cannot be had: one line, no traceback
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
+        eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
     except (RunFolderError, SourceError) as e:
         log.error("%s", e)
         return 2
@@ -69,15 +72,23 @@ def main(argv: list[str]) -> int:
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
+    evaluator = None
+    if eval_prompts is not None:
+        evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
+                                      policy.engine.version, resumed=start_step > 0)
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):
         redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
         metrics = wait_for_weights(cfg, watcher, redelivery, step)
         metrics["timing/previous_send_s"] = previous_send_s  # this batch's own send is not over when it is encoded
-        cursor.seek(global_step(sampler, step, cfg.sampling.num_workers) * cfg.sampling.prompts_per_step)
-        chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
-        batch = make_batch(cfg, policy, chosen, step, sampler, sandbox, metrics, check_recorded=step == start_step)
+        evaluated = evaluate_if_due(evaluator, policy.engine)
+        metrics["timing/eval_s"] = evaluated["eval/seconds"] if evaluated else 0.0
+        prompts_of_round = round_prompts(cfg, cursor, prompts, global_step(sampler, step, cfg.sampling.num_workers))
+        batch = make_batch(cfg, policy, prompts_of_round(0), step, sampler, sandbox, metrics,
+                           check_recorded=step == start_step, more_prompts=prompts_of_round)
+        if evaluated:
+            batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
         t = time.perf_counter()
         frames = sender.encode(batch)
         spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
@@ -89,6 +100,10 @@ def main(argv: list[str]) -> int:
     if sandbox is not None:
         sandbox.close()
     redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
+    if evaluator is not None:  # the final weights: after the trainer's last row, so this row is the last
+        last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
+        wait_for_version(watcher, last, cfg.sampling.wait_timeout_s)
+        append_metrics_row(run_dir, evaluator.run(policy.engine, policy.engine.version), cfg.logging.tensorboard)
     sender.close()
     policy.engine.close()
     log.info("done: %d steps", end_step)
@@ -104,7 +119,7 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model)
     base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    problems, _ = load_split(cfg.data, cfg.data.split)
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
@@ -112,6 +127,24 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer))
     return policy, prompts
+
+
+def evaluation_prompts(cfg, tokenizer) -> list:
+    """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
+    problems, _ = load_split(cfg.data, cfg.eval.split)
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems])
+    log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), cfg.data.path,
+             cfg.eval.split)
+    return prompts
+
+
+def evaluate_if_due(evaluator: "TrainingEvaluator | None", engine) -> dict | None:
+    if evaluator is None or not evaluator.due(engine.version):
+        return None
+    result = evaluator.run(engine, engine.version)
+    log.info("eval at version %d: answer accuracy %.3f, format rate %.3f (%d problems, %.0f s)", engine.version,
+             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"], result["eval/seconds"])
+    return result
 
 
 def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
@@ -130,6 +163,18 @@ def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, ru
         log.info("resuming at step %d (global step %d)", start_step,
                  global_step(sampler, start_step, cfg.sampling.num_workers))
     return cursor, start_step
+
+
+def round_prompts(cfg, cursor: PromptCursor, prompts: list, g: int):
+    """round -> the prompts of that round of global step g: their stream positions are a function
+    of g alone (grpo/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
+    s = cfg.sampling
+    rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
+
+    def prompts_of_round(r: int) -> list:
+        cursor.seek(round_start(g, r, s.prompts_per_step, rounds))
+        return [prompts[i] for i in cursor.take(s.prompts_per_step)]
+    return prompts_of_round
 
 
 def weight_loaders(cfg, policy: SamplerPolicy) -> list:

@@ -41,8 +41,8 @@ from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
 from grpo.sources import SourceError
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
-from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm, train_step,
-                           warmup_lambda)
+from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
+                           set_learning_rate, train_step)
 from grpo.transport import BatchReceiver, decode_batch
 from grpo.weights import published_digests, published_versions, version_dir
 
@@ -67,12 +67,12 @@ def main(argv: list[str]) -> int:
     except (RunFolderError, SourceError) as e:
         log.error("%s", e)
         return 2
-    engine, scheduler = build_engine(cfg, model, world)
+    engine = build_engine(cfg, model, world)
     state = resume(cfg, engine, model, rank)
     io = RankZero.open(cfg, state) if rank == 0 else None
 
     try:
-        failed, code = train(cfg, engine, model, scheduler, state, io, expected, rank, world, device), EXIT_BAD_STEPS
+        failed, code = train(cfg, engine, model, state, io, expected, rank, world, device), EXIT_BAD_STEPS
     except BehaviourMismatch as e:  # every rank decodes the same batch, so all of them stop here together
         failed, code = str(e), EXIT_BEHAVIOUR_MISMATCH
     if failed:
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     return code if failed else 0
 
 
-def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | None", expected: dict,
+def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expected: dict,
           rank, world, device) -> str:
     """The loop, until `training.steps` are done, SIGTERM, or too many non-finite steps in a row
     (returned: what to tell the user; empty otherwise). A batch made with other settings than
@@ -103,6 +103,8 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
         batch = decode_batch(frames)
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
         check_weights_on_rank_zero(batch, cfg.weights_dir, known_digests, rank, device)
+        if rank == 0 and isinstance(batch.meta.get("eval"), dict):  # the sampler evaluated a version: its own row
+            io.metrics.write({"wall_time": time.time(), **batch.meta["eval"]})
         timings = {"timing/wait_s": time.perf_counter() - t0}
         if not verified:
             verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
@@ -110,9 +112,11 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
             verified = True
 
         t1 = time.perf_counter()
+        learning_rate = set_learning_rate(engine, cfg, state.updates)
         step_metrics = train_step(engine, batch, cfg, rank, world, device)
         timings["timing/train_s"] = time.perf_counter() - t1
         state.step += 1
+        state.updates += 0 if step_metrics["skipped"] else 1  # a skipped step does not advance the schedule
         state.delivered(batch.sampler, batch.step)
         bad_in_row = bad_in_row + 1 if step_metrics["skipped"] else 0  # the ranks agree: decided by an all-reduce
         skipped_total += int(step_metrics["skipped"])
@@ -125,7 +129,7 @@ def train(cfg, engine, model, scheduler, state: TrainerState, io: "RankZero | No
             publish_weights(model, cfg, state.step, rank)
         timings["timing/publish_s"] = time.perf_counter() - t2
         if rank == 0:
-            io.metrics.write(step_row(cfg, state, batch, step_metrics, timings, scheduler.get_last_lr()[0],
+            io.metrics.write(step_row(cfg, state, batch, step_metrics, timings, learning_rate,
                                       io.receiver.rejected, skipped_total))
         too_many_bad = bad_in_row >= cfg.training.max_bad_steps
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps or too_many_bad:
@@ -157,17 +161,17 @@ def start_distributed(cfg) -> tuple[int, int, torch.device]:
 
 
 def build_engine(cfg, model, world: int):
-    """The DeepSpeed engine around the policy-with-loss, and its learning-rate scheduler."""
+    """The DeepSpeed engine around the policy-with-loss (no DeepSpeed scheduler: it would advance on
+    skipped steps too; train() sets each step's rate from grpo/schedule.py)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.training.warmup_steps))
-    engine, _, _, scheduler = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
-                                                   lr_scheduler=scheduler, config=deepspeed_config(cfg, world))
+    engine, _, _, _ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
+                                           config=deepspeed_config(cfg, world))
     log.info("%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, dist.get_backend(),
              sum(p.numel() for p in params), cfg.deepspeed.zero_stage)
-    return engine, scheduler
+    return engine
 
 
 def resume(cfg, engine, model, rank: int) -> TrainerState:

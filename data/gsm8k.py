@@ -1,8 +1,11 @@
-"""GSM8K rows from the embedded copy (the default), the Hub (`openai/gsm8k`, config `main`) or a local folder.
+"""Prompt/answer rows: GSM8K from the embedded copy (the default), or any dataset from the Hub or a local folder.
 
 `data.path: gsm8k-embedded` is the copy inside the project (data/embedded.py). A local folder
-holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's layout) with the
-fields `question` and `answer`; the final answer follows `####`.
+holds `<split>.jsonl` or `<split>.parquet` (or `<split>-*.parquet`, the Hub's layout). The
+columns are configurable (`Columns`): the prompt is plain text or a list of chat messages; the
+reference answer is GSM8K's (the number after `####`) or the column's text as it is. A row
+without a usable prompt or answer is skipped and counted; a column no row has is an error.
+Every row keeps its JSON columns (`Problem.row`), which user reward functions receive.
 """
 
 from __future__ import annotations
@@ -26,12 +29,32 @@ class DataError(SourceError, ValueError):
     """A dataset that cannot be loaded at all (missing, empty, damaged, offline)."""
 
 
+ANSWER_FORMATS = ("gsm8k", "text")  # the number after '####' | the column's text, stripped
+
+
+@dataclass(frozen=True)
+class Columns:
+    prompt: str = "question"
+    answer: str = "answer"
+    answer_format: str = "gsm8k"
+    hub_config: str | None = None  # None: 'main' for openai/gsm8k, else the dataset's default
+
+    @classmethod
+    def of(cls, data_cfg) -> "Columns":
+        return cls(data_cfg.prompt_column, data_cfg.answer_column, data_cfg.answer_format, data_cfg.hub_config)
+
+
+GSM8K_COLUMNS = Columns()
+
+
 @dataclass(frozen=True)
 class Problem:
     id: str  # "<split>-<row index>", stable across runs
-    question: str
-    answer: str  # the final number, commas removed (e.g. "1234")
+    question: str  # the user's question (the last user turn when the prompt is chat messages)
+    answer: str  # the reference answer: GSM8K's final number with commas removed (e.g. "1234"), or the text
     reasoning: str = ""  # the worked solution before '####', calculator notes removed (few-shot examples)
+    messages: tuple = field(default=(), hash=False)  # the prompt as chat messages ({"role", "content"}), when the dataset gives them
+    row: dict = field(default_factory=dict, compare=False, hash=False)  # the row's JSON columns, for rewards
 
 
 @dataclass
@@ -67,7 +90,41 @@ def solution_reasoning(solution: str) -> str:
     return CALCULATOR_NOTE_RE.sub("", solution.rsplit("####", 1)[0]).strip()
 
 
-def parse_rows(raw_rows, split: str, stats: LoadStats) -> list[Problem]:
+def _chat_messages(value) -> tuple | None:
+    """A list of {"role", "content"} strings ending in a user turn, or None."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in value):
+        return None
+    if value[-1]["role"] != "user":
+        return None
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def _json_columns(row: dict) -> dict:
+    """The row's columns that are JSON values (they cross to the reward process as JSON)."""
+    kept = {}
+    for key, value in row.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        kept[str(key)] = value
+    return kept
+
+
+def _reference(value, answer_format: str) -> tuple[str | None, str]:
+    """(the reference answer or None, the reasoning) of an answer cell."""
+    if answer_format == "gsm8k":
+        return (parse_final_answer(value), solution_reasoning(value)) if isinstance(value, str) else (None, "")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None, ""
+    text = str(value).strip()
+    return (text or None), ""
+
+
+def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_COLUMNS) -> list[Problem]:
     """Turn raw dict rows into Problems; a bad row is skipped and counted by reason."""
     problems = []
     for i, row in enumerate(raw_rows):
@@ -75,19 +132,32 @@ def parse_rows(raw_rows, split: str, stats: LoadStats) -> list[Problem]:
         if not isinstance(row, dict):
             stats.skip("not an object")
             continue
-        question, solution = row.get("question"), row.get("answer")
-        if not isinstance(question, str) or not question.strip():
-            stats.skip("missing question")
+        prompt, solution = row.get(columns.prompt), row.get(columns.answer)
+        messages = _chat_messages(prompt)
+        if messages is None and (not isinstance(prompt, str) or not prompt.strip()):
+            stats.skip(f"missing {columns.prompt}")
             continue
-        if not isinstance(solution, str):
-            stats.skip("missing answer")
+        if solution is None or (columns.answer_format == "gsm8k" and not isinstance(solution, str)):
+            stats.skip(f"missing {columns.answer}")
             continue
-        final = parse_final_answer(solution)
+        final, reasoning = _reference(solution, columns.answer_format)
         if final is None:
-            stats.skip("non-numeric answer")
+            stats.skip("non-numeric answer" if columns.answer_format == "gsm8k" else f"empty {columns.answer}")
             continue
-        problems.append(Problem(f"{split}-{i}", question.strip(), final, solution_reasoning(solution)))
+        question = messages[-1]["content"] if messages else prompt.strip()
+        problems.append(Problem(f"{split}-{i}", question, final, reasoning, messages or (), _json_columns(row)))
     return problems
+
+
+def check_columns(raw_rows: list, columns: Columns, where: str) -> None:
+    """A column that no row has is a config mistake, not bad rows: say so, with the columns there are."""
+    dicts = [r for r in raw_rows if isinstance(r, dict)]
+    present = {key for r in dicts for key in r}
+    missing = [c for c in (columns.prompt, columns.answer) if c not in present]
+    if dicts and missing:
+        raise DataError(f"{where} has no column {' or '.join(repr(c) for c in missing)} (data.prompt_column="
+                        f"{columns.prompt!r}, data.answer_column={columns.answer!r}); its columns: "
+                        f"{', '.join(sorted(present))}")
 
 
 def _read_jsonl(path: Path, stats: LoadStats) -> list:
@@ -114,8 +184,8 @@ def _local_files(folder: Path, split: str) -> list[Path]:
 def _require_local_files(folder: Path, split: str) -> list[Path]:
     files = _local_files(folder, split)
     if not files:
-        raise DataError(f"{folder} has no {split}.jsonl or {split}.parquet; "
-                        "a local GSM8K folder needs train.jsonl and test.jsonl (fields question, answer)")
+        raise DataError(f"{folder} has no {split}.jsonl or {split}.parquet; a local data folder needs "
+                        "<split>.jsonl or <split>.parquet for each split it is asked for (data.split, eval.split)")
     return files
 
 
@@ -145,16 +215,17 @@ def check_hub_dataset(name: str) -> str | None:
     return reason
 
 
-def _read_hub(name: str, split: str) -> list:
+def _read_hub(name: str, split: str, hub_config: str | None) -> list:
     offline_reason = check_hub_dataset(name)
     import datasets
 
+    config = hub_config if hub_config is not None else (HUB_CONFIG if name == "openai/gsm8k" else None)
     try:
-        return list(datasets.load_dataset(name, HUB_CONFIG, split=split))
+        return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:
         if offline_reason is not None:  # HF_HUB_OFFLINE and not in the cache
             raise _hub_unreachable_error(name, f"{offline_reason} and it is not in the local cache") from None
-        raise DataError(f"could not load data.path={name!r} (config '{HUB_CONFIG}', split '{split}') from the Hugging "
+        raise DataError(f"could not load data.path={name!r} (config {config!r}, split '{split}') from the Hugging "
                         f"Face Hub: {type(e).__name__}: {str(e)[:200]}") from None
 
 
@@ -165,11 +236,11 @@ def _read_embedded(split: str) -> list:
         raise DataError(str(e)) from None
 
 
-def _read_rows(path: str, split: str, stats: LoadStats) -> list:
+def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None) -> list:
     if path == EMBEDDED_GSM8K:
         return _read_embedded(split)
     folder = Path(path).expanduser()
-    return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split)
+    return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split, hub_config)
 
 
 def check_source(path: str, split: str) -> None:
@@ -182,14 +253,20 @@ def check_source(path: str, split: str) -> None:
         check_hub_dataset(path)
 
 
-def load_problems(path: str, split: str) -> tuple[list[Problem], LoadStats]:
+def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS) -> tuple[list[Problem], LoadStats]:
     """All usable problems of a split, and what was skipped."""
     stats = LoadStats()
-    raw = _read_rows(path, split, stats)
-    problems = parse_rows(raw, split, stats)
+    raw = _read_rows(path, split, stats, columns.hub_config)
+    check_columns(raw, columns, f"{path} split '{split}'")
+    problems = parse_rows(raw, split, stats, columns)
     if stats.skipped:
         log.warning("%s/%s: skipped %d of %d rows: %s", path, split, sum(stats.skipped.values()),
                     stats.rows, stats.skipped)
     if not problems:
         raise DataError(f"{path} split '{split}' has no usable rows ({stats.rows} read, skipped: {stats.skipped})")
     return problems, stats
+
+
+def load_split(data_cfg, split: str) -> tuple[list[Problem], LoadStats]:
+    """A split of the configured dataset (data.path and its columns)."""
+    return load_problems(data_cfg.path, split, Columns.of(data_cfg))

@@ -22,10 +22,14 @@ def solved_turns(shots: list[Problem]) -> list[dict]:
     return turns
 
 
-def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = ()) -> str:
-    messages = [{"role": "system", "content": system_prompt}, *solved_turns(shots),
-                {"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = (),
+                messages: tuple = ()) -> str:
+    """The chat-templated prompt. A dataset's own chat `messages` replace the question; the system
+    prompt goes first unless they open with a system turn of their own."""
+    conversation = list(messages) or [{"role": "user", "content": question}]
+    system = [] if conversation[0]["role"] == "system" else [{"role": "system", "content": system_prompt}]
+    turns = [*system, *solved_turns(shots), *conversation]
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     return text + prefill
 
 
@@ -37,7 +41,7 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
     for problem in problems:
         if problem.id in shown:
             continue
-        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots)
+        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots, problem.messages)
         # the chat template already holds the special tokens; do not add BOS twice
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
@@ -47,18 +51,18 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
     return prompts, dropped
 
 
-def few_shot_examples(path: str, count: int) -> list[Problem]:
+def few_shot_examples(data_cfg, count: int) -> list[Problem]:
     """The first `count` train problems (data.few_shot), solved, to show before every question."""
     if count == 0:
         return []
-    from data.gsm8k import load_problems
+    from data.gsm8k import load_split
 
-    problems, _ = load_problems(path, "train")
+    problems, _ = load_split(data_cfg, "train")
     return problems[:count]
 
 
 def build_prompts(tokenizer, data_cfg, problems: list[Problem]) -> tuple[list[Prompt], int]:
     """The training / evaluation prompts as `data.*` configures them."""
-    shots = few_shot_examples(data_cfg.path, data_cfg.few_shot)
+    shots = few_shot_examples(data_cfg, data_cfg.few_shot)
     return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
                           shots)

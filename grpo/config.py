@@ -65,6 +65,12 @@ class DataConfig:
     path: str = _f("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub dataset id "
                                "(e.g. openai/gsm8k, config 'main') or a local folder with train.jsonl/test.jsonl or parquet.")
     split: str = _f("train", "Split used for training prompts.")
+    prompt_column: str = _f("question", "Column with the prompt: plain text (the user turn) or a list of chat "
+                                        "messages ({role, content}, ending with the user's turn).")
+    answer_column: str = _f("answer", "Column with the reference answer (rewards get it as row['reference_answer']).")
+    answer_format: str = _f("gsm8k", "How to read the answer column: gsm8k (the number after '####'; rows without "
+                                     "one are skipped and counted) or text (the value as it is).")
+    hub_config: Optional[str] = _f(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else none).")
     max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
     system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
     prefill: str = _f("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
@@ -85,6 +91,12 @@ class SamplingConfig:
     top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
+                                       "advantage) and generate more prompts until prompts_per_step groups differ "
+                                       "(grpo/dynamic_sampling.py).")
+    dynamic_sampling_max_rounds: int = _f(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
+                                             "prompts per step; short of informative groups after them, the batch is "
+                                             "filled with dropped ones and sampling/dynamic_cap_hit is logged.")
     num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
                              "scripts/launch.py sets it from launch.samplers). Together they make the batches one "
                              "sampler would: global step g is made by sampler g % N.")
@@ -99,10 +111,18 @@ class SamplingConfig:
 
 @dataclass
 class RewardsConfig:
-    names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"], "Reward functions, by registry name.")
+    names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"],
+                          "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
+                          "think_answer_format_partial) or your own as 'package.module:function' or "
+                          "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
+                          "not apply to this row); row = the dataset row plus reference_answer. README: your own rewards.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
     fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
                                "sample (counted in metrics as rewards/<name>/failures).")
+    overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before sampling.max_new_tokens a "
+                                 "completion's reward falls linearly to -rewards.overlong_penalty (logged as the reward "
+                                 "overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
+    overlong_penalty: float = _f(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
     timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
                                 "child process that is replaced after a timeout. 0 = in the sampler, no limit.")
 
@@ -112,7 +132,11 @@ class TrainingConfig:
     steps: int = _f(200, "Optimizer steps (one sampler batch each).")
     use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's token-level.")
     learning_rate: float = _f(2e-4, "AdamW peak learning rate.")
-    warmup_steps: int = _f(0, "Linear learning-rate warmup steps.")
+    lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay to "
+                                      "training.min_lr_ratio * learning_rate at training.steps. Counted in updates "
+                                      "that were applied: a skipped (non-finite) step does not advance it.")
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied updates.")
+    min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
     max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
@@ -136,6 +160,16 @@ class TrainingConfig:
     shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
                                    "repeated-prompt forward, the fallback.")
     verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
+                       "answers to eval.num_problems held-out problems with the weights the sampler serves, logged "
+                       "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step.")
+    num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).")
+    split: str = _f("test", "Held-out split of data.path.")
+    batch_size: int = _f(16, "Prompts generated at once during evaluation.")
 
 
 @dataclass
@@ -200,6 +234,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -234,12 +269,15 @@ def option_lists() -> dict[str, tuple]:
     late: they need torch). Both workers validate, so none of these is a worker's own module."""
     from grpo.advantages import SCALES
     from grpo.losses import AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+    from data.gsm8k import ANSWER_FORMATS
     from grpo.models import DTYPES
     from grpo.rollout import ENGINES
     from grpo.sampling import OLD_LOGPS_SOURCES
+    from grpo.schedule import SCHEDULES
 
     return {
         "model.dtype": tuple(DTYPES),
+        "data.answer_format": ANSWER_FORMATS,
         "sampling.dtype": ("auto", *DTYPES),
         "sampling.engine": ENGINES,
         "sampling.old_logps": OLD_LOGPS_SOURCES,
@@ -247,6 +285,7 @@ def option_lists() -> dict[str, tuple]:
         "training.kl_estimator": KL_ESTIMATORS,
         "training.importance_sampling": IS_MODES,
         "training.aggregation": AGGREGATIONS,
+        "training.lr_schedule": SCHEDULES,
         "training.advantage_scale": SCALES,
         "deepspeed.backend": BACKENDS,
         "logging.level": LOG_LEVELS,
@@ -305,7 +344,8 @@ def _choice_and_count_errors(cfg: Config) -> list[str]:
     for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
                 "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
                 "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
-                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark"):
+                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark", "sampling.dynamic_sampling_max_rounds",
+                "eval.num_problems", "eval.batch_size"):
         if get_key(cfg, key) < 1:
             errors.append(f"{key} must be >= 1; got {get_key(cfg, key)}")
     return errors
@@ -328,14 +368,22 @@ def _value_errors(cfg: Config) -> list[str]:
     if t.reference_on == "trainer" and not cfg.lora.enabled:
         errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
                       "off; a full fine-tune would need a second copy of the model in every rank)")
+    if cfg.eval.every < 0:
+        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
     if cfg.data.few_shot < 0:
         errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
+    if cfg.data.few_shot > 0 and cfg.data.answer_format != "gsm8k":
+        errors.append(f"data.few_shot={cfg.data.few_shot} shows solved GSM8K problems (their worked solutions): it "
+                      "needs data.answer_format=gsm8k; set data.few_shot=0 for your own data")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
     if t.beta < 0:
         errors.append(f"training.beta must be >= 0; got {t.beta}")
     if t.learning_rate <= 0:
         errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
+    if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
+        errors.append(f"training.min_lr_ratio must be in [0, 1] and training.warmup_steps >= 0; got {t.min_lr_ratio} "
+                      f"and {t.warmup_steps}")
     if not 0 <= t.clip_low < 1:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
@@ -374,11 +422,16 @@ def _reward_errors(cfg: Config) -> list[str]:
     if len(r.weights) != len(r.names):
         errors.append(f"rewards.weights has {len(r.weights)} entries but rewards.names has {len(r.names)}; "
                       "give one weight per reward function")
-    from rewards.registry import REWARD_FUNCTIONS  # late import: rewards does not depend on config
+    from rewards.registry import get_reward  # late import: rewards does not depend on config
 
     for name in r.names:
-        if name not in REWARD_FUNCTIONS:
-            errors.append(f"rewards.names: unknown reward '{name}'; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}")
+        try:
+            get_reward(name)  # imports a user's module now, not at the first step
+        except ValueError as e:
+            errors.append(str(e) if str(e).startswith("rewards.names") else f"rewards.names: {e}")
+    if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
+        errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
+                      f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")
     return errors
 
 

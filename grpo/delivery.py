@@ -59,6 +59,7 @@ class TrainerState:
     step: int = 0  # optimizer steps done == the weights version they produce
     next_steps: dict[int, int] = field(default_factory=dict)  # sampler id -> the step its next batch must carry
     incarnation: str = ""  # new at each trainer start: tells the samplers to re-send their spools
+    updates: int = 0  # steps whose update was applied (not skipped): the learning-rate schedule's clock
 
     def next_step(self, sampler: int) -> int:
         return self.next_steps.get(sampler, 0)
@@ -72,7 +73,7 @@ class TrainerState:
     @classmethod
     def from_dict(cls, data: dict) -> "TrainerState":
         return cls(step=int(data["step"]), next_steps={int(k): int(v) for k, v in data["next_steps"].items()},
-                   incarnation=str(data["incarnation"]))
+                   incarnation=str(data["incarnation"]), updates=int(data.get("updates", data["step"])))
 
     @classmethod
     def load(cls, path: Path) -> "TrainerState | None":

@@ -18,9 +18,12 @@ from grpo.batch import RolloutBatch
 from grpo.completions import eos_token_ids
 from grpo.delivery import global_step
 from grpo.logprobs import completion_logprobs
+from grpo.dynamic_sampling import choose_groups, has_spread, round_seed
 from grpo.rollout import RolloutEngine, Rollouts
 from grpo.sampling import loss_counts, sampler_metrics
-from rewards import score_completions
+from rewards import RewardScores, score_completions
+from rewards.overlong import NAME as OVERLONG, overlong_penalty
+from rewards.registry import REFERENCE
 from rewards.strict import strict_rates
 
 log = logging.getLogger(__name__)
@@ -48,21 +51,86 @@ def make_engine(cfg, model, tokenizer) -> RolloutEngine:
     return HFEngine(model, tokenizer, cfg.sampling)
 
 
-def generate(cfg, engine: RolloutEngine, prompts: list, step: int) -> Rollouts:
-    """G completions of each prompt; the seed depends on the run's global step only, so a re-run
-    repeats it, and N samplers draw what one would."""
-    return engine.generate([p.token_ids for p in prompts], cfg.sampling.group_size,
-                           seed=cfg.seed * 1_000_003 + step)
+def step_seed(cfg, step: int) -> int:
+    """The seed of global step `step`: a re-run repeats it, and N samplers draw what one would."""
+    return cfg.seed * 1_000_003 + step
 
 
-def score(cfg, tokenizer, prompts: list, rollouts: Rollouts, sandbox) -> tuple[list[str], list[str], Any, torch.Tensor]:
-    """(texts, reference answers, reward scores, group-relative advantages)."""
+def reward_names(cfg) -> list[str]:
+    """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
+    return list(cfg.rewards.names) + ([OVERLONG] if cfg.rewards.overlong_buffer > 0 else [])
+
+
+@dataclass
+class Round:
+    """One round's prompts, their G completions each (prompt-major), and the scores."""
+
+    prompts: list
+    rollouts: Rollouts
+    texts: list[str]
+    scores: Any  # rewards.RewardScores, with the overlong column when it is on
+    generate_s: float = 0.0
+    rewards_s: float = 0.0
+
+
+def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
+    t = time.perf_counter()
+    rollouts = policy.engine.generate([p.token_ids for p in prompts], cfg.sampling.group_size, seed=seed)
+    generate_s, t = time.perf_counter() - t, time.perf_counter()
     G = cfg.sampling.group_size
-    texts = [cfg.data.prefill + x for x in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-    answers = [p.problem.answer for p in prompts for _ in range(G)]
-    scores = score_completions(texts, answers, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback,
-                               call=sandbox)
-    return texts, answers, scores, group_advantages(scores.total, G, scale=cfg.training.advantage_scale)
+    texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
+    rows = [{**p.problem.row, REFERENCE: p.problem.answer} for p in prompts for _ in range(G)]
+    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox)
+    if cfg.rewards.overlong_buffer > 0:
+        penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
+                                                 cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
+        scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
+                              torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
+                              scores.total + penalty, {**scores.failures, OVERLONG: 0})
+    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t)
+
+
+def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
+    """The chosen (round, group) pairs as one round, in that order."""
+    samples = [(rounds[r], j * G + k) for r, j in chosen for k in range(G)]
+    scores = [rnd.scores for rnd in rounds]
+    return Round(
+        prompts=[rounds[r].prompts[j] for r, j in chosen],
+        rollouts=Rollouts(completion_ids=[rnd.rollouts.completion_ids[i] for rnd, i in samples],
+                          truncated=[rnd.rollouts.truncated[i] for rnd, i in samples],
+                          logps=[rnd.rollouts.logps[i] for rnd, i in samples]),
+        texts=[rnd.texts[i] for rnd, i in samples],
+        scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.total[i] for rnd, i in samples]),
+                            {name: sum(s.failures[name] for s in scores) for name in scores[0].failures}),
+        generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds))
+
+
+def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
+    """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
+    have differing rewards (grpo/dynamic_sampling.py); the metrics of that."""
+    s = cfg.sampling
+    first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox)
+    if not s.dynamic_sampling:
+        return first, {}
+    rounds, spreads = [first], [has_spread(first.scores.total, s.group_size)]
+    while sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds and more_prompts:
+        extra = generate_and_score(cfg, policy, more_prompts(len(rounds)), round_seed(step_seed(cfg, step), len(rounds)),
+                                   sandbox)
+        rounds.append(extra)
+        spreads.append(has_spread(extra.scores.total, s.group_size))
+    chosen, short = choose_groups(spreads, len(prompts))
+    if short:
+        log.warning("dynamic sampling: %d of %d groups have differing rewards after %d rounds "
+                    "(sampling.dynamic_sampling_max_rounds); filled with groups that give no gradient",
+                    sum(map(sum, spreads)), len(prompts), len(rounds))
+    generated = sum(map(len, spreads))
+    return keep_groups(rounds, chosen, s.group_size), {
+        "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
+        "sampling/dynamic_dropped_fraction": 1.0 - sum(map(sum, spreads)) / generated if not short
+        else (generated - len(prompts)) / generated,
+        "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
 
 
 def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
@@ -87,19 +155,18 @@ def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], 
 
 
 def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: int, sandbox,
-               metrics_so_far: dict[str, float], check_recorded: bool) -> RolloutBatch:
-    """Sampler step `step` on `prompts`: the batch to send, its metrics (those of the step so far,
-    e.g. the weights wait, and this function's) in `meta["metrics"]`."""
+               metrics_so_far: dict[str, float], check_recorded: bool, more_prompts=None) -> RolloutBatch:
+    """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
+    rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
+    weights wait, and this function's) in `meta["metrics"]`."""
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
+    kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
+                                          global_step(sampler, step, cfg.sampling.num_workers), sandbox)
+    timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
+    prompts, rollouts, scores = kept.prompts, kept.rollouts, kept.scores
+    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=cfg.training.advantage_scale)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
-    t = time.perf_counter()
-    rollouts = generate(cfg, policy.engine, prompts, global_step(sampler, step, cfg.sampling.num_workers))
-    timings["timing/generate_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    texts, answers, scores, advantages = score(cfg, policy.tokenizer, prompts, rollouts, sandbox)
-    timings["timing/rewards_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, check_recorded)
@@ -112,12 +179,12 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
         old_logps=[x.float().cpu() for x in old_logps],
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
-        rewards=scores.per_function, reward_names=list(cfg.rewards.names), advantages=advantages,
+        rewards=scores.per_function, reward_names=reward_names(cfg), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest)
-    metrics = sampler_metrics(batch, scores.total, scores.failures, timings)
-    metrics.update(strict_rates(texts, answers))
+    metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
+    metrics.update(strict_rates(kept.texts, [p.problem.answer for p in prompts for _ in range(cfg.sampling.group_size)]))
     if gap is not None:
         metrics["sampler/engine_logp_gap_max"] = gap
         if cfg.sampling.old_logps == "generation":

@@ -15,6 +15,7 @@ from grpo.batch import RolloutBatch
 from grpo.completions import loss_mask
 from grpo.logprobs import completion_logprobs, pad_right
 from grpo.losses import behaviour_weights, policy_loss
+from grpo.schedule import learning_rate_at
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 
 ADDITIVE = ("loss", "policy_loss")  # pieces computed with global denominators: their sum is the whole's value
@@ -305,5 +306,10 @@ def deepspeed_config(cfg, world_size: int) -> dict:
     return _merge(config, cfg.deepspeed.config)
 
 
-def warmup_lambda(warmup_steps: int):
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+def set_learning_rate(engine, cfg, updates: int) -> float:
+    """The schedule's rate for the update after `updates` applied ones, set on the optimizer that steps."""
+    t = cfg.training
+    rate = learning_rate_at(updates, t.learning_rate, t.lr_schedule, t.warmup_steps, t.steps, t.min_lr_ratio)
+    for group in base_optimizer(engine).param_groups:
+        group["lr"] = rate
+    return rate

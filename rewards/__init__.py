@@ -1,5 +1,5 @@
-"""Reward functions: pure `(completion, answer) -> float`, selected by name."""
+"""Reward functions: built-in pure `(completion, answer) -> float`, or a user's by import path."""
 
-from rewards.registry import REWARD_FUNCTIONS, RewardScores, get_reward, score_completions
+from rewards.registry import REWARD_FUNCTIONS, RewardScores, batched, get_reward, score_completions
 
-__all__ = ["REWARD_FUNCTIONS", "RewardScores", "get_reward", "score_completions"]
+__all__ = ["REWARD_FUNCTIONS", "RewardScores", "batched", "get_reward", "score_completions"]

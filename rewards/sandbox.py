@@ -2,8 +2,10 @@
 
 A thread cannot do it: a catastrophic regular expression runs inside `re` without releasing
 the GIL, so the sampler itself would hang. The child is forked, so it has every function in
-`REWARD_FUNCTIONS` as the parent had it (a test's too); requests and answers cross the pipe as
-JSON, never pickle. On a timeout the child is killed and a fresh one forked for the next call.
+`REWARD_FUNCTIONS` and every imported user module as the parent had them (a test's too);
+requests and answers cross the pipe as JSON, never pickle (a row must be JSON: the data loader
+keeps only JSON values). On a timeout the child is killed and a fresh one forked for the next
+call; a batched reward gets `rewards.timeout_s` per completion.
 """
 
 from __future__ import annotations
@@ -31,14 +33,19 @@ def _serve(conn, parent_end) -> None:
         pass
     while True:
         try:
-            name, completion, answer = json.loads(conn.recv_bytes())
+            name, completion, row = json.loads(conn.recv_bytes())
         except EOFError:
             return  # the parent is gone
         try:
-            reply = ["ok", float(get_reward(name)(completion, answer))]
+            value = get_reward(name)(completion, row)  # a list for a batched reward
+            reply = ["ok", [_number(v) for v in value] if isinstance(completion, list) else _number(value)]
         except Exception as e:  # reported to the parent, which logs and counts it
             reply = ["error", f"{type(e).__name__}: {e}"]
         conn.send_bytes(json.dumps(reply).encode())
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)
 
 
 class RewardSandbox:
@@ -57,13 +64,16 @@ class RewardSandbox:
         self.close()
         self._start()
 
-    def __call__(self, name: str, completion: str, answer: str) -> float:
+    def __call__(self, name: str, completion: str | list[str], row: dict | list[dict]):
+        """One sample's reward, or a batched reward's list (completion and row are then lists)."""
         if not self._process.is_alive():  # killed from outside, or crashed in C
             self._restart()
-        self._conn.send_bytes(json.dumps([name, completion, answer]).encode())
-        if not self._conn.poll(self.timeout_s):
+        self._conn.send_bytes(json.dumps([name, completion, row]).encode())
+        limit = self.timeout_s * (len(completion) if isinstance(completion, list) else 1)
+        if not self._conn.poll(limit):
             self._restart()
-            raise RewardFailed(f"no answer within rewards.timeout_s={self.timeout_s:g} s")
+            raise RewardFailed(f"no answer within rewards.timeout_s={self.timeout_s:g} s"
+                               + (" per completion" if isinstance(completion, list) else ""))
         try:
             status, value = json.loads(self._conn.recv_bytes())
         except EOFError:

@@ -164,7 +164,7 @@ def trl_prompt_rows(cfg, steps: int) -> list[dict]:
     tokenizer = load_tokenizer(cfg.model)
     problems, _ = load_problems(cfg.data.path, cfg.data.split)
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)
-    shots = few_shot_examples(cfg.data.path, cfg.data.few_shot)
+    shots = few_shot_examples(cfg.data, cfg.data.few_shot)
     cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
     chosen = [prompts[i] for _ in range(steps) for i in cursor.take(cfg.sampling.prompts_per_step)]
     rows = []

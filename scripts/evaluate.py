@@ -22,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data.gsm8k import load_problems  # noqa: E402
+from data.gsm8k import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
-from rewards.strict import strict_rates  # noqa: E402
+from grpo.evaluation import greedy_samples, summary  # noqa: E402
 from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
 
 
@@ -47,35 +47,22 @@ def load_evaluated_model(cfg, weights: Path | None, device):
 
 
 def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, split: str) -> tuple[dict, list]:
+    """The summary and the scored samples (grpo/evaluation.py: the same function as the
+    evaluation during training)."""
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model)
     model = load_evaluated_model(cfg, weights, device)
-    problems, _ = load_problems(cfg.data.path, split)
+    problems, _ = load_split(cfg.data, split)
     problems = problems[:limit] if limit else problems
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     engine = HFEngine(model, tokenizer, cfg.sampling)
-    samples, start = [], time.perf_counter()
-    for i in tqdm(range(0, len(prompts), batch_size), desc="evaluate", unit="batch", file=sys.stderr):
-        chunk = prompts[i:i + batch_size]
-        rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
-        texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-        for prompt, text, ids, cut in zip(chunk, texts, rollouts.completion_ids, rollouts.truncated):
-            completion = cfg.data.prefill + text
-            rates = strict_rates([completion], [prompt.problem.answer])
-            samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
-                            "correct": rates["strict/answer_accuracy"] == 1.0,
-                            "format": rates["strict/format_rate"] == 1.0, "tokens": len(ids), "truncated": cut})
-    n = max(len(samples), 1)
-    summary = {
-        "model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
-        "problems": len(samples), "dropped_overlong": dropped,
-        "answer_accuracy": sum(s["correct"] for s in samples) / n,
-        "format_rate": sum(s["format"] for s in samples) / n,
-        "mean_completion_tokens": sum(s["tokens"] for s in samples) / n,
-        "truncated_rate": sum(s["truncated"] for s in samples) / n,
-        "max_new_tokens": cfg.sampling.max_new_tokens, "seconds": round(time.perf_counter() - start, 1),
-    }
-    return summary, samples
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:
+        samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update)
+    result = {"model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
+              "dropped_overlong": dropped, **summary(samples), "max_new_tokens": cfg.sampling.max_new_tokens,
+              "seconds": round(time.perf_counter() - start, 1)}
+    return result, samples
 
 
 def main(argv: list[str]) -> int:

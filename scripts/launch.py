@@ -90,6 +90,12 @@ def progress_line(row: dict, total_steps: int, step_times: deque) -> str:
             f"kl {row.get('kl', 0.0):.4f} | {per_step:6.1f} s/step | ETA {eta_text}")
 
 
+def eval_line(row: dict) -> str:
+    return (f"eval at step {row['step']} | answer {100 * row['eval/answer_accuracy']:5.1f}% "
+            f"± {100 * row['eval/answer_accuracy_stderr']:.1f} | format {100 * row['eval/format_rate']:5.1f}% | "
+            f"{row['eval/problems']:.0f} problems in {row['eval/seconds']:.0f} s")
+
+
 # start-up lines worth showing before the first step (which takes a few minutes on a CPU)
 MILESTONES = {"sampler": ("converting ", "prompts from", "resuming at step"),
               "trainer": ("trainable parameters", "resumed from")}
@@ -211,11 +217,14 @@ class StepProgress:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 return  # a line being written: read it next time
+            self.seen += 1
+            if "eval/answer_accuracy" in row:  # an evaluation's row (eval.every), not a step
+                print(eval_line(row), flush=True)
+                continue
             now = time.monotonic()
             self.step_times.append(now - self.last)
             self.last = now
             print(progress_line(row, self.total_steps, self.step_times), flush=True)
-            self.seen += 1
 
 
 def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
@@ -251,8 +260,9 @@ def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones
                       f"{logs[name]}:\n{tail(logs[name])}", file=sys.stderr, flush=True)
                 stop_all(others)
                 return EXIT_TRAINER_FAILED if name == "trainer" else EXIT_SAMPLER_FAILED
-        if codes["trainer"] == 0:
-            stop_all(samplers)  # the trainer is done; a sampler may be waiting on weights
+        if codes["trainer"] == 0 and not (cfg.eval.every and codes[samplers[0]] is None):
+            stop_all(samplers)  # the trainer is done; a sampler may be waiting on weights (with eval.every,
+            # sampler 0 first evaluates the final weights and exits by itself)
             print(f"done: {cfg.training.steps} steps; weights in {cfg.weights_dir}", flush=True)
             return 0
         time.sleep(0.5)

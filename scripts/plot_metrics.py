@@ -21,7 +21,11 @@ PANELS = [  # (file name, title, metric keys summed, y label)
     ("kl", "KL to the reference", ["kl"], "per token"),
     ("completion_length", "Completion length", ["completions/mean_length"], "tokens"),
     ("step_time", "Step time (trainer wait + train)", ["timing/wait_s", "timing/train_s"], "seconds"),
+    ("eval_answer_accuracy", "Held-out answer accuracy (greedy, strict; ±1 s.e.)", ["eval/answer_accuracy"],
+     "share of problems"),
+    ("eval_format_rate", "Held-out exact format (greedy)", ["eval/format_rate"], "share of problems"),
 ]
+ERROR_BARS = {"eval/answer_accuracy": "eval/answer_accuracy_stderr"}  # eval rows: points, not smoothed
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -36,12 +40,9 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def series(rows: list[dict], keys: list[str]) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    for row in rows:
-        if all(k in row for k in keys):
-            steps.append(row["step"])
-            values.append(sum(row[k] for k in keys))
-    return steps, values
+    """(steps, values) in step order (evaluation rows are written when their batch arrives)."""
+    points = sorted((row["step"], sum(row[k] for k in keys)) for row in rows if all(k in row for k in keys))
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -71,13 +72,19 @@ def main(argv: list[str]) -> int:
 
     data = [(label, read_metrics(run)) for label, run in zip(labels, args.runs)]
     args.out.mkdir(parents=True, exist_ok=True)
-    grid, axes = plt.subplots(2, 4, figsize=(18, 8))
+    grid, axes = plt.subplots(3, 3, figsize=(16, 12))
     for (name, title, keys, ylabel), grid_ax in zip(PANELS, axes.flat):
         single, ax = plt.subplots(figsize=(6, 4))
         for target in (grid_ax, ax):
             for label, rows in data:
                 steps, values = series(rows, keys)
-                target.plot(steps, smooth(values, args.smooth), label=label)
+                if keys[0] in ERROR_BARS:
+                    _, errors = series(rows, [ERROR_BARS[keys[0]]])
+                    target.errorbar(steps, values, yerr=errors, marker="o", capsize=3, label=label)
+                elif keys[0].startswith("eval/"):
+                    target.plot(steps, values, marker="o", label=label)
+                else:
+                    target.plot(steps, smooth(values, args.smooth), label=label)
             target.set_title(title)
             target.set_xlabel("step")
             target.set_ylabel(ylabel)
@@ -86,7 +93,6 @@ def main(argv: list[str]) -> int:
         single.tight_layout()
         single.savefig(args.out / f"{name}.png", dpi=80)
         plt.close(single)
-    axes.flat[-1].axis("off")
     grid.tight_layout()
     grid.savefig(args.out / "metrics.png", dpi=80)
     print(f"wrote {len(PANELS) + 1} figures to {args.out}")

@@ -9,9 +9,10 @@ import pytest
 
 from data.cursor import PromptCursor
 from data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
-from data.gsm8k import DataError, load_problems, parse_final_answer, solution_reasoning
+from data.gsm8k import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
 from data.prompts import build_prompts, encode_prompts, prompt_text
-from grpo.config import DataConfig
+from grpo.config import DataConfig, load_config
+from grpo.config_tree import ConfigError
 
 
 def test_embedded_gsm8k_has_all_rows_and_every_answer_parses(gsm8k_data):
@@ -101,6 +102,10 @@ def test_missing_empty_and_offline_datasets_say_what_to_do(tmp_path):
     with pytest.raises(DataError, match="has no train.jsonl or train.parquet"):
         load_problems(str(tmp_path), "train")
     (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(DataError, match="split 'train' has no column 'answer' \\(data.prompt_column='question', "
+                                        "data.answer_column='answer'\\); its columns: question"):
+        load_problems(str(tmp_path), "train")
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": null}\n')
     with pytest.raises(DataError, match="has no usable rows \\(1 read, skipped: {'missing answer': 1}\\)"):
         load_problems(str(tmp_path), "train")
     with pytest.raises(DataError, match=r"data.path='no-such-user/no-such-dataset' is a Hugging Face Hub id and the Hub "
@@ -177,3 +182,35 @@ def test_few_shot_prompts_show_solved_train_problems_and_do_not_ask_them(smollm2
     assert text.startswith("<|im_start|>system\nSYS<|im_end|>\n" + first_shot + "<|im_start|>user\nWeng earns")
     assert text.count("<|im_start|>assistant\n") == 3  # two solved, one open
     assert text.endswith(train[2].question + "<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def test_any_dataset_with_renamed_columns_text_answers_and_chat_prompts(tmp_path, smollm2):
+    """Columns by name, the answer as text, prompts as text or chat messages; the row's JSON columns
+    kept for the rewards; a row without an answer skipped and counted, not a crash."""
+    rows = [{"problem": "Capital of France?", "solution": " Paris ", "level": 1},
+            {"problem": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+             "solution": 4, "level": 2},
+            {"problem": "No answer here", "solution": None},
+            {"problem": [{"role": "assistant", "content": "ends with the assistant"}], "solution": "x"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = Columns(prompt="problem", answer="solution", answer_format="text")
+    problems, stats = load_problems(str(tmp_path), "train", columns)
+    assert [(p.id, p.question, p.answer) for p in problems] == [("train-0", "Capital of France?", "Paris"),
+                                                              ("train-1", "2+2?", "4")]
+    assert problems[0].row == rows[0] and problems[1].messages == tuple(rows[1]["problem"])
+    assert stats.skipped == {"missing solution": 1, "missing problem": 1}
+    with pytest.raises(DataError, match="has no column 'prompt' .*its columns: level, problem, solution"):
+        load_problems(str(tmp_path), "train", Columns(prompt="prompt", answer="solution", answer_format="text"))
+
+    _, tokenizer = smollm2
+    cfg = load_config(None, [f"data.path={tmp_path}", "data.prompt_column=problem", "data.answer_column=solution",
+                             "data.answer_format=text", "data.few_shot=0", "data.prefill=", "data.system_prompt=SYS"])
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, "train")[0])
+    own_system = tokenizer.apply_chat_template(rows[1]["problem"], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(prompts[1].token_ids) == own_system  # the dataset's own system turn, not SYS
+    assert tokenizer.decode(prompts[0].token_ids) == prompt_text(tokenizer, "Capital of France?", "SYS")
+
+
+def test_few_shot_needs_gsm8k_answers():
+    with pytest.raises(ConfigError, match="data.few_shot=2 shows solved GSM8K problems .* set data.few_shot=0"):
+        load_config(None, ["data.answer_format=text"])

@@ -183,13 +183,17 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
                                                                                   tiny_gsm8k):
     address = free_tcp_address()
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2",
-                            "weights.keep_last=10", "training.steps=10")
+                            "weights.keep_last=10", "training.steps=10", "training.lr_schedule=linear",
+                            "training.min_lr_ratio=0.1")
     code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0, 3e38, 3e38], tmp_path)
     assert code == EXIT_BAD_STEPS, log[-3000:]
     assert "2 steps in a row (up to step 5) had a non-finite loss or gradient" in log
     trained = rows(tmp_path)
     assert [r["skipped"] for r in trained] == [0, 1, 0, 1, 1]
     assert [r["trainer/skipped_steps"] for r in trained] == [0, 1, 1, 2, 3]
+    # linear decay over 10 updates to 0.1 x 0.05, counted in applied updates (0, 1, 1, 2, 2 before each step):
+    # a skipped step leaves the rate where it was
+    assert [r["learning_rate"] for r in trained] == pytest.approx([0.05, 0.0455, 0.0455, 0.041, 0.041], abs=1e-12)
     adapters = [load_file(version_dir(tmp_path / "weights", v) / "adapter_model.safetensors") for v in (1, 2, 3)]
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])  # a skipped step changes nothing
     assert any(not torch.equal(adapters[1][k], adapters[2][k]) for k in adapters[0])  # the next good one does

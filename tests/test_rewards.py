@@ -15,7 +15,10 @@ import torch
 
 from conftest import REPO
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
+from grpo.config import load_config
+from grpo.config_tree import ConfigError
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from rewards.overlong import overlong_penalty
 from rewards.sandbox import RewardSandbox
 from rewards.think_format import think_answer_format, think_answer_format_partial
 
@@ -102,6 +105,11 @@ def test_lenient_answer_falls_back_to_the_last_number(completion, expected):
     assert gsm8k_answer_lenient(completion, "7") == expected
 
 
+def rows(*answers):
+    """Dataset rows as rewards get them: the reference answer the loader parsed, under its key."""
+    return [{"reference_answer": a} for a in answers]
+
+
 def test_registry_lists_valid_names_on_unknown():
     with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: gsm8k_answer, gsm8k_answer_lenient"):
         get_reward("answer")
@@ -109,7 +117,7 @@ def test_registry_lists_valid_names_on_unknown():
 
 
 def test_score_completions_keeps_each_function_and_weights_the_sum():
-    scores = score_completions([GOOD, "#### 7"], ["7", "7"], ["gsm8k_answer", "think_answer_format"],
+    scores = score_completions([GOOD, "#### 7"], rows("7", "7"), ["gsm8k_answer", "think_answer_format"],
                                [1.0, 0.5], fallback=-1.0)
     assert scores.per_function.tolist() == [[1.0, 1.25], [-1.0, -1.0]]
     assert scores.total.tolist() == [1.0 + 0.625, -1.5]
@@ -123,7 +131,7 @@ def test_a_reward_that_raises_gets_the_fallback_and_is_counted(monkeypatch):
         return math.nan if "nan" in completion else 2.0
 
     monkeypatch.setitem(REWARD_FUNCTIONS, "flaky", flaky)
-    scores = score_completions(["ok", "boom", "nan"], ["1", "1", "1"], ["flaky"], [1.0], fallback=-3.0)
+    scores = score_completions(["ok", "boom", "nan"], rows("1", "1", "1"), ["flaky"], [1.0], fallback=-3.0)
     assert torch.equal(scores.per_function[:, 0], torch.tensor([2.0, -3.0, -3.0]))
     assert scores.failures == {"flaky": 2}
 
@@ -146,7 +154,7 @@ def test_sandboxed_rewards_time_out_fall_back_and_keep_going(monkeypatch):
     try:
         texts = ["ok", "spin", "ok", "regex", "boom", GOOD]
         started = time.monotonic()
-        scores = score_completions(texts, ["7"] * 6, ["troublesome", "gsm8k_answer"], [1.0, 1.0], fallback=-3.0,
+        scores = score_completions(texts, rows(*["7"] * 6), ["troublesome", "gsm8k_answer"], [1.0, 1.0], fallback=-3.0,
                                    call=sandbox)
         elapsed = time.monotonic() - started
     finally:
@@ -160,10 +168,10 @@ def test_sandboxed_rewards_time_out_fall_back_and_keep_going(monkeypatch):
 def test_sandbox_replaces_a_child_that_was_killed():
     sandbox = RewardSandbox(timeout_s=5)
     try:
-        assert sandbox("gsm8k_answer", GOOD, "7") == 1.0
+        assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
         os.kill(sandbox._process.pid, signal.SIGKILL)
         sandbox._process.join()
-        assert sandbox("gsm8k_answer", GOOD, "7") == 1.0
+        assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
     finally:
         sandbox.close()
 
@@ -189,3 +197,67 @@ def test_the_reward_child_dies_with_a_killed_sampler():
         assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     finally:
         parent.kill()
+
+
+USER_REWARDS = '''
+from rewards import batched
+
+def length_penalty(completion, row):
+    """-0.01 per character past the row's limit; does not apply to rows without one."""
+    if "limit" not in row:
+        return None
+    return -0.01 * max(0, len(completion) - row["limit"])
+
+@batched
+def exact(completions, rows):
+    return [1.0 if c.strip() == r["reference_answer"] else 0.0 for c, r in zip(completions, rows)]
+
+@batched
+def short(completions, rows):
+    return [1.0]
+
+NOT_A_FUNCTION = 3
+'''
+
+
+def test_a_users_reward_module_by_path_with_rows_none_and_the_batch_form(tmp_path):
+    """Rewards named 'file.py:function' get (completion, row); None leaves the sample out of that
+    reward's mean and adds nothing to the total; a batched reward is called once per batch, in the
+    sandbox too; a batch form returning the wrong count falls back for the whole batch."""
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    names = [f"{tmp_path}/my_rewards.py:length_penalty", f"{tmp_path}/my_rewards.py:exact"]
+    rows = [{"reference_answer": "7", "limit": 3}, {"reference_answer": "8"}, {"reference_answer": "9", "limit": 10}]
+    texts = ["7", "8 is the answer", "nine"]
+    sandbox = RewardSandbox(timeout_s=5)
+    try:
+        here, there = (score_completions(texts, rows, names, [1.0, 2.0], fallback=-3.0, call=call)
+                       for call in (None, sandbox))
+        broken = score_completions(texts, rows, [f"{tmp_path}/my_rewards.py:short"], [1.0], fallback=-3.0, call=sandbox)
+    finally:
+        sandbox.close()
+    for scores in (here, there):
+        assert scores.per_function.tolist() == [[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+        assert scores.applies.tolist() == [[True, True], [False, True], [True, True]]
+        assert scores.total.tolist() == [2.0, 0.0, 0.0]
+    texts[0] = "7 and then some"  # 15 characters, 12 past the limit
+    assert score_completions(texts, rows, names[:1], [1.0], -3.0).total[0].item() == pytest.approx(-0.12)
+    assert broken.per_function[:, 0].tolist() == [-3.0] * 3 and broken.failures == {f"{tmp_path}/my_rewards.py:short": 3}
+
+
+def test_a_reward_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    for name, why in [(f"{tmp_path}/my_rewards.py:missing", "AttributeError"),
+                      (f"{tmp_path}/nothing_here.py:f", "FileNotFoundError"),
+                      ("no_such_package.rewards:f", "ModuleNotFoundError")]:
+        with pytest.raises(ConfigError, match=f"rewards.names: cannot import reward '{re.escape(name)}' \\({why}"):
+            load_config(None, [f"rewards.names=[gsm8k_answer,{name}]", "rewards.weights=[1,1]"])
+    with pytest.raises(ConfigError, match="my_rewards.py:NOT_A_FUNCTION' is a int, not a function"):
+        load_config(None, [f"rewards.names=[{tmp_path}/my_rewards.py:NOT_A_FUNCTION]", "rewards.weights=[1]"])
+
+
+@pytest.mark.parametrize("length, expected", [(0, 0.0), (150, 0.0), (160, 0.0), (170, -0.25), (200, -1.0)])
+def test_overlong_penalty_is_dapos_linear_ramp_over_the_buffer(length, expected):
+    # L = 200, buffer 40: free up to 160 tokens, then -1/40 per token down to -1 at the limit
+    assert overlong_penalty(length, 200, 40) == expected
+    assert overlong_penalty(length, 200, 40, factor=0.5) == expected / 2
+    assert overlong_penalty(length, 200, 0) == 0.0

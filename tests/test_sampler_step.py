@@ -3,9 +3,11 @@
 
 import torch
 
+from data.cursor import PromptCursor
 from data.gsm8k import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.dynamic_sampling import ROUND_SEED_STRIDE
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora
 from grpo.rollout import RolloutEngine, Rollouts
@@ -83,3 +85,80 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     recompute = make_batch(config("sampling.old_logps=recompute"), policy, prompts(), step=5, sampler=0,
                            sandbox=None, metrics_so_far={}, check_recorded=False)
     assert all(torch.equal(a, b) for a, b in zip(recompute.old_logps, recomputed))
+
+
+class ScriptedEngine(FakeEngine):
+    """A prompt whose last token is even gets G equal completions (no reward spread); an odd one
+    gets completions "7", "8", ... (the answer reward tells them apart). Records each call's seed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = []
+
+    def generate(self, prompts, group_size, *, seed=None, greedy=False):
+        self.seeds.append(seed)
+        ids = [torch.tensor([7 + (j if p[-1] % 2 else 0), 1]) for p in prompts for j in range(group_size)]
+        return Rollouts(ids, [False] * len(ids), [torch.tensor([-0.5, -0.25])] * len(ids))
+
+
+def numbered_prompts(*last_tokens):
+    return [Prompt(Problem(f"train-{t}", f"q{t}", "7"), [3, 4, t]) for t in last_tokens]
+
+
+def dynamic_batch(rounds, *overrides):
+    cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3", *overrides)
+    engine = ScriptedEngine()
+    policy = SamplerPolicy(engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, rounds[0], step=4, sampler=0, sandbox=None, metrics_so_far={},
+                       check_recorded=False, more_prompts=lambda r: rounds[r])
+    return cfg, engine, batch
+
+
+def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_rounds():
+    rounds = [numbered_prompts(10, 11), numbered_prompts(13, 14), numbered_prompts(15, 17)]
+    cfg, engine, batch = dynamic_batch(rounds)
+    # round 0: 10 is flat, 11 differs; round 1: 13 differs -> two informative groups, no third round
+    assert batch.meta["sample_ids"] == ["train-11", "train-13"] and [p[-1].item() for p in batch.prompt_ids] == [11, 13]
+    base = cfg.seed * 1_000_003 + 4
+    assert engine.seeds == [base, base + ROUND_SEED_STRIDE]
+    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, 1.0, -1.0]  # "7" right, "8" wrong, per group
+    assert batch.advantages.abs().min() > 0
+    m = batch.meta["metrics"]
+    assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_dropped_fraction"], m["sampling/dynamic_cap_hit"]) == \
+        (2.0, 0.5, 0.0)
+    assert m["sampling/generated_tokens"] == 16.0  # 2 rounds x 2 prompts x G 2 x 2 tokens
+
+
+def test_dynamic_sampling_at_its_cap_fills_with_dropped_groups_and_says_so():
+    rounds = [numbered_prompts(10, 12), numbered_prompts(14, 15), numbered_prompts(16, 18)]
+    _, engine, batch = dynamic_batch(rounds)
+    assert batch.meta["sample_ids"] == ["train-10", "train-15"]  # the one informative group, then the first dropped
+    assert len(engine.seeds) == 3 and batch.advantages[:2].tolist() == [0.0, 0.0]
+    m = batch.meta["metrics"]
+    assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_cap_hit"]) == (3.0, 1.0)
+    assert m["sampling/dynamic_dropped_fraction"] == 4 / 6  # 6 groups generated, 2 trained
+
+
+def test_without_dynamic_sampling_one_round_and_the_step_seed():
+    rounds = [numbered_prompts(10, 12), numbered_prompts(14, 15)]
+    cfg, engine, batch = dynamic_batch(rounds, "sampling.dynamic_sampling=false")
+    assert batch.meta["sample_ids"] == ["train-10", "train-12"] and engine.seeds == [cfg.seed * 1_000_003 + 4]
+    assert "sampling/dynamic_rounds" not in batch.meta["metrics"]
+
+
+def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_same_prompts():
+    """Step g owns stream positions [g*B*R, (g+1)*B*R): a sampler that restarts at step 3 (a new
+    cursor restored from the saved state) draws exactly what the uninterrupted one drew."""
+    from sampling_worker import round_prompts
+
+    cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
+    prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4
+    cursor = PromptCursor(len(prompts), cfg.seed)
+    drawn = {(g, r): round_prompts(cfg, cursor, prompts, g)(r) for g in range(6) for r in (0, 2, 1)}
+    stream = [i for epoch in range(3) for i in torch.randperm(25, generator=torch.Generator().manual_seed(
+        cfg.seed * 1_000_003 + epoch)).tolist()]
+    for (g, r), chosen in drawn.items():
+        assert [p.problem.id for p in chosen] == [prompts[i].problem.id for i in stream[(g * 3 + r) * 2:][:2]]
+    restored = PromptCursor(len(prompts), cfg.seed)
+    restored.load_state_dict(cursor.state_dict())
+    assert all(round_prompts(cfg, restored, prompts, g)(r) == drawn[g, r] for g in (3, 5) for r in range(3))

@@ -53,13 +53,18 @@ def test_plot_metrics_overlays_runs_into_pngs(tmp_path):
         rows = [{"step": s, "strict/answer_accuracy": 0.1 + offset, "strict/format_rate": s / 10, "reward": -1 + s / 5,
                  "entropy": 1.0, "kl": 0.01 * s, "completions/mean_length": 100 - s, "timing/wait_s": 1.0,
                  "timing/train_s": 2.0} for s in range(1, 11)]
+        rows.insert(6, {"step": 5, "eval/answer_accuracy": 0.2, "eval/answer_accuracy_stderr": 0.05,
+                        "eval/format_rate": 0.5})  # written when its batch arrived, after step 6's row
+        rows.insert(0, {"step": 0, "eval/answer_accuracy": 0.1, "eval/answer_accuracy_stderr": 0.04,
+                        "eval/format_rate": 0.3})
         (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "rew')
     out = run_script("plot_metrics.py", str(tmp_path / "grpo"), str(tmp_path / "gspo"), "--labels", "GRPO,GSPO",
                      "--out", str(tmp_path / "figures"), "--smooth", "3")
-    assert "wrote 8 figures" in out
+    assert "wrote 10 figures" in out
     names = sorted(p.name for p in (tmp_path / "figures").iterdir())
     assert names == sorted(["metrics.png", "answer_accuracy.png", "format_rate.png", "reward.png", "entropy.png",
-                            "kl.png", "completion_length.png", "step_time.png"])
+                            "kl.png", "completion_length.png", "step_time.png", "eval_answer_accuracy.png",
+                            "eval_format_rate.png"])
     for name in names:
         assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -72,6 +77,7 @@ def test_smoothing_and_series_worked_numbers():
     assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
     rows = [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 5.0}, {"step": 3, "a": 1.5, "b": 0.5}]
     assert series(rows, ["a", "b"]) == ([1, 3], [3.0, 2.0])  # summed keys; rows missing one are skipped
+    assert series([{"step": 4, "e": 0.5}, {"step": 0, "e": 0.25}], ["e"]) == ([0, 4], [0.25, 0.5])  # in step order
 
 
 def test_bench_vs_trl_summary_worked_numbers():

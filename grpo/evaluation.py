@@ -1,0 +1,83 @@
+"""Held-out evaluation: greedy answers to a fixed set of problems, scored with the strict rewards.
+
+One function serves both `scripts/evaluate.py` (any weights, by hand) and the evaluation during
+training (`eval.every`): the sampler runs it between steps with the weights it serves, so the
+two agree on the same weights. The result's rates are the strict GSM8K ones
+(rewards/strict.py), with the binomial standard error of the accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from rewards.strict import strict_rates
+
+
+def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None) -> list[dict]:
+    """Each prompt's greedy completion, scored: the rows of an evaluation."""
+    samples = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
+        texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+        for prompt, text, ids, cut in zip(chunk, texts, rollouts.completion_ids, rollouts.truncated):
+            completion = prefill + text
+            rates = strict_rates([completion], [prompt.problem.answer])
+            samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
+                            "correct": rates["strict/answer_accuracy"] == 1.0,
+                            "format": rates["strict/format_rate"] == 1.0, "tokens": len(ids), "truncated": cut})
+        if progress is not None:
+            progress(len(chunk))
+    return samples
+
+
+def summary(samples: list[dict]) -> dict[str, float]:
+    n = max(len(samples), 1)
+    accuracy = sum(s["correct"] for s in samples) / n
+    return {"problems": len(samples), "answer_accuracy": accuracy,
+            "answer_accuracy_stderr": math.sqrt(accuracy * (1 - accuracy) / n),
+            "format_rate": sum(s["format"] for s in samples) / n,
+            "mean_completion_tokens": sum(s["tokens"] for s in samples) / n,
+            "truncated_rate": sum(s["truncated"] for s in samples) / n}
+
+
+class TrainingEvaluator:
+    """The sampler's evaluation during training: at weights versions 0, N, 2N, ... (eval.every;
+    the first served version at or past each mark: with staleness the sampler may skip one) and
+    at the end."""
+
+    def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, served_version: int, resumed: bool):
+        self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
+        every = eval_cfg.every
+        # a resumed sampler does not evaluate again the version it stopped at (its row exists)
+        self.next_mark = (served_version // every + 1) * every if resumed else 0
+        self.last_samples: list[dict] = []
+
+    def due(self, version: int) -> bool:
+        return version >= self.next_mark
+
+    def run(self, engine, version: int) -> dict:
+        """The `eval/` metrics of the weights `engine` serves (version `version`), keyed for metrics.jsonl."""
+        t = time.perf_counter()
+        self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size)
+        result = summary(self.last_samples)
+        self.next_mark = (version // self.cfg.every + 1) * self.cfg.every
+        return {"step": version, **{f"eval/{key}": float(value) for key, value in result.items()},
+                "eval/seconds": time.perf_counter() - t}
+
+
+def append_metrics_row(run_dir: Path, row: dict, tensorboard: bool) -> None:
+    """The final evaluation's row, appended by the sampler once the trainer has written its last
+    one (a single O_APPEND write of one line), and its TensorBoard scalars in a file of its own."""
+    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"wall_time": time.time(), **row}) + "\n")
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(Path(run_dir) / "tb"), filename_suffix=".eval") as writer:
+            for key, value in row.items():
+                if key.startswith("eval/"):
+                    writer.add_scalar(key, value, row["step"])

@@ -1,0 +1,116 @@
+"""A user's second run: their own data and reward module, evaluation during training, dynamic
+sampling, through the real processes; and the in-training evaluation against scripts/evaluate.py."""
+
+import json
+import sys
+
+import torch
+
+from conftest import REPO
+from data.cursor import PromptCursor
+from data.gsm8k import load_split
+from data.prompts import build_prompts
+from grpo.config import load_config
+from grpo.evaluation import TrainingEvaluator
+from grpo.models import add_lora, load_model, load_tokenizer
+from grpo.rollout.hf_engine import HFEngine
+from grpo.weights import WeightWatcher, publish, version_dir
+from test_launch import launch
+from test_training import LEARNING, run_both
+
+sys.path.insert(0, str(REPO / "scripts"))
+from evaluate import evaluate  # noqa: E402
+
+SCORING = '''
+def digit_match(completion, row):
+    """1 when the first digit is the target; does not apply to the rows with an odd index."""
+    if row["index"] % 2:
+        return None
+    digits = [c for c in completion if c.isdigit()]
+    return 1.0 if digits and digits[0] == row["target"] else 0.0
+'''
+
+
+def own_dataset(folder):
+    """Not GSM8K: chat-message prompts under 'prompt', text answers under 'target', an extra column."""
+    folder.mkdir()
+    for split in ("train", "test"):
+        rows = [{"prompt": [{"role": "user", "content": f"Say the digit {i % 10}."}], "target": str(i % 10), "index": i}
+                for i in range(12)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_own_data_and_reward_module_train_end_to_end_with_evaluation(tmp_path, digit_model_dir, monkeypatch):
+    """Two steps through the launcher on a JSONL dataset with renamed columns and a reward from a
+    package the test writes (found on PYTHONPATH), the overlong penalty on; evaluation at versions
+    0, 1 and (after the last step) 2 in metrics.jsonl."""
+    package = tmp_path / "lib" / "my_rewards_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "scoring.py").write_text(SCORING)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    data, run = own_dataset(tmp_path / "digits"), tmp_path / "run"
+    run.mkdir()
+    proc = launch(run, digit_model_dir, data, "training.steps=2", "sampling.max_staleness=0",
+                  "data.prompt_column=prompt", "data.answer_column=target", "data.answer_format=text",
+                  "data.few_shot=0", "data.prefill=", "rewards.names=[my_rewards_pkg.scoring:digit_match]",
+                  "rewards.weights=[1.0]", "sampling.max_new_tokens=4", "rewards.overlong_buffer=2",
+                  "eval.every=1", "eval.num_problems=3", "eval.batch_size=2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/answer_accuracy" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 1, 2]
+    assert all(r["eval/problems"] == 3 and r["eval/mean_completion_tokens"] == 4 for r in evals)
+    assert all(f"eval at step {v} | answer" in out for v in (0, 1, 2)) and "done: 2 steps" in out
+    name = "my_rewards_pkg.scoring:digit_match"
+    for row in steps:  # the reward saw the row's own columns: it applied to the even-index prompts only
+        cursor = PromptCursor(12, seed=0)
+        cursor.seek(row["sampler_step"] * 2)
+        assert row[f"rewards/{name}/applies"] == sum(i % 2 == 0 for i in cursor.take(2)) / 2
+        # the digit model never stops before 4 tokens: each completion ends at the limit, penalty -1
+        assert row["rewards/overlong_penalty/mean"] == -1.0 and row["completions/clipped_ratio"] == 1.0
+    assert row["timing/eval_s"] > 0 or steps[0]["timing/eval_s"] > 0
+
+
+def test_dynamic_sampling_through_the_processes(tmp_path, digit_model_dir, tiny_gsm8k):
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2", *LEARNING,
+                    "sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["sampling/dynamic_rounds"] in (1.0, 2.0)
+        # trained groups differ unless the cap was hit: frac_reward_zero_std counts the trained groups
+        assert row["frac_reward_zero_std"] == 0.0 or row["sampling/dynamic_cap_hit"] == 1.0
+        generated = row["sampling/dynamic_rounds"] * 2
+        assert row["sampling/dynamic_dropped_fraction"] * generated == round(row["sampling/dynamic_dropped_fraction"] * generated)
+
+
+def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_path, tiny_model_dir, tiny_gsm8k):
+    """The sampler's evaluator (weights hot-swapped into its engine) and scripts/evaluate.py (the
+    published folder loaded afresh) write the same completions and the same rates."""
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", f"data.path={tiny_gsm8k}", "lora.r=4",
+                             "sampling.max_new_tokens=5", "eval.every=2", "eval.num_problems=5", "eval.batch_size=2"])
+    trained = add_lora(load_model(cfg.model), cfg.lora)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    publish(trained, tmp_path, version=2, step=2)
+
+    tokenizer = load_tokenizer(cfg.model)
+    engine = HFEngine(add_lora(load_model(cfg.model), cfg.lora).eval(), tokenizer, cfg.sampling)
+    assert WeightWatcher(tmp_path, [engine.load_weights]).poll().loaded and engine.version == 2
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, "test")[0][:5])
+    evaluator = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill, served_version=0, resumed=False)
+    assert evaluator.due(2)
+    ours = evaluator.run(engine, 2)
+    assert not evaluator.due(3) and evaluator.due(4)
+    summary, samples = evaluate(cfg, version_dir(tmp_path, 2), limit=5, batch_size=2, split="test")
+    assert [s["completion"] for s in samples] == [s["completion"] for s in evaluator.last_samples]
+    _, base = evaluate(cfg, None, limit=5, batch_size=2, split="test")
+    assert [s["completion"] for s in base] != [s["completion"] for s in samples]  # the adapter is on
+    for key in ("answer_accuracy", "format_rate", "mean_completion_tokens", "truncated_rate"):
+        assert ours[f"eval/{key}"] == summary[key]

@@ -31,7 +31,7 @@ import time
 import torch
 
 from data.cursor import PromptCursor
-from data.gsm8k import load_split
+from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config

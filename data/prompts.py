@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from data.gsm8k import Problem
+from data.problems import Problem
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def few_shot_examples(data_cfg, count: int) -> list[Problem]:
     """The first `count` train problems (data.few_shot), solved, to show before every question."""
     if count == 0:
         return []
-    from data.gsm8k import load_split
+    from data.problems import load_split
 
     problems, _ = load_split(data_cfg, "train")
     return problems[:count]

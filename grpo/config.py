@@ -269,7 +269,7 @@ def option_lists() -> dict[str, tuple]:
     late: they need torch). Both workers validate, so none of these is a worker's own module."""
     from grpo.advantages import SCALES
     from grpo.losses import AGGREGATIONS, IS_MODES, KL_ESTIMATORS
-    from data.gsm8k import ANSWER_FORMATS
+    from data.problems import ANSWER_FORMATS
     from grpo.models import DTYPES
     from grpo.rollout import ENGINES
     from grpo.sampling import OLD_LOGPS_SOURCES

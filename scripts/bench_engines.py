@@ -75,7 +75,7 @@ def run_measured(python: str, args: list[str]) -> tuple[dict, int]:
 def child(out_path: str, engine_name: str, few_shot: int, repeats: int, overrides: list[str]) -> None:
     import torch
 
-    from data.gsm8k import load_problems
+    from data.problems import load_problems
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.models import add_lora, load_model, load_tokenizer

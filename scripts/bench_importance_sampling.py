@@ -28,7 +28,7 @@ MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_
 
 
 def main(argv: list[str]) -> int:
-    from data.gsm8k import load_problems
+    from data.problems import load_problems
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.models import load_policy, load_tokenizer

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.gsm8k import load_problems  # noqa: E402
+from data.problems import load_problems  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.completions import cut_at_eos  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402

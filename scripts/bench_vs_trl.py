@@ -157,7 +157,7 @@ def trl_prompt_rows(cfg, steps: int) -> list[dict]:
     """The prompts our sampler would take in `steps` steps, as TRL's dataset rows (plain text that
     TRL tokenizes to exactly our token ids, and the reference answer)."""
     from data.cursor import PromptCursor
-    from data.gsm8k import load_problems
+    from data.problems import load_problems
     from data.prompts import build_prompts, few_shot_examples, prompt_text
     from grpo.models import load_tokenizer
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from data.gsm8k import load_split  # noqa: E402
+from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.gsm8k import check_source  # noqa: E402
+from data.problems import check_source  # noqa: E402
 from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402

@@ -14,7 +14,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from data.cursor import PromptCursor
-from data.gsm8k import load_problems
+from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.models import load_policy, load_tokenizer

@@ -9,7 +9,7 @@ import pytest
 
 from data.cursor import PromptCursor
 from data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
-from data.gsm8k import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
+from data.problems import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
 from data.prompts import build_prompts, encode_prompts, prompt_text
 from grpo.config import DataConfig, load_config
 from grpo.config_tree import ConfigError

@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO
 from data.cursor import PromptCursor
-from data.gsm8k import load_split
+from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.evaluation import TrainingEvaluator

@@ -4,7 +4,7 @@
 import torch
 
 from data.cursor import PromptCursor
-from data.gsm8k import Problem
+from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.dynamic_sampling import ROUND_SEED_STRIDE

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from data.gsm8k import load_problems
+from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs

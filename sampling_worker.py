@@ -74,8 +74,11 @@ def main(argv: list[str]) -> int:
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
     evaluator = None
     if eval_prompts is not None:
+        # resumed: the step before start_step served at least version g - 1 - max_staleness and
+        # evaluated every mark up to it (their rows exist)
+        g = global_step(sampler, start_step, cfg.sampling.num_workers)
         evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
-                                      policy.engine.version, resumed=start_step > 0)
+                                      evaluated_through=g - 1 - cfg.sampling.max_staleness if start_step else -1)
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):

@@ -49,11 +49,11 @@ class TrainingEvaluator:
     the first served version at or past each mark: with staleness the sampler may skip one) and
     at the end."""
 
-    def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, served_version: int, resumed: bool):
+    def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, evaluated_through: int = -1):
+        """`evaluated_through`: the marks up to this version are done (-1 on a fresh start; a
+        resumed sampler passes the least version its last step could have served)."""
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
-        every = eval_cfg.every
-        # a resumed sampler does not evaluate again the version it stopped at (its row exists)
-        self.next_mark = (served_version // every + 1) * every if resumed else 0
+        self.next_mark = (evaluated_through // eval_cfg.every + 1) * eval_cfg.every
         self.last_samples: list[dict] = []
 
     def due(self, version: int) -> bool:

@@ -104,10 +104,12 @@ def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_p
     engine = HFEngine(add_lora(load_model(cfg.model), cfg.lora).eval(), tokenizer, cfg.sampling)
     assert WeightWatcher(tmp_path, [engine.load_weights]).poll().loaded and engine.version == 2
     prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, "test")[0][:5])
-    evaluator = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill, served_version=0, resumed=False)
-    assert evaluator.due(2)
+    evaluator = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill)
+    assert evaluator.due(0) and evaluator.due(2)
     ours = evaluator.run(engine, 2)
     assert not evaluator.due(3) and evaluator.due(4)
+    resumed = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill, evaluated_through=45)
+    assert not resumed.due(45) and resumed.due(46)  # every 2: the next mark after 45
     summary, samples = evaluate(cfg, version_dir(tmp_path, 2), limit=5, batch_size=2, split="test")
     assert [s["completion"] for s in samples] == [s["completion"] for s in evaluator.last_samples]
     _, base = evaluate(cfg, None, limit=5, batch_size=2, split="test")

@@ -179,11 +179,12 @@ def trl_prompt_rows(cfg, steps: int) -> list[dict]:
 def trl_reward(name: str, prefill: str):
     """One of our reward functions in TRL's form; ours score the prefill + completion."""
     from rewards import get_reward
+    from rewards.registry import REFERENCE
 
-    function = get_reward(name)
+    function = get_reward(name)  # the row form: fn(completion, row)
 
     def reward(completions, answer, **_):
-        return [function(prefill + c, a) for c, a in zip(completions, answer)]
+        return [function(prefill + c, {REFERENCE: a}) for c, a in zip(completions, answer)]
 
     reward.__name__ = name
     return reward

@@ -53,8 +53,12 @@ class TrainingEvaluator:
         """`evaluated_through`: the marks up to this version are done (-1 on a fresh start; a
         resumed sampler passes the least version its last step could have served)."""
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
-        self.next_mark = (evaluated_through // eval_cfg.every + 1) * eval_cfg.every
+        self.next_mark = self._mark_after(evaluated_through)
         self.last_samples: list[dict] = []
+
+    def _mark_after(self, version: int) -> int:
+        """The first multiple of eval.every above `version`."""
+        return (version // self.cfg.every + 1) * self.cfg.every
 
     def due(self, version: int) -> bool:
         return version >= self.next_mark
@@ -64,7 +68,7 @@ class TrainingEvaluator:
         t = time.perf_counter()
         self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size)
         result = summary(self.last_samples)
-        self.next_mark = (version // self.cfg.every + 1) * self.cfg.every
+        self.next_mark = self._mark_after(version)
         return {"step": version, **{f"eval/{key}": float(value) for key, value in result.items()},
                 "eval/seconds": time.perf_counter() - t}
 

@@ -16,6 +16,11 @@ from pathlib import Path
 from rewards.strict import strict_rates
 
 
+def is_evaluation_row(row: dict) -> bool:
+    """A metrics.jsonl row of an evaluation (eval.every), not of a training step."""
+    return "eval/answer_accuracy" in row
+
+
 def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None) -> list[dict]:
     """Each prompt's greedy completion, scored: the rows of an evaluation."""
     samples = []

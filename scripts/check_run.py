@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from grpo.config import load_config  # noqa: E402
+from grpo.evaluation import is_evaluation_row  # noqa: E402
 from grpo.models import load_model, load_tokenizer  # noqa: E402
 from grpo.weights import read_latest, verify, version_dir  # noqa: E402
 
@@ -30,7 +31,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
     """What is wrong with the run folder (empty when nothing is)."""
     problems = []
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [row for row in rows if "eval/answer_accuracy" not in row]  # evaluation rows (eval.every) are not steps
+    rows = [row for row in rows if not is_evaluation_row(row)]
     if [row["step"] for row in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[row['step'] for row in rows]}, expected 1..{steps}")
     key = "sampling/sampling_logp_difference/mean"

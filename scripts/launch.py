@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from data.problems import check_source  # noqa: E402
 from grpo.config import ConfigError, parse_cli  # noqa: E402
+from grpo.evaluation import is_evaluation_row  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
 from grpo.transport import free_local_port  # noqa: E402
@@ -218,7 +219,7 @@ class StepProgress:
             except json.JSONDecodeError:
                 return  # a line being written: read it next time
             self.seen += 1
-            if "eval/answer_accuracy" in row:  # an evaluation's row (eval.every), not a step
+            if is_evaluation_row(row):
                 print(eval_line(row), flush=True)
                 continue
             now = time.monotonic()

@@ -37,7 +37,7 @@ from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config
 from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
-from grpo.evaluation import TrainingEvaluator, append_metrics_row
+from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
@@ -77,8 +77,9 @@ def main(argv: list[str]) -> int:
         # resumed: the step before start_step served at least version g - 1 - max_staleness and
         # evaluated every mark up to it (their rows exist)
         g = global_step(sampler, start_step, cfg.sampling.num_workers)
+        served = g - 1 - cfg.sampling.max_staleness if start_step else None
         evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
-                                      evaluated_through=g - 1 - cfg.sampling.max_staleness if start_step else -1)
+                                      evaluated_through=evaluated_through_at_start(cfg.eval, served))
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):

@@ -170,6 +170,8 @@ class EvalConfig:
     num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).")
     split: str = _f("test", "Held-out split of data.path.")
     batch_size: int = _f(16, "Prompts generated at once during evaluation.")
+    on_start: bool = _f(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
+                              "eval.every; the starting weights' numbers are those of scripts/evaluate.py without weights).")
 
 
 @dataclass

@@ -78,6 +78,15 @@ class TrainingEvaluator:
                 "eval/seconds": time.perf_counter() - t}
 
 
+def evaluated_through_at_start(eval_cfg, served_at_least: int | None) -> int:
+    """The version through which marks count as done when a sampler starts: on a resume, the least
+    version its last step could have served (`served_at_least`; those marks' rows exist); on a
+    fresh start -1 (mark 0 is due), or 0 with eval.on_start false."""
+    if served_at_least is not None:
+        return served_at_least
+    return -1 if eval_cfg.on_start else 0
+
+
 def append_metrics_row(run_dir: Path, row: dict, tensorboard: bool) -> None:
     """The final evaluation's row, appended by the sampler once the trainer has written its last
     one (a single O_APPEND write of one line), and its TensorBoard scalars in a file of its own."""

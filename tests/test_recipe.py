@@ -11,7 +11,7 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.evaluation import TrainingEvaluator
+from grpo.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.models import add_lora, load_model, load_tokenizer
 from grpo.rollout.hf_engine import HFEngine
 from grpo.weights import WeightWatcher, publish, version_dir
@@ -108,8 +108,16 @@ def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_p
     assert evaluator.due(0) and evaluator.due(2)
     ours = evaluator.run(engine, 2)
     assert not evaluator.due(3) and evaluator.due(4)
-    resumed = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill, evaluated_through=45)
+    resumed = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill,
+                                evaluated_through=evaluated_through_at_start(cfg.eval, 45))
     assert not resumed.due(45) and resumed.due(46)  # every 2: the next mark after 45
+    assert evaluated_through_at_start(cfg.eval, None) == -1
+    cfg.eval.on_start = False
+    later = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill,
+                              evaluated_through=evaluated_through_at_start(cfg.eval, None))
+    assert not later.due(0) and not later.due(1) and later.due(2)  # the first evaluation is at eval.every
+    assert evaluated_through_at_start(cfg.eval, 45) == 45  # a resume is the same either way
+    cfg.eval.on_start = True
     summary, samples = evaluate(cfg, version_dir(tmp_path, 2), limit=5, batch_size=2, split="test")
     assert [s["completion"] for s in samples] == [s["completion"] for s in evaluator.last_samples]
     _, base = evaluate(cfg, None, limit=5, batch_size=2, split="test")

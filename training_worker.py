@@ -37,6 +37,7 @@ from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, ch
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
+from grpo.flops import ModelShape, batch_step_flops
 from grpo.logprobs import verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
 from grpo.sources import SourceError
@@ -91,6 +92,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
     `expected`, or with weights this run did not publish, raises `BehaviourMismatch` before
     anything is trained with it."""
     verified = not cfg.training.verify_shared_prefix
+    shape = ModelShape.of(model)  # for the model FLOPs of each step (perf/ metrics)
     bad_in_row = skipped_total = 0
     known_digests: dict[int, set[str]] = {}  # rank 0: weights/digests.jsonl as last read
     while state.step < cfg.training.steps:
@@ -129,6 +131,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
             publish_weights(model, cfg, state.step, rank)
         timings["timing/publish_s"] = time.perf_counter() - t2
         if rank == 0:
+            timings.update(perf_metrics(batch_step_flops(shape, batch, cfg), timings["timing/train_s"]))
             io.metrics.write(step_row(cfg, state, batch, step_metrics, timings, learning_rate,
                                       io.receiver.rejected, skipped_total))
         too_many_bad = bad_in_row >= cfg.training.max_bad_steps
@@ -261,6 +264,14 @@ def check_weights_on_rank_zero(batch, weights_dir: Path, known: dict[int, set[st
     dist.broadcast(refused, 0)
     if refused.item():
         raise BehaviourMismatch(refusal or "rank 0 refused the batch's weights digest (its log says why)")
+
+
+def perf_metrics(flops: dict[str, int], train_s: float) -> dict[str, float]:
+    """The step's model FLOPs (grpo/flops.py; all ranks together) and their rate over its train time:
+    against the machine's matmul rate that is the trainer's MFU (scripts/bench_vs_trl.py prints it)."""
+    return {"perf/trainer_model_gflop": flops["model"] / 1e9,
+            "perf/trainer_recomputed_gflop": flops["recomputed"] / 1e9,
+            "perf/trainer_gflop_per_s": flops["model"] / 1e9 / max(train_s, 1e-9)}
 
 
 def step_row(cfg, state: TrainerState, batch, step_metrics: dict, timings: dict, learning_rate: float,

@@ -17,6 +17,7 @@ from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
 from grpo.completions import eos_token_ids
 from grpo.delivery import global_step
+from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.dynamic_sampling import choose_groups, has_spread, round_seed
 from grpo.rollout import RolloutEngine, Rollouts
@@ -71,6 +72,7 @@ class Round:
     scores: Any  # rewards.RewardScores, with the overlong column when it is on
     generate_s: float = 0.0
     rewards_s: float = 0.0
+    generation_flops: int = 0  # model FLOPs of the generation (grpo/flops.py)
 
 
 def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
@@ -87,7 +89,9 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
         scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
                               torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
                               scores.total + penalty, {**scores.failures, OVERLONG: 0})
-    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t)
+    flops = generation_flops(ModelShape.of(policy.model), [len(p.token_ids) for p in prompts],
+                             [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
+    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t, flops.total)
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
@@ -104,7 +108,8 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
                             {name: sum(s.failures[name] for s in scores) for name in scores[0].failures}),
-        generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds))
+        generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
+        generation_flops=sum(rnd.generation_flops for rnd in rounds))
 
 
 def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
@@ -164,6 +169,8 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
                                           global_step(sampler, step, cfg.sampling.num_workers), sandbox)
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
+    timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
+    timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
     prompts, rollouts, scores = kept.prompts, kept.rollouts, kept.scores
     advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=cfg.training.advantage_scale)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]

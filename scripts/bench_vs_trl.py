@@ -9,6 +9,13 @@ default, LoRA r 16 on the attention projections), the same prompts in the same o
 prompt text and our PromptCursor's order, given to TRL as plain-text prompts with shuffling off),
 G, temperature, completion limit, learning rate, KL beta, loss aggregation, rewards and steps.
 
+Beside the TRL ratio it prints the machine's ceiling, measured in the same run before the
+workloads: the fp32 matmul rate on the model's own shapes (grpo/flops.py) with one process's
+threads and with all cores; our model FLOPs per step (the trainer's and the generation's, from
+metrics.jsonl) and their share of that ceiling (MFU) per process and end to end; and with
+`--sync` (on by default) ours again at `sampling.max_staleness=0`, same work: the
+asynchronous-over-synchronous tokens/s ratio.
+
 Workloads: `gsm8k` (plain questions, 2 prompts x G 8 per step, completions <= 128 tokens) and
 `long` (4 solved train examples before each question, ~660 prompt tokens, G 8, completions
 <= 64 tokens). Each system runs in its own subprocess; a thread samples the memory of its
@@ -107,6 +114,43 @@ def summarize(step_end_times: list[float], completion_tokens: list[int], warmup:
             "completion_tokens_per_s": tokens / (times[-1] - times[0]), "timed_completion_tokens": tokens}
 
 
+def model_flops_rates(rows: list[dict], warmup: int) -> dict:
+    """Over the timed steps: the trainer's and the generation's median model GFLOP/s of their own
+    busy time, and all model GFLOPs done per second of wall time (both processes together)."""
+    timed = rows[warmup + 1:]
+    times = [r["wall_time"] for r in rows[warmup:]]
+    done = sum(r["perf/trainer_model_gflop"] + r.get("perf/generation_model_gflop", 0.0) for r in timed)
+    return {"trainer_gflop_per_s": statistics.median(r["perf/trainer_gflop_per_s"] for r in timed),
+            "generation_gflop_per_s": statistics.median(r.get("perf/generation_gflop_per_s", 0.0) for r in timed),
+            "trainer_model_gflop_per_step": statistics.median(r["perf/trainer_model_gflop"] for r in timed),
+            "generation_model_gflop_per_step": statistics.median(r.get("perf/generation_model_gflop", 0.0)
+                                                                 for r in timed),
+            "end_to_end_gflop_per_s": done / (times[-1] - times[0])}
+
+
+def matmul_ceiling(config: Path, overrides: list[str]) -> dict:
+    """GFLOP/s of fp32 matmuls of the model's shapes with one process's threads (the launcher gives
+    the trainer and the sampler half the cores each) and with all of them."""
+    import torch
+
+    from grpo.config import parse_cli
+    from grpo.flops import ModelShape, measure_matmul_rate
+    from grpo.models import load_model
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from launch import placement
+
+    cfg = parse_cli(["--config", str(config), *overrides])
+    shape = ModelShape.of(load_model(cfg.model))
+    cores = os.cpu_count() or 1
+    per_process = int(placement(0, cfg.launch.cpu_threads, 0, cores)["trainer_env"]["OMP_NUM_THREADS"])
+    rates = {}
+    for threads in sorted({per_process, cores}):
+        torch.set_num_threads(threads)
+        rates[threads] = measure_matmul_rate(shape) / 1e9
+    return {"per_process_threads": per_process, "cores": cores, "gflop_per_s": rates}
+
+
 def overlap_efficiency(rows: list[dict], warmup: int) -> dict:
     """Median per-step timings of both processes and step time over max(sampler busy, trainer busy).
 
@@ -126,19 +170,19 @@ def overlap_efficiency(rows: list[dict], warmup: int) -> dict:
 # ---------------------------------------------------------------------------- the two systems
 
 
-def run_ours(workload: str, args, overrides: list[str], folder: Path) -> dict:
+def run_ours(workload: str, args, overrides: list[str], folder: Path, name: str = "ours") -> dict:
     from grpo.transport import free_loopback_address
 
-    run_dir = folder / f"ours-{workload}"
+    run_dir = folder / f"{name}-{workload}"
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(args.config), f"run.dir={run_dir}",
            *WORKLOADS[workload], f"training.steps={args.steps}", "checkpoint.every=100000",
            "logging.tensorboard=false", f"transport.address={free_loopback_address()}", *overrides]
-    measured = run_measured(cmd, folder / f"ours-{workload}.log", dict(os.environ))
+    measured = run_measured(cmd, folder / f"{name}-{workload}.log", dict(os.environ))
     if measured["exit_code"] != 0:
-        raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'ours-{workload}.log'} and {run_dir}")
+        raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'{name}-{workload}.log'} and {run_dir}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     result = summarize([r["wall_time"] for r in rows], [r["trainer/completion_tokens"] for r in rows], args.warmup)
-    return {**measured, **result, **overlap_efficiency(rows, args.warmup)}
+    return {**measured, **result, **overlap_efficiency(rows, args.warmup), **model_flops_rates(rows, args.warmup)}
 
 
 def run_trl(workload: str, args, overrides: list[str], folder: Path) -> dict:
@@ -251,6 +295,19 @@ def table(workload: str, results: dict, args) -> str:
     lines.append(f"ours/TRL: tokens/s x{ours['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f}, "
                  f"step time x{ours['median_step_s'] / trl['median_step_s']:.2f}, "
                  f"peak RSS x{ours['peak_rss'] / trl['peak_rss']:.2f}, peak PSS x{ours['peak_pss'] / trl['peak_pss']:.2f}")
+    ceiling = results["ceiling"]
+    one, every = ceiling["gflop_per_s"][ceiling["per_process_threads"]], ceiling["gflop_per_s"][ceiling["cores"]]
+    lines.append(f"ceiling: fp32 matmuls of the model's shapes {one:.1f} GFLOP/s on {ceiling['per_process_threads']} "
+                 f"thread(s), {every:.1f} on {ceiling['cores']}")
+    lines.append(f"ours, model GFLOP per step: trainer {ours['trainer_model_gflop_per_step']:.0f}, generation "
+                 f"{ours['generation_model_gflop_per_step']:.0f}; MFU: trainer {ours['trainer_gflop_per_s'] / one:.0%}, "
+                 f"generation {ours['generation_gflop_per_s'] / one:.0%} (of {ceiling['per_process_threads']} thread(s), "
+                 f"busy time), end to end {ours['end_to_end_gflop_per_s'] / every:.0%} (of {ceiling['cores']}, wall time)")
+    if "sync" in results:
+        sync = results["sync"]
+        lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
+                     f"({ours['completion_tokens_per_s']:.2f} vs {sync['completion_tokens_per_s']:.2f}), step time "
+                     f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
     m = ours["medians"]
     lines.append("ours, median per step (s): " + ", ".join(f"{k.split('/')[1][:-2]} {v:.2f}" for k, v in m.items()))
     lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, trainer busy {ours['trainer_busy_s']:.2f} s, "
@@ -265,6 +322,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "vs_trl.json")
+    parser.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run ours at sampling.max_staleness=0 for the async/sync ratio")
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     if args.trl_worker:
@@ -281,10 +340,13 @@ def main(argv: list[str]) -> int:
         print(f"workloads are {', '.join(WORKLOADS)}; --steps must be >= --warmup + 2", file=sys.stderr)
         return 2
     folder = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    ceiling = matmul_ceiling(args.config, overrides)  # before anything else runs
     report, printed = {}, []
     for workload in args.workloads.split(","):
-        results = {"ours": run_ours(workload, args, overrides, folder),
+        results = {"ceiling": ceiling, "ours": run_ours(workload, args, overrides, folder),
                    "trl": run_trl(workload, args, overrides, folder)}
+        if args.sync:
+            results["sync"] = run_ours(workload, args, [*overrides, "sampling.max_staleness=0"], folder, name="sync")
         report[workload] = results
         printed.append(table(workload, results, args))
         print(printed[-1] + "\n", flush=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
+from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora, load_model
 from grpo.transport import BatchReceiver, TransportTimeout
@@ -62,6 +63,10 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
                                               "rewards/gsm8k_answer_lenient/mean",
                                               "rewards/think_answer_format_partial/std",
                                               "strict/answer_accuracy", "strict/format_rate"}
+        generated = generation_flops(ModelShape.of(trained_adapter(tiny_model_dir, seed=0)),
+                                     [len(p) for p in first.prompt_ids], [len(c) for c in first.completion_ids],
+                                     first.group_sizes)  # its value: tests/test_flops.py
+        assert first.meta["metrics"]["perf/generation_model_gflop"] == pytest.approx(generated.total / 1e9)
         with pytest.raises(TransportTimeout):  # step 1 needs v1, which does not exist yet
             receiver.receive(timeout_s=3)
 

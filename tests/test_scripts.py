@@ -82,7 +82,7 @@ def test_smoothing_and_series_worked_numbers():
 
 def test_bench_vs_trl_summary_worked_numbers():
     sys.path.insert(0, str(REPO / "scripts"))
-    from bench_vs_trl import overlap_efficiency, summarize
+    from bench_vs_trl import model_flops_rates, overlap_efficiency, summarize
 
     # steps end at 10, 30, 34, 40, 50 s; the first two are warm-up: timed steps 4, 6, 10 s
     result = summarize([10.0, 30.0, 34.0, 40.0, 50.0], [100, 100, 40, 60, 100], warmup=1)
@@ -101,6 +101,15 @@ def test_bench_vs_trl_summary_worked_numbers():
     assert result["sampler_busy_s"] == 9.0 and result["trainer_busy_s"] == 9.0
     assert result["overlap_efficiency"] == 10.0 / 9.0
     assert result["medians"]["timing/generate_s"] == 7.0 and result["medians"]["timing/publish_s"] == 0.0
+
+    for r, (trainer, generation) in zip(rows, [(1.0, 1.0), (30.0, 10.0), (40.0, 20.0), (60.0, 12.0)]):
+        r.update({"perf/trainer_model_gflop": trainer, "perf/trainer_gflop_per_s": trainer / 2,
+                  "perf/generation_model_gflop": generation, "perf/generation_gflop_per_s": generation / 4})
+    rates = model_flops_rates(rows, warmup=0)
+    # timed steps 1-3 over 32 s of wall time: (30 + 10 + 40 + 20 + 60 + 12) / 32
+    assert rates["end_to_end_gflop_per_s"] == 172 / 32
+    assert rates["trainer_gflop_per_s"] == 20.0 and rates["generation_gflop_per_s"] == 3.0
+    assert rates["trainer_model_gflop_per_step"] == 40.0 and rates["generation_model_gflop_per_step"] == 12.0
 
 
 def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():

@@ -64,7 +64,8 @@ LEARNING = ["sampling.max_new_tokens=1", "sampling.group_size=8", "sampling.prom
 TRAINER_KEYS = {"step", "loss", "policy_loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "grad_norm", "learning_rate", "staleness", "timing/wait_s",
                 "timing/train_s", "timing/publish_s", "timing/forward_backward_s", "timing/optimizer_s",
-                "trainer/tokens_per_s", "trainer/completion_tokens", "wall_time"}
+                "trainer/tokens_per_s", "trainer/completion_tokens", "wall_time", "perf/trainer_model_gflop",
+                "perf/trainer_recomputed_gflop", "perf/trainer_gflop_per_s"}
 SAMPLER_KEYS = {"reward", "reward_std", "timing/generate_s", "timing/logprobs_s", "timing/rewards_s",
                 "timing/weights_wait_s", "timing/weight_load_s", "timing/previous_send_s", "completions/mean_length",
                 "policy_version"}
@@ -98,6 +99,8 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
     for row in rows:
         assert TRAINER_KEYS | SAMPLER_KEYS <= set(row), TRAINER_KEYS | SAMPLER_KEYS - set(row)
         assert 0 <= row["staleness"] <= 1
+        assert row["perf/trainer_gflop_per_s"] == pytest.approx(row["perf/trainer_model_gflop"] / row["timing/train_s"])
+        assert row["perf/trainer_model_gflop"] > row["perf/trainer_recomputed_gflop"] > 0  # tests/test_flops.py: the values
     assert any(r["frac_reward_zero_std"] < 1 for r in rows)  # some group had a learning signal
     assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # v0 is the reference itself (LoRA B starts at 0)
     weights = tmp_path / "weights"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 from pathlib import Path
 
 import torch
@@ -128,8 +130,15 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() uses with left padding
         with torch.no_grad():
             self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                       past_key_values=cache, use_cache=True)
+                       past_key_values=cache, use_cache=True, **self._one_logit_row)
         return cache
+
+    @functools.cached_property
+    def _one_logit_row(self) -> dict:
+        """Only the cache is wanted from the prefill: the LM head on one row instead of every
+        prompt token's (2 x hidden x vocab FLOPs and a [tokens, vocab] float tensor each)."""
+        forward = inspect.signature(unwrap_causal_lm(self.model).forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False) -> Rollouts:

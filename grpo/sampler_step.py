@@ -133,8 +133,8 @@ def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step:
     generated = sum(map(len, spreads))
     return keep_groups(rounds, chosen, s.group_size), {
         "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
-        "sampling/dynamic_dropped_fraction": 1.0 - sum(map(sum, spreads)) / generated if not short
-        else (generated - len(prompts)) / generated,
+        "sampling/dynamic_dropped_fraction": (generated - len(prompts)) / generated,  # generated, not trained
+        "sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated,  # of the generated groups
         "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
 
 

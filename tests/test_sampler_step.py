@@ -115,9 +115,10 @@ def dynamic_batch(rounds, *overrides):
 
 
 def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_rounds():
-    rounds = [numbered_prompts(10, 11), numbered_prompts(13, 14), numbered_prompts(15, 17)]
+    rounds = [numbered_prompts(10, 11), numbered_prompts(13, 15), numbered_prompts(17, 19)]
     cfg, engine, batch = dynamic_batch(rounds)
-    # round 0: 10 is flat, 11 differs; round 1: 13 differs -> two informative groups, no third round
+    # round 0: 10 is flat, 11 differs; round 1: 13 differs -> two informative groups (15, which
+    # differs too, is not needed), no third round
     assert batch.meta["sample_ids"] == ["train-11", "train-13"] and [p[-1].item() for p in batch.prompt_ids] == [11, 13]
     base = cfg.seed * 1_000_003 + 4
     assert engine.seeds == [base, base + ROUND_SEED_STRIDE]
@@ -125,7 +126,8 @@ def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_round
     assert batch.advantages.abs().min() > 0
     m = batch.meta["metrics"]
     assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_dropped_fraction"], m["sampling/dynamic_cap_hit"]) == \
-        (2.0, 0.5, 0.0)
+        (2.0, 0.5, 0.0)  # 4 groups generated, 2 trained
+    assert m["sampling/zero_spread_fraction"] == 0.25  # only 10 was flat
     assert m["sampling/generated_tokens"] == 16.0  # 2 rounds x 2 prompts x G 2 x 2 tokens
 
 
@@ -137,6 +139,7 @@ def test_dynamic_sampling_at_its_cap_fills_with_dropped_groups_and_says_so():
     m = batch.meta["metrics"]
     assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_cap_hit"]) == (3.0, 1.0)
     assert m["sampling/dynamic_dropped_fraction"] == 4 / 6  # 6 groups generated, 2 trained
+    assert m["sampling/zero_spread_fraction"] == 5 / 6  # all but 15
 
 
 def test_without_dynamic_sampling_one_round_and_the_step_seed():

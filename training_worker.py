@@ -106,7 +106,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
         check_weights_on_rank_zero(batch, cfg.weights_dir, known_digests, rank, device)
         if rank == 0 and isinstance(batch.meta.get("eval"), dict):  # the sampler evaluated a version: its own row
-            io.metrics.write({"wall_time": time.time(), **batch.meta["eval"]})
+            io.metrics.write_evaluation({"wall_time": time.time(), **batch.meta["eval"]})
         timings = {"timing/wait_s": time.perf_counter() - t0}
         if not verified:
             verify_shared_prefix(model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from grpo.delivery import TrainerState
+from grpo.evaluation import is_evaluation_row
 from grpo.files import write_atomically
 from grpo.weights import publish
 
@@ -35,18 +36,23 @@ class MetricsLog:
     """Rank 0's metrics.jsonl (one row per step) and TensorBoard events.
 
     Opened on a resumed run, it drops the rows of steps after the checkpoint: those steps are
-    trained again and would otherwise appear twice."""
+    trained again and would otherwise appear twice. An evaluation's row is written once per
+    version, though a restarted trainer receives the batch that carried it again."""
 
     def __init__(self, run_dir: Path, resumed_step: int, tensorboard: bool):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.evaluated: set[int] = set()  # versions with an evaluation row
         if self.path.is_file():
             kept = []
             for line in self.path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= resumed_step:
-                        kept.append(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError:
-                    pass  # a line cut short by a crash
+                    continue  # a line cut short by a crash
+                if row.get("step", 0) <= resumed_step:
+                    kept.append(line)
+                    if is_evaluation_row(row):
+                        self.evaluated.add(row["step"])
             write_atomically(self.path, "".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
         self.writer = None
@@ -63,6 +69,12 @@ class MetricsLog:
             for key, value in row.items():
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, row["step"])
+
+    def write_evaluation(self, row: dict) -> None:
+        """An evaluation's row (the sampler's, sent with a batch), unless that version has one."""
+        if row["step"] not in self.evaluated:
+            self.evaluated.add(row["step"])
+            self.write(row)
 
     def close(self) -> None:
         self.file.close()

@@ -14,6 +14,7 @@ from grpo.config import load_config
 from grpo.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.models import add_lora, load_model, load_tokenizer
 from grpo.rollout.hf_engine import HFEngine
+from grpo.trainer_io import MetricsLog
 from grpo.weights import WeightWatcher, publish, version_dir
 from test_launch import launch
 from test_training import LEARNING, run_both
@@ -126,3 +127,20 @@ def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_p
     assert [s["completion"] for s in base] != [s["completion"] for s in samples]  # the adapter is on
     for key in ("answer_accuracy", "format_rate", "mean_completion_tokens", "truncated_rate"):
         assert ours[f"eval/{key}"] == summary[key]
+
+
+def test_a_restarted_trainer_writes_each_evaluation_row_once(tmp_path):
+    """Rows after the checkpoint go (those steps train again); an evaluation row a re-sent batch
+    carries again is not written twice, one of a later version is."""
+    rows = [{"step": 0, "eval/answer_accuracy": 0.25}, {"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4},
+            {"step": 2, "eval/answer_accuracy": 0.5}, {"step": 3, "loss": 0.3}, {"step": 4, "eval/answer_accuracy": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "lo')
+    log = MetricsLog(tmp_path, resumed_step=2, tensorboard=False)
+    assert log.evaluated == {0, 2}
+    log.write_evaluation({"step": 2, "eval/answer_accuracy": 0.5})  # re-sent with the batch of step 3
+    log.write({"step": 3, "loss": 0.3})
+    log.write_evaluation({"step": 4, "eval/answer_accuracy": 0.75})
+    log.write_evaluation({"step": 4, "eval/answer_accuracy": 0.75})
+    log.close()
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert written == rows[:4] + [{"step": 3, "loss": 0.3}, {"step": 4, "eval/answer_accuracy": 0.75}]

@@ -57,36 +57,61 @@ TRAINER_TIMINGS = ["timing/wait_s", "timing/forward_backward_s", "timing/optimiz
 # ---------------------------------------------------------------------------- measuring
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(summed RSS, summed PSS) in bytes of a process and all its descendants."""
+def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
+    """Which part of a run a process is, from its command line and its parent's."""
+    text = " ".join(cmdline)
+    if "--trl-worker" in text:
+        return "TRL"
+    if "sampling_worker.py" in text:
+        return "reward sandbox" if cmdline == parent_cmdline else "sampler"  # forked by the sampler
+    if "training_worker.py" in text:
+        if "deepspeed.launcher.launch" in text:
+            return "DeepSpeed launcher"
+        if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":
+            return "DeepSpeed runner"
+        return "trainer rank"
+    if "launch.py" in text:
+        return "launcher"
+    return "other"
+
+
+def tree_memory(pid: int) -> tuple[int, int, dict[str, int]]:
+    """(summed RSS, summed PSS) in bytes of a process and all its descendants, and the RSS summed
+    by `process_label`."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0, 0
+        return 0, 0, {}
     rss = pss = 0
+    by_label: dict[str, int] = {}
     for proc in procs:
         try:
             info = proc.memory_full_info()
+            parent = proc.parent()
+            label = process_label(proc.cmdline(), parent.cmdline() if parent else [])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
-    return rss, pss
+        by_label[label] = by_label.get(label, 0) + info.rss
+    return rss, pss, by_label
 
 
 def run_measured(cmd: list[str], log_path: Path, env: dict) -> dict:
-    """Run `cmd` to the end; its exit code, wall time and peak tree memory."""
-    peak = {"rss": 0, "pss": 0}
+    """Run `cmd` to the end; its exit code, wall time, peak tree memory and each part's peak RSS."""
+    peak = {"rss": 0, "pss": 0, "rss_by_process": {}}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         done = threading.Event()
 
         def watch():
             while not done.is_set():
-                rss, pss = tree_memory(proc.pid)
+                rss, pss, by_label = tree_memory(proc.pid)
                 peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss)
+                for label, value in by_label.items():
+                    peak["rss_by_process"][label] = max(peak["rss_by_process"].get(label, 0), value)
                 done.wait(0.5)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -95,7 +120,8 @@ def run_measured(cmd: list[str], log_path: Path, env: dict) -> dict:
         code = proc.wait()
         done.set()
         watcher.join()
-    return {"exit_code": code, "wall_s": time.perf_counter() - start, "peak_rss": peak["rss"], "peak_pss": peak["pss"]}
+    return {"exit_code": code, "wall_s": time.perf_counter() - start, "peak_rss": peak["rss"], "peak_pss": peak["pss"],
+            "peak_rss_by_process": peak["rss_by_process"]}
 
 
 def summarize(step_end_times: list[float], completion_tokens: list[int], warmup: int) -> dict:
@@ -308,6 +334,10 @@ def table(workload: str, results: dict, args) -> str:
         lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
                      f"({ours['completion_tokens_per_s']:.2f} vs {sync['completion_tokens_per_s']:.2f}), step time "
                      f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
+    for name, r in (("ours", ours), ("TRL", trl)):
+        parts = sorted(r["peak_rss_by_process"].items(), key=lambda kv: -kv[1])
+        lines.append(f"{name}, peak RSS by process (MiB, each part's own peak): "
+                     + ", ".join(f"{label} {value / 2**20:.0f}" for label, value in parts))
     m = ours["medians"]
     lines.append("ours, median per step (s): " + ", ".join(f"{k.split('/')[1][:-2]} {v:.2f}" for k, v in m.items()))
     lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, trainer busy {ours['trainer_busy_s']:.2f} s, "

@@ -112,6 +112,26 @@ def test_bench_vs_trl_summary_worked_numbers():
     assert rates["trainer_model_gflop_per_step"] == 40.0 and rates["generation_model_gflop_per_step"] == 12.0
 
 
+def test_bench_vs_trl_names_each_process_of_a_run():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_vs_trl import process_label
+
+    py = "/repo/.venv/bin/python"
+    sampler = [py, "/repo/sampling_worker.py", "--config", "c.yaml", "sampling.worker_index=0"]
+    launcher = [py, "scripts/launch.py", "--config", "c.yaml"]
+    runner = [py, "/repo/.venv/bin/deepspeed", "--num_gpus", "1", "/repo/training_worker.py", "--config", "c.yaml"]
+    ds_launch = [py, "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "/repo/training_worker.py"]
+    rank = [py, "-u", "/repo/training_worker.py", "--local_rank=0", "--config", "c.yaml"]
+    assert process_label(launcher, ["bash"]) == "launcher"
+    assert process_label(sampler, launcher) == "sampler"
+    assert process_label(sampler, sampler) == "reward sandbox"  # the sampler forks it
+    assert process_label(runner, launcher) == "DeepSpeed runner"
+    assert process_label(ds_launch, runner) == "DeepSpeed launcher"
+    assert process_label(rank, ds_launch) == "trainer rank"
+    assert process_label([py, "scripts/bench_vs_trl.py", "--trl-worker", "gsm8k"], ["bash"]) == "TRL"
+    assert process_label(["/bin/sh", "-c", "nvidia-smi"], launcher) == "other"
+
+
 def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
     sys.path.insert(0, str(REPO / "scripts"))
     from vllm_requirements import merged

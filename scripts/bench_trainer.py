@@ -1,0 +1,128 @@
+"""The trainer's own work per step, with each optimisation on and off, against the matmul ceiling.
+
+    .venv/bin/python scripts/bench_trainer.py [--repeats 2] [--threads 1] [key=value ...]
+
+One default sampler step on the embedded SmolLM2 (2 prompts x 8 completions, up to 200
+tokens) is generated once and written to a file in the wire format; then each variant runs in a
+fresh process (so that its peak RSS is its own): it loads the policy as the trainer does and
+runs a trainer step's compute twice, the reference pass (adapter off, no grad) and the loss
+forward + backward of each micro-batch (`grpo.training.micro_batch_loss`, as `train_step` packs
+them; DeepSpeed's ZeRO-0 wrapper adds no compute), timing the second. The variants alternate,
+so drift hits them alike. Printed per variant: the median time, model GFLOP/s
+(`grpo.flops.batch_step_flops`), MFU against the fp32 matmul rate of the model's shapes
+measured first with the same threads, peak RSS, and the ratios to the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {  # name: config overrides on top of the command line's
+    "as configured": [],
+    "one group per micro-batch": ["training.max_tokens_per_micro_batch=1"],
+    "gradient checkpointing": ["model.gradient_checkpointing=true"],
+}
+
+
+def make_batch_file(cfg, path: Path) -> None:
+    from data.problems import load_problems
+    from data.prompts import build_prompts
+    from grpo.models import load_policy, load_tokenizer
+    from grpo.rollout.hf_engine import HFEngine
+    from grpo.sampler_step import SamplerPolicy, make_batch
+    from grpo.transport import encode_batch
+
+    torch.manual_seed(cfg.seed)
+    model = load_policy(cfg).eval()
+    tokenizer = load_tokenizer(cfg.model)
+    problems = load_problems(cfg.data.path, cfg.data.split)[0][cfg.data.few_shot:cfg.data.few_shot + cfg.sampling.prompts_per_step]
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
+    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    with torch.no_grad():
+        batch = make_batch(cfg, policy, prompts, step=0, sampler=0, sandbox=None, metrics_so_far={},
+                           check_recorded=False)
+    path.write_text(json.dumps([frame.hex() for frame in encode_batch(batch)]))
+
+
+def worker(batch_path: Path, overrides: list[str]) -> dict:
+    """In its own process: load the policy, run the step's compute twice, time the second."""
+    from grpo.config import load_config
+    from grpo.flops import ModelShape, batch_step_flops
+    from grpo.models import load_policy
+    from grpo.sharding import group_costs, pack_micro_batches, select_groups
+    from grpo.training import micro_batch_loss
+    from grpo.transport import decode_batch
+
+    cfg = load_config(ROOT / "config.yaml", overrides)
+    batch = decode_batch([bytes.fromhex(f) for f in json.loads(batch_path.read_text())])
+    batch.ref_logps = None  # the trainer computes them (training.reference_on=trainer)
+    model = load_policy(cfg).train()
+    costs = group_costs(batch)
+    micro = pack_micro_batches(list(range(len(costs))), costs, cfg.training.max_tokens_per_micro_batch)
+    seconds = 0.0
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        for groups in micro:  # each computes its reference log-probs first, as in the trainer
+            micro_batch_loss(model, select_groups(batch, groups), cfg)[0].backward()
+        seconds = time.perf_counter() - t
+    flops = batch_step_flops(ModelShape.of(model), batch, cfg)
+    return {"seconds": seconds, "model_flops": flops["model"], "micro_batches": len(micro),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's share of the cores)")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        print(json.dumps(worker(args.worker, overrides)))
+        return 0
+    from grpo.config import load_config
+    from grpo.flops import ModelShape, measure_matmul_rate
+    from grpo.models import load_policy
+
+    cfg = load_config(ROOT / "config.yaml", overrides)
+    ceiling = measure_matmul_rate(ModelShape.of(load_policy(cfg))) / 1e9  # before anything else runs
+    batch_path = Path(tempfile.mkdtemp(prefix="bench_trainer_")) / "batch.json"
+    make_batch_file(cfg, batch_path)
+    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    for _ in range(args.repeats):
+        for name, extra in VARIANTS.items():
+            out = subprocess.run([sys.executable, __file__, "--worker", str(batch_path), "--threads", str(args.threads),
+                                  *overrides, *extra], capture_output=True, text=True, check=True, cwd=ROOT)
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first = next(iter(VARIANTS))
+    base_s = statistics.median(r["seconds"] for r in results[first])
+    base_rss = max(r["peak_rss"] for r in results[first])
+    print(f"# {args.threads} thread(s); fp32 matmul ceiling on the model's shapes {ceiling:.1f} GFLOP/s; "
+          f"step model FLOPs {results[first][0]['model_flops'] / 1e9:.0f} G; {args.repeats} repeats, alternating")
+    print("| variant | micro-batches | step s (median) | model GFLOP/s | MFU | peak RSS MiB | time / first | RSS / first |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        s = statistics.median(r["seconds"] for r in runs)
+        rate = runs[0]["model_flops"] / 1e9 / s
+        rss = max(r["peak_rss"] for r in runs)
+        print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {rate:.1f} | {rate / ceiling:.0%} | "
+              f"{rss / 2**20:.0f} | {s / base_s:.2f} | {rss / base_rss:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

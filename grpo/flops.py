@@ -102,8 +102,8 @@ def trainer_step_flops(shape: ModelShape, prompt_lens: Sequence[int], completion
                        passes: int = 1) -> dict[str, int]:
     """Model FLOPs of one trainer step, and the recomputed FLOPs on top of them.
 
-    Backward costs one forward for the activations' gradients (twice for attention: dQ, dK
-    and dV are three products of the two forward ones' sizes, less one reuse = 2x) and one
+    Backward costs one forward for the activations' gradients (twice for attention: dV, dP,
+    dQ and dK are four products the size of the forward's two, Q.K^T and A.V) and one
     more for the weights' gradients of whatever trains: only the adapters under LoRA, every
     matmul and the head without it. The head's chunks are checkpointed, so backward runs the
     head forward again (`recomputed`). Under LoRA autograd skips the input gradients of the

@@ -5,7 +5,7 @@
 One default sampler step on the embedded SmolLM2 (2 prompts x 8 completions, up to 200
 tokens) is generated once and written to a file in the wire format; then each variant runs in a
 fresh process (so that its peak RSS is its own): it loads the policy as the trainer does and
-runs a trainer step's compute twice, the reference pass (adapter off, no grad) and the loss
+runs a trainer step's compute twice, the reference pass (adapter off, no grad; none at beta 0) and the loss
 forward + backward of each micro-batch (`grpo.training.micro_batch_loss`, as `train_step` packs
 them; DeepSpeed's ZeRO-0 wrapper adds no compute), timing the second. The variants alternate,
 so drift hits them alike. Printed per variant: the median time, model GFLOP/s
@@ -34,6 +34,7 @@ VARIANTS = {  # name: config overrides on top of the command line's
     "as configured": [],
     "one group per micro-batch": ["training.max_tokens_per_micro_batch=1"],
     "gradient checkpointing": ["model.gradient_checkpointing=true"],
+    "no KL term (beta 0: no reference pass)": ["training.beta=0"],
 }
 
 

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from grpo.models import unwrap_causal_lm
+from grpo.shared_prefix import group_bounds
 
 
 def _full_numel(weight: torch.Tensor) -> int:
@@ -86,11 +87,9 @@ def logprob_pass_flops(shape: ModelShape, prompt_lens: Sequence[int], completion
     every prompt once per group (shared prefix) or once per completion (plain), then each
     completion at positions P .. P + C - 1; the head on the C rows that predict its tokens."""
     tokens = attention = 0
-    done = 0
-    for P, G in zip(prompt_lens, group_sizes):
-        lens = completion_lens[done:done + G]
-        done += G
-        prompt_copies = 1 if shared_prefix else G
+    for P, (a, b) in zip(prompt_lens, group_bounds(group_sizes)):
+        lens = completion_lens[a:b]
+        prompt_copies = 1 if shared_prefix else b - a
         tokens += prompt_copies * P + sum(lens)
         attention += prompt_copies * shape.attention_flops(0, P) + sum(shape.attention_flops(P, C) for C in lens)
     return PassFlops(dense=2 * shape.matmul_params * tokens, adapters=2 * shape.adapter_params * tokens * adapters,
@@ -134,10 +133,8 @@ def generation_flops(shape: ModelShape, prompt_lens: Sequence[int], completion_l
     one decode step per later completion token, each with the head. Rows that finished early
     but are still in the batch, and padding, are work done but not model work."""
     tokens = attention = head_rows = 0
-    done = 0
-    for P, G in zip(prompt_lens, group_sizes):
-        lens = completion_lens[done:done + G]
-        done += G
+    for P, (a, b) in zip(prompt_lens, group_bounds(group_sizes)):
+        lens = completion_lens[a:b]
         decoded = [max(C - 1, 0) for C in lens]  # each completion's last token is never fed back
         tokens += P + sum(decoded)
         attention += shape.attention_flops(0, P) + sum(shape.attention_flops(P, d) for d in decoded)

@@ -6,6 +6,7 @@ function of its inputs, in the order they run (DESIGN section 1).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -39,6 +40,11 @@ class SamplerPolicy:
     reference: Any | None  # a frozen copy of the start, for a full fine-tune with beta > 0
     tokenizer: Any
     behaviour: dict  # the settings each batch records (grpo/behaviour.py)
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The scoring model's shape, for the model FLOPs of each round (read once)."""
+        return ModelShape.of(self.model)
 
 
 def make_engine(cfg, model, tokenizer) -> RolloutEngine:
@@ -89,7 +95,7 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
         scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
                               torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
                               scores.total + penalty, {**scores.failures, OVERLONG: 0})
-    flops = generation_flops(ModelShape.of(policy.model), [len(p.token_ids) for p in prompts],
+    flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t, flops.total)
 

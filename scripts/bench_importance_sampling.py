@@ -27,13 +27,27 @@ sys.path.insert(0, str(ROOT))
 MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def main(argv: list[str]) -> int:
+def default_batch(cfg, model):
+    """One sampler step of `model` (HF engine) on the first prompts_per_step train problems after
+    the few-shot ones: the real batch the trainer benchmarks here work on."""
     from data.problems import load_problems
     from data.prompts import build_prompts
-    from grpo.config import load_config
-    from grpo.models import load_policy, load_tokenizer
+    from grpo.models import load_tokenizer
     from grpo.rollout.hf_engine import HFEngine
     from grpo.sampler_step import SamplerPolicy, make_batch
+
+    tokenizer = load_tokenizer(cfg.model)
+    problems = load_problems(cfg.data.path, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems)  # the shots themselves are not asked
+    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    with torch.no_grad():
+        return make_batch(cfg, policy, prompts, step=0, sampler=0, sandbox=None, metrics_so_far={},
+                          check_recorded=False)
+
+
+def main(argv: list[str]) -> int:
+    from grpo.config import load_config
+    from grpo.models import load_policy
     from grpo.training import micro_batch_loss
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,13 +56,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(ROOT / "config.yaml", overrides)
     torch.manual_seed(cfg.seed)
     model = load_policy(cfg).train()
-    tokenizer = load_tokenizer(cfg.model)
-    problems = load_problems(cfg.data.path, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
-    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
-    with torch.no_grad():
-        batch = make_batch(cfg, policy, prompts, step=0, sampler=0, sandbox=None, metrics_so_far={},
-                           check_recorded=False)
+    batch = default_batch(cfg, model)
     tokens = sum(len(c) for c in batch.completion_ids)
     print(f"# {torch.get_num_threads()} threads; batch: {len(batch.completion_ids)} completions, {tokens} tokens")
 

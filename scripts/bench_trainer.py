@@ -29,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # default_batch: bench_importance_sampling.py's
 
 VARIANTS = {  # name: config overrides on top of the command line's
     "as configured": [],
@@ -36,26 +37,6 @@ VARIANTS = {  # name: config overrides on top of the command line's
     "gradient checkpointing": ["model.gradient_checkpointing=true"],
     "no KL term (beta 0: no reference pass)": ["training.beta=0"],
 }
-
-
-def make_batch_file(cfg, path: Path) -> None:
-    from data.problems import load_problems
-    from data.prompts import build_prompts
-    from grpo.models import load_policy, load_tokenizer
-    from grpo.rollout.hf_engine import HFEngine
-    from grpo.sampler_step import SamplerPolicy, make_batch
-    from grpo.transport import encode_batch
-
-    torch.manual_seed(cfg.seed)
-    model = load_policy(cfg).eval()
-    tokenizer = load_tokenizer(cfg.model)
-    problems = load_problems(cfg.data.path, cfg.data.split)[0][cfg.data.few_shot:cfg.data.few_shot + cfg.sampling.prompts_per_step]
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
-    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
-    with torch.no_grad():
-        batch = make_batch(cfg, policy, prompts, step=0, sampler=0, sandbox=None, metrics_so_far={},
-                           check_recorded=False)
-    path.write_text(json.dumps([frame.hex() for frame in encode_batch(batch)]))
 
 
 def worker(batch_path: Path, overrides: list[str]) -> dict:
@@ -95,14 +76,19 @@ def main(argv: list[str]) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, overrides)))
         return 0
+    from bench_importance_sampling import default_batch
     from grpo.config import load_config
     from grpo.flops import ModelShape, measure_matmul_rate
     from grpo.models import load_policy
+    from grpo.transport import encode_batch
 
     cfg = load_config(ROOT / "config.yaml", overrides)
-    ceiling = measure_matmul_rate(ModelShape.of(load_policy(cfg))) / 1e9  # before anything else runs
+    torch.manual_seed(cfg.seed)
+    model = load_policy(cfg).eval()
+    ceiling = measure_matmul_rate(ModelShape.of(model)) / 1e9  # before anything else runs
     batch_path = Path(tempfile.mkdtemp(prefix="bench_trainer_")) / "batch.json"
-    make_batch_file(cfg, batch_path)
+    batch_path.write_text(json.dumps([frame.hex() for frame in encode_batch(default_batch(cfg, model))]))
+    del model  # the variants load their own
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
         for name, extra in VARIANTS.items():

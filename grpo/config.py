@@ -149,7 +149,9 @@ class TrainingConfig:
     aggregation: str = _f("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo (constant).")
     advantage_scale: str = _f("group", "Advantage normalisation: group std, batch std, or none.")
     num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).")
-    max_tokens_per_micro_batch: int = _f(8192, "Token budget of one packed micro-batch in the trainer.")
+    max_tokens_per_micro_batch: int = _f(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
+                                         "group gets one to itself). Activations scale with it: 2048 is one default "
+                                         "group per micro-batch, 0.68x the peak RSS of 8192 for 1.04x the time.")
     mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss.")
     importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
                                           "the sampler's log-probs), or clip against the trainer's own pre-update "

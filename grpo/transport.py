@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from grpo.ports import free_local_port, free_loopback_address  # noqa: F401  (re-exported)
 from grpo.batch import FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -209,17 +210,6 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
 
 
 # ----------------------------------------------------------------------------- sockets
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the launcher's DeepSpeed port, tests, benchmarks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_loopback_address() -> str:
-    return f"tcp://127.0.0.1:{free_local_port()}"
-
 
 class TransportTimeout(TimeoutError):
     """Nobody received or sent within the configured time."""

@@ -32,10 +32,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # default_batch: bench_importance_sampling.py's
 
 VARIANTS = {  # name: config overrides on top of the command line's
-    "as configured": [],
-    "one group per micro-batch": ["training.max_tokens_per_micro_batch=1"],
+    "as configured": [],  # training.max_tokens_per_micro_batch 2048: one default group per micro-batch
+    "the whole step in one micro-batch (8192 tokens)": ["training.max_tokens_per_micro_batch=8192"],
     "gradient checkpointing": ["model.gradient_checkpointing=true"],
     "no KL term (beta 0: no reference pass)": ["training.beta=0"],
+    "bfloat16 weights": ["model.dtype=bfloat16"],
 }
 
 

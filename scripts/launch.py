@@ -30,7 +30,7 @@ from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.evaluation import is_evaluation_row  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
-from grpo.transport import free_local_port  # noqa: E402
+from grpo.ports import free_local_port  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -65,11 +65,12 @@ def sampler_names(samplers: int) -> list[str]:
 
 
 def gpu_count() -> int:
+    """CUDA devices torch sees, asked in a child so that the launcher never holds torch (~220 MB RSS)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True)
     try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
+        return int(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
         return 0
 
 
@@ -186,10 +187,8 @@ def start_processes(cfg, argv: list[str], logs: dict[str, Path]) -> tuple[dict[s
     trainer's rank count. Every process is told the number of samplers, each sampler its index."""
     samplers = cfg.launch.samplers
     plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1, samplers)
-    deepspeed = Path(sys.executable).parent / "deepspeed"
     shared = [*argv, f"sampling.num_workers={samplers}"]
-    commands = {"trainer": ([str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(free_local_port()),
-                             str(ROOT / "training_worker.py"), *shared], plan["trainer_env"])}
+    commands = {"trainer": trainer_command(plan, shared)}
     for i, name in enumerate(sampler_names(samplers)):
         commands[name] = ([sampler_python(cfg), str(ROOT / "sampling_worker.py"), *shared, f"sampling.worker_index={i}"],
                           plan["sampler_envs"][i])
@@ -200,6 +199,19 @@ def start_processes(cfg, argv: list[str], logs: dict[str, Path]) -> tuple[dict[s
             procs[name] = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                            env={**os.environ, **env}, start_new_session=True)
     return procs, plan["ranks"]
+
+
+def trainer_command(plan: dict, args: list[str]) -> tuple[list[str], dict]:
+    """One rank: the worker itself, with the environment DeepSpeed's launcher would give it, which
+    spares its runner and launcher processes (~240 MB RSS each: both import torch). Several:
+    `deepspeed --num_gpus N training_worker.py`."""
+    worker, port = str(ROOT / "training_worker.py"), str(free_local_port())
+    if plan["ranks"] == 1:
+        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        return [sys.executable, "-u", worker, *args], {**plan["trainer_env"], **rank_env}
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    return [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", port, worker, *args], plan["trainer_env"]
 
 
 class StepProgress:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,7 +17,7 @@ from grpo.weights import read_latest
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
-from launch import EXIT_SAMPLER_FAILED, format_duration, placement, progress_line  # noqa: E402
+from launch import EXIT_SAMPLER_FAILED, format_duration, placement, progress_line, trainer_command  # noqa: E402
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [
@@ -40,6 +41,18 @@ def test_cpu_threads_do_not_oversubscribe_the_cores():
     assert plan["trainer_env"]["OMP_NUM_THREADS"] == plan["sampler_envs"][0]["OMP_NUM_THREADS"] == "1"
     assert placement(0, 3, 0, 2)["trainer_env"]["OMP_NUM_THREADS"] == "3"
     assert [env["OMP_NUM_THREADS"] for env in placement(0, 0, 0, 12, 3)["sampler_envs"]] == ["3", "3", "3"]
+
+
+def test_one_rank_runs_the_worker_itself_and_several_go_through_deepspeed():
+    """One rank needs no DeepSpeed runner: the launcher gives it the environment the runner would."""
+    command, env = trainer_command(placement(0, 0, 0, 2), ["a=1"])
+    assert command[0] == sys.executable and command[-2:] == [str(REPO / "training_worker.py"), "a=1"]
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == \
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert int(env["MASTER_PORT"]) > 0 and env["OMP_NUM_THREADS"] == "1"
+    command, env = trainer_command(placement(0, 0, 3, 16), ["a=1"])
+    assert Path(command[0]).name == "deepspeed" and command[1:3] == ["--num_gpus", "2"] and "RANK" not in env
+    assert command[-2:] == [str(REPO / "training_worker.py"), "a=1"]
 
 
 def launch(run_dir, model_dir, data_dir, *extra):

@@ -15,7 +15,17 @@ import torch.utils.checkpoint
 from grpo.models import unwrap_causal_lm
 from grpo.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
 
-HEAD_CHUNK_TOKENS = 1024  # rows of [chunk, vocab] float32 logits alive at once (~200 MB at 49k vocab)
+# A [chunk, vocab] float32 logits block under glibc's largest mmap threshold (32 MiB): freed, it
+# goes back to the heap and the next chunk reuses it. 1,024-row blocks (200 MB at a 49k vocab)
+# were mapped and unmapped each time; the page faults cost the trainer ~10% of its step in the
+# kernel (scripts/bench_trainer.py: 128 rows, 0.92x the step time, 0.61 s kernel time, not 5.1).
+HEAD_CHUNK_BYTES = 24 * 2**20
+MIN_HEAD_CHUNK_TOKENS = 32  # huge vocabularies: keep the head's matmul a matrix, not a vector
+
+
+def head_chunk_tokens(vocab_size: int) -> int:
+    """Rows of logits computed at once: 128 at SmolLM2's 49,152-token vocabulary."""
+    return max(MIN_HEAD_CHUNK_TOKENS, HEAD_CHUNK_BYTES // (4 * vocab_size) // 32 * 32)
 DEFAULT_MAX_TOKENS_PER_FORWARD = 8192
 
 
@@ -37,7 +47,7 @@ def _head_chunk(hidden, targets, head, temperature, with_entropy):
 
 
 def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float = 1.0,
-                  chunk_tokens: int = HEAD_CHUNK_TOKENS, with_entropy: bool = True):
+                  chunk_tokens: int | None = None, with_entropy: bool = True):
     """log softmax(head(hidden) / temperature)[target] and the entropy; hidden [M, H], targets [M].
 
     Under grad each chunk is checkpointed: backward recomputes that chunk's logits instead of
@@ -46,6 +56,7 @@ def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Mo
     """
     logps, entropies = [], []
     recompute = torch.is_grad_enabled() and hidden.requires_grad
+    chunk_tokens = chunk_tokens or head_chunk_tokens(head.out_features)  # not weight.shape: empty under ZeRO-3
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if recompute:

@@ -15,13 +15,11 @@ import json
 import logging
 import math
 import os
-import socket
 import time
 
 import numpy as np
 import torch
 
-from grpo.ports import free_local_port, free_loopback_address  # noqa: F401  (re-exported)
 from grpo.batch import FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
 
 log = logging.getLogger(__name__)

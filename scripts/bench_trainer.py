@@ -8,7 +8,7 @@ fresh process (so that its peak RSS is its own): it loads the policy as the trai
 runs a trainer step's compute twice, the reference pass (adapter off, no grad; none at beta 0) and the loss
 forward + backward of each micro-batch (`grpo.training.micro_batch_loss`, as `train_step` packs
 them; DeepSpeed's ZeRO-0 wrapper adds no compute), timing the second. The variants alternate,
-so drift hits them alike. Printed per variant: the median time, model GFLOP/s
+so drift hits them alike. Printed per variant: the median time, its kernel time and minor page faults, model GFLOP/s
 (`grpo.flops.batch_step_flops`), MFU against the fp32 matmul rate of the model's shapes
 measured first with the same threads, peak RSS, and the ratios to the first variant.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -31,12 +32,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # default_batch: bench_importance_sampling.py's
 
-VARIANTS = {  # name: config overrides on top of the command line's
-    "as configured": [],  # training.max_tokens_per_micro_batch 2048: one default group per micro-batch
-    "the whole step in one micro-batch (8192 tokens)": ["training.max_tokens_per_micro_batch=8192"],
-    "gradient checkpointing": ["model.gradient_checkpointing=true"],
-    "no KL term (beta 0: no reference pass)": ["training.beta=0"],
-    "bfloat16 weights": ["model.dtype=bfloat16"],
+# glibc malloc: keep freed memory instead of returning it (trim) and mapping it afresh, and back
+# large blocks with transparent huge pages; the trainer otherwise spends ~10% of its time in the
+# kernel on page faults (measured: /proc/<pid>/stat stime over utime)
+MALLOC_KEEP = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
+
+VARIANTS = {  # name: (config overrides on top of the command line's, environment)
+    "as configured": ([], {}),  # training.max_tokens_per_micro_batch 2048: one default group per micro-batch
+    "the whole step in one micro-batch (8192 tokens)": (["training.max_tokens_per_micro_batch=8192"], {}),
+    "gradient checkpointing": (["model.gradient_checkpointing=true"], {}),
+    "no KL term (beta 0: no reference pass)": (["training.beta=0"], {}),
+    "bfloat16 weights": (["model.dtype=bfloat16"], {}),
+    "malloc: keep freed memory": ([], {"GLIBC_TUNABLES": MALLOC_KEEP}),
+    "malloc: keep freed memory + huge pages": ([], {"GLIBC_TUNABLES": MALLOC_KEEP + ":glibc.malloc.hugetlb=1"}),
 }
 
 
@@ -55,22 +63,23 @@ def worker(batch_path: Path, overrides: list[str]) -> dict:
     model = load_policy(cfg).train()
     costs = group_costs(batch)
     micro = pack_micro_batches(list(range(len(costs))), costs, cfg.training.max_tokens_per_micro_batch)
-    seconds = 0.0
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
+        t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         for groups in micro:  # each computes its reference log-probs first, as in the trainer
             micro_batch_loss(model, select_groups(batch, groups), cfg)[0].backward()
-        seconds = time.perf_counter() - t
+        seconds, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
     flops = batch_step_flops(ModelShape.of(model), batch, cfg)
     return {"seconds": seconds, "model_flops": flops["model"], "micro_batches": len(micro),
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "kernel_s": after.ru_stime - before.ru_stime, "page_faults": after.ru_minflt - before.ru_minflt,
+            "peak_rss": after.ru_maxrss * 1024}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's share of the cores)")
+    parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     torch.set_num_threads(args.threads)
@@ -90,24 +99,29 @@ def main(argv: list[str]) -> int:
     batch_path = Path(tempfile.mkdtemp(prefix="bench_trainer_")) / "batch.json"
     batch_path.write_text(json.dumps([frame.hex() for frame in encode_batch(default_batch(cfg, model))]))
     del model  # the variants load their own
-    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    variants = {name: v for name, v in VARIANTS.items() if not args.only or name in args.only.split(",")}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.repeats):
-        for name, extra in VARIANTS.items():
+        for name, (extra, env) in variants.items():
             out = subprocess.run([sys.executable, __file__, "--worker", str(batch_path), "--threads", str(args.threads),
-                                  *overrides, *extra], capture_output=True, text=True, check=True, cwd=ROOT)
+                                  *overrides, *extra], capture_output=True, text=True, check=True, cwd=ROOT,
+                                 env={**os.environ, **env})
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    first = next(iter(VARIANTS))
+    first = next(iter(variants))
     base_s = statistics.median(r["seconds"] for r in results[first])
     base_rss = max(r["peak_rss"] for r in results[first])
     print(f"# {args.threads} thread(s); fp32 matmul ceiling on the model's shapes {ceiling:.1f} GFLOP/s; "
           f"step model FLOPs {results[first][0]['model_flops'] / 1e9:.0f} G; {args.repeats} repeats, alternating")
-    print("| variant | micro-batches | step s (median) | model GFLOP/s | MFU | peak RSS MiB | time / first | RSS / first |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | micro-batches | step s (median) | kernel s | page faults | model GFLOP/s | MFU | peak RSS MiB "
+          "| time / first | RSS / first |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         s = statistics.median(r["seconds"] for r in runs)
         rate = runs[0]["model_flops"] / 1e9 / s
         rss = max(r["peak_rss"] for r in runs)
-        print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {rate:.1f} | {rate / ceiling:.0%} | "
+        kernel = statistics.median(r["kernel_s"] for r in runs)
+        faults = statistics.median(r["page_faults"] for r in runs)
+        print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {kernel:.2f} | {faults:,.0f} | {rate:.1f} | {rate / ceiling:.0%} | "
               f"{rss / 2**20:.0f} | {s / base_s:.2f} | {rss / base_rss:.2f} |")
     return 0
 

@@ -14,7 +14,9 @@ workloads: the fp32 matmul rate on the model's own shapes (grpo/flops.py) with o
 threads and with all cores; our model FLOPs per step (the trainer's and the generation's, from
 metrics.jsonl) and their share of that ceiling (MFU) per process and end to end; and with
 `--sync` (on by default) ours again at `sampling.max_staleness=0`, same work: the
-asynchronous-over-synchronous tokens/s ratio.
+asynchronous-over-synchronous tokens/s ratio; with `--bf16` (on by default) ours again at
+`model.dtype=bfloat16` (sampler and trainer; this CPU multiplies bf16 at ~2.2x its fp32 rate),
+compared with ours in float32 only, since TRL runs in float32 here.
 
 Workloads: `gsm8k` (plain questions, 2 prompts x G 8 per step, completions <= 128 tokens) and
 `long` (4 solved train examples before each question, ~660 prompt tokens, G 8, completions
@@ -197,7 +199,7 @@ def overlap_efficiency(rows: list[dict], warmup: int) -> dict:
 
 
 def run_ours(workload: str, args, overrides: list[str], folder: Path, name: str = "ours") -> dict:
-    from grpo.transport import free_loopback_address
+    from grpo.ports import free_loopback_address
 
     run_dir = folder / f"{name}-{workload}"
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(args.config), f"run.dir={run_dir}",
@@ -334,6 +336,13 @@ def table(workload: str, results: dict, args) -> str:
         lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
                      f"({ours['completion_tokens_per_s']:.2f} vs {sync['completion_tokens_per_s']:.2f}), step time "
                      f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
+    if "bf16" in results:
+        bf16 = results["bf16"]
+        lines.append(f"ours in bfloat16 (model.dtype=bfloat16, not like for like with TRL's float32): tokens/s "
+                     f"{bf16['completion_tokens_per_s']:.2f}, x{bf16['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} "
+                     f"ours in float32; step {bf16['median_step_s']:.2f} s; peak RSS {bf16['peak_rss'] / 2**20:.0f} MiB "
+                     f"(x{bf16['peak_rss'] / ours['peak_rss']:.2f}); sampler busy {bf16['sampler_busy_s']:.2f} s, trainer busy "
+                     f"{bf16['trainer_busy_s']:.2f} s")
     for name, r in (("ours", ours), ("TRL", trl)):
         parts = sorted(r["peak_rss_by_process"].items(), key=lambda kv: -kv[1])
         lines.append(f"{name}, peak RSS by process (MiB, each part's own peak): "
@@ -354,6 +363,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "vs_trl.json")
     parser.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                         help="also run ours at sampling.max_staleness=0 for the async/sync ratio")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run ours at model.dtype=bfloat16 (sampler and trainer) for its ratio to ours in fp32")
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     if args.trl_worker:
@@ -377,6 +388,8 @@ def main(argv: list[str]) -> int:
                    "trl": run_trl(workload, args, overrides, folder)}
         if args.sync:
             results["sync"] = run_ours(workload, args, [*overrides, "sampling.max_staleness=0"], folder, name="sync")
+        if args.bf16:
+            results["bf16"] = run_ours(workload, args, [*overrides, "model.dtype=bfloat16"], folder, name="bf16")
         report[workload] = results
         printed.append(table(workload, results, args))
         print(printed[-1] + "\n", flush=True)

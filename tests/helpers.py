@@ -3,7 +3,7 @@
 import torch
 
 from grpo.batch import RolloutBatch
-from grpo.transport import free_loopback_address
+from grpo.ports import free_loopback_address
 
 
 def free_tcp_address() -> str:

@@ -27,7 +27,8 @@ from grpo.batch import RolloutBatch
 from grpo.behaviour import behaviour_of
 from grpo.config import load_config
 from grpo.logprobs import completion_logprobs
-from grpo.transport import BatchSender, encode_batch, free_local_port
+from grpo.ports import free_local_port
+from grpo.transport import BatchSender, encode_batch
 from grpo.weights import publish, read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler, trained_adapter

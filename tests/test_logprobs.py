@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_mask, loss_mask
-from grpo.logprobs import head_logprobs, pad_right
+from grpo.logprobs import HEAD_CHUNK_BYTES, head_chunk_tokens, head_logprobs, pad_right
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -17,6 +17,15 @@ def test_chunked_head_equals_full_log_softmax(temperature):
     full = torch.log_softmax(head(hidden) / temperature, dim=-1)
     torch.testing.assert_close(logps, full.gather(-1, targets[:, None]).squeeze(-1), rtol=0, atol=1e-6)
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), rtol=0, atol=1e-5)
+
+
+def test_a_head_chunk_stays_under_the_largest_mmap_threshold():
+    """glibc maps blocks over 32 MiB afresh each time (page faults); a chunk's logits fit under it."""
+    assert head_chunk_tokens(49_152) == 128  # SmolLM2: 24 MiB of float32 logits
+    for vocab in (32_000, 49_152, 65_536, 100_000):
+        rows = head_chunk_tokens(vocab)
+        assert rows % 32 == 0 and rows * vocab * 4 <= HEAD_CHUNK_BYTES < 32 * 2**20
+    assert head_chunk_tokens(151_936) == 32  # floor for huge vocabularies
 
 
 def test_chunked_head_gradients_equal_the_full_computation():

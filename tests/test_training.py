@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo.config import LoraConfig
 from grpo.models import add_lora
-from grpo.transport import free_local_port
+from grpo.ports import free_local_port
 from grpo.weights import read_latest, version_dir
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address

@@ -72,14 +72,16 @@ def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
         if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":
             return "DeepSpeed runner"
         return "trainer rank"
-    if "launch.py" in text:
+    if "launch.py" in text or "torch.cuda.device_count()" in text:  # the launcher asks a child for the GPU count
         return "launcher"
     return "other"
 
 
-def tree_memory(pid: int) -> tuple[int, int, dict[str, int]]:
+def tree_memory(pid: int, labels: dict | None = None) -> tuple[int, int, dict[str, int]]:
     """(summed RSS, summed PSS) in bytes of a process and all its descendants, and the RSS summed
-    by `process_label`."""
+    by `process_label`. `labels` remembers each process's label across calls: an exiting process
+    has no command line left but still its memory, which stays counted under its own label."""
+    labels = {} if labels is None else labels
     import psutil
 
     try:
@@ -93,7 +95,11 @@ def tree_memory(pid: int) -> tuple[int, int, dict[str, int]]:
         try:
             info = proc.memory_full_info()
             parent = proc.parent()
-            label = process_label(proc.cmdline(), parent.cmdline() if parent else [])
+            cmdline = proc.cmdline()
+            key = (proc.pid, proc.create_time())
+            if cmdline or key not in labels:
+                labels[key] = process_label(cmdline, parent.cmdline() if parent else [])
+            label = labels[key]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
@@ -103,14 +109,14 @@ def tree_memory(pid: int) -> tuple[int, int, dict[str, int]]:
 
 def run_measured(cmd: list[str], log_path: Path, env: dict) -> dict:
     """Run `cmd` to the end; its exit code, wall time, peak tree memory and each part's peak RSS."""
-    peak = {"rss": 0, "pss": 0, "rss_by_process": {}}
+    peak, labels = {"rss": 0, "pss": 0, "rss_by_process": {}}, {}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         done = threading.Event()
 
         def watch():
             while not done.is_set():
-                rss, pss, by_label = tree_memory(proc.pid)
+                rss, pss, by_label = tree_memory(proc.pid, labels)
                 peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss)
                 for label, value in by_label.items():
                     peak["rss_by_process"][label] = max(peak["rss_by_process"].get(label, 0), value)

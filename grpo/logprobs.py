@@ -26,6 +26,8 @@ MIN_HEAD_CHUNK_TOKENS = 32  # huge vocabularies: keep the head's matmul a matrix
 def head_chunk_tokens(vocab_size: int) -> int:
     """Rows of logits computed at once: 128 at SmolLM2's 49,152-token vocabulary."""
     return max(MIN_HEAD_CHUNK_TOKENS, HEAD_CHUNK_BYTES // (4 * vocab_size) // 32 * 32)
+
+
 DEFAULT_MAX_TOKENS_PER_FORWARD = 8192
 
 

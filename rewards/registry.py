@@ -147,7 +147,7 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out).
     """
-    import torch  # here, not at the top: the launcher imports the registry to check names without torch
+    import torch  # here, not at the top: checking reward names needs no torch
 
     scores = torch.zeros(len(completions), len(names), dtype=torch.float32)
     applies = torch.ones(len(completions), len(names), dtype=torch.bool)

@@ -65,7 +65,8 @@ def sampler_names(samplers: int) -> list[str]:
 
 
 def gpu_count() -> int:
-    """CUDA devices torch sees, asked in a child so that the launcher never holds torch (~220 MB RSS)."""
+    """CUDA devices torch sees, asked in a child: counting them initialises CUDA, which the launcher
+    itself never uses."""
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
                            capture_output=True, text=True)
     try:

@@ -20,13 +20,12 @@ import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
+
+import torch
 
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.think_format import think_answer_format, think_answer_format_partial
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +146,6 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out).
     """
-    import torch  # here, not at the top: checking reward names needs no torch
-
     scores = torch.zeros(len(completions), len(names), dtype=torch.float32)
     applies = torch.ones(len(completions), len(names), dtype=torch.bool)
     failures = {}

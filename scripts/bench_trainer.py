@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # default_batch: bench_importance_sampling.py's
 
-# glibc malloc: keep freed memory instead of returning it (trim) and mapping it afresh, and back
-# large blocks with transparent huge pages; the trainer otherwise spends ~10% of its time in the
-# kernel on page faults (measured: /proc/<pid>/stat stime over utime)
+# glibc malloc keeping freed memory instead of returning it (trim) and mapping it afresh, with
+# and without transparent huge pages: measured against the page faults of the trainer's step
+# (no gain once the LM-head chunks fit the heap, grpo/logprobs.py; docs/performance.md)
 MALLOC_KEEP = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
 
 VARIANTS = {  # name: (config overrides on top of the command line's, environment)

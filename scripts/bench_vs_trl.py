@@ -72,7 +72,7 @@ def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
         if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":
             return "DeepSpeed runner"
         return "trainer rank"
-    if "launch.py" in text or "torch.cuda.device_count()" in text:  # the launcher asks a child for the GPU count
+    if "launch.py" in text:
         return "launcher"
     return "other"
 

@@ -65,13 +65,11 @@ def sampler_names(samplers: int) -> list[str]:
 
 
 def gpu_count() -> int:
-    """CUDA devices torch sees, asked in a child: counting them initialises CUDA, which the launcher
-    itself never uses."""
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                           capture_output=True, text=True)
     try:
-        return int(probe.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
         return 0
 
 

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install install-vllm train test test-vllm bench-trl clean-venv
+.PHONY: install install-vllm train test test-vllm bench-trl bench-learn clean-venv
 
 # $(call install_env,VENV,REQUIREMENTS): a venv with torch first and deepspeed built against it
 # (no build isolation: deepspeed ships only as source), then the rest and the embedded model
@@ -63,6 +63,10 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 
 bench-trl: $(BENCH_STAMP)
 	$(PY) scripts/bench_vs_trl.py $(ARGS)
+
+# time to quality: ours and TRL for the same wall-clock budget, held-out accuracy at fixed marks
+bench-learn: $(BENCH_STAMP)
+	$(PY) scripts/bench_learn.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

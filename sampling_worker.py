@@ -46,6 +46,7 @@ from grpo.sources import SourceError
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher, into_model
 from rewards.sandbox import RewardSandbox
+from rewards.strict import checks_of
 
 log = logging.getLogger("sampler")
 
@@ -79,7 +80,8 @@ def main(argv: list[str]) -> int:
         g = global_step(sampler, start_step, cfg.sampling.num_workers)
         served = g - 1 - cfg.sampling.max_staleness if start_step else None
         evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
-                                      evaluated_through=evaluated_through_at_start(cfg.eval, served))
+                                      evaluated_through=evaluated_through_at_start(cfg.eval, served),
+                                      checks=checks_of(cfg.rewards))
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):

@@ -18,6 +18,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
+from data.procedural import TaskError, check_task, is_procedural, task_rows
 from grpo.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Columns:
 
 
 GSM8K_COLUMNS = Columns()
+PROCEDURAL_COLUMNS = Columns("question", "answer", "text")  # the rows data/procedural.py makes
 
 
 @dataclass(frozen=True)
@@ -236,27 +238,44 @@ def _read_embedded(split: str) -> list:
         raise DataError(str(e)) from None
 
 
-def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None) -> list:
+def _read_procedural(path: str, split: str, task_args: dict) -> list:
+    try:
+        return task_rows(path, split, task_args)
+    except TaskError as e:
+        raise DataError(str(e)) from None
+
+
+def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None, task_args: dict | None = None) -> list:
     if path == EMBEDDED_GSM8K:
         return _read_embedded(split)
+    if is_procedural(path):
+        return _read_procedural(path, split, task_args or {})
     folder = Path(path).expanduser()
     return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split, hub_config)
 
 
-def check_source(path: str, split: str) -> None:
+def check_source(path: str, split: str, task_args: dict | None = None) -> None:
     """Fail now, in one line, if the data cannot be had (the launcher calls this before starting)."""
     if path == EMBEDDED_GSM8K:
         _read_embedded(split)
+    elif is_procedural(path):
+        try:
+            check_task(path, task_args or {})
+        except TaskError as e:
+            raise DataError(str(e)) from None
     elif Path(path).expanduser().is_dir():
         _require_local_files(Path(path).expanduser(), split)
     else:
         check_hub_dataset(path)
 
 
-def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS) -> tuple[list[Problem], LoadStats]:
-    """All usable problems of a split, and what was skipped."""
+def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
+                  task_args: dict | None = None) -> tuple[list[Problem], LoadStats]:
+    """All usable problems of a split, and what was skipped. A reasoning-gym task's rows have
+    their own columns (`task_args` are its settings)."""
     stats = LoadStats()
-    raw = _read_rows(path, split, stats, columns.hub_config)
+    columns = PROCEDURAL_COLUMNS if is_procedural(path) else columns
+    raw = _read_rows(path, split, stats, columns.hub_config, task_args)
     check_columns(raw, columns, f"{path} split '{split}'")
     problems = parse_rows(raw, split, stats, columns)
     if stats.skipped:
@@ -268,5 +287,5 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS) -> tu
 
 
 def load_split(data_cfg, split: str) -> tuple[list[Problem], LoadStats]:
-    """A split of the configured dataset (data.path and its columns)."""
-    return load_problems(data_cfg.path, split, Columns.of(data_cfg))
+    """A split of the configured dataset (data.path and its columns, or a task's settings)."""
+    return load_problems(data_cfg.path, split, Columns.of(data_cfg), data_cfg.task_args)

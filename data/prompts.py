@@ -13,12 +13,19 @@ class Prompt:
     token_ids: list[int]  # the whole prompt, prefill included, no padding
 
 
+def solved_answer(shot: Problem) -> str:
+    """A shot's answer in the trained format: its worked solution in <think> when it has one
+    (GSM8K), else the answer alone (a reasoning-gym task's rows carry no solution)."""
+    if shot.reasoning:
+        return f"<think>\n{shot.reasoning}\n</think>\n<answer>\n{shot.answer}\n</answer>"
+    return f"<answer>{shot.answer}</answer>"
+
+
 def solved_turns(shots: list[Problem]) -> list[dict]:
     """Few-shot examples as earlier chat turns, answered in the trained format."""
     turns = []
     for shot in shots:
-        turns += [{"role": "user", "content": shot.question},
-                  {"role": "assistant", "content": f"<think>\n{shot.reasoning}\n</think>\n<answer>\n{shot.answer}\n</answer>"}]
+        turns += [{"role": "user", "content": shot.question}, {"role": "assistant", "content": solved_answer(shot)}]
     return turns
 
 

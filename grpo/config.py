@@ -63,7 +63,11 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     path: str = _f("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub dataset id "
-                               "(e.g. openai/gsm8k, config 'main') or a local folder with train.jsonl/test.jsonl or parquet.")
+                               "(e.g. openai/gsm8k, config 'main'), a local folder with train.jsonl/test.jsonl or parquet, "
+                               "or 'reasoning-gym:<task>' (a procedural task generated from a seed, offline; data.task_args).")
+    task_args: dict = _f({}, "data.path=reasoning-gym:<task> only: the task's settings (the fields of its reasoning-gym "
+                             "config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and "
+                             "test_seed of the held-out split (1000, seed + 1e9; questions the train split holds are removed).")
     split: str = _f("train", "Split used for training prompts.")
     prompt_column: str = _f("question", "Column with the prompt: plain text (the user turn) or a list of chat "
                                         "messages ({role, content}, ending with the user's turn).")
@@ -113,10 +117,15 @@ class SamplingConfig:
 class RewardsConfig:
     names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"],
                           "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
-                          "think_answer_format_partial) or your own as 'package.module:function' or "
+                          "think_answer_format_partial, answer_format, reasoning_gym) or your own as 'package.module:function' or "
                           "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
                           "not apply to this row); row = the dataset row plus reference_answer. README: your own rewards.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
+    accuracy_reward: str = _f("gsm8k_answer", "The reward that decides whether an answer is correct, for the reported "
+                                              "accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): "
+                                              "correct when it gives >= 1 (e.g. reasoning_gym for a reasoning-gym task).")
+    format_reward: str = _f("think_answer_format", "The reward that decides whether a completion has the exact format, for "
+                                                   "strict/format_rate and eval/format_rate: met when it gives >= 1.")
     fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
                                "sample (counted in metrics as rewards/<name>/failures).")
     overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before sampling.max_new_tokens a "
@@ -376,9 +385,20 @@ def _value_errors(cfg: Config) -> list[str]:
         errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
     if cfg.data.few_shot < 0:
         errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
-    if cfg.data.few_shot > 0 and cfg.data.answer_format != "gsm8k":
-        errors.append(f"data.few_shot={cfg.data.few_shot} shows solved GSM8K problems (their worked solutions): it "
-                      "needs data.answer_format=gsm8k; set data.few_shot=0 for your own data")
+    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
+
+    if cfg.data.few_shot > 0 and cfg.data.answer_format != "gsm8k" and not is_procedural(cfg.data.path):
+        errors.append(f"data.few_shot={cfg.data.few_shot} shows solved problems (GSM8K's worked solutions, or a "
+                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
+                      "set data.few_shot=0 for your own data")
+    if is_procedural(cfg.data.path):
+        try:
+            check_task(cfg.data.path, cfg.data.task_args)
+        except TaskError as e:
+            errors.append(str(e))
+    elif cfg.data.task_args:
+        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={cfg.data.path!r} is none "
+                      "(use data.path=reasoning-gym:<task>)")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
     if t.beta < 0:
@@ -428,11 +448,13 @@ def _reward_errors(cfg: Config) -> list[str]:
                       "give one weight per reward function")
     from rewards.registry import get_reward  # late import: rewards does not depend on config
 
-    for name in r.names:
+    named = [("rewards.names", name) for name in r.names]
+    for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
         try:
             get_reward(name)  # imports a user's module now, not at the first step
         except ValueError as e:
-            errors.append(str(e) if str(e).startswith("rewards.names") else f"rewards.names: {e}")
+            message = str(e).removeprefix("rewards.names: ")
+            errors.append(f"{key}: {message}")
     if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
         errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
                       f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")

@@ -2,8 +2,8 @@
 
 One function serves both `scripts/evaluate.py` (any weights, by hand) and the evaluation during
 training (`eval.every`): the sampler runs it between steps with the weights it serves, so the
-two agree on the same weights. The result's rates are the strict GSM8K ones
-(rewards/strict.py), with the binomial standard error of the accuracy.
+two agree on the same weights. The result's rates are those the configured rewards decide
+(rewards/strict.py: GSM8K's strict pair by default), with the binomial standard error of the accuracy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import time
 from pathlib import Path
 
-from rewards.strict import strict_rates
+from rewards.strict import GSM8K_CHECKS, passes, reward_rows
 
 
 def is_evaluation_row(row: dict) -> bool:
@@ -21,19 +21,21 @@ def is_evaluation_row(row: dict) -> bool:
     return "eval/answer_accuracy" in row
 
 
-def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None) -> list[dict]:
-    """Each prompt's greedy completion, scored: the rows of an evaluation."""
+def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None,
+                   checks: tuple[str, str] = GSM8K_CHECKS) -> list[dict]:
+    """Each prompt's greedy completion, scored with the (accuracy, format) rewards `checks`: the
+    rows of an evaluation."""
     samples = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
-        texts = tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
-        for prompt, text, ids, cut in zip(chunk, texts, rollouts.completion_ids, rollouts.truncated):
-            completion = prefill + text
-            rates = strict_rates([completion], [prompt.problem.answer])
+        completions = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
+        rows = reward_rows([p.problem for p in chunk])
+        correct, formatted = passes(checks[0], completions, rows), passes(checks[1], completions, rows)
+        for prompt, completion, ids, cut, ok, form in zip(chunk, completions, rollouts.completion_ids,
+                                                          rollouts.truncated, correct, formatted):
             samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
-                            "correct": rates["strict/answer_accuracy"] == 1.0,
-                            "format": rates["strict/format_rate"] == 1.0, "tokens": len(ids), "truncated": cut})
+                            "correct": ok, "format": form, "tokens": len(ids), "truncated": cut})
         if progress is not None:
             progress(len(chunk))
     return samples
@@ -54,10 +56,13 @@ class TrainingEvaluator:
     the first served version at or past each mark: with staleness the sampler may skip one) and
     at the end."""
 
-    def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, evaluated_through: int = -1):
+    def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, evaluated_through: int = -1,
+                 checks: tuple[str, str] = GSM8K_CHECKS):
         """`evaluated_through`: the marks up to this version are done (-1 on a fresh start; a
-        resumed sampler passes the least version its last step could have served)."""
+        resumed sampler passes the least version its last step could have served). `checks`:
+        the (accuracy, format) rewards (rewards.accuracy_reward, rewards.format_reward)."""
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
+        self.checks = checks
         self.next_mark = self._mark_after(evaluated_through)
         self.last_samples: list[dict] = []
 
@@ -71,7 +76,8 @@ class TrainingEvaluator:
     def run(self, engine, version: int) -> dict:
         """The `eval/` metrics of the weights `engine` serves (version `version`), keyed for metrics.jsonl."""
         t = time.perf_counter()
-        self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size)
+        self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size,
+                                           checks=self.checks)
         result = summary(self.last_samples)
         self.next_mark = self._mark_after(version)
         return {"step": version, **{f"eval/{key}": float(value) for key, value in result.items()},

@@ -25,8 +25,7 @@ from grpo.rollout import RolloutEngine, Rollouts
 from grpo.sampling import loss_counts, sampler_metrics
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
-from rewards.registry import REFERENCE
-from rewards.strict import strict_rates
+from rewards.strict import checks_of, reward_rows, strict_rates
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
     generate_s, t = time.perf_counter() - t, time.perf_counter()
     G = cfg.sampling.group_size
     texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-    rows = [{**p.problem.row, REFERENCE: p.problem.answer} for p in prompts for _ in range(G)]
+    rows = reward_rows([p.problem for p in prompts for _ in range(G)])
     scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox)
     if cfg.rewards.overlong_buffer > 0:
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
@@ -197,7 +196,8 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
-    metrics.update(strict_rates(kept.texts, [p.problem.answer for p in prompts for _ in range(cfg.sampling.group_size)]))
+    metrics.update(strict_rates(kept.texts, reward_rows([p.problem for p in prompts for _ in range(cfg.sampling.group_size)]),
+                                checks_of(cfg.rewards)))
     if gap is not None:
         metrics["sampler/engine_logp_gap_max"] = gap
         if cfg.sampling.old_logps == "generation":

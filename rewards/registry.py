@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 import torch
 
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
-from rewards.think_format import think_answer_format, think_answer_format_partial
+from rewards.procedural import reasoning_gym_score
+from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (comp
     "gsm8k_answer_lenient": gsm8k_answer_lenient,
     "think_answer_format": think_answer_format,
     "think_answer_format_partial": think_answer_format_partial,
+    "answer_format": answer_format,
+}
+ROW_FUNCTIONS: dict[str, Callable[[str, dict], float | None]] = {  # built-ins that read the whole row
+    "reasoning_gym": reasoning_gym_score,  # a reasoning-gym task's own scorer
 }
 
 
@@ -90,10 +95,12 @@ def get_reward(name: str):
     """The reward in the row form: fn(completion, row) (or its batch form, marked `batched`)."""
     if is_import_path(name):
         return import_reward(name)
+    if name in ROW_FUNCTIONS:
+        return ROW_FUNCTIONS[name]
     try:
         builtin = REWARD_FUNCTIONS[name]
     except KeyError:
-        raise ValueError(f"unknown reward '{name}'; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}, "
+        raise ValueError(f"unknown reward '{name}'; valid names: {', '.join(sorted({*REWARD_FUNCTIONS, *ROW_FUNCTIONS}))}, "
                          "or an import path 'package.module:function'") from None
     return lambda completion, row: builtin(completion, row[REFERENCE])
 

@@ -1,13 +1,57 @@
-"""The strict GSM8K rates every run reports, whatever rewards it trains on."""
+"""The reported rates every run logs, whatever rewards it trains on: answer accuracy and exact format.
+
+Which reward decides each is configured (`rewards.accuracy_reward`, `rewards.format_reward`;
+GSM8K's strict pair by default); a sample counts when that reward gives >= 1 (gsm8k_answer's
++1, think_answer_format's +1.25, a reasoning-gym task's full score). A reward that raises on a
+sample or does not apply to it (None) does not count it: a rate is never a crash.
+"""
 
 from __future__ import annotations
 
-from rewards.gsm8k_answer import CORRECT, gsm8k_answer
-from rewards.think_format import FORMAT_OK, think_answer_format
+import logging
+
+from rewards.registry import REFERENCE, get_reward, is_batched
+
+log = logging.getLogger(__name__)
+
+PASS = 1.0  # a reward at or above this counts the sample as correct / well-formed
+GSM8K_CHECKS = ("gsm8k_answer", "think_answer_format")  # (accuracy reward, format reward): the defaults
 
 
-def strict_rates(texts: list[str], answers: list[str]) -> dict[str, float]:
-    """The strict answer accuracy and exact-format rate of completions against their reference answers."""
+def passes(name: str, texts: list[str], rows: list[dict]) -> list[bool]:
+    """For each completion, whether reward `name` gives it >= PASS (rows: dataset rows with reference_answer)."""
+    fn = get_reward(name)
+    try:
+        values = fn(list(texts), list(rows)) if is_batched(fn) else None
+    except Exception as e:
+        log.warning("reported rate: %s failed on the batch (%s: %s); counted as not passing", name, type(e).__name__, e)
+        return [False] * len(texts)
+    if values is not None:
+        return [v is not None and float(v) >= PASS for v in values]
+    return [_passes_one(fn, name, text, row) for text, row in zip(texts, rows, strict=True)]
+
+
+def _passes_one(fn, name: str, text: str, row: dict) -> bool:
+    try:
+        value = fn(text, row)
+    except Exception as e:
+        log.warning("reported rate: %s failed on a sample (%s: %s); counted as not passing", name, type(e).__name__, e)
+        return False
+    return value is not None and float(value) >= PASS
+
+
+def reward_rows(problems: list) -> list[dict]:
+    """The rows rewards get for these problems: the dataset row plus the parsed reference answer."""
+    return [{**p.row, REFERENCE: p.answer} for p in problems]
+
+
+def checks_of(rewards_cfg) -> tuple[str, str]:
+    """(rewards.accuracy_reward, rewards.format_reward)."""
+    return rewards_cfg.accuracy_reward, rewards_cfg.format_reward
+
+
+def strict_rates(texts: list[str], rows: list[dict], checks: tuple[str, str] = GSM8K_CHECKS) -> dict[str, float]:
+    """The answer accuracy and exact-format rate of completions (rows as `reward_rows` makes them)."""
     n = max(len(texts), 1)
-    return {"strict/answer_accuracy": sum(gsm8k_answer(t, a) == CORRECT for t, a in zip(texts, answers)) / n,
-            "strict/format_rate": sum(think_answer_format(t, a) == FORMAT_OK for t, a in zip(texts, answers)) / n}
+    return {"strict/answer_accuracy": sum(passes(checks[0], texts, rows)) / n,
+            "strict/format_rate": sum(passes(checks[1], texts, rows)) / n}

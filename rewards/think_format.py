@@ -47,3 +47,16 @@ def think_answer_format_partial(completion: str, answer: str) -> float:
         credit += 0.25
         cursor = position + len(tag)
     return credit if credit > 0 else FORMAT_BAD
+
+
+ANSWER_ONLY_RE = re.compile(r"\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+ANSWER_OK = 1.0
+
+
+def answer_format(completion: str, answer: str) -> float:
+    """+1 for exactly one `<answer>…</answer>` block with something in it and nothing outside
+    (whitespace tolerated), else -1: the format of a recipe that asks for the answer alone."""
+    match = ANSWER_ONLY_RE.fullmatch(completion)
+    if match is None or not match.group(1).strip() or any(tag in match.group(1) for tag in TAGS):
+        return FORMAT_BAD
+    return ANSWER_OK

@@ -76,7 +76,7 @@ def run_measured(python: str, args: list[str]) -> tuple[dict, int]:
 def child(out_path: str, engine_name: str, few_shot: int, repeats: int, overrides: list[str]) -> None:
     import torch
 
-    from data.problems import load_problems
+    from data.problems import load_split
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.models import add_lora, load_model, load_tokenizer
@@ -88,7 +88,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(cfg.seed)
     model = add_lora(load_model(cfg.model), cfg.lora).eval()
-    prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0][:64])
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, cfg.data.split)[0][:64])
     t = time.perf_counter()
     engine = make_engine(cfg, model, tokenizer)
     start_s = time.perf_counter() - t

@@ -30,14 +30,14 @@ MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_
 def default_batch(cfg, model):
     """One sampler step of `model` (HF engine) on the first prompts_per_step train problems after
     the few-shot ones: the real batch the trainer benchmarks here work on."""
-    from data.problems import load_problems
+    from data.problems import load_split
     from data.prompts import build_prompts
     from grpo.models import load_tokenizer
     from grpo.rollout.hf_engine import HFEngine
     from grpo.sampler_step import SamplerPolicy, make_batch
 
     tokenizer = load_tokenizer(cfg.model)
-    problems = load_problems(cfg.data.path, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
+    problems = load_split(cfg.data, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)  # the shots themselves are not asked
     policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     with torch.no_grad():

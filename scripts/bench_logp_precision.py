@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.problems import load_problems  # noqa: E402
+from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.logprobs import completion_logprobs  # noqa: E402
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(["--config", str(ROOT / "config.yaml"), *argv])
     s = cfg.sampling
     tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    problems, _ = load_split(cfg.data, cfg.data.split)
     prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + s.prompts_per_step])  # shots: not asked
     ids = [p.token_ids for p in prompts]
     print(f"{len(ids)} prompts x G {s.group_size}, up to {s.max_new_tokens} tokens, temperature {s.temperature}, "

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.problems import load_problems  # noqa: E402
+from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.completions import cut_at_eos  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
@@ -46,7 +46,7 @@ def setup(cfg) -> tuple:
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.01)
     tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    problems, _ = load_split(cfg.data, cfg.data.split)
     # the few-shot examples are never asked: take enough rows to keep prompts_per_step
     prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + cfg.sampling.prompts_per_step])
     return model, tokenizer, [p.token_ids for p in prompts]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -51,6 +52,7 @@ WORKLOADS = {
     "long": ["data.few_shot=4", "sampling.prompts_per_step=2", "sampling.group_size=8",
              "sampling.max_new_tokens=64", "data.max_prompt_tokens=2048"],
 }
+TRL_MICRO_BATCH_GROUPS = 2  # groups per TRL micro-batch (ours: training.max_tokens_per_micro_batch)
 SAMPLER_TIMINGS = ["timing/weights_wait_s", "timing/generate_s", "timing/rewards_s", "timing/logprobs_s",
                    "timing/previous_send_s"]
 TRAINER_TIMINGS = ["timing/wait_s", "timing/forward_backward_s", "timing/optimizer_s", "timing/publish_s"]
@@ -232,56 +234,90 @@ def run_trl(workload: str, args, overrides: list[str], folder: Path) -> dict:
 
 
 def trl_prompt_rows(cfg, steps: int) -> list[dict]:
-    """The prompts our sampler would take in `steps` steps, as TRL's dataset rows (plain text that
-    TRL tokenizes to exactly our token ids, and the reference answer)."""
+    """The prompts our sampler would take in `steps` steps, as TRL's dataset rows: plain text that
+    TRL tokenizes to exactly our token ids, and the row our rewards get, as JSON (TRL passes the
+    columns to reward functions; one string column holds any dataset's row)."""
     from data.cursor import PromptCursor
-    from data.problems import load_problems
+    from data.problems import load_split
     from data.prompts import build_prompts, few_shot_examples, prompt_text
     from grpo.models import load_tokenizer
+    from rewards.strict import reward_rows
 
     tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_problems(cfg.data.path, cfg.data.split)
+    problems, _ = load_split(cfg.data, cfg.data.split)
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)
     shots = few_shot_examples(cfg.data, cfg.data.few_shot)
     cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
     chosen = [prompts[i] for _ in range(steps) for i in cursor.take(cfg.sampling.prompts_per_step)]
     rows = []
-    for p in chosen:
-        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots)
+    for p, row in zip(chosen, reward_rows([p.problem for p in chosen])):
+        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots,
+                           p.problem.messages)
         if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt
             raise SystemExit(f"TRL would see other prompt tokens than ours for {p.problem.id}")
-        rows.append({"prompt": text, "answer": p.problem.answer})
+        rows.append({"prompt": text, "row": json.dumps(row)})
     return rows
 
 
 def trl_reward(name: str, prefill: str):
-    """One of our reward functions in TRL's form; ours score the prefill + completion."""
+    """One of our reward functions in TRL's form; ours score the prefill + completion with the row."""
     from rewards import get_reward
-    from rewards.registry import REFERENCE
 
     function = get_reward(name)  # the row form: fn(completion, row)
 
-    def reward(completions, answer, **_):
-        return [function(prefill + c, {REFERENCE: a}) for c, a in zip(completions, answer)]
+    def reward(completions, row, **_):
+        return [function(prefill + c, json.loads(r)) for c, r in zip(completions, row)]
 
     reward.__name__ = name
     return reward
 
 
+def trl_trainer(cfg, rows: list[dict], output_dir: Path, max_steps: int, callbacks: list):
+    """TRL's GRPOTrainer with our settings (model, LoRA, G, lengths, learning rate, beta, loss,
+    rewards), on `rows` in their order."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.models import load_model, load_tokenizer
+
+    s, t = cfg.sampling, cfg.training
+    if t.aggregation not in ("grpo", "dapo", "dr_grpo") or t.use_gspo or t.num_iterations != 1:
+        raise SystemExit("the TRL side is set up for GRPO with num_iterations 1 and the grpo/dapo/dr_grpo losses")
+    # one optimizer step per step of ours (prompts_per_step groups, generated at once), in micro-batches
+    # of TRL_MICRO_BATCH_GROUPS groups as our trainer packs them: the whole step in one micro-batch
+    # took TRL past 24 GiB at 8 groups of ~170 tokens
+    micro_groups = math.gcd(s.prompts_per_step, TRL_MICRO_BATCH_GROUPS)
+    trl_args = GRPOConfig(
+        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
+        per_device_train_batch_size=micro_groups * s.group_size,
+        gradient_accumulation_steps=s.prompts_per_step // micro_groups,
+        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
+        top_p=s.top_p, learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=t.beta, loss_type=t.aggregation,
+        epsilon=t.clip_low, epsilon_high=t.clip_high, scale_rewards=t.advantage_scale,
+        mask_truncated_completions=t.mask_truncated_completions, reward_weights=list(cfg.rewards.weights),
+        max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        shuffle_dataset=False, dataloader_num_workers=0,
+        # TRL turns it on by default; ours recomputes nothing unless model.gradient_checkpointing
+        gradient_checkpointing=cfg.model.gradient_checkpointing)
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+    return GRPOTrainer(model=load_model(cfg.model, "cpu"),
+                       reward_funcs=[trl_reward(n, cfg.data.prefill) for n in cfg.rewards.names],
+                       args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(cfg.model),
+                       peft_config=lora, callbacks=callbacks)
+
+
 def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: list[str]) -> None:
     """Runs in the TRL subprocess: GRPOTrainer with our settings, prompts and rewards."""
     import torch
-    from datasets import Dataset
-    from peft import LoraConfig
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from grpo.config import parse_cli
-    from grpo.models import load_model, load_tokenizer
 
     cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides])
-    s, t = cfg.sampling, cfg.training
-    rows = trl_prompt_rows(cfg, steps)
+    s = cfg.sampling
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -293,24 +329,8 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
                                    "completion_tokens": round(logs["completions/mean_length"] * s.prompts_per_step
                                                               * s.group_size)})
 
-    if t.aggregation not in ("grpo", "dapo", "dr_grpo") or t.use_gspo or t.num_iterations != 1:
-        raise SystemExit("the TRL side is set up for GRPO with num_iterations 1 and the grpo/dapo/dr_grpo losses")
-    trl_args = GRPOConfig(
-        output_dir=str(out.parent / f"trl-{workload}"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
-        per_device_train_batch_size=s.prompts_per_step * s.group_size, gradient_accumulation_steps=1,
-        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=t.beta, loss_type=t.aggregation,
-        epsilon=0.2, scale_rewards=t.advantage_scale, mask_truncated_completions=t.mask_truncated_completions,
-        reward_weights=list(cfg.rewards.weights), max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, shuffle_dataset=False, dataloader_num_workers=0)
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
     callback = StepTimes()
-    trainer = GRPOTrainer(model=load_model(cfg.model, "cpu"),
-                          reward_funcs=[trl_reward(n, cfg.data.prefill) for n in cfg.rewards.names],
-                          args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(cfg.model),
-                          peft_config=lora, callbacks=[callback])
+    trainer = trl_trainer(cfg, trl_prompt_rows(cfg, steps), out.parent / f"trl-{workload}", steps, [callback])
     print(f"TRL {__import__('trl').__version__}, torch threads {torch.get_num_threads()}", flush=True)
     trainer.train()
     out.write_text(json.dumps(callback.steps))

@@ -1,11 +1,13 @@
-"""GSM8K test accuracy (greedy, pass@1) and exact-format rate, for the base model or trained weights.
+"""Held-out accuracy (greedy, pass@1) and exact-format rate, for the base model or trained weights.
 
     .venv/bin/python scripts/evaluate.py [--config config.yaml] [--weights PATH] [--limit N]
                                          [--batch-size 16] [--out summary.json] [key=value ...]
 
 --weights takes a published version folder (runs/<name>/weights/v000200, adapter or full model,
 checksums verified) or any PEFT adapter folder; without it the base model is evaluated. The
-prompt (system prompt, chat template, prefill) and the strict rewards are the training ones.
+prompt (system prompt, chat template, prefill) is the training one; an answer is correct when
+rewards.accuracy_reward gives it >= 1 and well-formed when rewards.format_reward does (GSM8K's
+strict pair by default; `--config configs/needle_haystack.yaml` evaluates that task with its own scorer).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # 
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.evaluation import greedy_samples, summary  # noqa: E402
 from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
+from rewards.strict import checks_of  # noqa: E402
 
 
 def load_evaluated_model(cfg, weights: Path | None, device):
@@ -58,7 +61,8 @@ def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, spli
     engine = HFEngine(model, tokenizer, cfg.sampling)
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:
-        samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update)
+        samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update,
+                                 checks=checks_of(cfg.rewards))
     result = {"model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
               "dropped_overlong": dropped, **summary(samples), "max_new_tokens": cfg.sampling.max_new_tokens,
               "seconds": round(time.perf_counter() - start, 1)}

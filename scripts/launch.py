@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
         # before anything starts: a model or data the machine cannot have is one line, not two
         # half-started processes (a Hub id offline answers within seconds)
         check_model_source(cfg.model.name_or_path)
-        check_source(cfg.data.path, cfg.data.split)
+        check_source(cfg.data.path, cfg.data.split, cfg.data.task_args)
         run_dir = ensure_writable(cfg.run_dir)
     except (SourceError, RunFolderError) as e:
         print(f"error: {e}", file=sys.stderr)

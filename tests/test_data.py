@@ -212,5 +212,5 @@ def test_any_dataset_with_renamed_columns_text_answers_and_chat_prompts(tmp_path
 
 
 def test_few_shot_needs_gsm8k_answers():
-    with pytest.raises(ConfigError, match="data.few_shot=2 shows solved GSM8K problems .* set data.few_shot=0"):
+    with pytest.raises(ConfigError, match="data.few_shot=2 shows solved problems .* set data.few_shot=0"):
         load_config(None, ["data.answer_format=text"])

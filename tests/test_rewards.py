@@ -35,7 +35,7 @@ GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
     ("<answer>72.</answer>", "72", 1.0),  # sentence period
     ("<answer>7</answer> then <answer>8</answer>", "8", 1.0),  # the last block counts
     ("<answer>7</answer> then <answer>8</answer>", "7", -1.0),
-    ("<answer>72 or 73</answer>", "72", -1.0),  # listing candidates does not win
+    ("<answer>72 or 73</answer>", "72", -1.0),  # listing candidates does not win: math-verify reads one (73)
     ("<answer>seventy-two</answer>", "72", -1.0),
     ("<answer></answer>", "72", -1.0),
     ("The answer is 72.", "72", -1.0),  # no block
@@ -48,6 +48,23 @@ GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
     ("\x00\uffff<answer>\u0667\u0662</answer>", "72", -1.0),  # odd characters
 ])
 def test_gsm8k_answer_worked_examples(completion, answer, expected):
+    assert gsm8k_answer(completion, answer) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    # what math-verify reads that the hand-written parser did not (scripts/compare_answer_checks.py)
+    ("<answer>9 * 2 = $18</answer>", "18", 1.0),  # an equation: the value after '='
+    ("<answer>She makes 9 * 2 = $18 every day.</answer>", "18", 1.0),  # GSM8K's own last sentence
+    ("<answer>\\frac{1}{2}</answer>", "0.5", 1.0),  # LaTeX
+    ("<answer>1/2</answer>", "0.5", 1.0),  # a fraction
+    ("<answer>\\boxed{72}</answer>", "72", 1.0),
+    ("<answer>$\\$1,234$</answer>", "1234", 1.0),
+    ("<answer>72 dollars</answer>", "72", 1.0),  # units
+    ("<answer>9 * 2 = $18</answer>", "2", -1.0),  # an operand is not the answer
+    ("<answer>72 or 73</answer>", "73", 1.0),  # the one value math-verify reads; 72 is wrong (above)
+    ("<answer>\\frac{1}{3}</answer>", "0.33", -1.0),  # no rounding to the reference's digits
+])
+def test_math_verify_reads_equations_fractions_and_latex(completion, answer, expected):
     assert gsm8k_answer(completion, answer) == expected
 
 
@@ -105,13 +122,28 @@ def test_lenient_answer_falls_back_to_the_last_number(completion, expected):
     assert gsm8k_answer_lenient(completion, "7") == expected
 
 
+@pytest.mark.parametrize("completion, expected", [
+    ("<answer>7</answer>", 1.0),
+    ("\n <answer> 7 apples </answer>\n", 1.0),  # whitespace outside, any text inside
+    ("<answer> </answer>", -1.0),  # empty
+    ("<answer>7</answer> because 3 + 4", -1.0),  # text after
+    ("Sure: <answer>7</answer>", -1.0),
+    ("<answer>7</answer><answer>8</answer>", -1.0),  # two blocks
+    ("<answer>7", -1.0),  # unclosed
+    ("<think>a</think><answer>7</answer>", -1.0),  # reasoning was not asked for
+])
+def test_answer_format_is_one_answer_block_and_nothing_else(completion, expected):
+    assert get_reward("answer_format")(completion, {"reference_answer": "7"}) == expected
+
+
 def rows(*answers):
     """Dataset rows as rewards get them: the reference answer the loader parsed, under its key."""
     return [{"reference_answer": a} for a in answers]
 
 
 def test_registry_lists_valid_names_on_unknown():
-    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: gsm8k_answer, gsm8k_answer_lenient"):
+    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: answer_format, gsm8k_answer, "
+                                         "gsm8k_answer_lenient, reasoning_gym, think_answer_format"):
         get_reward("answer")
     assert set(REWARD_FUNCTIONS) >= {"gsm8k_answer", "think_answer_format"}
 

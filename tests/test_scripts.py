@@ -157,3 +157,35 @@ def test_every_project_name_the_scripts_import_exists():
                 missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                             if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert missing == []
+
+
+def test_bench_learn_marks_the_weights_of_the_last_update_by_each_minute():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_learn import mark_minutes, minutes_to_reach, weights_at_marks
+
+    assert mark_minutes(10, 3) == [0.0, 3.0, 6.0, 9.0, 10.0]
+    assert mark_minutes(9, 3) == [0.0, 3.0, 6.0, 9.0]
+    # versions complete at 1.5, 2.9, 3.0 and 7.2 minutes
+    updates = [(2.9, "v2"), (1.5, "v1"), (7.2, "v4"), (3.0, "v3")]
+    assert weights_at_marks(updates, [0.0, 1.0, 3.0, 6.0, 9.0]) == {0.0: None, 1.0: None, 3.0: "v3", 6.0: "v3",
+                                                                      9.0: "v4"}
+    curve = [{"minute": m, "answer_accuracy": a} for m, a in [(0, 0.2), (3, 0.3), (6, 0.45), (9, 0.4)]]
+    assert minutes_to_reach(curve, 0.3) == 3 and minutes_to_reach(curve, 0.45) == 6
+    assert minutes_to_reach(curve, 0.5) is None
+
+
+def test_compare_answer_checks_counts_the_verdicts_math_verify_changes():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from compare_answer_checks import compare, previous_rule
+
+    samples = [{"completion": "<answer>$1,234</answer>", "answer": "1234"},  # right under both
+               {"completion": "<answer>9 * 2 = 18</answer>", "answer": "18"},  # an equation: only math-verify
+               {"completion": "<answer>\\frac{1}{2}</answer>", "answer": "0.5"},  # LaTeX: only math-verify
+               {"completion": "<answer>7</answer>", "answer": "8"}]  # wrong under both
+    assert [previous_rule(s["completion"], s["answer"]) for s in samples] == [True, False, False, False]
+    result = compare(samples)
+    assert {k: result[k] for k in ("right both", "wrong both", "right only with math-verify",
+                                   "right only with the previous rule", "changed")} == {
+        "right both": 1, "wrong both": 1, "right only with math-verify": 2, "right only with the previous rule": 0,
+        "changed": 2}
+    assert sorted(c["class"] for c in result["changes"]) == ["+ LaTeX", "+ an equation (the value after '=')"]

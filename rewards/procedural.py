@@ -1,0 +1,32 @@
+"""The `reasoning_gym` reward: a reasoning-gym task's own scorer on the last <answer> block.
+
+Rows of `data.path=reasoning-gym:<task>` (data/procedural.py) carry the task's metadata, whose
+`source_dataset` names the task; its `score_answer` gives 1.0 for a right answer, 0.0 for a
+wrong or missing one, and for some tasks partial credit between. A row of another dataset has no
+task: the reward does not apply to it (None).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from rewards.gsm8k_answer import last_answer_block
+
+
+@functools.lru_cache(maxsize=None)
+def task_scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def reasoning_gym_score(completion: str, row: dict) -> float | None:
+    """The task's score of the last <answer> block (stripped); 0.0 without one; None off a task's rows."""
+    metadata = row.get("metadata")
+    task = metadata.get("source_dataset") if isinstance(metadata, dict) else None
+    if not task:
+        return None
+    block = last_answer_block(completion)
+    entry = {"question": row.get("question", ""), "answer": row.get("answer", row.get("reference_answer")),
+             "metadata": metadata}
+    return float(task_scorer(task)(block.strip() if block is not None else None, entry))

@@ -39,6 +39,7 @@ from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
+from grpo.logprobs import check_supported
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
 from grpo.sampling import SamplerState, required_version, wait_for_version
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
     spool = Spool.of_sampler(run_dir, sampler)
     state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
-    watcher = WeightWatcher(cfg.weights_dir, weight_loaders(cfg, policy))
+    watcher = WeightWatcher(cfg.weights_dir, weight_stagers(cfg, policy))
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
@@ -125,6 +126,7 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model)
     base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
+    check_supported(base, cfg)
     problems, _ = load_split(cfg.data, cfg.data.split)
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
@@ -183,12 +185,13 @@ def round_prompts(cfg, cursor: PromptCursor, prompts: list, g: int):
     return prompts_of_round
 
 
-def weight_loaders(cfg, policy: SamplerPolicy) -> list:
+def weight_stagers(cfg, policy: SamplerPolicy) -> list:
     """The HF engine generates with the scoring model itself; an engine with its own copy of the
-    weights (vLLM) gets each version after the scoring model (recomputed and reference log-probs)."""
+    weights (vLLM) takes each version together with the scoring model (recomputed and reference
+    log-probs), or neither does (grpo.weights.WeightWatcher)."""
     if cfg.sampling.engine == "hf":
-        return [policy.engine.load_weights]
-    return [into_model(policy.model), policy.engine.load_weights]
+        return [policy.engine.stage_weights]
+    return [into_model(policy.model), policy.engine.stage_weights]
 
 
 def wait_for_weights(cfg, watcher: WeightWatcher, redelivery: Redelivery, step: int) -> dict[str, float]:

@@ -32,18 +32,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_weights_digest,
-                            uncorrected_precision_gap)
+from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
+                            check_weights_digest, uncorrected_precision_gap)
 from grpo.config import parse_cli, save_config
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.flops import ModelShape, batch_step_flops
-from grpo.logprobs import verify_shared_prefix
+from grpo.logprobs import check_supported, verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
 from grpo.sources import SourceError
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
-                           set_learning_rate, train_step)
+                           train_step)
 from grpo.transport import BatchReceiver, decode_batch
 from grpo.weights import published_digests, published_versions, version_dir
 
@@ -51,7 +51,7 @@ log = logging.getLogger("trainer")
 STOP = {"requested": False}
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
-EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings than the trainer's (grpo/behaviour.py)
+EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings or staler weights than allowed (grpo/behaviour.py)
 
 
 def main(argv: list[str]) -> int:
@@ -62,6 +62,7 @@ def main(argv: list[str]) -> int:
             save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
+        check_supported(model, cfg)
         expected = behaviour_of(cfg, load_tokenizer(cfg.model))  # what every batch must have been made with
         if rank == 0 and uncorrected_precision_gap(cfg):
             log.warning("%s", uncorrected_precision_gap(cfg))
@@ -104,6 +105,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
             return ""
         batch = decode_batch(frames)
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
+        check_staleness(state.step, batch.policy_version, cfg.sampling.max_staleness, batch.sampler, batch.step)
         check_weights_on_rank_zero(batch, cfg.weights_dir, known_digests, rank, device)
         if rank == 0 and isinstance(batch.meta.get("eval"), dict):  # the sampler evaluated a version: its own row
             io.metrics.write_evaluation({"wall_time": time.time(), **batch.meta["eval"]})
@@ -114,11 +116,11 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
             verified = True
 
         t1 = time.perf_counter()
-        learning_rate = set_learning_rate(engine, cfg, state.updates)
-        step_metrics = train_step(engine, batch, cfg, rank, world, device)
+        step_metrics = train_step(engine, batch, cfg, rank, world, device, updates=state.updates)
+        learning_rate = step_metrics.pop("learning_rate")
         timings["timing/train_s"] = time.perf_counter() - t1
         state.step += 1
-        state.updates += 0 if step_metrics["skipped"] else 1  # a skipped step does not advance the schedule
+        state.updates += int(step_metrics["optimizer_updates"])  # a skipped pass does not advance the schedule
         state.delivered(batch.sampler, batch.step)
         bad_in_row = bad_in_row + 1 if step_metrics["skipped"] else 0  # the ranks agree: decided by an all-reduce
         skipped_total += int(step_metrics["skipped"])

@@ -16,10 +16,11 @@ import json
 from grpo.config import get_key
 from grpo.weights import INITIAL_DIGEST
 
-# config keys that change the behaviour log-probs or which tokens the loss sees
+# config keys that change the behaviour log-probs, which tokens the loss sees, or how stale a batch may be
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
                   "training.mask_truncated_completions", "model.name_or_path", "model.dtype", "sampling.dtype",
-                  "sampling.num_workers")
+                  "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
+                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules")  # the sampler's copy scales by its own alpha
 
 
 class BehaviourMismatch(ValueError):
@@ -46,6 +47,17 @@ def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> 
         raise BehaviourMismatch(f"sampler {sampler} step {step} was made with other settings than this trainer's; "
                                 f"nothing was trained with it. Start both with the same config: "
                                 + "; ".join(differences))
+
+
+def check_staleness(trainer_version: int, batch_version: int, max_staleness: int, sampler: int, step: int) -> None:
+    """Raise when a batch's weights are more than `max_staleness` versions older than the trainer's
+    policy about to train on it (the sampler waits for them, so only a sampler with another bound
+    or a bug gets here)."""
+    if trainer_version - batch_version > max_staleness:
+        raise BehaviourMismatch(
+            f"sampler {sampler} step {step} was sampled with weights v{batch_version}, {trainer_version - batch_version} "
+            f"versions behind this trainer's v{trainer_version}; sampling.max_staleness={max_staleness} allows "
+            f"{max_staleness}. Nothing was trained with it.")
 
 
 def check_weights_digest(version: int, digest: str, published: dict[int, set[str]], sampler: int, step: int) -> None:

@@ -9,16 +9,17 @@ machinery (types, overrides, the README table) is grpo/config_tree.py.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import yaml
 
-from grpo.config_tree import ConfigError, all_keys as _all_keys, apply_mapping, markdown_table, parse_override, set_key
+from grpo.config_rules import option_lists, validate  # noqa: F401 (option_lists: the valid values, for importers)
+from grpo.config_tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
+from grpo.config_tree import parse_override, set_key
 from grpo.config_tree import setting as _f
 
 
@@ -94,7 +95,9 @@ class SamplingConfig:
     temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
-    max_staleness: int = _f(1, "How many weight versions the sampler may run ahead (0 = on-policy).")
+    max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
+                               "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
+                               "the trainer refuses (exit 7) a batch beyond it.")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
                                        "advantage) and generate more prompts until prompts_per_step groups differ "
                                        "(grpo/dynamic_sampling.py).")
@@ -138,13 +141,15 @@ class RewardsConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = _f(200, "Optimizer steps (one sampler batch each).")
+    steps: int = _f(200, "Training steps: sampler batches to train on, each with training.num_iterations "
+                         "optimizer updates; weight versions count these steps.")
     use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's token-level.")
     learning_rate: float = _f(2e-4, "AdamW peak learning rate.")
     lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay to "
-                                      "training.min_lr_ratio * learning_rate at training.steps. Counted in updates "
-                                      "that were applied: a skipped (non-finite) step does not advance it.")
-    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied updates.")
+                                      "training.min_lr_ratio * learning_rate after training.steps x num_iterations "
+                                      "optimizer updates. Counted in updates that were applied: a skipped "
+                                      "(non-finite) pass does not advance it.")
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied optimizer updates.")
     min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
@@ -161,7 +166,8 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int = _f(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
                                          "group gets one to itself). Activations scale with it: 2048 is one default "
                                          "group per micro-batch, 0.53x the trainer's peak RSS of 8192 at the same speed.")
-    mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss.")
+    mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
+                                                 "still divides by every completion of the batch, as TRL does).")
     importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
                                           "the sampler's log-probs), or clip against the trainer's own pre-update "
                                           "log-probs and weigh each token by pi_trainer / pi_sampler, per token or "
@@ -268,209 +274,9 @@ class Config:
         return Path(self.weights.dir) if self.weights.dir else self.run_dir / "weights"
 
 
-# ----------------------------------------------------------------------------- validation
-
-# Choices that no module of ours implements (they pick a process, DeepSpeed's backend, a log level):
-# the config owns these lists. Every other choice list belongs to the module that implements it.
-REFERENCE_SOURCES = ("sampler", "trainer")  # training.reference_on: which process computes them
-BACKENDS = ("auto", "nccl", "gloo")  # deepspeed.backend; auto: nccl on GPUs, gloo on the CPU
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def option_lists() -> dict[str, tuple]:
-    """The valid values of each choice key, from the module that implements the choice (imported
-    late: they need torch). Both workers validate, so none of these is a worker's own module."""
-    from grpo.advantages import SCALES
-    from grpo.losses import AGGREGATIONS, IS_MODES, KL_ESTIMATORS
-    from data.problems import ANSWER_FORMATS
-    from grpo.models import DTYPES
-    from grpo.rollout import ENGINES
-    from grpo.sampling import OLD_LOGPS_SOURCES
-    from grpo.schedule import SCHEDULES
-
-    return {
-        "model.dtype": tuple(DTYPES),
-        "data.answer_format": ANSWER_FORMATS,
-        "sampling.dtype": ("auto", *DTYPES),
-        "sampling.engine": ENGINES,
-        "sampling.old_logps": OLD_LOGPS_SOURCES,
-        "training.reference_on": REFERENCE_SOURCES,
-        "training.kl_estimator": KL_ESTIMATORS,
-        "training.importance_sampling": IS_MODES,
-        "training.aggregation": AGGREGATIONS,
-        "training.lr_schedule": SCHEDULES,
-        "training.advantage_scale": SCALES,
-        "deepspeed.backend": BACKENDS,
-        "logging.level": LOG_LEVELS,
-    }
-GRPO_CLIP = (0.2, 0.2)  # GRPO / PPO paper default epsilon
-GSPO_CLIP = (3e-4, 4e-4)  # GSPO paper: sequence ratios live much closer to 1
-
-
 def all_keys() -> list[str]:
     """Every dotted leaf key of the config tree, in declaration order."""
     return _all_keys(Config)
-
-
-def get_key(cfg: Config, key: str) -> Any:
-    """The value of a dotted key, e.g. get_key(cfg, "sampling.temperature")."""
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def is_loopback_address(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// addresses on 127.0.0.0/8, ::1 or localhost."""
-    if address.startswith(("ipc://", "inproc://")):
-        return True
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def validate(cfg: Config) -> Config:
-    """All cross-field rules in one place, every error reported at once; fills the defaults that
-    depend on other settings (the clip range follows training.use_gspo)."""
-    t = cfg.training
-    default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
-    t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
-    t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
-    errors = _choice_and_count_errors(cfg) + _value_errors(cfg) + _reward_errors(cfg) + _transport_errors(cfg)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    return cfg
-
-
-def _choice_and_count_errors(cfg: Config) -> list[str]:
-    errors = []
-    for key, options in option_lists().items():
-        if get_key(cfg, key) not in options:
-            errors.append(f"{key} must be one of {', '.join(options)}; got {get_key(cfg, key)!r}")
-    s = cfg.sampling
-    if s.group_size < 2:
-        errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
-    for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
-                "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
-                "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
-                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark", "sampling.dynamic_sampling_max_rounds",
-                "eval.num_problems", "eval.batch_size"):
-        if get_key(cfg, key) < 1:
-            errors.append(f"{key} must be >= 1; got {get_key(cfg, key)}")
-    return errors
-
-
-def _value_errors(cfg: Config) -> list[str]:
-    errors, s, t = [], cfg.sampling, cfg.training
-    if not s.temperature > 0:
-        errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
-    if not 0 < s.top_p <= 1:
-        errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
-    if s.top_k < 0:
-        errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
-    if not 0 <= s.worker_index < s.num_workers or cfg.launch.samplers < 1:
-        errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1 and launch.samplers >= 1; got "
-                      f"{s.worker_index}, {s.num_workers} and {cfg.launch.samplers}")
-    if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
-        errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
-                      f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
-    if t.reference_on == "trainer" and not cfg.lora.enabled:
-        errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
-                      "off; a full fine-tune would need a second copy of the model in every rank)")
-    if cfg.eval.every < 0:
-        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
-    if cfg.data.few_shot < 0:
-        errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
-    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
-
-    if cfg.data.few_shot > 0 and cfg.data.answer_format != "gsm8k" and not is_procedural(cfg.data.path):
-        errors.append(f"data.few_shot={cfg.data.few_shot} shows solved problems (GSM8K's worked solutions, or a "
-                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
-                      "set data.few_shot=0 for your own data")
-    if is_procedural(cfg.data.path):
-        try:
-            check_task(cfg.data.path, cfg.data.task_args)
-        except TaskError as e:
-            errors.append(str(e))
-    elif cfg.data.task_args:
-        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={cfg.data.path!r} is none "
-                      "(use data.path=reasoning-gym:<task>)")
-    if s.max_staleness < 0:
-        errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
-    if t.beta < 0:
-        errors.append(f"training.beta must be >= 0; got {t.beta}")
-    if t.learning_rate <= 0:
-        errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
-    if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
-        errors.append(f"training.min_lr_ratio must be in [0, 1] and training.warmup_steps >= 0; got {t.min_lr_ratio} "
-                      f"and {t.warmup_steps}")
-    if not 0 <= t.clip_low < 1:
-        errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
-    if t.clip_high < 0:
-        errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
-    if cfg.rewards.timeout_s < 0:
-        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
-    if t.max_bad_steps < 1:
-        errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
-    if cfg.launch.max_minutes < 0:
-        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
-    if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
-        errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
-    if not 0 <= cfg.deepspeed.zero_stage <= 3:
-        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
-    if t.importance_sampling != "none" and t.num_iterations != 1:
-        errors.append(f"training.importance_sampling={t.importance_sampling} needs training.num_iterations=1 (the "
-                      "proximal log-probs are the trainer's first forward of the step; keeping them for later passes "
-                      f"is not built); got {t.num_iterations}")
-    if not t.importance_sampling_cap > 0:
-        errors.append(f"training.importance_sampling_cap must be > 0; got {t.importance_sampling_cap}")
-    if cfg.lora.dropout != 0:
-        errors.append(f"lora.dropout must be 0, got {cfg.lora.dropout}: with dropout the trainer's log-prob of a token "
-                      "is not the sampler's, and the importance ratio becomes noise")
-    if cfg.lora.enabled and not cfg.lora.target_modules:
-        errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
-    if cfg.model.dtype == "float16" and not cfg.lora.enabled:
-        errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
-    return errors
-
-
-def _reward_errors(cfg: Config) -> list[str]:
-    errors = []
-    r = cfg.rewards
-    if not r.names:
-        errors.append("rewards.names is empty; list at least one reward function")
-    if len(r.weights) != len(r.names):
-        errors.append(f"rewards.weights has {len(r.weights)} entries but rewards.names has {len(r.names)}; "
-                      "give one weight per reward function")
-    from rewards.registry import get_reward  # late import: rewards does not depend on config
-
-    named = [("rewards.names", name) for name in r.names]
-    for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
-        try:
-            get_reward(name)  # imports a user's module now, not at the first step
-        except ValueError as e:
-            message = str(e).removeprefix("rewards.names: ")
-            errors.append(f"{key}: {message}")
-    if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
-        errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
-                      f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")
-    return errors
-
-
-def _transport_errors(cfg: Config) -> list[str]:
-    errors = []
-    tr = cfg.transport
-    if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
-        errors.append(f"transport.address must start with tcp://, ipc:// or inproc://; got {tr.address!r}")
-    elif not is_loopback_address(tr.address) and not (tr.secret or os.environ.get("GRPO_TRANSPORT_SECRET")) \
-            and not tr.allow_insecure:
-        errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
-                      "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
-    return errors
 
 
 # ----------------------------------------------------------------------------- loading

@@ -101,6 +101,13 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def get_key(node: Any, key: str) -> Any:
+    """The value of a dotted key, e.g. get_key(cfg, "sampling.temperature")."""
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def _unknown_key_error(key: str, root: type) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"

@@ -64,6 +64,7 @@ class TrainingEvaluator:
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
         self.checks = checks
         self.next_mark = self._mark_after(evaluated_through)
+        self.newest_seen = max(evaluated_through, 0)
         self.last_samples: list[dict] = []
 
     def _mark_after(self, version: int) -> int:
@@ -71,6 +72,9 @@ class TrainingEvaluator:
         return (version // self.cfg.every + 1) * self.cfg.every
 
     def due(self, version: int) -> bool:
+        if version < self.newest_seen:  # the trainer resumed from an older checkpoint: the versions
+            self.next_mark = min(self.next_mark, self._mark_after(version))  # after it are new weights
+        self.newest_seen = version
         return version >= self.next_mark
 
     def run(self, engine, version: int) -> dict:

@@ -157,6 +157,43 @@ def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_t
     return logps, entropies
 
 
+def unsupported_features(hf_config, shared_prefix: bool, max_tokens: int) -> list[str]:
+    """What in a model's config the log-probs here would silently get wrong, one line each naming
+    the field (empty: exact). The LM head is read directly (no final softcap, no logit scale),
+    and the shared-prefix attention neither caps scores nor limits them to a window; a window at
+    least `max_tokens` long (prompt + completion) changes nothing, so it is exact."""
+    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    problems = []
+    if getattr(c, "final_logit_softcapping", None) is not None:
+        problems.append(f"final_logit_softcapping={c.final_logit_softcapping}: the logits are capped by tanh, "
+                        "and the log-probs here read the LM head directly")
+    if getattr(c, "logit_scale", None) not in (None, 1.0):
+        problems.append(f"logit_scale={c.logit_scale}: the logits are scaled, and the log-probs here read the "
+                        "LM head directly")
+    if shared_prefix and getattr(c, "attn_logit_softcapping", None) is not None:
+        problems.append(f"attn_logit_softcapping={c.attn_logit_softcapping}: the shared-prefix attention does not "
+                        "cap its scores; set training.shared_prefix=false")
+    window = getattr(c, "sliding_window", None)
+    layer_types = getattr(c, "layer_types", None) or ["sliding_attention"]
+    if shared_prefix and window is not None and window < max_tokens and "sliding_attention" in layer_types:
+        problems.append(f"sliding_window={window} is shorter than data.max_prompt_tokens + sampling.max_new_tokens "
+                        f"= {max_tokens}, and the shared-prefix attention sees every earlier token; set "
+                        "training.shared_prefix=false or keep prompt + completion within the window")
+    return problems
+
+
+def check_supported(model, cfg) -> None:
+    """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong."""
+    from grpo.sources import ModelError
+
+    causal_lm = unwrap_causal_lm(model)
+    problems = unsupported_features(causal_lm.config, cfg.training.shared_prefix,
+                                    cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens)
+    if problems:
+        raise ModelError(f"{cfg.model.name_or_path} ({causal_lm.config.model_type}) is not supported: "
+                         + "; ".join(problems))
+
+
 def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
                         group_sizes: Sequence[int], *, shared_prefix: bool = True, temperature: float = 1.0,
                         max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,

@@ -31,15 +31,17 @@ def kl_per_token(ref_logps: torch.Tensor, logps: torch.Tensor, estimator: str) -
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num_sequences: float,
-              num_tokens: float, max_completion_length: float) -> torch.Tensor:
-    """Reduce [N, T] to a scalar with *global* denominators, so pieces of a batch sum to the whole."""
+              num_tokens: float, max_completion_length: float, num_completions: float | None = None) -> torch.Tensor:
+    """Reduce [N, T] to a scalar with *global* denominators, so pieces of a batch sum to the whole.
+    num_sequences / num_tokens count what the loss sees; num_completions (default num_sequences)
+    counts every completion of the batch, masked ones too: dr_grpo's normaliser, constant like TRL's."""
     masked = torch.where(mask, per_token, 0.0)  # [N, T]
     if aggregation == "grpo":  # per-sequence token mean, then mean over sequences
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
     if aggregation == "dapo":  # every token of the batch weighs the same
         return masked.sum() / num_tokens
-    if aggregation == "dr_grpo":  # constant normaliser: no length bias
-        return masked.sum() / (num_sequences * max_completion_length)
+    if aggregation == "dr_grpo":  # constant normaliser: no length bias, whatever the mask drops
+        return masked.sum() / ((num_sequences if num_completions is None else num_completions) * max_completion_length)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
 
 
@@ -67,11 +69,14 @@ def behaviour_weights(prox_logps, behaviour_logps, mask, *, mode: str, cap: floa
 
 def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="token", aggregation="grpo",
                 clip_low=0.2, clip_high=None, beta=0.0, kl_estimator="k3", num_sequences=None,
-                num_tokens=None, max_completion_length=None, is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
+                num_tokens=None, max_completion_length=None, num_completions=None,
+                is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss plus beta * KL; logps, old_logps, ref_logps, mask: [N, T]; advantages: [N].
 
     num_sequences / num_tokens default to this call's counts; pass the whole batch's counts when
     the batch is split into micro-batches or ranks. max_completion_length defaults to T.
+    num_completions: the batch's completions, those masked out (mask_truncated_completions) too;
+    dr_grpo divides by it times max_completion_length (default: num_sequences).
     is_weights [N, T] (`behaviour_weights`): the decoupled objective, where old_logps are the
     proximal policy's and each token's surrogate is weighed by pi_prox / pi_behaviour.
     """
@@ -95,7 +100,8 @@ def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="to
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [N, T]
     if is_weights is not None:
         per_token = per_token * is_weights  # [N, T]
-    policy = aggregate(per_token, mask, aggregation, num_sequences, num_tokens, max_completion_length)
+    counts = (num_sequences, num_tokens, max_completion_length, num_completions)
+    policy = aggregate(per_token, mask, aggregation, *counts)
 
     kl = None
     if ref_logps is not None:
@@ -104,7 +110,7 @@ def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="to
         kl = kl_per_token(torch.where(mask, ref_logps, 0.0), torch.where(mask, logps, 0.0), kl_estimator)  # [N, T]
     loss = policy
     if beta > 0:
-        loss = policy + beta * aggregate(kl, mask, aggregation, num_sequences, num_tokens, max_completion_length)
+        loss = policy + beta * aggregate(kl, mask, aggregation, *counts)
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)

@@ -23,11 +23,13 @@ class StalenessTimeout(TimeoutError):
 def required_version(step: int, max_staleness: int, publish_every: int) -> int:
     """The oldest weights version step `step` may be generated with (DESIGN section 5).
 
-    Version v is the policy after v optimizer steps, published every `publish_every` steps,
-    so the requirement k - max_staleness is rounded down to a version that will exist.
+    Version v is the policy after v optimizer steps, published every `publish_every` steps, so
+    the bound step - max_staleness is rounded up to a version that will be published: the first
+    one at or after it. It is published before step `step` is trained as long as max_staleness
+    >= publish_every - 1 (the config refuses less).
     """
     needed = max(0, step - max_staleness)
-    return needed - needed % publish_every
+    return -(-needed // publish_every) * publish_every
 
 
 def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None) -> None:

@@ -27,9 +27,10 @@ EXTREMES = {"ratio/min": dist.ReduceOp.MIN, "ratio/max": dist.ReduceOp.MAX,
             "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
 
 
-def micro_batch_loss(model, mb: RolloutBatch, cfg,
-                     first_pass: bool = True) -> tuple[torch.Tensor, dict[str, float], int]:
+def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True,
+                     batch_completions: int | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
+    batch_completions: the whole batch's completions (default: `mb` is the whole batch).
     On the first pass the metrics include the sampler/trainer mismatch (`mismatch_metrics`)."""
     t = cfg.training
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
@@ -53,7 +54,8 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg,
         new, clip_against, mb.advantages.to(device), mask, ref_logps=ref, level=level,
         aggregation=t.aggregation, clip_low=t.clip_low, clip_high=t.clip_high, beta=t.beta,
         kl_estimator=t.kl_estimator, num_sequences=max(1, mb.num_sequences), num_tokens=max(1, mb.num_tokens),
-        max_completion_length=cfg.sampling.max_new_tokens, is_weights=is_weights)
+        max_completion_length=cfg.sampling.max_new_tokens, is_weights=is_weights,
+        num_completions=len(mb.completion_ids) if batch_completions is None else batch_completions)
     tokens = int(mask.sum())
     entropy = pad_right(entropies)[0]
     metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
@@ -106,7 +108,7 @@ class PolicyObjective(torch.nn.Module):
     def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True):
         if mb is None:
             return dummy_loss(self.policy, batch, self.cfg), {}, 0
-        return micro_batch_loss(self.policy, mb, self.cfg, first_pass)
+        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, batch_completions=len(batch.completion_ids))
 
 
 def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
@@ -164,8 +166,10 @@ def make_optimizer(params, cfg) -> SkippingAdamW:
                          clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
 
 
-def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) -> dict[str, float]:
-    """One optimizer step per pass over `batch` on this rank's share of it; the reduced metrics.
+def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device, updates: int = 0) -> dict[str, float]:
+    """One optimizer update per pass over `batch` on this rank's share of it; the reduced metrics.
+    `updates`: those applied before (the learning-rate clock); each pass sets its own rate, and
+    "optimizer_updates" says how many passes applied theirs (a skipped pass does not count).
 
     `engine` wraps a `PolicyObjective`. Every rank runs the same number of micro-batches (a
     short rank pads with zero-loss ones), and the accumulation boundary is set by hand: only
@@ -179,7 +183,7 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) 
     if dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     sums = MetricSums()
-    optimizer, skipped = base_optimizer(engine), False
+    optimizer, skipped, applied, learning_rate = base_optimizer(engine), False, 0, float("nan")
     forward_backward_s = optimizer_s = 0.0
     for pass_index in range(cfg.training.num_iterations):  # each pass re-forwards; old log-probs stay the sampler's
         t = time.perf_counter()
@@ -195,14 +199,17 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device) 
         forward_backward_s += time.perf_counter() - t
         t = time.perf_counter()
         optimizer.skipped = None
+        learning_rate = set_learning_rate(engine, cfg, updates + applied)
         engine.step()
         optimizer_s += time.perf_counter() - t
-        skipped = skipped or optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
+        pass_skipped = optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
+        skipped, applied = skipped or pass_skipped, applied + (not pass_skipped)
         optimizer.skip_next = False
     metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)
     grad_norm = optimizer.grad_norm if optimizer.clip_norm is not None else engine.get_global_grad_norm()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    metrics["skipped"] = float(skipped)
+    metrics["skipped"] = float(skipped)  # any pass: the bad-steps count
+    metrics["optimizer_updates"], metrics["learning_rate"] = float(applied), learning_rate
     metrics["timing/forward_backward_s"], metrics["timing/optimizer_s"] = forward_backward_s, optimizer_s  # this rank's
     return metrics
 
@@ -307,9 +314,11 @@ def deepspeed_config(cfg, world_size: int) -> dict:
 
 
 def set_learning_rate(engine, cfg, updates: int) -> float:
-    """The schedule's rate for the update after `updates` applied ones, set on the optimizer that steps."""
+    """The schedule's rate for the update after `updates` applied ones, set on the optimizer that steps.
+    The schedule runs over every update of the run: training.steps batches x num_iterations passes."""
     t = cfg.training
-    rate = learning_rate_at(updates, t.learning_rate, t.lr_schedule, t.warmup_steps, t.steps, t.min_lr_ratio)
+    rate = learning_rate_at(updates, t.learning_rate, t.lr_schedule, t.warmup_steps, t.steps * t.num_iterations,
+                            t.min_lr_ratio)
     for group in base_optimizer(engine).param_groups:
         group["lr"] = rate
     return rate

@@ -174,6 +174,11 @@ def verify(folder: Path) -> dict:
 
 def load_into(model, folder: Path, manifest: dict) -> None:
     """Copy a verified version's weights into the live model, all or nothing."""
+    stage_into(model, folder, manifest).commit()
+
+
+def stage_into(model, folder: Path, manifest: dict) -> "Staged":
+    """Read a verified version's weights and check that they fit the live model; its commit copies them in."""
     from safetensors.torch import load_file
 
     if manifest["kind"] == "lora":
@@ -183,15 +188,20 @@ def load_into(model, folder: Path, manifest: dict) -> None:
             raise WeightsError(f"{folder} is a LoRA adapter but the sampler's model has no adapter (lora.enabled?)")
         state = load_file(folder / "adapter_model.safetensors")
         _check_fits(folder, state, get_peft_model_state_dict(model), exact=True)
-        with torch.no_grad():
-            set_peft_model_state_dict(model, state)
-        return
+
+        def commit_adapter():
+            with torch.no_grad():
+                set_peft_model_state_dict(model, state)
+        return Staged(commit_adapter)
     state = load_file(folder / "model.safetensors")
     own = model.state_dict()
     _check_fits(folder, state, own, exact=False)  # tied weights are saved once
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v)
+
+    def commit_full():
+        with torch.no_grad():
+            for k, v in state.items():
+                own[k].copy_(v)
+    return Staged(commit_full)
 
 
 def _check_fits(folder: Path, state: dict, own: dict, exact: bool) -> None:
@@ -219,24 +229,39 @@ class LoadResult:
     error: str | None = None
 
 
-Loader = Callable[[Path, dict, int], None]  # (verified folder, its manifest, version); raises on failure
+@dataclass
+class Staged:
+    """A version one copy of the weights has read and checked but does not serve yet. `commit`
+    serves it and fails only where nothing could have checked beforehand; `discard` drops it."""
+
+    commit: Callable[[], None]
+    discard: Callable[[], None] = lambda: None
 
 
-def into_model(model) -> Loader:
-    """A loader that copies each version into a live transformers/PEFT model."""
-    return lambda folder, manifest, version: load_into(model, folder, manifest)
+# (verified folder, its manifest, version) -> the version staged in one copy; raises when it cannot be
+Stager = Callable[[Path, dict, int], Staged]
+
+
+class WeightsDiverged(RuntimeError):
+    """A commit failed after others succeeded: the copies of the weights serve different versions."""
+
+
+def into_model(model) -> Stager:
+    """Stages each version for a live transformers/PEFT model (the sampler's scoring copy)."""
+    return lambda folder, manifest, version: stage_into(model, folder, manifest)
 
 
 class WeightWatcher:
-    """The sampler's side: verify each new published version, then hand it to every loader (the
-    rollout engine's `load_weights`, and the scoring model when the engine keeps its own copy).
+    """The sampler's side: verify each new published version, then stage it in every copy of the
+    weights (the rollout engine's `stage_weights`, and the scoring model when the engine keeps
+    its own copy) and commit it only when all of them could: the copies never serve two versions.
 
-    On any failure (half-written, checksum mismatch, incompatible) it keeps serving the
-    version it has, logs why, and counts the failure; a later version is tried afresh.
+    On any failure (half-written, checksum mismatch, incompatible, refused by one copy) it keeps
+    serving the version it has, logs why, and counts the failure; a later version is tried afresh.
     """
 
-    def __init__(self, root: str | os.PathLike, loaders: list[Loader], initial_version: int = 0):
-        self.root, self.loaders = Path(root), list(loaders)
+    def __init__(self, root: str | os.PathLike, stagers: list[Stager], initial_version: int = 0):
+        self.root, self.stagers = Path(root), list(stagers)
         self.version = initial_version
         self.failures = 0
         self.load_seconds = 0.0  # spent verifying and copying versions in, in all
@@ -261,19 +286,28 @@ class WeightWatcher:
         identity = _identity(folder)
         if self._refused.get(latest) == identity:
             return None  # already refused this copy; a re-published one is tried afresh
-        started = time.perf_counter()
+        started, staged = time.perf_counter(), []
         try:
             manifest = verify(folder)
             if manifest["version"] != latest:
                 raise WeightsError(f"{folder}: manifest says version {manifest['version']}")
-            for load in self.loaders:
-                load(folder, manifest, latest)
+            for stage in self.stagers:
+                staged.append(stage(folder, manifest, latest))
         except (WeightsError, OSError, ValueError, RuntimeError) as e:
+            for copy in staged:
+                copy.discard()
             self.load_seconds += time.perf_counter() - started
             self.failures += 1
             self._refused[latest] = identity
             log.error("refused weights v%d (%s); still serving v%d", latest, e, self.version)
             return LoadResult(latest, False, str(e))
+        for i, copy in enumerate(staged):
+            try:
+                copy.commit()
+            except Exception as e:
+                raise WeightsDiverged(f"serving weights v{latest} from {folder} failed in copy {i + 1} of "
+                                      f"{len(staged)} after the others took it ({e}); the sampler stops rather "
+                                      "than sample with one version and score with another") from e
         self.load_seconds += time.perf_counter() - started
         self.version = latest
         log.info("loaded weights v%d from %s", latest, folder)

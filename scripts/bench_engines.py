@@ -99,9 +99,9 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
             torch.nn.init.normal_(p, std=0.01)
     with tempfile.TemporaryDirectory() as weights:
         publish(trained, weights, version=1, step=1)
-        loaders = [engine.load_weights] if engine_name == "hf" else [into_model(model), engine.load_weights]
+        stagers = [engine.stage_weights] if engine_name == "hf" else [into_model(model), engine.stage_weights]
         t = time.perf_counter()
-        assert WeightWatcher(weights, loaders).poll().loaded
+        assert WeightWatcher(weights, stagers).poll().loaded
         swap_s = time.perf_counter() - t
         steps = []
         B = cfg.sampling.prompts_per_step

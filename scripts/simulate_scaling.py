@@ -42,7 +42,7 @@ from grpo.delivery import global_step, steps_of_sampler  # noqa: E402
 from grpo.sampling import required_version, wait_for_version  # noqa: E402
 from grpo.ports import free_local_port  # noqa: E402
 from grpo.transport import BatchSender  # noqa: E402
-from grpo.weights import INITIAL_DIGEST, WeightWatcher  # noqa: E402
+from grpo.weights import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
 
 POLL_S = 0.05  # the fake samplers' weights poll
 
@@ -84,7 +84,7 @@ def fixed_batch(behaviour: dict) -> RolloutBatch:
 
 def fake_sampler(index: int, cfg, batch: RolloutBatch, generate_s: float, errors: list) -> None:
     served = {"digest": INITIAL_DIGEST}
-    watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version: served.update(digest=manifest["digest"])])
+    watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version: Staged(lambda: served.update(digest=manifest["digest"]))])
     sender = BatchSender(cfg.transport.address, send_timeout_s=300)
     try:
         for step in range(steps_of_sampler(index, cfg.training.steps, cfg.sampling.num_workers)):

@@ -117,6 +117,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["sampling.temperature=0"], "sampling.temperature must be > 0"),
     (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]; got 1.5"),
     (["sampling.max_staleness=-1"], "sampling.max_staleness must be >= 0"),
+    (["sampling.max_staleness=1", "weights.publish_every=3"],
+     "sampling.max_staleness=1 cannot hold with weights.publish_every=3: versions are published every 3 steps, "
+     "so a step may be 2 versions behind; set sampling.max_staleness >= 2 or publish more often"),
     (["data.few_shot=-1"], "data.few_shot must be >= 0 (0 = none); got -1"),
     (["sampling.old_logps=cached"], "sampling.old_logps must be one of recompute, generation; got 'cached'"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),

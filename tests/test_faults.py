@@ -185,7 +185,7 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     address = free_tcp_address()
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2",
                             "weights.keep_last=10", "training.steps=10", "training.lr_schedule=linear",
-                            "training.min_lr_ratio=0.1")
+                            "training.min_lr_ratio=0.1", "sampling.max_staleness=10")  # crafted batches: v0
     code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0, 3e38, 3e38], tmp_path)
     assert code == EXIT_BAD_STEPS, log[-3000:]
     assert "2 steps in a row (up to step 5) had a non-finite loss or gradient" in log
@@ -202,6 +202,34 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     assert (tmp_path / "checkpoints" / "step000005").is_dir()
 
 
+def test_a_batch_staler_than_max_staleness_stops_the_trainer_before_it_trains(tmp_path, digit_model_dir, tiny_gsm8k):
+    """Crafted batches all sampled with v0: steps 0 and 1 are within sampling.max_staleness=1 of
+    the trainer's v0 and v1, step 2 is two versions behind v2."""
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "sampling.max_staleness=1")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)
+    assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
+    assert ("sampler 0 step 2 was sampled with weights v0, 2 versions behind this trainer's v2; "
+            "sampling.max_staleness=1 allows 1. Nothing was trained with it.") in log
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2] and read_latest(tmp_path / "weights") == 2
+
+
+def test_the_learning_rate_clock_counts_optimizer_updates_with_several_passes(tmp_path, digit_model_dir, tiny_gsm8k):
+    """num_iterations=2: each pass sets its own rate on a linear decay over 3 steps x 2 passes = 6
+    updates, and the non-finite batch's skipped passes do not advance it. Before, the rate was set
+    once per batch, counted in batches over 3, and one skipped pass stopped the clock for both."""
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.num_iterations=2",
+                            "training.steps=3", "training.lr_schedule=linear", "training.min_lr_ratio=0.1",
+                            "sampling.max_staleness=10")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0], tmp_path)
+    assert code == 0, log[-3000:]
+    trained = rows(tmp_path)
+    assert [r["optimizer_updates"] for r in trained] == [2, 0, 2] and [r["skipped"] for r in trained] == [0, 1, 0]
+    rate = [0.05 * (0.1 + 0.9 * (1 - u / 6)) for u in (1, 2, 3)]  # the last pass's update: 1, (2), 3
+    assert [r["learning_rate"] for r in trained] == pytest.approx(rate, abs=1e-12)
+
+
 def limit_file_size():
     """In the trainer's processes: any write past 1 MiB fails (EFBIG), as on a full disk (ENOSPC)."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
@@ -212,7 +240,7 @@ def test_a_failed_write_stops_the_trainer_clearly_and_leaves_nothing_partial(tmp
     address = free_tcp_address()
     # adapters (9 KB) and metrics fit under the limit; the 12 MB checkpoint of step 2 does not
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2",
-                            preexec_fn=limit_file_size)
+                            "sampling.max_staleness=10", preexec_fn=limit_file_size)
     code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)
     assert code == EXIT_WRITE_FAILED, log[-3000:]
     assert f"cannot write the checkpoint of step 2 to {tmp_path / 'checkpoints'}" in log

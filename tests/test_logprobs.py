@@ -82,3 +82,66 @@ def test_pad_right_builds_the_mask_from_lengths():
     padded, mask = pad_right([torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0, 5.0, 6.0])])
     assert padded.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6]]
     assert mask.int().tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+
+
+def tiny_config(kind: str, **extra):
+    import transformers
+
+    common = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512, pad_token_id=0)
+    return getattr(transformers, f"{kind}Config")(**common, **extra)
+
+
+@pytest.mark.parametrize("kind, extra, shared_prefix, expected", [
+    ("Llama", {}, True, []),
+    ("Qwen2", {}, True, []),  # sliding window off (use_sliding_window false)
+    ("Mistral", {"sliding_window": 4096}, True, []),  # a window longer than prompt + completion: exact
+    ("Mistral", {"sliding_window": 64}, False, []),  # the plain path runs the model's own attention
+    ("Mistral", {"sliding_window": 64}, True, ["sliding_window=64 is shorter than data.max_prompt_tokens + "
+                                               "sampling.max_new_tokens = 600"]),
+    ("Qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, True,
+     ["sliding_window=64 is shorter"]),
+    ("Gemma2", {"sliding_window": 4096}, True, ["final_logit_softcapping=30.0: the logits are capped by tanh",
+                                                 "attn_logit_softcapping=50.0: the shared-prefix attention does not "
+                                                 "cap its scores; set training.shared_prefix=false"]),
+    ("Gemma2", {"sliding_window": 4096}, False, ["final_logit_softcapping=30.0"]),
+    ("Gemma3Text", {"sliding_window": 64}, True, ["sliding_window=64 is shorter"]),
+    ("Cohere", {}, True, ["logit_scale=0.0625: the logits are scaled"]),
+])
+def test_model_features_the_log_probs_would_get_wrong_are_named(kind, extra, shared_prefix, expected):
+    from grpo.logprobs import unsupported_features
+
+    problems = unsupported_features(tiny_config(kind, **extra), shared_prefix, max_tokens=600)
+    assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
+
+
+@pytest.mark.parametrize("window, exact", [(64, True), (4, False)])
+def test_a_sliding_window_within_the_sequence_is_why_the_shared_prefix_path_refuses_it(window, exact):
+    """Tiny Mistral, prompt 6 + completions of 5: a 64-token window changes nothing and the shared-prefix
+    forward equals the model's own; a 4-token window makes them differ."""
+    import transformers
+
+    from grpo.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(tiny_config("Mistral", sliding_window=window)).eval()
+    prompts = [torch.randint(3, 100, (6,))]
+    completions = [torch.randint(3, 100, (5,)) for _ in range(2)]
+    with torch.no_grad():
+        shared, plain = (completion_logprobs(model, prompts, completions, [2], shared_prefix=s) for s in (True, False))
+    gap = max((a - b).abs().max().item() for a, b in zip(shared, plain))
+    assert (gap < 1e-5) == exact, gap
+
+
+def test_check_supported_refuses_at_start_in_one_line_naming_the_field():
+    import transformers
+
+    from grpo.config import load_config
+    from grpo.logprobs import check_supported
+    from grpo.sources import ModelError
+
+    cfg = load_config(None, ["model.name_or_path=tiny-gemma2"])
+    model = transformers.Gemma2ForCausalLM(tiny_config("Gemma2"))
+    with pytest.raises(ModelError, match=r"^tiny-gemma2 \(gemma2\) is not supported: final_logit_softcapping=30.0: "
+                                         r"[^\n]*; attn_logit_softcapping=50.0: [^\n]*$"):
+        check_supported(model, cfg)

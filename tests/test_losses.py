@@ -289,3 +289,51 @@ def test_with_no_mismatch_the_decoupled_loss_is_todays_bit_for_bit(mode, level):
     loss, _ = policy_loss(decoupled, decoupled.detach(), adv, mask, is_weights=weights, **kwargs)
     loss.backward()
     assert torch.equal(loss, loss_today) and torch.equal(decoupled.grad, today.grad)
+
+
+# ----------------------------------------------------------------------------- dr_grpo with masked completions
+
+def test_dr_grpo_divides_by_every_completion_of_the_batch_when_truncated_ones_are_masked():
+    """Sequence 1 of the worked batch is truncated and masked out: dr_grpo still divides by the
+    batch's 2 completions times the length (TRL: the batch size), not by the 1 the loss sees."""
+    logps, old, adv, mask = worked_batch()
+    kept = mask.clone()
+    kept[1] = 0
+    loss, _ = policy_loss(logps, old, adv, kept, aggregation="dr_grpo", max_completion_length=4, num_sequences=1,
+                          num_tokens=3, num_completions=2)
+    assert loss.item() == pytest.approx(-2.7 / (2 * 4), abs=1e-6)
+
+
+def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_their_terms():
+    """micro_batch_loss on a tiny model (beta 0): masking the truncated completions gives the unmasked
+    loss with their advantages zeroed (their terms gone), over the same normaliser, 5 completions x
+    max_new_tokens, whole or in micro-batches. Before, it divided by the 3 kept completions."""
+    import dataclasses
+
+    from conftest import tiny_model
+    from grpo.config import load_config
+    from grpo.sampling import loss_counts
+    from grpo.sharding import select_groups
+    from grpo.training import micro_batch_loss
+    from helpers import make_batch
+
+    model = tiny_model()
+    common = ["training.aggregation=dr_grpo", "training.beta=0", "sampling.max_new_tokens=8"]
+    cfg, masked_cfg = load_config(None, common), load_config(None, [*common, "training.mask_truncated_completions=true"])
+    batch = make_batch(seed=4, with_ref=False)
+    truncated = torch.tensor([False, True, False, False, True])
+    batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
+                                prompt_ids=[p % 101 for p in batch.prompt_ids], truncated=truncated)
+    tokens, sequences = loss_counts(batch.completion_ids, truncated, True)
+    masked = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences)
+    tokens, sequences = loss_counts(batch.completion_ids, truncated, False)
+    zeroed = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences,
+                                 advantages=torch.where(truncated, 0.0, batch.advantages))
+    with torch.no_grad():
+        expected = micro_batch_loss(model, zeroed, cfg)[0]
+        whole = micro_batch_loss(model, masked, masked_cfg)[0]
+        pieces = sum(micro_batch_loss(model, select_groups(masked, [g]), masked_cfg, batch_completions=5)[0]
+                     for g in (0, 1))
+    assert masked.num_sequences == 3 and abs(expected.item()) > 1e-3
+    torch.testing.assert_close(whole, expected)
+    torch.testing.assert_close(pieces, expected)

@@ -48,10 +48,10 @@ def test_train_and_held_out_splits_are_disjoint_even_where_the_seeds_would_overl
     train = {r["question"] for r in task_rows(CHAIN_SUM, "train", SMALL)}
     test = [r["question"] for r in task_rows(CHAIN_SUM, "test", SMALL)]
     assert test and not train & set(test)
-    # test_seed 1 would be train's rows 1..: every one of them is removed, none served as held-out
-    overlapping = task_rows(CHAIN_SUM, "test", {**SMALL, "test_seed": 1})
-    assert not train & {r["question"] for r in overlapping}
-    assert len(overlapping) < len(test)
+    # test_seed 200 would make half of the held-out rows train's rows 200..299: removed, none served
+    overlapping = task_rows(CHAIN_SUM, "test", {**SMALL, "test_seed": 200})
+    assert overlapping and not train & {r["question"] for r in overlapping}
+    assert len(overlapping) <= 100 < len(test)
 
 
 def test_load_split_reads_the_task_args_from_the_data_config():

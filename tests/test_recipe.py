@@ -105,7 +105,7 @@ def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_p
 
     tokenizer = load_tokenizer(cfg.model)
     engine = HFEngine(add_lora(load_model(cfg.model), cfg.lora).eval(), tokenizer, cfg.sampling)
-    assert WeightWatcher(tmp_path, [engine.load_weights]).poll().loaded and engine.version == 2
+    assert WeightWatcher(tmp_path, [engine.stage_weights]).poll().loaded and engine.version == 2
     prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, "test")[0][:5])
     evaluator = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill)
     assert evaluator.due(0) and evaluator.due(2)
@@ -120,6 +120,10 @@ def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_p
                               evaluated_through=evaluated_through_at_start(cfg.eval, None))
     assert not later.due(0) and not later.due(1) and later.due(2)  # the first evaluation is at eval.every
     assert evaluated_through_at_start(cfg.eval, 45) == 45  # a resume is the same either way
+    # marks through 6 done, v7 served; the trainer resumes from checkpoint 3 and republishes v4 on:
+    # its mark 4 holds other weights than the evaluated v4, so it is due again
+    moved = TrainingEvaluator(cfg.eval, prompts, tokenizer, cfg.data.prefill, evaluated_through=6)
+    assert not moved.due(7) and not moved.due(3) and moved.due(4)
     cfg.eval.on_start = True
     summary, samples = evaluate(cfg, version_dir(tmp_path, 2), limit=5, batch_size=2, split="test")
     assert [s["completion"] for s in samples] == [s["completion"] for s in evaluator.last_samples]

@@ -1,18 +1,21 @@
 """One sampler step through the engine interface: a fake engine that implements `RolloutEngine`
 (no model of its own) and the HF engine drive the same `make_batch`."""
 
+import hashlib
+
 import torch
 
 from data.cursor import PromptCursor
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
-from grpo.dynamic_sampling import ROUND_SEED_STRIDE
+from grpo.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora
-from grpo.rollout import RolloutEngine, Rollouts
+from grpo.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.rollout.hf_engine import HFEngine
-from grpo.sampler_step import SamplerPolicy, make_batch
+from grpo.sampler_step import SamplerPolicy, make_batch, step_seed
+from grpo.weights import Staged
 from conftest import tiny_model
 
 
@@ -28,9 +31,14 @@ class FakeEngine:
         logps = [torch.tensor([-0.5 - j, -0.25]) for j in range(n)]
         return Rollouts(completions, [False] * n, logps)
 
+    def stage_weights(self, folder, manifest, version):
+        def commit():
+            self.loaded.append(version)
+            self.version, self.weights_digest = version, manifest["digest"]
+        return Staged(commit)
+
     def load_weights(self, folder, manifest, version):
-        self.loaded.append(version)
-        self.version, self.weights_digest = version, manifest["digest"]
+        self.stage_weights(folder, manifest, version).commit()
 
     def close(self):
         pass
@@ -165,3 +173,16 @@ def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_s
     restored = PromptCursor(len(prompts), cfg.seed)
     restored.load_state_dict(cursor.state_dict())
     assert all(round_prompts(cfg, restored, prompts, g)(r) == drawn[g, r] for g in (3, 5) for r in range(3))
+
+
+def test_every_prompt_of_every_step_gets_its_own_block_of_seeds():
+    """vLLM seeds sample j of a request with seed + j: each prompt's seed starts a block of
+    SEED_BLOCK seeds that no other prompt of any step or round of a run reaches."""
+    cfg = config()
+    calls = [round_seed(step_seed(cfg, g), r) for g in range(500) for r in range(3)]
+    seeds = [s for call in calls for s in prompt_seeds(call, 16)]
+    assert len({s // SEED_BLOCK for s in seeds}) == len(seeds) == 500 * 3 * 16
+    assert all(s % SEED_BLOCK == 0 and 0 <= s < 2**63 for s in seeds)
+    assert prompt_seeds(calls[0], 16) == prompt_seeds(calls[0], 16)  # a re-run draws the same
+    digest = hashlib.sha256(b"7/1").digest()  # worked value: the hash of "seed/index", 63 bits, rounded down
+    assert prompt_seeds(7, 2)[1] == (int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK

@@ -11,6 +11,7 @@ from grpo.config import LoraConfig, ModelConfig
 from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora, load_model
+from grpo.sampling import required_version
 from grpo.transport import BatchReceiver, TransportTimeout
 from grpo.weights import publish, version_dir
 from data.cursor import PromptCursor
@@ -45,6 +46,20 @@ def logps_of(model, batch):
 
 def close(a, b):
     return all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("publish_every", [1, 2, 3])
+@pytest.mark.parametrize("extra", [0, 1, 2])
+def test_the_required_version_is_published_in_time_and_within_max_staleness(publish_every, extra):
+    """For every step g: the version the sampler waits for exists (a multiple of publish_every), is
+    at most max_staleness behind g, and is published by the time the trainer has trained g steps
+    (the newest version then is g rounded down). Before, it was rounded down: up to
+    max_staleness + publish_every - 1 behind."""
+    max_staleness = publish_every - 1 + extra
+    for g in range(40):
+        v = required_version(g, max_staleness, publish_every)
+        assert v % publish_every == 0 and g - max_staleness <= v <= g - g % publish_every, (g, v)
+    assert required_version(5, 1, 2) == 4 and required_version(6, 1, 2) == 6 and required_version(5, 2, 3) == 3
 
 
 def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_path, tiny_model_dir, tiny_gsm8k):

@@ -132,7 +132,7 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
     cfg, model, tokenizer, engine, prompts = served
     base = engine.generate(prompts, 1, greedy=True).completion_ids
     publish(trained_adapter(cfg, seed=1), tmp_path, version=1, step=1)
-    watcher = WeightWatcher(tmp_path, [into_model(model), engine.load_weights])
+    watcher = WeightWatcher(tmp_path, [into_model(model), engine.stage_weights])
     assert watcher.poll().loaded and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"])
     swapped = engine.generate(prompts, 1, greedy=True).completion_ids
     hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
@@ -154,6 +154,55 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
 
 
 @needs_vllm
+def test_each_prompt_and_each_step_draws_its_own_noise(served):
+    """vLLM seeds sample j of a request with seed + j. With one seed per call, the same prompt twice
+    in a call got the same G samples, and sample j + 1 of seed s was sample j of seed s + 1."""
+    cfg, model, tokenizer, engine, prompts = served
+    twice = engine.generate([prompts[0], prompts[0]], 4, seed=11).completion_ids
+    assert [t.tolist() for t in twice[:4]] != [t.tolist() for t in twice[4:]]
+    step, next_step = (engine.generate([prompts[0]], 4, seed=s).completion_ids for s in (11, 12))
+    assert [t.tolist() for t in step[1:]] != [t.tolist() for t in next_step[:3]]
+    assert [t.tolist() for t in twice[:4]] == [t.tolist() for t in step]  # still a function of the seed
+
+
+@needs_vllm
+def test_a_version_republished_with_other_weights_is_served_with_them(served, tmp_path):
+    """A trainer resumed from an older checkpoint republishes v1 with other weights: the engine must
+    not serve the prompts' KV cached under the first v1 (names and ids count loads, not versions)."""
+    cfg, model, tokenizer, engine, prompts = served
+    outputs = []
+    for seed in (1, 2):
+        trained = trained_adapter(cfg, seed=seed)
+        folder = publish(trained, tmp_path / f"run{seed}", version=1, step=1)
+        engine.load_weights(folder, verify(folder), 1)
+        served_logps = engine.generate(prompts, 2, seed=5)
+        with torch.no_grad():
+            ours = completion_logprobs(trained.eval(), [torch.tensor(p) for p in prompts], served_logps.completion_ids,
+                                       [2, 2], temperature=cfg.sampling.temperature)
+        gaps = torch.cat([(a - b).abs() for a, b in zip(served_logps.logps, ours)])
+        assert gaps.max() < LOGP_BOUND, (seed, gaps.max())
+        outputs.append(served_logps)
+    assert any(not torch.allclose(a, b) for a, b in zip(outputs[0].logps, outputs[1].logps))
+
+
+@needs_vllm
+def test_an_adapter_the_scoring_copy_refuses_is_dropped_by_vllm_too(served, tmp_path):
+    """vLLM could load it, the scoring model (another rank) cannot: both keep the version they serve."""
+    cfg, model, tokenizer, engine, prompts = served
+    folder = publish(trained_adapter(cfg, seed=3), tmp_path / "ok", version=1, step=1)
+    engine.load_weights(folder, verify(folder), 1)
+    serving, before = (engine.version, engine.weights_digest), engine.generate(prompts, 1, greedy=True).completion_ids
+    narrow = add_lora(load_model(cfg.model), load_config(None, ["lora.r=4"]).lora)
+    publish(trained_adapter(cfg, seed=4), tmp_path / "other", version=2, step=2)
+    watcher = WeightWatcher(tmp_path / "other", [engine.stage_weights, into_model(narrow)], initial_version=1)
+    assert not watcher.poll().loaded
+    assert (engine.version, engine.weights_digest) == serving
+    after = engine.generate(prompts, 1, greedy=True).completion_ids
+    assert [t.tolist() for t in after] == [t.tolist() for t in before]
+    assert len(engine.llm.llm_engine.list_loras()) == 1  # the staged adapter was removed again
+
+
+@needs_vllm
 def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
     cfg = vllm_config("lora.enabled=false", "training.reference_on=sampler")
     tokenizer = load_tokenizer(cfg.model)
@@ -169,7 +218,7 @@ def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
                 if "mlp" in name:
                     p.add_(torch.randn_like(p) * 0.02)
         publish(model, tmp_path, version=1, step=1)
-        assert WeightWatcher(tmp_path, [engine.load_weights]).poll().loaded and engine.version == 1
+        assert WeightWatcher(tmp_path, [engine.stage_weights]).poll().loaded and engine.version == 1
         reloaded = engine.generate(prompts, 1, greedy=True).completion_ids
         hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
         assert [t.tolist() for t in reloaded] == [t.tolist() for t in hf] != [t.tolist() for t in base]
@@ -183,12 +232,13 @@ def test_two_step_run_of_the_real_processes_with_vllm(tmp_path):
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=2",
-                  "sampling.max_new_tokens=24", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0")
+                  "sampling.max_new_tokens=24", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_staleness=0")  # every step's gap is then the engine's alone, not a policy change too
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
+    assert all(r["staleness"] == 0 and r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
 
 
 def test_vllm_on_the_cpu_gets_the_samplers_threads_unless_the_user_set_them():

@@ -11,14 +11,16 @@ import torch
 
 from grpo.config import LoraConfig
 from grpo.models import add_lora
-from grpo.behaviour import BehaviourMismatch, check_weights_digest
-from grpo.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, WeightWatcher, WeightsError, publish,
+from grpo.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
+from grpo.config_tree import get_key
+from grpo.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, Staged, WeightWatcher, WeightsDiverged,
+                          WeightsError, publish,
                           published_digests, published_versions, read_latest, verify, into_model, version_dir)
 from conftest import REPO, tiny_model
 
 
-def lora_model(seed=0):
-    model = add_lora(tiny_model("llama"), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+def lora_model(seed=0, r=4):
+    model = add_lora(tiny_model("llama"), LoraConfig(r=r, alpha=8, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(seed)
     for name, p in model.named_parameters():
         if "lora_" in name:
@@ -80,6 +82,41 @@ def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
     for k, v in lora_state(trained).items():
         assert torch.equal(lora_state(live)[k], v)
     assert watcher.poll() is None  # nothing newer
+
+
+def test_a_version_one_copy_refuses_is_served_by_neither(tmp_path):
+    """The scoring copy and an engine's own copy take a version together. Here the first copy (rank
+    8) could take the published rank-8 adapter and the second (rank 4) cannot, so neither does:
+    before staging, the first served v1 while the second kept v0."""
+    first, second = lora_model(seed=5, r=8), lora_model(seed=6)
+    before = lora_state(first)
+    publish(lora_model(seed=1, r=8), tmp_path, version=1, step=1)
+    events = []
+
+    def recorded(folder, manifest, version):
+        events.append("staged")
+        return Staged(lambda: events.append("committed"), discard=lambda: events.append("discarded"))
+    watcher = WeightWatcher(tmp_path, [recorded, into_model(first), into_model(second)])
+    result = watcher.poll()
+    assert not result.loaded and watcher.version == 0 and "weights do not fit the model" in result.error
+    assert events == ["staged", "discarded"]
+    assert all(torch.equal(lora_state(first)[k], v) for k, v in before.items())
+    assert WeightWatcher(tmp_path, [into_model(first)]).poll().loaded  # the first copy alone takes it
+    assert not all(torch.equal(lora_state(first)[k], v) for k, v in before.items())
+
+
+def test_a_commit_that_fails_after_another_copy_took_the_version_stops_the_sampler(tmp_path):
+    live = lora_model(seed=5)
+    publish(lora_model(seed=1), tmp_path, version=1, step=1)
+
+    def breaks_at_commit(folder, manifest, version):
+        def commit():
+            raise RuntimeError("engine died mid-reload")
+        return Staged(commit)
+    watcher = WeightWatcher(tmp_path, [into_model(live), breaks_at_commit])
+    with pytest.raises(WeightsDiverged, match="serving weights v1 from .* failed in copy 2 of 2 after the others "
+                                              r"took it \(engine died mid-reload\); the sampler stops"):
+        watcher.poll()
 
 
 def test_each_publish_records_its_manifest_digest_and_only_recorded_digests_pass(tmp_path):
@@ -187,3 +224,19 @@ def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
     publish(lora_model(seed=2), tmp_path, version=2, step=2)  # the restarted trainer publishes again
     assert watcher.poll().loaded and watcher.version == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # and the leftover is gone
+
+
+def test_a_sampler_with_another_lora_alpha_is_named_before_its_batch_is_trained():
+    """The sampler's scoring copy scales a loaded adapter by its own lora.alpha / r: with another
+    alpha it would sample and score a policy the trainer never had, and no shape check sees it."""
+    from grpo.behaviour import check_behaviour
+    from grpo.config import load_config
+
+    def settings(*overrides):
+        cfg = load_config(None, list(overrides))
+        return {key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}
+    check_behaviour(settings("lora.alpha=16"), settings("lora.alpha=16"), sampler=0, step=3)
+    with pytest.raises(BehaviourMismatch, match=r"sampler 1 step 3 was made with other settings than this trainer's; "
+                                                r"nothing was trained with it\. Start both with the same config: "
+                                                r"lora\.alpha: the sampler used 16, this trainer has 32$"):
+        check_behaviour(settings("lora.alpha=16"), settings(), sampler=1, step=3)

@@ -7,13 +7,33 @@ version that is.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+if TYPE_CHECKING:
+    from grpo.weights import Staged
+
 ENGINES = ("hf", "vllm")  # sampling.engine: grpo/rollout/hf_engine.py, grpo/rollout/vllm_engine.py
+SEED_BLOCK = 1 << 20  # seeds a prompt's samples may take: vLLM seeds sample j of a request with seed + j
+
+
+def prompt_seeds(seed: int, num_prompts: int) -> list[int]:
+    """A seed per prompt of one generate call, hashed from the call's seed and the prompt's index,
+    each the first of its own block of SEED_BLOCK seeds (below 2**63).
+
+    One seed for a whole call would give sample j of every prompt the same noise (vLLM seeds the
+    j-th sample with seed + j), and calls whose seeds differ by one would share G - 1 streams.
+    Hashed blocks of 2**20 in 2**63 make two prompts' blocks meet with chance ~ n**2 / 2**44 for n
+    prompts in a whole run."""
+    seeds = []
+    for i in range(num_prompts):
+        digest = hashlib.sha256(f"{seed}/{i}".encode()).digest()
+        seeds.append((int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK)
+    return seeds
 
 
 @dataclass
@@ -34,9 +54,13 @@ class RolloutEngine(Protocol):
                  greedy: bool = False) -> Rollouts:
         """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs."""
 
+    def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
+        """Read and check a published version whose checksums were verified (`grpo.weights.verify`,
+        which adds the manifest's "digest"), raising if it cannot be served; serve it from the
+        returned `grpo.weights.Staged`'s commit on (the watcher commits once every copy staged it)."""
+
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
-        """Serve a published version whose checksums were verified (`grpo.weights.verify`, which
-        adds the manifest's "digest"); raise on failure and keep serving the old one."""
+        """Stage and commit at once (one copy of the weights: tests, scripts)."""
 
     def close(self) -> None:
         """Release the engine's processes and memory."""

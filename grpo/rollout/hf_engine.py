@@ -21,7 +21,7 @@ import torch
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.models import unwrap_causal_lm
 from grpo.rollout import Rollouts
-from grpo.weights import INITIAL_DIGEST, load_into
+from grpo.weights import INITIAL_DIGEST, Staged, stage_into
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +111,16 @@ class HFEngine:
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version, self.weights_digest = 0, INITIAL_DIGEST
 
+    def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
+        staged = stage_into(self.model, folder, manifest)
+
+        def commit():
+            staged.commit()
+            self.version, self.weights_digest = version, manifest["digest"]
+        return Staged(commit)
+
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
-        load_into(self.model, folder, manifest)
-        self.version, self.weights_digest = version, manifest["digest"]
+        self.stage_weights(folder, manifest, version).commit()
 
     def close(self) -> None:
         pass  # the model is the sampler's; nothing of the engine's own to release

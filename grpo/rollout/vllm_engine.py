@@ -6,11 +6,13 @@ temperature, as the trainer computes them. The checkpoint's generation_config is
 (`generation_config="vllm"`): its repetition penalty or top-k would change the distribution
 the tokens come from, as with the HF engine (grpo/rollout/hf_engine.py).
 
-Weights are swapped without restarting the engine. LoRA: each published version is added as
-its own adapter (integer id = version + 1), loaded at once so that a bad adapter fails here and
-the previous one keeps serving, then the previous one is removed; the prefix cache is keyed by
-adapter, so no older adapter's KV is reused. Full fine-tuning: the version's safetensors are
-reloaded in place by the engine's workers, and the prefix cache is reset.
+Weights are swapped without restarting the engine. LoRA: each load adds its own adapter, loaded
+at once so that a bad adapter fails here and the previous one keeps serving, then the previous
+one is removed. Its name and integer id count the engine's loads, not the version: the prefix
+cache is keyed by them, and a trainer that resumes from an older checkpoint republishes a
+version number with other weights, whose prompt KV must not be served from the cache. Full
+fine-tuning: the version's safetensors are reloaded in place by the engine's workers, and the
+prefix cache is reset.
 
 On the CPU, vLLM reserves `gpu_memory_utilization` of the *host's* memory at start; the engine
 asks instead for a KV cache of `sampling.vllm_kv_cache_gb`, and says plainly when that does not
@@ -25,8 +27,8 @@ from pathlib import Path
 import torch
 
 from grpo.models import resolve_model_path
-from grpo.rollout import Rollouts
-from grpo.weights import INITIAL_DIGEST
+from grpo.rollout import SEED_BLOCK, Rollouts, prompt_seeds
+from grpo.weights import INITIAL_DIGEST, Staged
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
@@ -91,28 +93,41 @@ class VllmEngine:
                                                       os.environ))
         self.llm = vllm.LLM(**engine_arguments(cfg, torch.cuda.is_available(), psutil.virtual_memory().available))
         self.lora_request = None  # None: the base model (version 0, or a full fine-tune)
+        self.adapter_loads = 0  # names and numbers each adapter load (see the module's docstring)
         self.version, self.weights_digest = 0, INITIAL_DIGEST
 
-    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
+    def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
+        """LoRA: the adapter is loaded now (a bad one fails here) and served from the commit on.
+        Full weights are reloaded in place at the commit: nothing can hold them beside the served ones."""
         if manifest["kind"] == "lora":
-            self._swap_adapter(folder, version)
-        else:
+            return self._stage_adapter(folder, manifest, version)
+
+        def reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
             self.llm.reset_prefix_cache()  # its KV was computed with the old weights
-        self.version, self.weights_digest = version, manifest["digest"]
+            self.version, self.weights_digest = version, manifest["digest"]
+        return Staged(reload)
 
-    def _swap_adapter(self, folder: Path, version: int) -> None:
+    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
+        self.stage_weights(folder, manifest, version).commit()
+
+    def _stage_adapter(self, folder: Path, manifest: dict, version: int) -> Staged:
         from vllm.lora.request import LoRARequest
 
         if not self.cfg.lora.enabled:
             raise RuntimeError(f"{folder} is a LoRA adapter but lora.enabled is false")
-        request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        self.adapter_loads += 1
+        request = LoRARequest(f"policy-v{version}-load{self.adapter_loads}", self.adapter_loads, str(folder))
         engine = self.llm.llm_engine
         if not engine.add_lora(request):  # loads it now: a bad adapter fails here, the old one still serves
             raise RuntimeError(f"vLLM could not load the adapter in {folder}")
-        previous, self.lora_request = self.lora_request, request
-        if previous is not None and previous.lora_int_id != request.lora_int_id:
-            engine.remove_lora(previous.lora_int_id)
+
+        def serve():
+            previous, self.lora_request = self.lora_request, request
+            self.version, self.weights_digest = version, manifest["digest"]
+            if previous is not None:
+                engine.remove_lora(previous.lora_int_id)
+        return Staged(serve, discard=lambda: engine.remove_lora(request.lora_int_id))
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -123,9 +138,13 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         s = self.cfg.sampling
-        params = self._vllm.SamplingParams(
+        if group_size > SEED_BLOCK:
+            raise ValueError(f"group_size {group_size} is above {SEED_BLOCK}, the seeds one prompt's samples may take")
+        seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
+        params = [self._vllm.SamplingParams(
             n=group_size, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=s.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=self.eos_ids)
+            max_tokens=s.max_new_tokens, logprobs=0, seed=prompt_seed, stop_token_ids=self.eos_ids)
+            for prompt_seed in seeds]  # one seed per prompt: grpo.rollout.prompt_seeds says why
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)
         completions, truncated, logps = [], [], []

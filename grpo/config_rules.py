@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+
 from grpo.config_tree import ConfigError, get_key
 
 # Choices that no module of ours implements (they pick a process, DeepSpeed's backend, a log level):
@@ -41,6 +42,8 @@ def option_lists() -> dict[str, tuple]:
         "deepspeed.backend": BACKENDS,
         "logging.level": LOG_LEVELS,
     }
+
+
 GRPO_CLIP = (0.2, 0.2)  # GRPO / PPO paper default epsilon
 GSPO_CLIP = (3e-4, 4e-4)  # GSPO paper: sequence ratios live much closer to 1
 

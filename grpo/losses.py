@@ -31,17 +31,17 @@ def kl_per_token(ref_logps: torch.Tensor, logps: torch.Tensor, estimator: str) -
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num_sequences: float,
-              num_tokens: float, max_completion_length: float, num_completions: float | None = None) -> torch.Tensor:
+              num_tokens: float, max_completion_length: float, num_completions: float) -> torch.Tensor:
     """Reduce [N, T] to a scalar with *global* denominators, so pieces of a batch sum to the whole.
-    num_sequences / num_tokens count what the loss sees; num_completions (default num_sequences)
-    counts every completion of the batch, masked ones too: dr_grpo's normaliser, constant like TRL's."""
+    num_sequences / num_tokens count what the loss sees; num_completions counts every completion
+    of the batch, masked ones too: dr_grpo's normaliser, constant like TRL's."""
     masked = torch.where(mask, per_token, 0.0)  # [N, T]
     if aggregation == "grpo":  # per-sequence token mean, then mean over sequences
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
     if aggregation == "dapo":  # every token of the batch weighs the same
         return masked.sum() / num_tokens
     if aggregation == "dr_grpo":  # constant normaliser: no length bias, whatever the mask drops
-        return masked.sum() / ((num_sequences if num_completions is None else num_completions) * max_completion_length)
+        return masked.sum() / (num_completions * max_completion_length)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
 
 
@@ -89,6 +89,7 @@ def policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, level="to
     num_sequences = mask.shape[0] if num_sequences is None else num_sequences
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     max_completion_length = mask.shape[1] if max_completion_length is None else max_completion_length
+    num_completions = num_sequences if num_completions is None else num_completions
 
     log_ratio = torch.where(mask, logps - old_logps, 0.0)  # [N, T]
     if level == "sequence":

@@ -36,6 +36,8 @@ from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
 from grpo.config import parse_cli, save_config
 from grpo.dynamic_sampling import round_start, rounds_per_step
+from grpo.environments import environment_demonstration
+from grpo.episodes import episode_runner
 from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> int:
         served = g - 1 - cfg.sampling.max_staleness if start_step else None
         evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
                                       evaluated_through=evaluated_through_at_start(cfg.eval, served),
-                                      checks=checks_of(cfg.rewards))
+                                      checks=checks_of(cfg.rewards), episodes=policy.episodes)
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):
@@ -106,6 +108,8 @@ def main(argv: list[str]) -> int:
 
     if sandbox is not None:
         sandbox.close()
+    if policy.episodes is not None:
+        policy.episodes.pool.close()
     redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
     if evaluator is not None:  # the final weights: after the trainer's last row, so this row is the last
         last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
@@ -128,19 +132,21 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
     check_supported(base, cfg)
     problems, _ = load_split(cfg.data, cfg.data.split)
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     reference = copy.deepcopy(base).eval() if cfg.training.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
-    policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer))
+    policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer),
+                           episodes=episode_runner(cfg, tokenizer))
     return policy, prompts
 
 
 def evaluation_prompts(cfg, tokenizer) -> list:
     """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
     problems, _ = load_split(cfg.data, cfg.eval.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems])
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems],
+                               environment_demonstration(cfg.env.name))
     log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), cfg.data.path,
              cfg.eval.split)
     return prompts

@@ -21,34 +21,38 @@ def solved_answer(shot: Problem) -> str:
     return f"<answer>{shot.answer}</answer>"
 
 
-def solved_turns(shots: list[Problem]) -> list[dict]:
-    """Few-shot examples as earlier chat turns, answered in the trained format."""
+def solved_turns(shots: list[Problem], demonstrate=None) -> list[dict]:
+    """Few-shot examples as earlier chat turns, answered in the trained format. `demonstrate(row,
+    answer)`: an environment's way to show a shot solved in turns with it (its tool calls and
+    replies, then the answer), or None to show the answer alone."""
     turns = []
     for shot in shots:
-        turns += [{"role": "user", "content": shot.question}, {"role": "assistant", "content": solved_answer(shot)}]
+        shown = demonstrate(shot.row, solved_answer(shot)) if demonstrate is not None else None
+        turns += [{"role": "user", "content": shot.question},
+                  *(shown or [{"role": "assistant", "content": solved_answer(shot)}])]
     return turns
 
 
 def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = (),
-                messages: tuple = ()) -> str:
+                messages: tuple = (), demonstrate=None) -> str:
     """The chat-templated prompt. A dataset's own chat `messages` replace the question; the system
     prompt goes first unless they open with a system turn of their own."""
     conversation = list(messages) or [{"role": "user", "content": question}]
     system = [] if conversation[0]["role"] == "system" else [{"role": "system", "content": system_prompt}]
-    turns = [*system, *solved_turns(shots), *conversation]
+    turns = [*system, *solved_turns(shots, demonstrate), *conversation]
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     return text + prefill
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
-                   max_prompt_tokens: int, shots: list[Problem] = ()) -> tuple[list[Prompt], int]:
+                   max_prompt_tokens: int, shots: list[Problem] = (), demonstrate=None) -> tuple[list[Prompt], int]:
     """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`.
     The `shots` themselves are not asked."""
     prompts, dropped, shown = [], 0, {shot.id for shot in shots}
     for problem in problems:
         if problem.id in shown:
             continue
-        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots, problem.messages)
+        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots, problem.messages, demonstrate)
         # the chat template already holds the special tokens; do not add BOS twice
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
@@ -68,8 +72,8 @@ def few_shot_examples(data_cfg, count: int) -> list[Problem]:
     return problems[:count]
 
 
-def build_prompts(tokenizer, data_cfg, problems: list[Problem]) -> tuple[list[Prompt], int]:
-    """The training / evaluation prompts as `data.*` configures them."""
+def build_prompts(tokenizer, data_cfg, problems: list[Problem], demonstrate=None) -> tuple[list[Prompt], int]:
+    """The training / evaluation prompts as `data.*` configures them (`demonstrate`: see `solved_turns`)."""
     shots = few_shot_examples(data_cfg, data_cfg.few_shot)
     return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
-                          shots)
+                          shots, demonstrate)

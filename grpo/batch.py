@@ -37,6 +37,8 @@ class RolloutBatch:
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/delivery.py)
     behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/behaviour.py), checked by the trainer
     weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/weights.py), checked too
+    model_mask: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens of multi-turn episodes
+    # (grpo/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
     schema: str = SCHEMA
 
     def group_slices(self) -> list[slice]:
@@ -81,6 +83,7 @@ FIELDS = (
     Field("reward_names", "header", list),
     Field("advantages", "tensor", "<f4", rows="completion"),
     Field("truncated", "tensor", "|b1", rows="completion"),
+    Field("model_mask", "ragged", "|b1", rows="token", optional=True),
     Field("num_tokens", "header", int),
     Field("num_sequences", "header", int),
     Field("meta", "header", dict),

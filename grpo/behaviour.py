@@ -20,7 +20,8 @@ from grpo.weights import INITIAL_DIGEST
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
                   "training.mask_truncated_completions", "model.name_or_path", "model.dtype", "sampling.dtype",
                   "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
-                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules")  # the sampler's copy scales by its own alpha
+                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",  # the sampler's copy scales by its own alpha
+                  "env.name", "env.max_turns")
 
 
 class BehaviourMismatch(ValueError):

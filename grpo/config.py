@@ -91,7 +91,8 @@ class SamplingConfig:
                             "mismatch (sampling/sampling_logp_difference; see training.importance_sampling).")
     prompts_per_step: int = _f(2, "Prompts per step (B).")
     group_size: int = _f(8, "Completions per prompt (G).")
-    max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated.")
+    max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated. With "
+                                  "env.name, the limit of a whole episode: model and environment tokens together.")
     temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
     top_k: int = _f(0, "Top-k sampling (0 = off).")
@@ -192,6 +193,19 @@ class EvalConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str = _f("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
+                       "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K "
+                       "calculator tool); 'openenv:package.module:Class' (an OpenEnv Environment); "
+                       "'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, **env.args)).")
+    args: dict = _f({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings).")
+    max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
+                           "model and environment tokens together.")
+    timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
+                                "network; a step that raises or runs past this is an error message to the model.")
+
+
+@dataclass
 class DeepSpeedConfig:
     backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
     zero_stage: int = _f(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered first).")
@@ -254,6 +268,7 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)

@@ -68,7 +68,8 @@ def validate(cfg):
     default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
     t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
     t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
-    errors = _choice_and_count_errors(cfg) + _value_errors(cfg) + _reward_errors(cfg) + _transport_errors(cfg)
+    errors = _choice_and_count_errors(cfg) + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
+        + _transport_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
@@ -191,6 +192,20 @@ def _reward_errors(cfg) -> list[str]:
     if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
         errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
                       f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")
+    return errors
+
+
+def _env_errors(cfg) -> list[str]:
+    e = cfg.env
+    errors = [f"{key} must be > 0; got {get_key(cfg, key)}" for key in ("env.max_turns", "env.timeout_s")
+              if not get_key(cfg, key) > 0]
+    if e.name:
+        from grpo.environments import environment_factory
+
+        try:
+            environment_factory(e.name, e.args)  # imports it now: a bad name fails at start, in both processes
+        except (ValueError, ImportError) as error:
+            errors.append(str(error))
     return errors
 
 

@@ -22,20 +22,29 @@ def is_evaluation_row(row: dict) -> bool:
 
 
 def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None,
-                   checks: tuple[str, str] = GSM8K_CHECKS) -> list[dict]:
-    """Each prompt's greedy completion, scored with the (accuracy, format) rewards `checks`: the
-    rows of an evaluation."""
+                   checks: tuple[str, str] = GSM8K_CHECKS, episodes=None) -> list[dict]:
+    """Each prompt's greedy completion (with `episodes`, a grpo.episodes.EpisodeRunner: its greedy
+    episode, judged by its last model message), scored with the (accuracy, format) rewards
+    `checks`: the rows of an evaluation."""
     samples = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
-        completions = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-        rows = reward_rows([p.problem for p in chunk])
+        if episodes is not None:
+            run = episodes.run(engine, chunk, 1, greedy=True)
+            rollouts, completions, rows = run.rollouts, run.texts, run.rows
+        else:
+            rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
+            completions = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
+            rows = reward_rows([p.problem for p in chunk])
         correct, formatted = passes(checks[0], completions, rows), passes(checks[1], completions, rows)
-        for prompt, completion, ids, cut, ok, form in zip(chunk, completions, rollouts.completion_ids,
-                                                          rollouts.truncated, correct, formatted):
+        for k, (prompt, completion, ids, cut, ok, form) in enumerate(zip(chunk, completions, rollouts.completion_ids,
+                                                                       rollouts.truncated, correct, formatted)):
             samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
                             "correct": ok, "format": form, "tokens": len(ids), "truncated": cut})
+            if episodes is not None:  # the whole episode, tool results included, and its counts
+                e = run.episodes[k]
+                samples[-1].update(episode=prefill + tokenizer.decode(ids, skip_special_tokens=True), turns=e.turns,
+                                   tool_calls=e.tool_calls, tool_errors=e.tool_errors)
         if progress is not None:
             progress(len(chunk))
     return samples
@@ -48,7 +57,9 @@ def summary(samples: list[dict]) -> dict[str, float]:
             "answer_accuracy_stderr": math.sqrt(accuracy * (1 - accuracy) / n),
             "format_rate": sum(s["format"] for s in samples) / n,
             "mean_completion_tokens": sum(s["tokens"] for s in samples) / n,
-            "truncated_rate": sum(s["truncated"] for s in samples) / n}
+            "truncated_rate": sum(s["truncated"] for s in samples) / n,
+            **({"mean_turns": sum(s["turns"] for s in samples) / n,
+                "mean_tool_calls": sum(s["tool_calls"] for s in samples) / n} if samples and "turns" in samples[0] else {})}
 
 
 class TrainingEvaluator:
@@ -57,12 +68,12 @@ class TrainingEvaluator:
     at the end."""
 
     def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, evaluated_through: int = -1,
-                 checks: tuple[str, str] = GSM8K_CHECKS):
+                 checks: tuple[str, str] = GSM8K_CHECKS, episodes=None):
         """`evaluated_through`: the marks up to this version are done (-1 on a fresh start; a
         resumed sampler passes the least version its last step could have served). `checks`:
         the (accuracy, format) rewards (rewards.accuracy_reward, rewards.format_reward)."""
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
-        self.checks = checks
+        self.checks, self.episodes = checks, episodes
         self.next_mark = self._mark_after(evaluated_through)
         self.newest_seen = max(evaluated_through, 0)
         self.last_samples: list[dict] = []
@@ -81,7 +92,7 @@ class TrainingEvaluator:
         """The `eval/` metrics of the weights `engine` serves (version `version`), keyed for metrics.jsonl."""
         t = time.perf_counter()
         self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size,
-                                           checks=self.checks)
+                                           checks=self.checks, episodes=self.episodes)
         result = summary(self.last_samples)
         self.next_mark = self._mark_after(version)
         return {"step": version, **{f"eval/{key}": float(value) for key, value in result.items()},

@@ -21,6 +21,7 @@ from grpo.delivery import global_step
 from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.dynamic_sampling import choose_groups, has_spread, round_seed
+from grpo.episodes import episode_metrics
 from grpo.rollout import RolloutEngine, Rollouts
 from grpo.sampling import loss_counts, sampler_metrics
 from rewards import RewardScores, score_completions
@@ -39,6 +40,7 @@ class SamplerPolicy:
     reference: Any | None  # a frozen copy of the start, for a full fine-tune with beta > 0
     tokenizer: Any
     behaviour: dict  # the settings each batch records (grpo/behaviour.py)
+    episodes: Any | None = None  # grpo.episodes.EpisodeRunner with env.name: multi-turn episodes
 
     @functools.cached_property
     def shape(self) -> ModelShape:
@@ -78,15 +80,23 @@ class Round:
     generate_s: float = 0.0
     rewards_s: float = 0.0
     generation_flops: int = 0  # model FLOPs of the generation (grpo/flops.py)
+    episodes: list | None = None  # grpo.episodes.Episode per sample, with env.name
 
 
 def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
     t = time.perf_counter()
-    rollouts = policy.engine.generate([p.token_ids for p in prompts], cfg.sampling.group_size, seed=seed)
-    generate_s, t = time.perf_counter() - t, time.perf_counter()
     G = cfg.sampling.group_size
-    texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-    rows = reward_rows([p.problem for p in prompts for _ in range(G)])
+    episodes = None
+    if policy.episodes is not None:  # multi-turn: rewards score each episode's last model message
+        run = policy.episodes.run(policy.engine, prompts, G, seed=seed)
+        rollouts, texts, rows, episodes = run.rollouts, run.texts, run.rows, run.episodes
+    else:
+        rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed)
+    generate_s, t = time.perf_counter() - t, time.perf_counter()
+    if episodes is None:
+        texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids,
+                                                                             skip_special_tokens=True)]
+        rows = reward_rows([p.problem for p in prompts for _ in range(G)])
     scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox)
     if cfg.rewards.overlong_buffer > 0:
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
@@ -96,25 +106,28 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
                               scores.total + penalty, {**scores.failures, OVERLONG: 0})
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
-    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t, flops.total)
+    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t, flops.total, episodes)
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
     """The chosen (round, group) pairs as one round, in that order."""
     samples = [(rounds[r], j * G + k) for r, j in chosen for k in range(G)]
     scores = [rnd.scores for rnd in rounds]
+    episodic = rounds[0].episodes is not None
     return Round(
         prompts=[rounds[r].prompts[j] for r, j in chosen],
         rollouts=Rollouts(completion_ids=[rnd.rollouts.completion_ids[i] for rnd, i in samples],
                           truncated=[rnd.rollouts.truncated[i] for rnd, i in samples],
-                          logps=[rnd.rollouts.logps[i] for rnd, i in samples]),
+                          logps=[rnd.rollouts.logps[i] for rnd, i in samples],
+                          model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None),
         texts=[rnd.texts[i] for rnd, i in samples],
         scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
                             {name: sum(s.failures[name] for s in scores) for name in scores[0].failures}),
         generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
-        generation_flops=sum(rnd.generation_flops for rnd in rounds))
+        generation_flops=sum(rnd.generation_flops for rnd in rounds),
+        episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None)
 
 
 def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
@@ -159,8 +172,10 @@ def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], 
         elif policy.reference is not None:
             ref_logps = completion_logprobs(policy.reference, *args, **kwargs)
     gap = None
-    if recomputed is not None:
-        gap = max((a - b.float().cpu()).abs().max().item() for a, b in zip(rollouts.logps, recomputed))
+    if recomputed is not None:  # over the model's tokens: an episode's environment tokens hold placeholders
+        masks = rollouts.model_masks or [torch.ones(len(c), dtype=torch.bool) for c in rollouts.completion_ids]
+        gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)),
+                  default=0.0)
     return (rollouts.logps if recorded else recomputed), ref_logps, gap
 
 
@@ -185,7 +200,8 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     timings["timing/logprobs_s"] = time.perf_counter() - t
 
     truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
-    num_tokens, num_sequences = loss_counts(rollouts.completion_ids, truncated, cfg.training.mask_truncated_completions)
+    num_tokens, num_sequences = loss_counts(rollouts.completion_ids, truncated, cfg.training.mask_truncated_completions,
+                                            rollouts.model_masks)
     batch = RolloutBatch(
         step=step, sampler=sampler, policy_version=version, prompt_ids=prompt_ids,
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
@@ -194,10 +210,14 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         rewards=scores.per_function, reward_names=reward_names(cfg), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
-        weights_digest=digest)
+        weights_digest=digest, model_mask=rollouts.model_masks)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
-    metrics.update(strict_rates(kept.texts, reward_rows([p.problem for p in prompts for _ in range(cfg.sampling.group_size)]),
-                                checks_of(cfg.rewards)))
+    rows = reward_rows([p.problem for p in prompts for _ in range(cfg.sampling.group_size)])
+    if kept.episodes is not None:
+        rows = [{**row, "env_reward": e.reward} for row, e in zip(rows, kept.episodes)]
+    metrics.update(strict_rates(kept.texts, rows, checks_of(cfg.rewards)))
+    if kept.episodes is not None:
+        metrics.update(episode_metrics(kept.episodes))
     if gap is not None:
         metrics["sampler/engine_logp_gap_max"] = gap
         if cfg.sampling.old_logps == "generation":

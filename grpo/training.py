@@ -44,6 +44,8 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True,
         ref_logps = reference_logps(model, mb, cfg)
     ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
     mask = loss_mask(mask, mb.truncated.to(device), t.mask_truncated_completions)
+    if mb.model_mask is not None:  # episodes: the environment's tokens are context, not the policy's actions
+        mask = mask & pad_right([m.to(device) for m in mb.model_mask], value=False)[0]
     level = "sequence" if t.use_gspo else "token"
     clip_against, is_weights = old, None
     if t.importance_sampling != "none":  # decoupled: clip against the proximal policy (this forward, before

@@ -41,6 +41,7 @@ REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (comp
 }
 ROW_FUNCTIONS: dict[str, Callable[[str, dict], float | None]] = {  # built-ins that read the whole row
     "reasoning_gym": reasoning_gym_score,  # a reasoning-gym task's own scorer
+    "env_reward": lambda completion, row: row.get("env_reward"),  # the environment's own (grpo/environments)
 }
 
 
@@ -77,18 +78,24 @@ def _module_of(path: str):
     return importlib.import_module(path)
 
 
-def import_reward(name: str):
-    """The function an import path names; RewardImportError (naming the path and why) otherwise."""
+def import_object(name: str, key: str):
+    """The callable an import path names (for the config key `key`); RewardImportError (naming the
+    key, the path and why) otherwise."""
     module_path, _, attribute = name.rpartition(":")
     try:
         function = getattr(_module_of(module_path), attribute)
     except Exception as e:  # ImportError, SyntaxError in the module, AttributeError, ...
-        raise RewardImportError(f"rewards.names: cannot import reward {name!r} ({type(e).__name__}: {e}); give "
-                                "'package.module:function' importable from the project folder or PYTHONPATH, "
-                                "or 'path/to/file.py:function'") from None
+        raise RewardImportError(f"{key}: cannot import {name!r} ({type(e).__name__}: {e}); give "
+                                "'package.module:name' importable from the project folder or PYTHONPATH, "
+                                "or 'path/to/file.py:name'") from None
     if not callable(function):
-        raise RewardImportError(f"rewards.names: {name!r} is a {type(function).__name__}, not a function")
+        raise RewardImportError(f"{key}: {name!r} is a {type(function).__name__}, not a function or class")
     return function
+
+
+def import_reward(name: str):
+    """The reward function an import path names."""
+    return import_object(name, "rewards.names")
 
 
 def get_reward(name: str):

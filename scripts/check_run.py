@@ -2,7 +2,7 @@
 
     python scripts/check_run.py runs/ci-smoke --steps 2 [--max-logp-difference 1e-3]
 
-Asserts: `metrics.jsonl` has one row per step 1..N (and, if asked, every row's
+Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked, every row's
 `sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch); `weights/LATEST` is N and that version's
 checksums verify; and, for a LoRA run, the published adapter loads with `peft.PeftModel.from_pretrained`
 on the base model (a real client, not our loader) and changes its logits. Exit 1 with the reason
@@ -34,13 +34,19 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
     rows = [row for row in rows if not is_evaluation_row(row)]
     if [row["step"] for row in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[row['step'] for row in rows]}, expected 1..{steps}")
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.env.name:  # episodes: every row reports them
+        missing = [row["step"] for row in rows if "env/turns/mean" not in row]
+        if missing:
+            problems.append(f"env.name={cfg.env.name} but steps {missing} have no env/turns/mean")
+        print("env/turns/mean, env/tool_calls/mean per step:",
+              [(row.get("env/turns/mean"), row.get("env/tool_calls/mean")) for row in rows])
     key = "sampling/sampling_logp_difference/mean"
     if max_logp_difference is not None:
         gaps = [row.get(key) for row in rows]
         print(f"{key} per step: {gaps}")
         if not all(gap is not None and gap < max_logp_difference for gap in gaps):
             problems.append(f"{key} is {gaps}, expected every step below {max_logp_difference:g}")
-    cfg = load_config(run_dir / "config.yaml")
     latest = read_latest(cfg.weights_dir)
     if latest != steps:
         return problems + [f"weights/LATEST is {latest}, expected {steps}"]

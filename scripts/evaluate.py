@@ -29,6 +29,8 @@ from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
+from grpo.environments import environment_demonstration  # noqa: E402
+from grpo.episodes import episode_runner  # noqa: E402
 from grpo.evaluation import greedy_samples, summary  # noqa: E402
 from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
 from rewards.strict import checks_of  # noqa: E402
@@ -57,12 +59,17 @@ def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, spli
     model = load_evaluated_model(cfg, weights, device)
     problems, _ = load_split(cfg.data, split)
     problems = problems[:limit] if limit else problems
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
     engine = HFEngine(model, tokenizer, cfg.sampling)
+    episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
     start = time.perf_counter()
-    with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:
-        samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update,
-                                 checks=checks_of(cfg.rewards))
+    try:
+        with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:
+            samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update,
+                                     checks=checks_of(cfg.rewards), episodes=episodes)
+    finally:
+        if episodes is not None:
+            episodes.pool.close()
     result = {"model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
               "dropped_overlong": dropped, **summary(samples), "max_new_tokens": cfg.sampling.max_new_tokens,
               "seconds": round(time.perf_counter() - start, 1)}

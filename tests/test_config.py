@@ -128,7 +128,7 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3; got 4"),
     (["rewards.weights=[1.0]"], "rewards.weights has 1 entries but rewards.names has 2; give one weight per"),
-    (["rewards.names=[gsm8k_answer,nope]"], "rewards.names: unknown reward 'nope'; valid names: answer_format, gsm8k_answer"),
+    (["rewards.names=[gsm8k_answer,nope]"], "rewards.names: unknown reward 'nope'; valid names: answer_format, env_reward, gsm8k_answer"),
     (["rewards.accuracy_reward=nope"], "rewards.accuracy_reward: unknown reward 'nope'; valid names: answer_format"),
     (["lora.target_modules=[]"], "lora.target_modules is empty"),
     (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),

@@ -142,7 +142,7 @@ def rows(*answers):
 
 
 def test_registry_lists_valid_names_on_unknown():
-    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: answer_format, gsm8k_answer, "
+    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: answer_format, env_reward, gsm8k_answer, "
                                          "gsm8k_answer_lenient, reasoning_gym, think_answer_format"):
         get_reward("answer")
     assert set(REWARD_FUNCTIONS) >= {"gsm8k_answer", "think_answer_format"}
@@ -281,7 +281,7 @@ def test_a_reward_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path):
     for name, why in [(f"{tmp_path}/my_rewards.py:missing", "AttributeError"),
                       (f"{tmp_path}/nothing_here.py:f", "FileNotFoundError"),
                       ("no_such_package.rewards:f", "ModuleNotFoundError")]:
-        with pytest.raises(ConfigError, match=f"rewards.names: cannot import reward '{re.escape(name)}' \\({why}"):
+        with pytest.raises(ConfigError, match=f"rewards.names: cannot import '{re.escape(name)}' \\({why}"):
             load_config(None, [f"rewards.names=[gsm8k_answer,{name}]", "rewards.weights=[1,1]"])
     with pytest.raises(ConfigError, match="my_rewards.py:NOT_A_FUNCTION' is a int, not a function"):
         load_config(None, [f"rewards.names=[{tmp_path}/my_rewards.py:NOT_A_FUNCTION]", "rewards.weights=[1]"])

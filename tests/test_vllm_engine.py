@@ -105,6 +105,49 @@ def test_recorded_logps_are_the_trainers_tempered_logps(served):
 
 
 @needs_vllm
+def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(served):
+    """Multi-turn episodes with a scripted environment: every model turn's recorded log-probs match
+    the trainer's shared-prefix recompute of the whole episode within the single-turn bound, and
+    the environment's tokens sit exactly where the mask says."""
+    from conftest import REPO
+    from data.problems import Problem
+    from data.prompts import Prompt
+    from grpo.environments.pool import EnvironmentPool
+    from grpo.episodes import EpisodeRunner
+
+    cfg, model, tokenizer, engine, _ = served
+    questions = ("Say hello in one word.", "Name one colour.")
+    prompts = [Prompt(Problem(f"p{i}", q, "x"), tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)) for i, q in enumerate(questions)]
+    prompts = [Prompt(p.problem, tokenizer(p.token_ids, add_special_tokens=False)["input_ids"]) for p in prompts]
+    pool = EnvironmentPool(f"{REPO}/tests/scripted_envs.py:Scripted", {"length": 3}, 10.0)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, 96, 4)
+        run = runner.run(engine, prompts, 3, seed=5)
+    finally:
+        pool.close()
+    assert any(e.turns >= 2 for e in run.episodes), [e.turns for e in run.episodes]
+    for e, ids, mask in zip(run.episodes, run.rollouts.completion_ids, run.rollouts.model_masks):
+        shown = [runner.reply_tokens(f"reply {k + 1} to {m[:3]!r}", "user") for k, m in enumerate(e.messages)]
+        segments, start = [], 0  # the environment's stretches of the episode, in order
+        for k in range(1, len(mask) + 1):
+            if k == len(mask) or mask[k] != mask[start]:
+                if not mask[start]:
+                    segments.append(ids[start:k].tolist())
+                start = k
+        assert len(segments) <= len(shown)
+        for segment, reply in zip(segments, shown):  # only the last one may be cut, at the token budget
+            assert segment == reply[:len(segment)] and (len(segment) == len(reply) or e.truncated)
+    with torch.no_grad():
+        recomputed = completion_logprobs(model, [torch.tensor(p.token_ids) for p in prompts], run.rollouts.completion_ids,
+                                         [3, 3], temperature=cfg.sampling.temperature)
+    gap = max((a - b)[m].abs().max().item() for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
+    print(f"vLLM episodes: largest model-token log-prob gap {gap:.2e} over "
+          f"{sum(int(m.sum()) for m in run.rollouts.model_masks)} tokens, turns {[e.turns for e in run.episodes]}")
+    assert gap < LOGP_BOUND
+
+
+@needs_vllm
 def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
     """sampling.old_logps=generation sends vLLM's recorded log-probs; recompute the scoring model's."""
     cfg, model, tokenizer, engine, prompts = served

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -43,6 +43,7 @@ class Rollouts:
     completion_ids: list[torch.Tensor]  # N x int64 [C_j]
     truncated: list[bool]  # [N]: hit max_new_tokens without EOS
     logps: list[torch.Tensor]  # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
+    model_masks: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens, in episodes (grpo/episodes.py)
 
 
 @runtime_checkable
@@ -51,8 +52,9 @@ class RolloutEngine(Protocol):
     weights_digest: str  # that version's manifest sha256 (grpo.weights.INITIAL_DIGEST for version 0)
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                 greedy: bool = False) -> Rollouts:
-        """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs."""
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+        """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs;
+        prompt i's at most `max_new_tokens[i]` long (default: sampling.max_new_tokens each)."""
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         """Read and check a published version whose checksums were verified (`grpo.weights.verify`,

@@ -15,6 +15,7 @@ import copy
 import functools
 import inspect
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -148,8 +149,9 @@ class HFEngine:
         return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                 greedy: bool = False) -> Rollouts:
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
         cfg = self.cfg
+        limits = list(max_new_tokens) if max_new_tokens is not None else [cfg.max_new_tokens] * len(prompts)
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self._prefill(ids, mask) if ids.shape[1] > 1 else None
@@ -166,11 +168,11 @@ class HFEngine:
             with torch.no_grad(), only_our_generation_config(self.model, self.eos_ids, self.tokenizer.pad_token_id):
                 out = self.model.generate(
                     input_ids=ids.repeat_interleave(k, 0), attention_mask=mask.repeat_interleave(k, 0),
-                    past_key_values=chunk_cache, max_new_tokens=cfg.max_new_tokens, do_sample=False,
+                    past_key_values=chunk_cache, max_new_tokens=max(limits), do_sample=False,
                     eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, logits_processor=[sampler])
             recorded = sampler.recorded().cpu()
-            for i, row in enumerate(out[:, ids.shape[1]:].cpu()):
-                tokens, cut = cut_at_eos(row, self.eos_ids)
+            for i, row in enumerate(out[:, ids.shape[1]:].cpu()):  # chunk rows: k per prompt, prompt-major
+                tokens, cut = cut_at_eos(row[:limits[i // k]], self.eos_ids)
                 produced.append(tokens)
                 truncated.append(cut)
                 logps.append(recorded[i, :len(tokens)].clone())

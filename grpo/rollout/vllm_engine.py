@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -134,17 +135,18 @@ class VllmEngine:
         del self.llm
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                 greedy: bool = False) -> Rollouts:
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
         from vllm.inputs import TokensPrompt
 
         s = self.cfg.sampling
         if group_size > SEED_BLOCK:
             raise ValueError(f"group_size {group_size} is above {SEED_BLOCK}, the seeds one prompt's samples may take")
         seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
+        limits = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens] * len(prompts)
         params = [self._vllm.SamplingParams(
             n=group_size, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=s.max_new_tokens, logprobs=0, seed=prompt_seed, stop_token_ids=self.eos_ids)
-            for prompt_seed in seeds]  # one seed per prompt: grpo.rollout.prompt_seeds says why
+            max_tokens=limit, logprobs=0, seed=prompt_seed, stop_token_ids=self.eos_ids)
+            for prompt_seed, limit in zip(seeds, limits)]  # one seed per prompt: grpo.rollout.prompt_seeds says why
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)
         completions, truncated, logps = [], [], []

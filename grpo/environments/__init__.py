@@ -1,0 +1,70 @@
+"""Environments: what answers the model between its turns (tools, feedback, games).
+
+An episode starts from a dataset row's prompt. The model speaks (one assistant message, ended by
+EOS); the environment's `step(message)` returns a `Reply`: text for the model's next turn (a tool
+result, feedback), whether the episode is over, an optional reward, and how many tool calls it
+served and how many failed. The episode runner (grpo/episodes.py) keeps the environment's tokens
+in the completion as context and out of the loss.
+
+An environment is a class (or factory) `make(row: dict, **env.args)` -> an object with
+`step(message: str) -> Reply`; one instance per episode, stepped in a child process
+(grpo/environments/pool.py) with a time limit and no network. `env.name` picks it:
+  calculator                           the shipped GSM8K example (grpo/environments/calculator.py)
+  openenv:package.module:Class         an OpenEnv `Environment` (grpo/environments/openenv_adapter.py)
+  package.module:factory               your own, importable
+  path/to/file.py:factory              your own, by file
+docs/environments.md has the interface, an environment written from scratch, and how it
+compares with OpenEnv and verifiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Reply:
+    """The environment's answer to one model message."""
+
+    text: str = ""  # what the model reads next (ignored when done)
+    done: bool = False  # the episode is over: no reply is shown, no further turn
+    reward: float | None = None  # adds to the episode's `env_reward` (None: gives none)
+    role: str = "user"  # the chat role the text is shown in (the chat template renders it)
+    tool_calls: int = 0  # tool calls this message made
+    tool_errors: int = 0  # of them, the ones that failed (the error went back to the model as text)
+
+    def to_json(self) -> list:
+        """JSON values whatever the environment returned (a numpy float reward, a bool count)."""
+        return [str(self.text), bool(self.done), None if self.reward is None else float(self.reward), str(self.role),
+                int(self.tool_calls), int(self.tool_errors)]
+
+    @classmethod
+    def from_json(cls, value) -> "Reply":
+        text, done, reward, role, calls, errors = value
+        return cls(str(text), bool(done), None if reward is None else float(reward), str(role), int(calls), int(errors))
+
+
+BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator"}
+
+
+def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
+    """row -> a new environment instance for `env.name` / `env.args` (imports the environment)."""
+    from rewards.registry import import_object
+
+    if name.startswith("openenv:"):
+        from grpo.environments.openenv_adapter import openenv_factory
+
+        return openenv_factory(name.removeprefix("openenv:"), args)
+    make = import_object(BUILT_IN.get(name, name), "env.name")
+    return lambda row: make(row, **args)
+
+
+def environment_demonstration(name: str):
+    """The environment's `demonstration(row, answer) -> chat turns | None` for few-shot examples
+    (data.prompts.solved_turns), or None when it has none (OpenEnv environments have none)."""
+    from rewards.registry import import_object
+
+    if not name or name.startswith("openenv:"):
+        return None
+    return getattr(import_object(BUILT_IN.get(name, name), "env.name"), "demonstration", None)

@@ -1,0 +1,78 @@
+"""OpenEnv environments (`openenv-core`) in episodes: `env.name=openenv:package.module:Class`.
+
+An OpenEnv `Environment` is a Gym-style class: `reset(seed=...)` then `step(action)` -> an
+`Observation` with `done` and `reward`. Each episode gets its own instance, reset with a seed
+taken from the dataset row (the G episodes of a prompt start alike, and a rebuilt episode
+replays the same way). The model's message becomes the action's text field; the observation's
+fields (less done, reward, metadata) become the reply: the one field as it is, several as JSON.
+
+env.args: `init` (the class's keyword arguments), `action` (the Action class as an import path;
+default: the type of `step`'s action parameter), `action_field` (default: the action's one
+required str field), `observation_field` (default: every field, as above), `role` (default user).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+import zlib
+
+from grpo.environments import Reply
+
+SETTINGS = ("init", "action", "action_field", "observation_field", "role")
+NOT_SHOWN = ("done", "reward", "metadata")
+
+
+def openenv_factory(path: str, args: dict):
+    """row -> an episode of the OpenEnv Environment class at `path` (ValueError naming what is wrong)."""
+    from openenv.core.env_server.interfaces import Environment
+    from openenv.core.env_server.types import Action
+    from rewards.registry import import_object
+
+    unknown = sorted(set(args) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"env.args: {', '.join(unknown)} unknown for an OpenEnv environment; valid: {', '.join(SETTINGS)}")
+    cls = import_object(path, "env.name")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"env.name: {path!r} is not an OpenEnv Environment class")
+    action_cls = import_object(args["action"], "env.args.action") if "action" in args else \
+        typing.get_type_hints(cls.step).get("action")
+    if not (isinstance(action_cls, type) and issubclass(action_cls, Action)) or action_cls is Action:
+        raise ValueError(f"env.args.action: give the Action class of {path!r} as 'package.module:Class' "
+                         f"(its step() does not name one)")
+    field = args.get("action_field") or _text_field(action_cls)
+    init, observation_field, role = dict(args.get("init", {})), args.get("observation_field"), args.get("role", "user")
+    return lambda row: OpenEnvEpisode(cls(**init), action_cls, field, observation_field, role, row)
+
+
+def _text_field(action_cls) -> str:
+    required = [name for name, f in action_cls.model_fields.items() if f.is_required() and f.annotation is str]
+    if len(required) != 1:
+        raise ValueError(f"env.args.action_field: {action_cls.__name__} has {len(required)} required str fields "
+                         f"({', '.join(required) or 'none'}); name the one that takes the model's message")
+    return required[0]
+
+
+def row_seed(row: dict) -> int:
+    """A reset seed from the dataset row: the same for every episode of a prompt."""
+    return zlib.crc32(json.dumps(row, sort_keys=True, default=str).encode())
+
+
+class OpenEnvEpisode:
+    def __init__(self, env, action_cls, action_field: str, observation_field: str | None, role: str, row: dict):
+        self.env, self.action_cls, self.action_field = env, action_cls, action_field
+        self.observation_field, self.role = observation_field, role
+        self.env.reset(seed=row_seed(row))
+
+    def step(self, message: str) -> Reply:
+        observation = self.env.step(self.action_cls(**{self.action_field: message}))
+        reward = None if observation.reward is None else float(observation.reward)
+        return Reply(text=self.text_of(observation), done=bool(observation.done), reward=reward, role=self.role)
+
+    def text_of(self, observation) -> str:
+        if self.observation_field:
+            return str(getattr(observation, self.observation_field))
+        shown = {k: v for k, v in observation.model_dump().items() if k not in NOT_SHOWN}
+        if len(shown) == 1:
+            return str(next(iter(shown.values())))
+        return json.dumps(shown, default=str)

@@ -1,0 +1,43 @@
+"""A real OpenEnv environment for the adapter's tests: env.name=openenv:tests/openenv_envs.py:GuessNumber."""
+
+import random
+import re
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class GuessAction(Action):
+    guess: str
+
+
+class GuessObservation(Observation):
+    feedback: str = ""
+
+
+class GuessNumber(Environment):
+    """Guess a number in [low, high]: "higher" / "lower" until right (reward 1) or out of tries (0)."""
+
+    def __init__(self, low: int = 0, high: int = 9, tries: int = 3):
+        super().__init__()
+        self.low, self.high, self.tries = low, high, tries
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        self.target = random.Random(seed).randint(self.low, self.high)
+        self._state = State(episode_id=episode_id, step_count=0)
+        return GuessObservation(feedback=f"guess a number from {self.low} to {self.high}")
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        self._state.step_count += 1
+        found = re.findall(r"-?\d+", action.guess)
+        if not found:
+            return GuessObservation(feedback="say a number", done=self._state.step_count >= self.tries, reward=0.0)
+        guess = int(found[-1])
+        if guess == self.target:
+            return GuessObservation(feedback="right", done=True, reward=1.0)
+        return GuessObservation(feedback="higher" if guess < self.target else "lower",
+                                done=self._state.step_count >= self.tries, reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state

@@ -1,0 +1,81 @@
+"""Environments for the tests, named by path: env.name=tests/scripted_envs.py:<factory>."""
+
+import os
+import socket
+import time
+
+from grpo.environments import Reply
+
+
+class Scripted:
+    """Replies "reply <k> to <the message's first 3 characters>" to message k (k = 1, 2, ...);
+    done at message `length`; reward = the number of messages, given at the end."""
+
+    def __init__(self, row, length: int = 3, role: str = "user"):
+        self.length, self.role, self.seen = length, role, 0
+
+    def step(self, message: str) -> Reply:
+        self.seen += 1
+        if self.seen >= self.length:
+            return Reply(done=True, reward=float(self.seen))
+        return Reply(text=f"reply {self.seen} to {message[:3]!r}", role=self.role, tool_calls=1,
+                     tool_errors=int(self.seen % 2 == 0))
+
+
+class Counter:
+    """Replies "count <k>": its state is how many messages it has taken."""
+
+    def __init__(self, row):
+        self.count = 0
+
+    def step(self, message: str) -> Reply:
+        if message == "hang":
+            time.sleep(3600)
+        if message == "raise":
+            raise RuntimeError("the tool broke")
+        self.count += 1
+        return Reply(text=f"count {self.count}")
+
+
+def hangs_or_raises(row, on: str = "hang", turn: int = 2):
+    """A Scripted environment that hangs (or raises) at message `turn` of the problem whose
+    reference answer is "1"; the other problems' episodes go on."""
+    env = Scripted(row, length=4)
+    step = env.step
+
+    def faulty(message):
+        if row.get("reference_answer") == "1" and env.seen + 1 == turn:
+            if on == "hang":
+                time.sleep(3600)
+            raise RuntimeError("the tool broke")
+        return step(message)
+    env.step = faulty
+    return env
+
+
+class NetworkProbe:
+    """Replies what happened when it tried to open a TCP connection."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, message: str) -> Reply:
+        try:
+            socket.create_connection(("127.0.0.1", int(message)), timeout=2).close()
+            return Reply(text="connected", done=True)
+        except OSError as e:
+            return Reply(text=f"{type(e).__name__}: {e}", done=True)
+
+
+class PausesOnce:
+    """Scripted, but at message 2 while `pause_file` exists it writes `pause_file`.hit and waits
+    there (for the test to kill the sampler mid-episode)."""
+
+    def __init__(self, row, pause_file: str):
+        self.env, self.pause_file = Scripted(row, length=3), pause_file
+
+    def step(self, message: str) -> Reply:
+        if self.env.seen == 1 and os.path.exists(self.pause_file):
+            open(self.pause_file + ".hit", "w").close()
+            time.sleep(3600)
+        return self.env.step(message)

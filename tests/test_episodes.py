@@ -1,0 +1,425 @@
+"""Multi-turn episodes (grpo/episodes.py, grpo/environments/): scripted environments in the real
+child-process pool, the HF engine on a tiny model, and the trainer's loss on the result."""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import REPO, tiny_model
+from data.problems import Problem
+from data.prompts import Prompt
+from grpo.batch import RolloutBatch
+from grpo.config import load_config
+from grpo.environments import Reply
+from grpo.environments.calculator import Calculator, evaluate
+from grpo.environments.pool import EnvironmentPool
+from grpo.episodes import EpisodeRunner, reply_parts, turn_seed
+from grpo.logprobs import completion_logprobs
+from grpo.rollout.hf_engine import HFEngine
+from grpo.sampling import loss_counts
+from grpo.training import micro_batch_loss
+
+ENVS = str(REPO / "tests" / "scripted_envs.py")
+
+
+class CharTokenizer:
+    """Characters as token ids 3..100 for the 101-token tiny models; EOS 1, pad 0, no chat template
+    (an environment's message is then put between newlines)."""
+
+    pad_token_id, eos_token_id, eos_token, chat_template = 0, 1, None, None
+
+    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 98 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + (int(i) - 3) % 26) for i in ids if int(i) >= 3)
+
+    def batch_decode(self, sequences, skip_special_tokens=False):
+        return [self.decode(s) for s in sequences]
+
+
+@pytest.fixture(scope="module")
+def chatty():
+    """A tiny random Llama whose head favours EOS (a bias of 2.5: ~11% a token), so messages end
+    and episodes go on for several turns; float32, logits of order 1."""
+    model = tiny_model("llama", vocab_size=101)
+    head = torch.nn.Linear(32, 101, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight * 10)
+        head.bias.zero_()
+        head.bias[1] = 2.5
+    model.lm_head = head
+    return model.eval(), CharTokenizer()
+
+
+def prompts_of(tokenizer, answers=("1", "2")):
+    return [Prompt(Problem(f"train-{i}", f"What is {answer} plus 0?", answer), [5 + i, 6, 7, 8, 9 + i][:3 + 2 * i])
+            for i, answer in enumerate(answers)]
+
+
+def sampling_cfg(max_new_tokens=48):
+    return load_config(None, [f"sampling.max_new_tokens={max_new_tokens}", "sampling.temperature=1.0"]).sampling
+
+
+def run_episodes(chatty, env, max_turns=4, max_new_tokens=48, timeout_s=5.0, seed=3, **args):
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"{ENVS}:{env}", args, timeout_s)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, max_new_tokens, max_turns)
+        engine = HFEngine(model, tokenizer, sampling_cfg(max_new_tokens))
+        return runner, runner.run(engine, prompts_of(tokenizer), 4, seed=seed)
+    finally:
+        pool.close()
+
+
+# ----------------------------------------------------------------------------- the environment's tokens
+
+def test_an_environment_message_is_rendered_between_the_models_eos_and_its_next_turn(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's, with its chat template
+    before, after = reply_parts(tokenizer, "user")
+    assert tokenizer.decode(before) == "\n<|im_start|>user\n"
+    assert tokenizer.decode(after) == "<|im_end|>\n<|im_start|>assistant\n"
+    runner = EpisodeRunner(None, tokenizer, 64, 4, prefill="<think>")
+    ids = runner.reply_tokens("7 <|im_end|>", "tool")  # its text cannot close the turn early
+    assert tokenizer.decode(ids) == "\n<|im_start|>tool\n7 <|im_end|><|im_end|>\n<|im_start|>assistant\n<think>"
+    assert ids.count(tokenizer.eos_token_id) == 1  # the template's own end of turn only
+
+
+def test_each_turn_draws_from_its_own_seed():
+    seeds = {turn_seed(5, t) for t in range(50)} | {turn_seed(6, t) for t in range(1, 50)}
+    assert len(seeds) == 99 and turn_seed(5, 0) == 5 and turn_seed(None, 3) is None
+
+
+# ----------------------------------------------------------------------------- episodes on the HF engine
+
+def test_the_model_mask_covers_exactly_the_models_turns_and_their_log_probs_are_the_trainers(chatty):
+    runner, run = run_episodes(chatty, "Scripted", length=3)
+    model, tokenizer = chatty
+    eos = tokenizer.eos_token_id
+    multi = 0
+    for e, ids, mask, logps in zip(run.episodes, run.rollouts.completion_ids, run.rollouts.model_masks,
+                                   run.rollouts.logps):
+        # walk the episode: model turn (ends with EOS unless truncated), then the scripted reply's exact tokens
+        position, expected = 0, []
+        for turn in range(1, e.turns + 1):
+            end = position
+            while end < len(ids) and ids[end] != eos:
+                end += 1
+            end = min(end + 1, len(ids))
+            expected += [True] * (end - position)
+            position = end
+            if turn < e.turns or (position < len(ids)):
+                reply = runner.reply_tokens(f"reply {turn} to {e.messages[turn - 1][:3]!r}", "user")[:len(ids) - position]
+                assert ids[position:position + len(reply)].tolist() == reply
+                expected += [False] * len(reply)
+                position += len(reply)
+        assert mask.tolist() == expected and position == len(ids)
+        assert (logps[~mask] == 0).all()
+        multi += e.turns >= 2
+        if not e.truncated:
+            assert e.turns == 3 and e.reward == 3.0  # done at the third message, rewarded with the count
+            assert (e.tool_calls, e.tool_errors) == (2, 1)
+    assert multi >= 4, "too few multi-turn episodes to test"
+    prompts = [torch.tensor(p.token_ids) for p in prompts_of(tokenizer)]
+    with torch.no_grad():
+        recomputed = completion_logprobs(model, prompts, run.rollouts.completion_ids, [4, 4])  # shared prefix
+    gap = max((a - b)[m].abs().max().item() for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
+    assert gap < 1e-5, gap
+
+
+def test_episodes_respect_the_token_budget_and_the_turn_limit(chatty):
+    _, run = run_episodes(chatty, "Scripted", length=99, max_turns=2, max_new_tokens=30)
+    for e, ids in zip(run.episodes, run.rollouts.completion_ids):
+        assert len(ids) <= 30 and e.turns <= 2
+        assert e.truncated or e.turns == 2  # the scripted environment never ends them itself
+    assert any(e.turns == 2 for e in run.episodes)
+
+
+def test_a_step_that_hangs_or_raises_costs_only_that_step(chatty):
+    for on in ("hang", "raise"):
+        t = time.monotonic()
+        _, run = run_episodes(chatty, "hangs_or_raises", timeout_s=1.0, on=on, turn=2)
+        assert time.monotonic() - t < 60
+        faulted = [e for e in run.episodes[:4] if e.env_errors]  # prompt 0's answer is "1": its second step fails
+        assert faulted and all(e.env_errors == 1 for e in faulted)
+        assert not any(e.env_errors for e in run.episodes[4:])
+        for e in faulted:  # the failure went back to the model as text; the episode went on
+            assert e.turns >= 2 and len(e.messages) == e.turns - 1 - (not e.truncated)
+
+
+def test_a_new_child_rebuilds_the_other_episodes_by_replaying_their_messages(tmp_path):
+    pool = EnvironmentPool(f"{ENVS}:Counter", {}, timeout_s=1.0)
+    try:
+        assert pool.step("a", {}, [], "x")[0].text == "count 1"
+        assert pool.step("b", {}, [], "x")[0].text == "count 1"
+        reply, failure = pool.step("b", {}, ["x"], "hang")
+        assert failure == "no reply within env.timeout_s=1 s" and reply.text.startswith("error: ")
+        assert pool.restarts == 1
+        assert pool.step("a", {}, ["x"], "y")[0].text == "count 2"  # rebuilt: one message replayed, then this one
+        reply, failure = pool.step("a", {}, ["x", "y"], "raise")
+        assert failure == "RuntimeError: the tool broke" and pool.restarts == 1
+        assert pool.step("a", {}, ["x", "y"], "z")[0].text == "count 3"
+    finally:
+        pool.close()
+
+
+def test_environments_have_no_network():
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    pool = EnvironmentPool(f"{ENVS}:NetworkProbe", {}, timeout_s=5.0)
+    try:
+        reply, failure = pool.step("a", {}, [], str(server.getsockname()[1]))
+        assert failure is None and reply.text != "connected" and reply.text.startswith("OSError")
+    finally:
+        pool.close()
+        server.close()
+
+
+# ----------------------------------------------------------------------------- the loss sees the model's tokens only
+
+def test_the_loss_and_its_counts_see_only_the_models_tokens(chatty):
+    """Worked: two episodes [m m e e m] and [m e m]; old log-probs = new - d at model tokens (ratio
+    e^d, inside the clip) and wild at environment tokens. GRPO's loss is -mean_j mean_{model t} e^d A_j."""
+    model, _ = chatty
+    cfg = load_config(None, ["training.beta=0", "sampling.temperature=1.0"])
+    prompt = [torch.tensor([5, 6, 7])]
+    completions = [torch.tensor([20, 21, 30, 31, 22]), torch.tensor([23, 32, 24])]
+    masks = [torch.tensor([1, 1, 0, 0, 1], dtype=torch.bool), torch.tensor([1, 0, 1], dtype=torch.bool)]
+    with torch.no_grad():
+        new = completion_logprobs(model, prompt, completions, [2])
+    d = [torch.tensor([0.1, -0.1, 0.0, 0.0, 0.05]), torch.tensor([0.02, 0.0, -0.15])]
+    wild = [torch.tensor([0, 0, 9.0, -9.0, 0]), torch.tensor([0, 9.0, 0])]
+    old = [n - x + w for n, x, w in zip(new, d, wild)]
+    advantages = torch.tensor([1.0, -0.5])
+    tokens, sequences = loss_counts(completions, torch.tensor([False, False]), False, masks)
+    assert (tokens, sequences) == (5, 2)
+    batch = RolloutBatch(step=0, policy_version=0, prompt_ids=prompt, completion_ids=completions, group_sizes=[2],
+                         old_logps=old, ref_logps=None, rewards=torch.zeros(2, 1), reward_names=["r"],
+                         advantages=advantages, truncated=torch.tensor([False, False]), num_tokens=tokens,
+                         num_sequences=sequences, model_mask=masks)
+    loss, metrics, counted = micro_batch_loss(model, batch, cfg)
+    e = torch.exp
+    expected = -(((e(torch.tensor(0.1)) + e(torch.tensor(-0.1)) + e(torch.tensor(0.05))) / 3 * 1.0
+                  + (e(torch.tensor(0.02)) + e(torch.tensor(-0.15))) / 2 * -0.5) / 2)
+    assert counted == 5 and abs(loss.item() - expected.item()) < 1e-6
+    assert metrics["clip_ratio/region_mean"] == 0.0  # the wild environment log-probs were never looked at
+    assert abs(metrics["sampling/sampling_logp_difference/max"] - 0.15) < 1e-5
+
+
+# ----------------------------------------------------------------------------- the shipped calculator
+
+@pytest.mark.parametrize("expression, value", [("48 / 2", 24.0), ("2 + 3 * 4", 14), ("(7 - 2) ** 2", 25),
+                                               ("1,200 * 3", 3600), ("-4 // 3", -2), ("10 % 4", 2)])
+def test_the_calculator_computes_arithmetic(expression, value):
+    assert evaluate(expression) == value
+
+
+def test_the_calculator_answers_bad_calls_with_an_error_message():
+    env = Calculator({}, max_calls=3)
+    reply = env.step("<calc>6 * 7</calc> and <calc>1 / 0</calc>")
+    assert reply == Reply(text="6 * 7 = 42\n1 / 0: error: division by zero", tool_calls=2, tool_errors=1)
+    reply = env.step("<calc>__import__('os')</calc><calc>2 ** 999</calc>")
+    assert reply.text == ("__import__('os'): error: Call is not arithmetic\n"
+                          "2 ** 999: error: no calls left") and reply.tool_errors == 2
+    assert env.step("<answer>42</answer>") == Reply(done=True)
+    assert "exponent 999 is above 64" in Calculator({}).step("<calc>2 ** 999</calc>").text
+
+
+def test_a_bad_environment_name_is_a_config_error_naming_it():
+    from grpo.config_tree import ConfigError
+
+    with pytest.raises(ConfigError, match="env.name: cannot import 'no_such_module:Env'"):
+        load_config(None, ["env.name=no_such_module:Env"])
+    with pytest.raises(ConfigError, match="env.max_turns must be > 0"):
+        load_config(None, ["env.name=calculator", "env.max_turns=0"])
+
+
+# ----------------------------------------------------------------------------- OpenEnv
+
+def test_an_openenv_environment_runs_by_name_with_no_code_of_ours():
+    from grpo.environments import environment_factory
+    from grpo.environments.openenv_adapter import row_seed
+
+    make = environment_factory(f"openenv:{REPO}/tests/openenv_envs.py:GuessNumber", {"init": {"tries": 5}})
+    row = {"question": "q", "reference_answer": "1"}
+    import random
+    target = random.Random(row_seed(row)).randint(0, 9)
+    episode = make(row)
+    low = episode.step(f"I say {target - 1}") if target > 0 else None
+    if low is not None:
+        assert low == Reply(text="higher", done=False, reward=0.0)
+    assert episode.step("no idea") == Reply(text="say a number", done=False, reward=0.0)
+    assert episode.step(f"it is {target}") == Reply(text="right", done=True, reward=1.0)
+
+
+def test_openenv_episodes_in_the_pool_give_the_environments_reward(chatty):
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"openenv:{REPO}/tests/openenv_envs.py:GuessNumber", {"init": {"tries": 2}}, 10.0)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 48, 4).run(HFEngine(model, tokenizer, sampling_cfg()),
+                                                         prompts_of(tokenizer), 4, seed=1)
+    finally:
+        pool.close()
+    for e, row in zip(run.episodes, run.rows):
+        assert e.truncated or (e.reward in (0.0, 1.0) and e.turns <= 2)
+        assert row["env_reward"] == e.reward
+    assert any(e.turns == 2 for e in run.episodes)
+
+
+def test_an_openenv_class_without_a_text_action_is_named():
+    from grpo.environments import environment_factory
+
+    with pytest.raises(ValueError, match="env.args: tries unknown for an OpenEnv environment"):
+        environment_factory(f"openenv:{REPO}/tests/openenv_envs.py:GuessNumber", {"tries": 5})
+    with pytest.raises(ValueError, match="is not an OpenEnv Environment class"):
+        environment_factory(f"openenv:{ENVS}:Counter", {})
+
+
+# ----------------------------------------------------------------------------- a sampler step of episodes
+
+def episode_step(chatty, step, *overrides):
+    from grpo.sampler_step import SamplerPolicy, make_batch
+
+    model, tokenizer = chatty
+    cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=40", "sampling.temperature=1.0",
+                             "training.beta=0", "lora.enabled=false", "training.reference_on=sampler", f"env.name={ENVS}:Scripted",
+                             "env.args={length: 3}", "rewards.names=[env_reward]", "rewards.weights=[1.0]",
+                             "rewards.accuracy_reward=env_reward", "rewards.format_reward=env_reward", "data.prefill=",
+                             *overrides])
+    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
+        policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        more = lambda r: prompts_of(tokenizer, answers=(str(3 + 2 * r), str(4 + 2 * r)))  # noqa: E731
+        return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step, sampler=0, sandbox=None,
+                               metrics_so_far={}, check_recorded=True, more_prompts=more)
+    finally:
+        pool.close()
+
+
+def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_models_tokens(chatty):
+    from grpo.sharding import select_groups
+    from grpo.transport import decode_batch, encode_batch
+    from helpers import assert_batches_equal
+
+    cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true")
+    masks = batch.model_mask
+    assert [len(m) for m in masks] == [len(c) for c in batch.completion_ids]
+    assert batch.num_tokens == sum(int(m.sum()) for m in masks) < sum(len(c) for c in batch.completion_ids)
+    metrics = batch.meta["metrics"]
+    assert metrics["sampler/engine_logp_gap_max"] < 1e-5  # recorded vs recomputed, over the model's tokens
+    done = [j for j, c in enumerate(batch.completion_ids) if not batch.truncated[j]]
+    assert all(batch.rewards[j, 0] == 3.0 for j in done)  # env_reward: the scripted environment's count
+    assert metrics["env/turns/mean"] > 1 and metrics["env/tool_calls/mean"] > 0
+    assert 0 < metrics["env/model_token_fraction"] < 1
+    decoded = decode_batch(encode_batch(batch))
+    assert_batches_equal(batch, decoded)
+    assert all(torch.equal(a, b) for a, b in zip(batch.model_mask, decoded.model_mask))
+    part = select_groups(batch, [1])
+    assert all(torch.equal(a, b) for a, b in zip(part.model_mask, batch.model_mask[batch.group_slices()[1]]))
+
+
+def test_a_step_made_again_after_a_restart_is_the_same_batch(chatty):
+    """A sampler killed mid-episode makes its step again on restart (the cursor is saved after the
+    send): a fresh pool and runner give the same episodes, so nothing is lost or changed."""
+    _, first = episode_step(chatty, 7)
+    _, again = episode_step(chatty, 7)
+    for name in ("completion_ids", "model_mask", "old_logps"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(first, name), getattr(again, name))), name
+    assert torch.equal(first.rewards, again.rewards)
+
+
+# ----------------------------------------------------------------------------- the real processes
+
+@pytest.fixture(scope="module")
+def chatty_model_dir(digit_model_dir, tmp_path_factory):
+    """The digit model (tests/conftest.py) that also ends its message about one token in eleven."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(digit_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = model.lm_head.weight[digits].mean(0)
+    folder = tmp_path_factory.mktemp("chatty-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_sampler_killed_mid_episode_restarts_and_loses_nothing(tmp_path, chatty_model_dir, tiny_gsm8k):
+    """kill -9 the sampler while an environment step of an episode is under way (after two trained
+    steps): the restarted sampler makes that step again, and every step is trained once."""
+    import signal
+
+    from helpers import free_tcp_address
+    from test_faults import COMMON, finish_with_each_step_trained_and_generated_once, kill_both, rows, \
+        start_trainer, wait_for
+    from test_sampling_worker import start_sampler
+
+    pause = tmp_path / "pause"
+    episodes = [f"env.name={ENVS}:PausesOnce", f"env.args={{pause_file: {pause}}}", "env.timeout_s=600",
+                "sampling.max_new_tokens=24"]
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, chatty_model_dir, tiny_gsm8k, address, *episodes)
+    sampler = start_sampler(tmp_path, chatty_model_dir, tiny_gsm8k, address, *COMMON, *episodes)
+    try:
+        wait_for(lambda: len(rows(tmp_path)) >= 2, "two trained steps")
+        pause.touch()  # the next second message of an episode waits in the environment
+        wait_for(lambda: (tmp_path / "pause.hit").exists(), "an episode's second environment step")
+        sampler.send_signal(signal.SIGKILL)
+        sampler.wait()
+        pause.unlink()
+        sampler = start_sampler(tmp_path, chatty_model_dir, tiny_gsm8k, address, *COMMON, *episodes)
+    except BaseException:
+        kill_both(trainer, sampler)
+        raise
+    finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)
+    trained = rows(tmp_path)
+    assert max(r["env/turns/mean"] for r in trained) > 1 and all(r["env/env_errors"] == 0 for r in trained)
+
+
+def test_evaluation_runs_greedy_episodes_and_judges_their_last_message(chatty):
+    from grpo.evaluation import TrainingEvaluator
+
+    model, tokenizer = chatty
+    eval_cfg = load_config(None, ["eval.every=1", "eval.batch_size=2"]).eval
+    pool = EnvironmentPool(f"{ENVS}:Scripted", {"length": 2}, 10.0)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, 40, 4)
+        evaluator = TrainingEvaluator(eval_cfg, prompts_of(tokenizer), tokenizer, "", episodes=runner,
+                                      checks=("env_reward", "env_reward"))
+        result = evaluator.run(HFEngine(model, tokenizer, sampling_cfg(40)), 0)
+        again = runner.run(HFEngine(model, tokenizer, sampling_cfg(40)), prompts_of(tokenizer), 1, greedy=True)
+    finally:
+        pool.close()
+    samples = evaluator.last_samples
+    assert [s["turns"] for s in samples] == [e.turns for e in again.episodes]  # greedy: the same episodes
+    assert [s["completion"] for s in samples] == again.texts
+    # env_reward 2.0 (>= 1) when the episode ended at its second message, None (not met) when cut short
+    assert [s["correct"] for s in samples] == [not e.truncated for e in again.episodes]
+    assert result["eval/mean_turns"] == sum(e.turns for e in again.episodes) / 2
+
+
+def test_the_environment_written_from_scratch_in_the_docs_runs_as_written(tmp_path, chatty):
+    import re
+
+    text = (REPO / "docs" / "environments.md").read_text()
+    code = re.search(r"### Written from scratch.*?```python\n(.*?)```", text, re.DOTALL).group(1)
+    (tmp_path / "guess_number.py").write_text(code)
+    cfg = load_config(None, [f"env.name={tmp_path}/guess_number.py:GuessNumber", "env.args={tries: 3}",
+                             "rewards.names=[env_reward]", "rewards.weights=[1.0]"])
+    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
+    try:
+        row = {"reference_answer": "42"}
+        assert pool.step("a", row, [], "I guess 40")[0] == Reply(text="higher", tool_calls=1)
+        assert pool.step("a", row, ["I guess 40"], "hmm")[0] == Reply(text="Say a number.", tool_calls=1, tool_errors=1)
+        assert pool.step("a", row, ["I guess 40", "hmm"], "50")[0] == Reply(done=True, reward=0.0)
+        assert pool.step("b", row, [], "it is 42")[0] == Reply(done=True, reward=1.0)
+    finally:
+        pool.close()

@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     if evaluator is not None:  # the final weights: after the trainer's last row, so this row is the last
         last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
         wait_for_version(watcher, last, cfg.sampling.wait_timeout_s)
-        append_metrics_row(run_dir, evaluator.run(policy.engine, policy.engine.version), cfg.logging.tensorboard)
+        append_metrics_row(run_dir, evaluator.run(policy.engine, policy.engine.version), cfg.logging, cfg.run.name)
     sender.close()
     policy.engine.close()
     log.info("done: %d steps", end_step)

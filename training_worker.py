@@ -34,13 +34,14 @@ import torch.distributed as dist
 
 from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
-from grpo.config import parse_cli, save_config
+from grpo.config import parse_cli, save_config, to_dict
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.flops import ModelShape, batch_step_flops
 from grpo.logprobs import check_supported, verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
 from grpo.sources import SourceError
+from grpo.tracking import open_tracker
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
                            train_step)
@@ -212,7 +213,8 @@ class RankZero:
                                  max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
         inbox = Inbox(lambda timeout: keyed(receiver.receive_frames(timeout)), receiver.address,
                       stop=lambda: STOP["requested"], num_samplers=cfg.sampling.num_workers)
-        io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard))
+        tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg))
+        io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
         state.incarnation = uuid.uuid4().hex[:12]
         state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/delivery.py)
         return io

@@ -234,6 +234,11 @@ class WeightsConfig:
 class LoggingConfig:
     level: str = _f("INFO", "Python logging level.")
     tensorboard: bool = _f(True, "Also write TensorBoard events to <run.dir>/tb.")
+    backend: str = _f("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric names "
+                              "against `step`: none, wandb or trackio (grpo/tracking.py).")
+    project: str = _f("grpo-trainer", "The tracker's project; the run is named run.name.")
+    wandb_mode: str = _f("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
+                                    "them later with `wandb sync`) or online (needs `wandb login`).")
 
 
 @dataclass

@@ -26,6 +26,7 @@ def option_lists() -> dict[str, tuple]:
     from grpo.rollout import ENGINES
     from grpo.sampling import OLD_LOGPS_SOURCES
     from grpo.schedule import SCHEDULES
+    from grpo.tracking import TRACKERS, WANDB_MODES
 
     return {
         "model.dtype": tuple(DTYPES),
@@ -41,6 +42,8 @@ def option_lists() -> dict[str, tuple]:
         "training.advantage_scale": SCALES,
         "deepspeed.backend": BACKENDS,
         "logging.level": LOG_LEVELS,
+        "logging.backend": TRACKERS,
+        "logging.wandb_mode": WANDB_MODES,
     }
 
 

@@ -108,15 +108,23 @@ def evaluated_through_at_start(eval_cfg, served_at_least: int | None) -> int:
     return -1 if eval_cfg.on_start else 0
 
 
-def append_metrics_row(run_dir: Path, row: dict, tensorboard: bool) -> None:
+def append_metrics_row(run_dir: Path, row: dict, logging_cfg, run_name: str) -> None:
     """The final evaluation's row, appended by the sampler once the trainer has written its last
-    one (a single O_APPEND write of one line), and its TensorBoard scalars in a file of its own."""
+    one (a single O_APPEND write of one line), its TensorBoard scalars in a file of its own, and
+    the row to the tracker's run (logging.backend), which the sampler resumes for it."""
+    from grpo.tracking import open_tracker
+
+    row = {"wall_time": time.time(), **row}
     with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"wall_time": time.time(), **row}) + "\n")
-    if tensorboard:
+        f.write(json.dumps(row) + "\n")
+    if logging_cfg.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
         with SummaryWriter(str(Path(run_dir) / "tb"), filename_suffix=".eval") as writer:
             for key, value in row.items():
                 if key.startswith("eval/"):
                     writer.add_scalar(key, value, row["step"])
+    tracker = open_tracker(logging_cfg, run_dir, run_name, {})
+    if tracker is not None:
+        tracker.log(row)
+        tracker.finish()

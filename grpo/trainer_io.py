@@ -1,4 +1,4 @@
-"""What the trainer writes besides the model: metrics rows, TensorBoard, published weights, checkpoints.
+"""What the trainer writes besides the model: metrics rows, TensorBoard and a tracker, published weights, checkpoints.
 
 Every write that can fail (a full disk, lost permissions) raises `WriteFailed` naming what and
 where; the trainer then exits with its own code and nothing partial is visible, since weights
@@ -33,13 +33,14 @@ def reported_write(what: str, path: Path):
 
 
 class MetricsLog:
-    """Rank 0's metrics.jsonl (one row per step) and TensorBoard events.
+    """Rank 0's metrics.jsonl (one row per step), TensorBoard events, and the rows to `tracker`
+    (grpo/tracking.py: W&B or trackio, when logging.backend names one).
 
     Opened on a resumed run, it drops the rows of steps after the checkpoint: those steps are
     trained again and would otherwise appear twice. An evaluation's row is written once per
     version, though a restarted trainer receives the batch that carried it again."""
 
-    def __init__(self, run_dir: Path, resumed_step: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, resumed_step: int, tensorboard: bool, tracker=None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.evaluated: set[int] = set()  # versions with an evaluation row
         if self.path.is_file():
@@ -55,7 +56,7 @@ class MetricsLog:
                         self.evaluated.add(row["step"])
             write_atomically(self.path, "".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
-        self.writer = None
+        self.writer, self.tracker = None, tracker
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -69,6 +70,8 @@ class MetricsLog:
             for key, value in row.items():
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, row["step"])
+        if self.tracker is not None:
+            self.tracker.log(row)
 
     def write_evaluation(self, row: dict) -> None:
         """An evaluation's row (the sampler's, sent with a batch), unless that version has one."""
@@ -80,6 +83,8 @@ class MetricsLog:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def publish_weights(model, cfg, version: int, rank: int) -> None:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from grpo.config import LoraConfig
 from grpo.models import add_lora
 from grpo.ports import free_local_port
+from grpo.tracking import run_id
 from grpo.weights import read_latest, version_dir
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
@@ -93,7 +94,7 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
     segments = deepspeed_shm_segments()
     # the trainer computes the reference log-probs here (the sampler ships none); KL > 0 once the adapter moved
     rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", "training.reference_on=trainer",
-                    *LEARNING)
+                    "logging.backend=wandb", *LEARNING)
     assert deepspeed_shm_segments() <= segments  # DeepSpeed's 69 MB /dev/shm segments are not left behind
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["sampler_step"] for r in rows] == [0, 1, 2]
     for row in rows:
@@ -108,6 +109,8 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
     adapter = load_file(version_dir(weights, 3) / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # LoRA B starts at 0
     assert (tmp_path / "tb").is_dir() and (tmp_path / "checkpoints" / "latest").is_file()
+    # W&B offline, from rank 0 only: one run of this folder (tests/test_tracking.py reads the records)
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id(tmp_path)}/run-*.wandb"))) == 1
 
 
 @pytest.mark.parametrize("stage", [0, 3])

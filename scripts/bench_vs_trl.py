@@ -16,7 +16,8 @@ metrics.jsonl) and their share of that ceiling (MFU) per process and end to end;
 `--sync` (on by default) ours again at `sampling.max_staleness=0`, same work: the
 asynchronous-over-synchronous tokens/s ratio; with `--bf16` (on by default) ours again at
 `model.dtype=bfloat16` (sampler and trainer; this CPU multiplies bf16 at ~2.2x its fp32 rate),
-compared with ours in float32 only, since TRL runs in float32 here.
+and TRL in bfloat16 too (its model loaded in bf16 and GRPOConfig's bf16 mode): ours/TRL like for
+like.
 
 Workloads: `gsm8k` (plain questions, 2 prompts x G 8 per step, completions <= 128 tokens) and
 `long` (4 solved train examples before each question, ~660 prompt tokens, G 8, completions
@@ -221,13 +222,13 @@ def run_ours(workload: str, args, overrides: list[str], folder: Path, name: str 
     return {**measured, **result, **overlap_efficiency(rows, args.warmup), **model_flops_rates(rows, args.warmup)}
 
 
-def run_trl(workload: str, args, overrides: list[str], folder: Path) -> dict:
-    out = folder / f"trl-{workload}.json"
+def run_trl(workload: str, args, overrides: list[str], folder: Path, name: str = "trl") -> dict:
+    out = folder / f"{name}-{workload}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", workload, "--steps", str(args.steps),
            "--config", str(args.config), "--out", str(out), *overrides]
-    measured = run_measured(cmd, folder / f"trl-{workload}.log", dict(os.environ))
+    measured = run_measured(cmd, folder / f"{name}-{workload}.log", dict(os.environ))
     if measured["exit_code"] != 0:
-        raise SystemExit(f"the TRL run failed ({measured['exit_code']}); see {folder / f'trl-{workload}.log'}")
+        raise SystemExit(f"the TRL run failed ({measured['exit_code']}); see {folder / f'{name}-{workload}.log'}")
     steps = json.loads(out.read_text())
     result = summarize([s["end_time"] for s in steps], [s["completion_tokens"] for s in steps], args.warmup)
     return {**measured, **result}
@@ -288,8 +289,8 @@ def trl_trainer(cfg, rows: list[dict], output_dir: Path, max_steps: int, callbac
     # of TRL_MICRO_BATCH_GROUPS groups as our trainer packs them: the whole step in one micro-batch
     # took TRL past 24 GiB at 8 groups of ~170 tokens
     micro_groups = math.gcd(s.prompts_per_step, TRL_MICRO_BATCH_GROUPS)
-    trl_args = GRPOConfig(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
+    trl_args = GRPOConfig(  # in bfloat16 (model.dtype) both its weights and Trainer's bf16 mode (autocast)
+        output_dir=str(output_dir), use_cpu=True, bf16=cfg.model.dtype == "bfloat16", fp16=False, seed=cfg.seed,
         per_device_train_batch_size=micro_groups * s.group_size,
         gradient_accumulation_steps=s.prompts_per_step // micro_groups,
         num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
@@ -364,11 +365,19 @@ def table(workload: str, results: dict, args) -> str:
                      f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
     if "bf16" in results:
         bf16 = results["bf16"]
-        lines.append(f"ours in bfloat16 (model.dtype=bfloat16, not like for like with TRL's float32): tokens/s "
+        lines.append(f"ours in bfloat16 (model.dtype=bfloat16): tokens/s "
                      f"{bf16['completion_tokens_per_s']:.2f}, x{bf16['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} "
                      f"ours in float32; step {bf16['median_step_s']:.2f} s; peak RSS {bf16['peak_rss'] / 2**20:.0f} MiB "
                      f"(x{bf16['peak_rss'] / ours['peak_rss']:.2f}); sampler busy {bf16['sampler_busy_s']:.2f} s, trainer busy "
                      f"{bf16['trainer_busy_s']:.2f} s")
+    if "trl_bf16" in results:  # like for like: both in bfloat16
+        bf16, trl16 = results["bf16"], results["trl_bf16"]
+        lines.append(f"TRL in bfloat16 (its weights in bf16, GRPOConfig bf16=True): tokens/s "
+                     f"{trl16['completion_tokens_per_s']:.2f}, step {trl16['median_step_s']:.2f} s, peak RSS "
+                     f"{trl16['peak_rss'] / 2**20:.0f} MiB")
+        lines.append(f"ours/TRL, both in bfloat16: tokens/s x{bf16['completion_tokens_per_s'] / trl16['completion_tokens_per_s']:.2f}, "
+                     f"step time x{bf16['median_step_s'] / trl16['median_step_s']:.2f}, "
+                     f"peak RSS x{bf16['peak_rss'] / trl16['peak_rss']:.2f}")
     for name, r in (("ours", ours), ("TRL", trl)):
         parts = sorted(r["peak_rss_by_process"].items(), key=lambda kv: -kv[1])
         lines.append(f"{name}, peak RSS by process (MiB, each part's own peak): "
@@ -390,7 +399,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                         help="also run ours at sampling.max_staleness=0 for the async/sync ratio")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run ours at model.dtype=bfloat16 (sampler and trainer) for its ratio to ours in fp32")
+                        help="also run ours and TRL at model.dtype=bfloat16: ours' ratio to ours in fp32, and ours/TRL "
+                             "with both in bf16")
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     if args.trl_worker:
@@ -416,6 +426,7 @@ def main(argv: list[str]) -> int:
             results["sync"] = run_ours(workload, args, [*overrides, "sampling.max_staleness=0"], folder, name="sync")
         if args.bf16:
             results["bf16"] = run_ours(workload, args, [*overrides, "model.dtype=bfloat16"], folder, name="bf16")
+            results["trl_bf16"] = run_trl(workload, args, [*overrides, "model.dtype=bfloat16"], folder, name="trl-bf16")
         report[workload] = results
         printed.append(table(workload, results, args))
         print(printed[-1] + "\n", flush=True)

@@ -76,6 +76,7 @@ class Round:
     prompts: list
     rollouts: Rollouts
     texts: list[str]
+    rows: list[dict]  # what the rewards got per sample: the dataset row (+ env_reward in episodes)
     scores: Any  # rewards.RewardScores, with the overlong column when it is on
     generate_s: float = 0.0
     rewards_s: float = 0.0
@@ -106,7 +107,7 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
                               scores.total + penalty, {**scores.failures, OVERLONG: 0})
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
-    return Round(prompts, rollouts, texts, scores, generate_s, time.perf_counter() - t, flops.total, episodes)
+    return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes)
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
@@ -121,6 +122,7 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                           logps=[rnd.rollouts.logps[i] for rnd, i in samples],
                           model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None),
         texts=[rnd.texts[i] for rnd, i in samples],
+        rows=[rnd.rows[i] for rnd, i in samples],
         scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
@@ -212,10 +214,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
-    rows = reward_rows([p.problem for p in prompts for _ in range(cfg.sampling.group_size)])
-    if kept.episodes is not None:
-        rows = [{**row, "env_reward": e.reward} for row, e in zip(rows, kept.episodes)]
-    metrics.update(strict_rates(kept.texts, rows, checks_of(cfg.rewards)))
+    metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards)))
     if kept.episodes is not None:
         metrics.update(episode_metrics(kept.episodes))
     if gap is not None:

@@ -48,23 +48,26 @@ class Reply:
 BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator"}
 
 
-def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
-    """row -> a new environment instance for `env.name` / `env.args` (imports the environment)."""
+def _environment_class(name: str):
+    """The class or factory a built-in name or an import path names (not an openenv: one)."""
     from rewards.registry import import_object
 
+    return import_object(BUILT_IN.get(name, name), "env.name")
+
+
+def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
+    """row -> a new environment instance for `env.name` / `env.args` (imports the environment)."""
     if name.startswith("openenv:"):
         from grpo.environments.openenv_adapter import openenv_factory
 
         return openenv_factory(name.removeprefix("openenv:"), args)
-    make = import_object(BUILT_IN.get(name, name), "env.name")
+    make = _environment_class(name)
     return lambda row: make(row, **args)
 
 
 def environment_demonstration(name: str):
     """The environment's `demonstration(row, answer) -> chat turns | None` for few-shot examples
     (data.prompts.solved_turns), or None when it has none (OpenEnv environments have none)."""
-    from rewards.registry import import_object
-
     if not name or name.startswith("openenv:"):
         return None
-    return getattr(import_object(BUILT_IN.get(name, name), "env.name"), "demonstration", None)
+    return getattr(_environment_class(name), "demonstration", None)

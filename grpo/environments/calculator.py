@@ -59,7 +59,8 @@ class Calculator:
         """A few-shot GSM8K problem solved with the calculator: each of its solution's calculator
         notes becomes a call (the solution since the previous note, then `<calc>`) and the
         calculator's reply; then the whole `answer`. Every message opens with <think>, as the
-        trained format's data.prefill opens each of the model's turns. None when the solution has no note this calculator computes."""
+        trained format's data.prefill opens each of the model's turns. None when the solution has
+        no note this calculator computes."""
         solution, turns, start = row.get("answer", "").split("####")[0], [], 0
         for note in NOTE.finditer(solution):
             try:

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_engines.py                       # after make install-vllm
     .venv/bin/python scripts/bench_engines.py --repeats 3 --few-shot 0,2 --rounds 2
     .venv/bin/python scripts/bench_engines.py --engines hf,hf@model.dtype=bfloat16 --few-shot 2
+    .venv/bin/python scripts/bench_engines.py --engines hf@rev=c5eb412,hf --few-shot 2   # against an earlier HF engine
 
 Each (engine, workload) runs in a fresh subprocess, each engine in the environment the launcher
 gives it (HF: this Python, .venv; vLLM: launch.vllm_python, .venv-vllm), the engines alternating, so that start-up
@@ -11,6 +12,8 @@ starts the engine (timed: for vLLM this includes its engine-core process and its
 publishes a LoRA adapter and swaps it in (timed), then generates `--repeats` steps of B prompts
 x G completions (the first one, which compiles, reported apart) and reports completion tokens/s.
 Peak RSS is that of the subprocess and its children (vLLM's engine core), sampled every 20 ms.
+`hf@rev=<git revision>` runs the HF engine as `grpo/rollout/hf_engine.py` was at that revision
+(the rest of the tree as it is now), to measure a change of the engine on and off in one run.
 Workloads: the default run's chat prompts with `data.few_shot` solved examples (0 = short
 prompts, 2 = the default, ~325-token prompts).
 """
@@ -73,6 +76,20 @@ def run_measured(python: str, args: list[str]) -> tuple[dict, int]:
         return json.loads(Path(out.name).read_text()), peak
 
 
+def hf_engine_at(revision: str):
+    """HFEngine as grpo/rollout/hf_engine.py was at a git revision (imports resolve against today's tree)."""
+    import importlib.util
+
+    source = subprocess.run(["git", "show", f"{revision}:grpo/rollout/hf_engine.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"hf_engine_{revision}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.HFEngine
+
+
 def child(out_path: str, engine_name: str, few_shot: int, repeats: int, overrides: list[str]) -> None:
     import torch
 
@@ -83,6 +100,8 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from grpo.sampler_step import make_engine, step_seed
     from grpo.weights import WeightWatcher, into_model, publish
 
+    revision = next((o.split("=", 1)[1] for o in overrides if o.startswith("rev=")), None)
+    overrides = [o for o in overrides if not o.startswith("rev=")]
     cfg = load_config(ROOT / "config.yaml", [f"sampling.engine={engine_name}", f"data.few_shot={few_shot}",
                                              "sampling.vllm_kv_cache_gb=2", *overrides])
     tokenizer = load_tokenizer(cfg.model)
@@ -90,7 +109,8 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     model = add_lora(load_model(cfg.model), cfg.lora).eval()
     prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, cfg.data.split)[0][:64])
     t = time.perf_counter()
-    engine = make_engine(cfg, model, tokenizer)
+    engine = make_engine(cfg, model, tokenizer) if revision is None else hf_engine_at(revision)(model, tokenizer,
+                                                                                                cfg.sampling)
     start_s = time.perf_counter() - t
 
     trained = add_lora(load_model(cfg.model), cfg.lora)

@@ -358,6 +358,15 @@ def table(workload: str, results: dict, args) -> str:
                  f"{ours['generation_model_gflop_per_step']:.0f}; MFU: trainer {ours['trainer_gflop_per_s'] / one:.0%}, "
                  f"generation {ours['generation_gflop_per_s'] / one:.0%} (of {ceiling['per_process_threads']} thread(s), "
                  f"busy time), end to end {ours['end_to_end_gflop_per_s'] / every:.0%} (of {ceiling['cores']}, wall time)")
+    if "variant" in results:
+        variant = results["variant"]
+        lines.append(f"ours with {' '.join(args.variant)}: tokens/s {variant['completion_tokens_per_s']:.2f}, "
+                     f"x{variant['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} ours, "
+                     f"x{variant['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f} TRL; step "
+                     f"{variant['median_step_s']:.2f} s; MFU trainer {variant['trainer_gflop_per_s'] / one:.0%}, generation "
+                     f"{variant['generation_gflop_per_s'] / one:.0%}, end to end {variant['end_to_end_gflop_per_s'] / every:.0%}; "
+                     f"sampler busy {variant['sampler_busy_s']:.2f} s, trainer busy {variant['trainer_busy_s']:.2f} s; "
+                     f"peak RSS {variant['peak_rss'] / 2**20:.0f} MiB")
     if "sync" in results:
         sync = results["sync"]
         lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
@@ -401,6 +410,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="also run ours and TRL at model.dtype=bfloat16: ours' ratio to ours in fp32, and ours/TRL "
                              "with both in bf16")
+    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run ours with these overrides (repeatable; together one variant), reported beside "
+                             "ours with its MFU and busy times, e.g. --variant training.reference_on=sampler")
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     if args.trl_worker:
@@ -422,6 +434,8 @@ def main(argv: list[str]) -> int:
     for workload in args.workloads.split(","):
         results = {"ceiling": ceiling, "ours": run_ours(workload, args, overrides, folder),
                    "trl": run_trl(workload, args, overrides, folder)}
+        if args.variant:
+            results["variant"] = run_ours(workload, args, [*overrides, *args.variant], folder, name="variant")
         if args.sync:
             results["sync"] = run_ours(workload, args, [*overrides, "sampling.max_staleness=0"], folder, name="sync")
         if args.bf16:

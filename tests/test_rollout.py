@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from grpo.completions import cut_at_eos
 from grpo.config import Config, LoraConfig, SamplingConfig
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora, unwrap_causal_lm
@@ -149,7 +150,7 @@ def test_a_checkpoints_own_generation_config_does_not_change_what_is_sampled_or_
     model.generation_config = GenerationConfig(repetition_penalty=2.0, no_repeat_ngram_size=2, top_k=5,
                                                temperature=0.3, do_sample=True, eos_token_id=1, pad_token_id=0)
     shipped = model.generation_config.to_dict()
-    if lora:  # PEFT's generate reaches the base model's generate and its config
+    if lora:  # under PEFT the checkpoint's config sits on the wrapped base model
         model = add_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])).eval()
     engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=24, temperature=1.0))
     rollouts = engine.generate(PROMPTS, 4, seed=0)
@@ -161,3 +162,77 @@ def test_a_checkpoints_own_generation_config_does_not_change_what_is_sampled_or_
     # the processors would have acted: some completion repeats a token (penalised) or a bigram
     assert any(len(set(c.tolist())) < len(c) for c in rollouts.completion_ids)
     assert unwrap_causal_lm(model).generation_config.to_dict() == shipped
+
+
+def generate_reference(engine, prompts, group_size, seed, max_new_tokens):
+    """The engine's former decode: transformers' greedy `generate` over a logits processor that
+    draws with TokenSampler, from the prefill cache repeated G ways (one chunk)."""
+    from grpo.rollout.hf_engine import TokenSampler, left_pad
+
+    ids, mask = left_pad(prompts, 0)
+    cache = engine._prefill(ids, mask)
+    cache.batch_repeat_interleave(group_size)
+    sampler = TokenSampler(engine.cfg.temperature, engine.cfg.top_k, engine.cfg.top_p)
+
+    def processor(input_ids, scores):
+        return torch.full_like(scores, float("-inf")).scatter_(-1, sampler.draw(scores)[:, None], 0.0)
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = engine.model.generate(input_ids=ids.repeat_interleave(group_size, 0),
+                                    attention_mask=mask.repeat_interleave(group_size, 0), past_key_values=cache,
+                                    max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=0,
+                                    logits_processor=[processor])
+    recorded = sampler.recorded()
+    rows = [cut_at_eos(row, [1])[0] for row in out[:, ids.shape[1]:]]
+    return rows, [recorded[i, :len(r)] for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_decode_loop_draws_what_generate_drew_under_a_seed(arch):
+    """Our decode loop over the in-place KV cache against transformers' generate over the
+    concatenating DynamicCache: the same tokens and the same recorded log-probs bit for bit,
+    with left padding, rows ending at different steps and top-k / top-p on."""
+    model = tiny_model(arch, vocab_size=101)
+    engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=14, temperature=1.3, top_k=40,
+                                                             top_p=0.95))
+    rollouts = engine.generate(PROMPTS, 4, seed=5)
+    tokens, logps = generate_reference(engine, PROMPTS, 4, seed=5, max_new_tokens=14)
+    assert any(not cut for cut in rollouts.truncated) and any(rollouts.truncated)  # rows end at different steps
+    for got, want in zip(rollouts.completion_ids, tokens):
+        assert torch.equal(got, want)
+    for got, want in zip(rollouts.logps, logps):
+        assert torch.equal(got, want)
+
+
+def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch):
+    """A prefill repeated 3 ways, then 9 decoded tokens through buffers that grow by 4 positions:
+    the logits and each layer's keys and values (views of the buffers) equal DynamicCache's."""
+    from transformers import DynamicCache
+
+    from grpo.rollout.hf_engine import InPlaceLayer, left_pad, repeat_in_place
+
+    monkeypatch.setattr(InPlaceLayer, "GROWTH", 4)
+    model = tiny_model("llama", vocab_size=101)
+    engine = HFEngine(model, FakeTokenizer(), SamplingConfig())
+    ids, mask = left_pad(PROMPTS, 0)
+    prefill = engine._prefill(ids, mask)
+    in_place = repeat_in_place(prefill, 3)
+    plain = DynamicCache(config=model.config)
+    for layer, source in zip(plain.layers, prefill.layers):
+        layer.update(source.keys.repeat_interleave(3, 0), source.values.repeat_interleave(3, 0))
+    rows = ids.repeat_interleave(3, 0)
+    full = torch.cat([mask.repeat_interleave(3, 0), torch.ones(len(rows), 9, dtype=torch.long)], 1)
+    position = full[:, :ids.shape[1]].sum(-1, keepdim=True) - 1
+    token, capacities = rows[:, -1:], []
+    with torch.no_grad():
+        for t in range(9):
+            outs = [model(input_ids=token, attention_mask=full[:, :ids.shape[1] + t], position_ids=position + t,
+                          past_key_values=cache, use_cache=True).logits for cache in (in_place, plain)]
+            assert torch.equal(outs[0], outs[1])
+            token = outs[0][:, -1].argmax(-1, keepdim=True)
+            capacities.append(in_place.layers[0].key_buffer.shape[2])
+    assert capacities == [10] * 4 + [14] * 4 + [18]  # 6 prompt positions + 4, grown at the 5th and 9th token
+    assert all(isinstance(layer, InPlaceLayer) for layer in in_place.layers)
+    for a, b in zip(in_place.layers, plain.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and a.keys.shape[2] == 6 + 9

@@ -72,7 +72,13 @@ def test_wandb_offline_gets_every_row_against_step(tmp_path):
     from wandb.proto import wandb_internal_pb2
 
     write_rows(tmp_path, "wandb")
-    files = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id(tmp_path / 'run')}/run-*.wandb"))
+    identity = run_id(tmp_path / "run")
+
+    def started(path):  # offline-run-<time to the second>-<id>, and -1, -2, ... for later runs in the same second
+        stamp, _, suffix = path.parent.name.removeprefix("offline-run-").partition(f"-{identity}")
+        return stamp, int(suffix.lstrip("-") or 0)
+
+    files = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{identity}*/run-*.wandb"), key=started)
     assert len(files) == 2  # the trainer's, and the sampler's resumed run for its last evaluation: one id
     logged = []
     for path in files:

@@ -1,16 +1,22 @@
-"""transformers `generate` that prefills each prompt once and expands its KV cache G ways.
+"""Generation on a transformers model that prefills each prompt once and expands its KV cache G ways.
 
 Plain `generate` on G copies of a prompt runs the prompt's prefill G times. Here the B
 prompts are prefilled once (all but their last token), the cache is repeated G ways along
-the batch, and `generate` continues from it. Large B x G is generated in chunks of at most
-`generation_batch_size` sequences, each chunk taking some completions of every prompt, and
-the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`, which also
+the batch into buffers that take each new token in place (`InPlaceLayer`), and a decode
+loop of our own continues from it, one forward per token. Large B x G is generated in chunks
+of at most `generation_batch_size` sequences, each chunk taking some completions of every
+prompt, and the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`, which also
 records their log-probs (used as the old log-probs with `sampling.old_logps=generation`).
+
+Why not `model.generate`: its per-token bookkeeping was ~13% of a decode step of the default
+workload, and it fills unset sampling settings from the checkpoint's generation config
+(repetition penalties and the like would change the distribution the tokens come from). The
+loop below does what its greedy path did, token for token (tests/test_rollout.py checks it
+against `generate` under a seed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -18,6 +24,9 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.models import unwrap_causal_lm
@@ -45,14 +54,13 @@ def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[in
 
 
 class TokenSampler:
-    """Draws each next token inside `generate`, which runs greedy and so takes the one token
-    this leaves finite; records the drawn token's log-prob on the way.
+    """Draws each next token from the raw logits and records its log-prob on the way.
 
     Sampling is inverse-CDF from softmax(logits / T) after top-k / top-p (transformers' own
     warpers): torch.multinomial takes ~25 ms per step for 16 x 49k probabilities on one CPU
     thread, about 8% of a decode step of the embedded model; a cumulative sum and a binary
-    search take ~2 ms. A processor passed to `generate` sees the raw logits, so the recorded
-    log-prob is the one under the untruncated softmax(logits / T), as the trainer computes it.
+    search take ~2 ms. The recorded log-prob is the one under the untruncated softmax(logits / T),
+    as the trainer computes it.
     """
 
     def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False):
@@ -61,15 +69,16 @@ class TokenSampler:
         self.temperature, self.greedy, self.logps = (1.0 if greedy else temperature), greedy, []
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """[N, vocab] logits -> [N] tokens."""
         logits = scores.float() / self.temperature
-        tokens = logits.argmax(-1) if self.greedy else self._draw(input_ids, logits)
+        tokens = logits.argmax(-1) if self.greedy else self._draw(logits)
         self.logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
-        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
+        return tokens
 
-    def _draw(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
-            logits = warper(input_ids, logits)
+            logits = warper(None, logits)  # top-k / top-p look at the scores only
         probs = torch.softmax(logits, dim=-1)
         cdf = probs.cumsum(-1)
         u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
@@ -82,26 +91,70 @@ class TokenSampler:
         return torch.stack(self.logps, dim=1)
 
 
-@contextlib.contextmanager
-def only_our_generation_config(model, eos_ids: list[int], pad_id: int):
-    """Generate with a generation config that holds nothing but EOS and padding.
+class InPlaceLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of a larger buffer, each new token written
+    in place; the buffer grows by `GROWTH` positions when full.
 
-    `generate` fills every setting we leave unset from the checkpoint's own `generation_config`
-    (repetition penalty, no-repeat n-grams, suppressed tokens, ...), and their processors would
-    change the logits before `TokenSampler` draws: the tokens would come from another
-    distribution than the softmax(logits / T) recorded here and recomputed by the trainer
-    (0.12 apart on a tiny model with repetition_penalty 2). So the checkpoint's config is set
-    aside for the call; temperature, top-k and top-p are `sampling.*`, applied by `TokenSampler`.
+    DynamicLayer concatenates every token onto the layer's cache, copying the whole cache each
+    time (~5 MB a layer a token on the default workload, 29% of a decode step). A preallocated
+    StaticCache avoids the copies but attends over its whole length every token, which took the
+    gain back (docs/performance.md); a view attends over the tokens so far only. Growing in steps
+    rather than reserving `max_new_tokens` keeps the memory at what the completions use (16 rows
+    of the embedded model: 0.7 MB a position) for a copy every 64 tokens.
     """
-    from transformers import GenerationConfig
 
-    target = unwrap_causal_lm(model)
-    shipped = target.generation_config
-    target.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id)
-    try:
-        yield
-    finally:
-        target.generation_config = shipped
+    GROWTH = 64
+
+    @classmethod
+    def repeated(cls, layer: DynamicLayer, repeats: int) -> "InPlaceLayer":
+        """`layer` [B, H, n, D] repeated `repeats` ways along the batch (row i -> rows i*repeats...):
+        the repeat and the first reservation are one copy."""
+        new = cls()
+        b, heads, n, dim = layer.keys.shape
+        new.dtype, new.device, new.is_initialized, new.length = layer.dtype, layer.device, True, n
+        new.key_buffer, new.value_buffer = (layer.keys.new_empty(b * repeats, heads, n + cls.GROWTH, dim)
+                                            for _ in range(2))
+        for buffer, cached in ((new.key_buffer, layer.keys), (new.value_buffer, layer.values)):
+            buffer.view(b, repeats, heads, n + cls.GROWTH, dim)[:, :, :, :n] = cached[:, None]
+        new._expose()
+        return new
+
+    def _expose(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, self.key_buffer.shape[2] + self.GROWTH)
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            buffer = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
+            buffer[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, buffer)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[2]:
+            self._grow(end)
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+
+def repeat_in_place(cache, repeats: int):
+    """A copy of the prefill cache with each row repeated `repeats` ways, its full-attention layers
+    as `InPlaceLayer`s (other layer kinds, e.g. sliding windows, repeated as they are)."""
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            out.layers.append(InPlaceLayer.repeated(layer, repeats))
+        else:
+            layer = copy.deepcopy(layer)
+            layer.batch_repeat_interleave(repeats)
+            out.layers.append(layer)
+    return out
 
 
 class HFEngine:
@@ -131,15 +184,44 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Run every prompt token but the last once; generate() then starts from this cache."""
-        from transformers import DynamicCache
-
+        """Run every prompt token but the last once; the decode loop starts from this cache."""
         cache = DynamicCache(config=self.model.config)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() uses with left padding
         with torch.no_grad():
             self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
                        past_key_values=cache, use_cache=True, **self._one_logit_row)
         return cache
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cache, sampler: TokenSampler,
+                limits: torch.Tensor) -> torch.Tensor:
+        """Decode from the cache of every prompt token but the last: [N, steps] tokens, padded.
+
+        One forward per token for all N rows, as `generate`'s greedy loop ran it over our
+        sampler: positions continue each row's unpadded count, rows that drew EOS get the pad
+        token from then on and stay in the batch (their random draws too, so a seed gives the
+        same tokens however the rows end). It stops once every row has drawn EOS or reached its
+        own limit.
+        """
+        n, width = ids.shape
+        steps = int(limits.max())
+        eos = torch.tensor(self.eos_ids, device=ids.device)
+        pad = self.tokenizer.pad_token_id
+        mask = torch.cat([mask, mask.new_ones(n, steps)], dim=1)
+        position = mask[:, :width].sum(-1, keepdim=True) - 1  # the last prompt token's
+        out = ids.new_full((n, steps), pad)
+        unfinished = torch.ones(n, dtype=torch.bool, device=ids.device)
+        token = ids[:, -1:]
+        with torch.no_grad():
+            for t in range(steps):
+                logits = self.model(input_ids=token, attention_mask=mask[:, : width + t], position_ids=position + t,
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
+                drawn = torch.where(unfinished, sampler.draw(logits), pad)
+                out[:, t] = drawn
+                unfinished &= ~torch.isin(drawn, eos)
+                if not bool((unfinished & (limits > t + 1)).any()):
+                    return out[:, : t + 1]
+                token = drawn[:, None]
+        return out
 
     @functools.cached_property
     def _one_logit_row(self) -> dict:
@@ -160,18 +242,16 @@ class HFEngine:
             torch.manual_seed(seed)
         produced, truncated, logps = [], [], []
         for k in plan:
-            chunk_cache = None
-            if cache is not None:
-                chunk_cache = cache if len(plan) == 1 else copy.deepcopy(cache)
-                chunk_cache.batch_repeat_interleave(k)
+            row_limits = torch.tensor(limits, device=self.device).repeat_interleave(k)
+            if cache is None:  # one-token prompts: nothing to prefill
+                chunk_cache = DynamicCache(config=self.model.config)
+            else:
+                chunk_cache = repeat_in_place(cache, k)
             sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)
-            with torch.no_grad(), only_our_generation_config(self.model, self.eos_ids, self.tokenizer.pad_token_id):
-                out = self.model.generate(
-                    input_ids=ids.repeat_interleave(k, 0), attention_mask=mask.repeat_interleave(k, 0),
-                    past_key_values=chunk_cache, max_new_tokens=max(limits), do_sample=False,
-                    eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id, logits_processor=[sampler])
+            out = self._decode(ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0), chunk_cache, sampler,
+                               row_limits)
             recorded = sampler.recorded().cpu()
-            for i, row in enumerate(out[:, ids.shape[1]:].cpu()):  # chunk rows: k per prompt, prompt-major
+            for i, row in enumerate(out.cpu()):  # chunk rows: k per prompt, prompt-major
                 tokens, cut = cut_at_eos(row[:limits[i // k]], self.eos_ids)
                 produced.append(tokens)
                 truncated.append(cut)

@@ -1,4 +1,4 @@
-"""Rollout engines behind one interface: `hf` (transformers generate, any device) and `vllm` (optional).
+"""Rollout engines behind one interface: `hf` (a transformers model, any device) and `vllm` (optional).
 
 `RolloutEngine` is the sampler's only view of an engine: it generates with the weights it serves
 (the HF engine with the sampler's own model, vLLM with its own copy) and says which published

@@ -10,8 +10,8 @@ temperature), all row counts alternating over `--rounds`. Per row count: ms per 
 model GFLOP of a step (every linear map, the adapters and the LM head on each row, attention over
 the keys so far: grpo/flops.py), GFLOP/s, MFU against the fp32 matmul ceiling measured first on the
 same threads, and the rate at which a step reads the model's weights (all weight matrices once a
-step / step time). At few rows a decode step reads every weight for a few multiply-adds each, so
-it runs at the memory's rate rather than the multipliers'.
+step / step time: far below the memory's rate here, so a few-row step is bound by small-batch
+matmul efficiency and per-op overhead, not by memory bandwidth; docs/performance.md).
 """
 
 from __future__ import annotations

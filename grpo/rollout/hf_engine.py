@@ -5,8 +5,8 @@ prompts are prefilled once (all but their last token), the cache is repeated G w
 the batch into buffers that take each new token in place (`InPlaceLayer`), and a decode
 loop of our own continues from it, one forward per token. Large B x G is generated in chunks
 of at most `generation_batch_size` sequences, each chunk taking some completions of every
-prompt, and the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`, which also
-records their log-probs (used as the old log-probs with `sampling.old_logps=generation`).
+prompt, and the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`,
+which also records their log-probs (used as the old log-probs with `sampling.old_logps=generation`).
 
 Why not `model.generate`: its per-token bookkeeping was ~13% of a decode step of the default
 workload, and it fills unset sampling settings from the checkpoint's generation config

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_decode_rows.py                        # 1 thread, 16, 32, 64 rows
     .venv/bin/python scripts/bench_decode_rows.py --rows 8,16,32,64,128 --threads 2
+    .venv/bin/python scripts/bench_decode_rows.py --rows 16,64 --compile  # eager and compiled, side by side
 
 The default config's model with its LoRA adapter and the default workload's first 2 prompts
 (2 solved examples, ~330 tokens), prefilled once and repeated rows / 2 ways into the engine's
@@ -12,6 +13,9 @@ the keys so far: grpo/flops.py), GFLOP/s, MFU against the fp32 matmul ceiling me
 same threads, and the rate at which a step reads the model's weights (all weight matrices once a
 step / step time: far below the memory's rate here, so a few-row step is bound by small-batch
 matmul efficiency and per-op overhead, not by memory bandwidth; docs/performance.md).
+`--compile` also runs each row count with the model's forward under `torch.compile` (dynamic
+shapes: the cache grows every token), alternating with the eager forward, and prints the ratio;
+the compile itself (minutes on the CPU) is in the untimed warm-up.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also time the forward under torch.compile")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.dtype=bfloat16")
     args = parser.parse_args(argv)
 
@@ -57,8 +62,12 @@ def main(argv: list[str]) -> int:
     prefill = engine._prefill(ids, mask)
     weight_bytes = (shape.matmul_params + shape.adapter_params + shape.hidden * shape.vocab) * model.dtype.itemsize
 
-    def decode(rows: int) -> tuple[float, int]:
+    eager_forward = model.forward
+    compiled_forward = torch.compile(eager_forward, dynamic=True) if args.compile else None
+
+    def decode(rows: int, variant: str = "eager") -> tuple[float, int]:
         """(seconds, GFLOP) of the decode steps of one run at `rows` rows."""
+        model.forward = compiled_forward if variant == "compiled" else eager_forward
         k = rows // len(prompts)
         cache = repeat_in_place(prefill, k)
         limits = torch.full((rows,), args.steps)
@@ -73,24 +82,33 @@ def main(argv: list[str]) -> int:
         return seconds / steps, flops / steps / 1e9
 
     counts = [int(r) for r in args.rows.split(",")]
-    measured = {rows: [] for rows in counts}
-    decode(counts[0])  # warm-up
+    variants = ["eager", "compiled"] if args.compile else ["eager"]
+    runs = [(variant, rows) for rows in counts for variant in variants]
+    measured = {run: [] for run in runs}
+    for run in runs if args.compile else runs[:1]:  # warm-up: the compile, and a recompile per new shape
+        decode(run[1], run[0])
     for r in range(args.rounds):
-        for rows in counts if r % 2 == 0 else counts[::-1]:
-            measured[rows].append(decode(rows))
+        for variant, rows in runs if r % 2 == 0 else runs[::-1]:
+            measured[variant, rows].append(decode(rows, variant))
     print(f"# {args.threads} thread(s), {model.dtype}; ceiling (fp32 matmuls of the model's shapes) {ceiling:.1f} "
           f"GFLOP/s; prompts of {ids.shape[1]} tokens (padded), {args.steps} decode steps, median of {args.rounds}; "
           f"weights read per step {weight_bytes / 2**20:.0f} MiB")
-    print("| rows per step | ms per step | GFLOP per step | GFLOP/s | MFU | weights read GB/s | tokens/s, / the first |")
-    print("|---|---|---|---|---|---|---|")
-    base = None
-    for rows in counts:
-        seconds = statistics.median(s for s, _ in measured[rows])
-        gflop = statistics.median(g for _, g in measured[rows])
+    print("| rows per step | forward | ms per step | GFLOP per step | GFLOP/s | MFU | weights read GB/s | "
+          "tokens/s, / the first |")
+    print("|---|---|---|---|---|---|---|---|")
+    base, eager_seconds = None, {}
+    for variant, rows in runs:
+        seconds = statistics.median(s for s, _ in measured[variant, rows])
+        gflop = statistics.median(g for _, g in measured[variant, rows])
         rate = rows / seconds
         base = base or rate
-        print(f"| {rows} | {seconds * 1e3:.1f} | {gflop:.2f} | {gflop / seconds:.1f} | {gflop / seconds / ceiling:.0%} | "
-              f"{weight_bytes / seconds / 1e9:.1f} | {rate:.0f}, {rate / base:.2f}x |")
+        eager_seconds.setdefault(rows, seconds)
+        print(f"| {rows} | {variant} | {seconds * 1e3:.1f} | {gflop:.2f} | {gflop / seconds:.1f} | "
+              f"{gflop / seconds / ceiling:.0%} | {weight_bytes / seconds / 1e9:.1f} | {rate:.0f}, {rate / base:.2f}x |")
+    if args.compile:
+        for rows in counts:
+            compiled = statistics.median(s for s, _ in measured["compiled", rows])
+            print(f"compiled / eager at {rows} rows: {eager_seconds[rows] / compiled:.2f}x tokens/s")
     return 0
 
 

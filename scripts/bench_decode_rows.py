@@ -90,25 +90,28 @@ def main(argv: list[str]) -> int:
     for r in range(args.rounds):
         for variant, rows in runs if r % 2 == 0 else runs[::-1]:
             measured[variant, rows].append(decode(rows, variant))
+
+    def median_seconds(variant: str, rows: int) -> float:
+        return statistics.median(s for s, _ in measured[variant, rows])
+
     print(f"# {args.threads} thread(s), {model.dtype}; ceiling (fp32 matmuls of the model's shapes) {ceiling:.1f} "
           f"GFLOP/s; prompts of {ids.shape[1]} tokens (padded), {args.steps} decode steps, median of {args.rounds}; "
           f"weights read per step {weight_bytes / 2**20:.0f} MiB")
     print("| rows per step | forward | ms per step | GFLOP per step | GFLOP/s | MFU | weights read GB/s | "
           "tokens/s, / the first |")
     print("|---|---|---|---|---|---|---|---|")
-    base, eager_seconds = None, {}
+    base = None
     for variant, rows in runs:
-        seconds = statistics.median(s for s, _ in measured[variant, rows])
+        seconds = median_seconds(variant, rows)
         gflop = statistics.median(g for _, g in measured[variant, rows])
         rate = rows / seconds
         base = base or rate
-        eager_seconds.setdefault(rows, seconds)
         print(f"| {rows} | {variant} | {seconds * 1e3:.1f} | {gflop:.2f} | {gflop / seconds:.1f} | "
               f"{gflop / seconds / ceiling:.0%} | {weight_bytes / seconds / 1e9:.1f} | {rate:.0f}, {rate / base:.2f}x |")
     if args.compile:
         for rows in counts:
-            compiled = statistics.median(s for s, _ in measured["compiled", rows])
-            print(f"compiled / eager at {rows} rows: {eager_seconds[rows] / compiled:.2f}x tokens/s")
+            ratio = median_seconds("eager", rows) / median_seconds("compiled", rows)
+            print(f"compiled / eager at {rows} rows: {ratio:.2f}x tokens/s")
     return 0
 
 

@@ -208,8 +208,6 @@ def test_the_decode_loop_draws_what_generate_drew_under_a_seed(arch):
 def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch):
     """A prefill repeated 3 ways, then 9 decoded tokens through buffers that grow by 4 positions:
     the logits and each layer's keys and values (views of the buffers) equal DynamicCache's."""
-    from transformers import DynamicCache
-
     from grpo.rollout.hf_engine import InPlaceLayer, left_pad, repeat_in_place
 
     monkeypatch.setattr(InPlaceLayer, "GROWTH", 4)
@@ -217,10 +215,9 @@ def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch
     engine = HFEngine(model, FakeTokenizer(), SamplingConfig())
     ids, mask = left_pad(PROMPTS, 0)
     prefill = engine._prefill(ids, mask)
-    in_place = repeat_in_place(prefill, 3)
-    plain = DynamicCache(config=model.config)
-    for layer, source in zip(plain.layers, prefill.layers):
-        layer.update(source.keys.repeat_interleave(3, 0), source.values.repeat_interleave(3, 0))
+    in_place = repeat_in_place(prefill, 3)  # copies: the prefill itself becomes the concatenating reference
+    plain = prefill
+    plain.batch_repeat_interleave(3)
     rows = ids.repeat_interleave(3, 0)
     full = torch.cat([mask.repeat_interleave(3, 0), torch.ones(len(rows), 9, dtype=torch.long)], 1)
     position = full[:, :ids.shape[1]].sum(-1, keepdim=True) - 1

@@ -34,7 +34,7 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
-from grpo.config import parse_cli, save_config
+from grpo.config import ConfigError, help_requested, parse_cli, save_config
 from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.environments import environment_demonstration
 from grpo.episodes import episode_runner
@@ -55,6 +55,8 @@ log = logging.getLogger("sampler")
 
 
 def main(argv: list[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     cfg = parse_cli(argv)
     sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
     name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
@@ -218,4 +220,8 @@ def log_step(batch) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)

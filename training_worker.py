@@ -34,18 +34,19 @@ import torch.distributed as dist
 
 from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
-from grpo.config import parse_cli, save_config, to_dict
+from grpo.config import ConfigError, help_requested, parse_cli, save_config, to_dict
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.flops import ModelShape, batch_step_flops
 from grpo.logprobs import check_supported, verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
+from grpo.run_start import prepare_run_folder, resume_source
 from grpo.sources import SourceError
 from grpo.tracking import open_tracker
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
 from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
                            train_step)
-from grpo.transport import BatchReceiver, decode_batch
+from grpo.transport import AddressInUse, BatchReceiver, decode_batch
 from grpo.weights import published_digests, published_versions, version_dir
 
 log = logging.getLogger("trainer")
@@ -56,23 +57,24 @@ EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings or staler wei
 
 
 def main(argv: list[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     cfg = parse_cli(argv)
     rank, world, device = start_distributed(cfg)
-    try:  # a run folder or model that cannot be had: one line, no traceback (the launcher stops the rest)
-        if rank == 0:
-            save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
+    try:  # a run folder, address or model that cannot be had: one line, no traceback (the launcher stops the rest)
+        receiver = claim_run_on_rank_zero(cfg, rank, world, device)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
         check_supported(model, cfg)
         expected = behaviour_of(cfg, load_tokenizer(cfg.model))  # what every batch must have been made with
         if rank == 0 and uncorrected_precision_gap(cfg):
             log.warning("%s", uncorrected_precision_gap(cfg))
-    except (RunFolderError, SourceError) as e:
+    except (RunFolderError, SourceError, StartRefused) as e:
         log.error("%s", e)
         return 2
     engine = build_engine(cfg, model, world)
     state = resume(cfg, engine, model, rank)
-    io = RankZero.open(cfg, state) if rank == 0 else None
+    io = RankZero.open(cfg, state, receiver) if rank == 0 else None
 
     try:
         failed, code = train(cfg, engine, model, state, io, expected, rank, world, device), EXIT_BAD_STEPS
@@ -181,12 +183,12 @@ def build_engine(cfg, model, world: int):
 
 
 def resume(cfg, engine, model, rank: int) -> TrainerState:
-    """The last checkpoint (checkpoint.resume), if any; its weights become the served version again
-    and the versions published after it, which belong to the trajectory being redone, are removed."""
+    """The checkpoint of checkpoint.resume, if any; its weights become the served version again and
+    the versions published after it, which belong to the trajectory being redone, are removed. (A
+    fresh start finds no versions: `claim_run_on_rank_zero` refused a used run folder.)"""
     state = TrainerState()
-    ckpt_dir = cfg.run_dir / "checkpoints"
-    resume_from = ckpt_dir if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
-    if cfg.checkpoint.resume != "never" and (resume_from / "latest").is_file():
+    resume_from = resume_source(cfg.checkpoint.resume, cfg.run_dir)
+    if resume_from is not None:
         _, client = engine.load_checkpoint(str(resume_from))
         state = TrainerState.from_dict(client["trainer"])
         log.info("resumed from %s at step %d", resume_from, state.step)
@@ -199,6 +201,38 @@ def resume(cfg, engine, model, rank: int) -> TrainerState:
     return state
 
 
+class StartRefused(RuntimeError):
+    """The run cannot start: its folder or address (rank 0 says why), or more ranks than groups per step."""
+
+
+def claim_run_on_rank_zero(cfg, rank: int, world: int, device) -> BatchReceiver | None:
+    """Before anything is loaded, rank 0 claims the run: the run folder (a fresh start into a used
+    one refuses, or moves it aside with run.overwrite), the resolved config, and the bound socket
+    (a taken transport.address stops the start here). Every rank learns whether it could, and
+    stops together with it; so do more ranks than groups per step. Rank 0's receiver, else None."""
+    receiver, refusal = None, ""
+    if rank == 0:
+        try:
+            moved = prepare_run_folder(cfg)
+            if moved is not None:
+                log.warning("run.overwrite=true: the earlier contents of %s were moved to %s", cfg.run_dir, moved)
+            save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
+            receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
+                                     max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
+        except (RunFolderError, AddressInUse) as e:
+            refusal = str(e)
+    refused = torch.tensor([int(bool(refusal))], device=device)
+    dist.broadcast(refused, 0)
+    if refused.item():
+        raise StartRefused(refusal or "rank 0 could not claim the run folder or transport.address (its log says why)")
+    groups = cfg.sampling.prompts_per_step
+    if world > groups:
+        raise StartRefused(f"{world} trainer ranks but sampling.prompts_per_step={groups}: each rank trains whole "
+                           f"groups, so {world - groups} rank(s) would have nothing to do; raise "
+                           f"sampling.prompts_per_step to >= {world} or start fewer ranks")
+    return receiver
+
+
 @dataclass
 class RankZero:
     """Rank 0's ends of the run: the socket, the inbox that orders its batches, the metrics log."""
@@ -208,9 +242,7 @@ class RankZero:
     metrics: MetricsLog
 
     @classmethod
-    def open(cls, cfg, state: TrainerState) -> "RankZero":
-        receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
-                                 max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
+    def open(cls, cfg, state: TrainerState, receiver: BatchReceiver) -> "RankZero":
         inbox = Inbox(lambda timeout: keyed(receiver.receive_frames(timeout)), receiver.address,
                       stop=lambda: STOP["requested"], num_samplers=cfg.sampling.num_workers)
         tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg))
@@ -297,6 +329,9 @@ def step_row(cfg, state: TrainerState, batch, step_metrics: dict, timings: dict,
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     except WriteFailed as e:
         log.error("%s. Nothing partial is visible: weights and checkpoints are written aside and renamed into "
                   "place, so LATEST and the last checkpoint are whole. Free space or fix permissions and restart; "

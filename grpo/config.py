@@ -3,7 +3,7 @@
 Both workers call `parse_cli(argv)` (or `load_config`), so a setting is defined in exactly one
 place: the dataclass field below, whose `help` metadata is its documentation. Unknown keys,
 wrong types and impossible combinations are errors that name the key and say what to do. The
-machinery (types, overrides, the README table) is grpo/config_tree.py.
+machinery (types, overrides, the reference table and text) is grpo/config_tree.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 
 from grpo.config_rules import option_lists, validate  # noqa: F401 (option_lists: the valid values, for importers)
 from grpo.config_tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
-from grpo.config_tree import parse_override, set_key
+from grpo.config_tree import parse_override, reference_text as _reference_text, set_key
 from grpo.config_tree import setting as _f
 
 
@@ -35,6 +35,9 @@ DEFAULT_SYSTEM_PROMPT = (
 class RunConfig:
     name: str = _f("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
     dir: Optional[str] = _f(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
+    overwrite: bool = _f(False, "A fresh start into a run folder that holds an earlier run's weights, checkpoints or "
+                                "metrics: false refuses; true moves the old contents aside into <name>.replaced-<date> "
+                                "beside it (nothing is deleted).")
 
 
 @dataclass
@@ -244,7 +247,9 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     every: int = _f(50, "Checkpoint every N steps (and at a clean exit).")
-    resume: str = _f("auto", "auto (continue from the last checkpoint if any), never, or a checkpoint path.")
+    resume: str = _f("auto", "auto (continue from the run folder's last checkpoint if it has one, else start fresh), "
+                             "never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A "
+                             "fresh start into a used run folder needs run.overwrite=true or a new run.name.")
     keep_last: int = _f(2, "Checkpoints kept on disk.")
 
 
@@ -302,8 +307,9 @@ def all_keys() -> list[str]:
 # ----------------------------------------------------------------------------- loading
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides; validated."""
-    cfg = Config()
+    """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem (unknown
+    keys, wrong types, impossible combinations) is reported at once, in one ConfigError."""
+    cfg, problems = Config(), []
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -314,11 +320,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(mapping, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(mapping).__name__}")
-        apply_mapping(cfg, mapping, from_cli=False)
+        problems += apply_mapping(cfg, mapping, from_cli=False)
     for text in overrides:
-        key, value = parse_override(text)
-        set_key(cfg, key.split("."), value, True, key, Config)
-    return validate(cfg)
+        try:
+            key, value = parse_override(text)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        problems += set_key(cfg, key.split("."), value, True, key, Config)
+    return validate(cfg, problems)
 
 
 def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml") -> Config:
@@ -364,5 +374,28 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 def reference_markdown() -> str:
-    """The config reference table (README), generated from the fields' help."""
+    """The config reference table (docs/config.md), generated from the fields' help."""
     return markdown_table(Config)
+
+
+def reference_text() -> str:
+    """Every key with its default and help, as `--help-config` prints it."""
+    return _reference_text(Config)
+
+
+CONFIG_HELP = """
+The config: --config PATH (default: config.yaml in the working folder; configs/ holds recipes),
+then key=value overrides with dotted keys, values read as YAML (training.use_gspo=true).
+Every key with its default and meaning: --help-config (or docs/config.md)."""
+
+
+def help_requested(argv: typing.Sequence[str], usage: str) -> bool:
+    """Print the entry point's `usage` (`--help`, `-h`) or every config key (`--help-config`) when
+    asked; True when it printed (the caller exits 0)."""
+    if "--help-config" in argv:
+        print(reference_text())
+        return True
+    if "--help" in argv or "-h" in argv:
+        print(usage.strip() + "\n" + CONFIG_HELP)
+        return True
+    return False

@@ -64,15 +64,16 @@ def is_loopback_address(address: str) -> bool:
         return False
 
 
-def validate(cfg):
-    """All cross-field rules in one place, every error reported at once; fills the defaults that
-    depend on other settings (the clip range follows training.use_gspo)."""
+def validate(cfg, problems: list[str] = ()):
+    """All cross-field rules in one place, every error reported at once (after `problems`, those
+    found while reading the file and overrides); fills the defaults that depend on other settings
+    (the clip range follows training.use_gspo)."""
     t = cfg.training
     default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
     t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
     t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
-    errors = _choice_and_count_errors(cfg) + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
-        + _transport_errors(cfg)
+    errors = [*problems, *_choice_and_count_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
+        + _transport_errors(cfg) + _run_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
@@ -185,6 +186,9 @@ def _reward_errors(cfg) -> list[str]:
                       "give one weight per reward function")
     from rewards.registry import get_reward  # late import: rewards does not depend on config
 
+    if "env_reward" in [*r.names, r.accuracy_reward, r.format_reward] and not cfg.env.name:
+        errors.append("env_reward is the reward an environment gives its episodes, and env.name is empty: set env.name "
+                      "(e.g. calculator; see docs/environments.md) or use another reward")
     named = [("rewards.names", name) for name in r.names]
     for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
         try:
@@ -221,4 +225,21 @@ def _transport_errors(cfg) -> list[str]:
             and not tr.allow_insecure:
         errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
                       "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
+    return errors
+
+
+def _run_errors(cfg) -> list[str]:
+    """How a run starts and where its trainer ranks find work."""
+    from grpo.run_start import is_checkpoint_folder
+
+    errors = []
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not is_checkpoint_folder(resume):
+        errors.append(f"checkpoint.resume must be auto, never or a checkpoint folder (one holding DeepSpeed's "
+                      f"'latest' file, e.g. runs/<name>/checkpoints); got {resume!r}")
+    ranks, groups = cfg.launch.trainer_ranks, cfg.sampling.prompts_per_step
+    if ranks > groups:
+        errors.append(f"launch.trainer_ranks={ranks} is more than sampling.prompts_per_step={groups}: each rank "
+                      f"trains whole groups, so {ranks - groups} rank(s) would have nothing to do; raise "
+                      f"sampling.prompts_per_step to >= {ranks} or lower launch.trainer_ranks")
     return errors

@@ -22,13 +22,6 @@ class ConfigError(ValueError):
     """A config file, override or combination of settings that cannot run."""
 
 
-def _f(default, help: str, **kw):
-    """A config field with its documentation; list/dict defaults are copied per instance."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
-
-
 def setting(default, help: str, **kw):
     """A config field with its documentation; list/dict defaults are copied per instance."""
     if isinstance(default, (list, dict)):
@@ -108,45 +101,109 @@ def get_key(node: Any, key: str) -> Any:
     return node
 
 
-def _unknown_key_error(key: str, root: type) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
-    return ConfigError(f"unknown config key '{key}'{hint}")
+# Names users bring from TRL's GRPOConfig, OpenRLHF and veRL, and the key of ours that does the job
+# (a leaf name we share, e.g. `beta` under another section, is found without this list).
+FOREIGN_NAMES = {
+    "lr": "training.learning_rate", "actor_learning_rate": "training.learning_rate",
+    "num_generations": "sampling.group_size", "n_samples_per_prompt": "sampling.group_size", "n": "sampling.group_size",
+    "max_completion_length": "sampling.max_new_tokens", "generate_max_len": "sampling.max_new_tokens",
+    "response_length": "sampling.max_new_tokens", "max_response_length": "sampling.max_new_tokens",
+    "max_tokens": "sampling.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens", "prompt_max_len": "data.max_prompt_tokens",
+    "per_device_train_batch_size": "sampling.prompts_per_step (prompts, each with sampling.group_size completions)",
+    "train_batch_size": "sampling.prompts_per_step", "rollout_batch_size": "sampling.prompts_per_step",
+    "gradient_accumulation_steps": "training.max_tokens_per_micro_batch (a step's batch is split into "
+                                   "micro-batches by tokens; one optimizer update per pass)",
+    "micro_train_batch_size": "training.max_tokens_per_micro_batch",
+    "ppo_micro_batch_size_per_gpu": "training.max_tokens_per_micro_batch",
+    "epsilon": "training.clip_low", "epsilon_low": "training.clip_low", "epsilon_high": "training.clip_high",
+    "eps_clip": "training.clip_low", "clip_ratio": "training.clip_low", "clip_ratio_low": "training.clip_low",
+    "clip_ratio_high": "training.clip_high", "cliprange": "training.clip_low",
+    "loss_type": "training.aggregation (grpo, dapo, dr_grpo)", "loss_agg_mode": "training.aggregation",
+    "use_vllm": "sampling.engine=vllm", "vllm_mode": "sampling.engine",
+    "gpu_memory_utilization": "sampling.vllm_gpu_memory_utilization",
+    "scale_rewards": "training.advantage_scale (group, batch, none)",
+    "importance_sampling_level": "training.use_gspo (true = sequence level)",
+    "kl_coef": "training.beta", "init_kl_coef": "training.beta", "kl_loss_coef": "training.beta",
+    "kl_loss_type": "training.kl_estimator",
+    "ppo_epochs": "training.num_iterations", "max_epochs": "training.num_iterations",
+    "max_steps": "training.steps", "num_train_epochs": "training.steps", "total_training_steps": "training.steps",
+    "lr_scheduler_type": "training.lr_schedule", "warmup_ratio": "training.warmup_steps",
+    "model_name_or_path": "model.name_or_path", "pretrain": "model.name_or_path", "model_name": "model.name_or_path",
+    "torch_dtype": "model.dtype", "bf16": "model.dtype=bfloat16", "fp16": "model.dtype=float16",
+    "use_peft": "lora.enabled", "lora_r": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules",
+    "dataset_name": "data.path", "dataset": "data.path", "prompt_data": "data.path",
+    "input_key": "data.prompt_column", "label_key": "data.answer_column",
+    "output_dir": "run.dir", "run_name": "run.name", "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep_last", "resume_from_checkpoint": "checkpoint.resume",
+    "eval_steps": "eval.every", "report_to": "logging.backend (none, wandb, trackio)",
+    "reward_funcs": "rewards.names", "reward_weights": "rewards.weights",
+}
 
 
-def set_key(node: Any, parts: list[str], value: Any, from_cli: bool, full_key: str, root: type) -> None:
-    """Set the leaf `parts` (a dotted key split) below `node`; a mapping sets a whole section."""
+def suggestion(key: str, root: type) -> str | None:
+    """The key of ours a mistyped or foreign `key` most likely means, or None."""
+    keys = all_keys(root)
+    leaf = key.rsplit(".", 1)[-1]
+    if key in FOREIGN_NAMES:
+        return FOREIGN_NAMES[key]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:  # the right name under another section: `sampling.beta` -> training.beta
+        return same_leaf[0]
+    if leaf in FOREIGN_NAMES:
+        return FOREIGN_NAMES[leaf]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5) or \
+        difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in keys], n=1, cutoff=0.75)
+    if not close:
+        return None
+    return close[0] if close[0] in keys else next(k for k in keys if k.rsplit(".", 1)[-1] == close[0])
+
+
+def _unknown_key(key: str, root: type) -> str:
+    hint = suggestion(key, root)
+    hint = f"; did you mean {hint}?" if hint and " " in hint else f"; did you mean '{hint}'?" if hint else ""
+    return f"unknown config key '{key}'{hint or '; see --help-config or docs/config.md for every key'}"
+
+
+def set_key(node: Any, parts: list[str], value: Any, from_cli: bool, full_key: str, root: type) -> list[str]:
+    """Set the leaf `parts` (a dotted key split) below `node`; a mapping sets a whole section.
+    Returns the problems found (unknown keys, wrong types), each naming its key; nothing is set
+    for a key with a problem."""
     name = parts[0]
     names = {f.name for f in dataclasses.fields(node)}
     if name not in names:
-        raise _unknown_key_error(full_key, root)
+        return [_unknown_key(full_key, root)]
     tp = _hints(type(node))[name]
     if dataclasses.is_dataclass(tp):
         if len(parts) == 1:
             if not isinstance(value, dict):
-                raise ConfigError(f"{full_key}: expected a section (mapping), got {value!r}")
-            for k, v in value.items():
-                set_key(getattr(node, name), [str(k)], v, from_cli, f"{full_key}.{k}", root)
-            return
-        set_key(getattr(node, name), parts[1:], value, from_cli, full_key, root)
-        return
+                return [f"{full_key}: expected a section (mapping), got {value!r}"]
+            return [problem for k, v in value.items()
+                    for problem in set_key(getattr(node, name), [str(k)], v, from_cli, f"{full_key}.{k}", root)]
+        return set_key(getattr(node, name), parts[1:], value, from_cli, full_key, root)
     if len(parts) > 1:
         if tp is not dict:
-            raise _unknown_key_error(full_key, root)
+            return [_unknown_key(full_key, root)]
         # pass-through mappings (deepspeed.config) take any nested key
         target = getattr(node, name)
         for part in parts[1:-1]:
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"{full_key}: '{part}' is not a mapping")
+                return [f"{full_key}: '{part}' is not a mapping"]
         target[parts[-1]] = value
-        return
-    setattr(node, name, _coerce(full_key, value, tp, from_cli))
+        return []
+    try:
+        setattr(node, name, _coerce(full_key, value, tp, from_cli))
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
-def apply_mapping(root_obj: Any, mapping: dict, from_cli: bool) -> None:
-    for key, value in mapping.items():
-        set_key(root_obj, str(key).split("."), value, from_cli, str(key), type(root_obj))
+def apply_mapping(root_obj: Any, mapping: dict, from_cli: bool) -> list[str]:
+    """Set every key of a (YAML) mapping; the problems of all of them."""
+    return [problem for key, value in mapping.items()
+            for problem in set_key(root_obj, str(key).split("."), value, from_cli, str(key), type(root_obj))]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -161,25 +218,43 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _shown_default(default: Any) -> str:
+    if isinstance(default, str) and "\n" in default:
+        return json.dumps(default)  # one line: "<think>\n", not a broken one
+    shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
+    return shown.removesuffix("\n...").removesuffix("...").strip()
+
+
+def _leaves(cls: type, obj: Any, prefix: str = ""):
+    """(dotted key, default, help) of every leaf, in declaration order."""
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, getattr(obj, f.name), f.metadata["help"]
+
+
+def reference_text(root: type, width: int = 100) -> str:
+    """Every key with its default and help, for a terminal (`--help-config`)."""
+    import textwrap
+
+    lines, section = [], None
+    for key, default, help in _leaves(root, root()):
+        head = key.split(".")[0] if "." in key else ""
+        if head != section:
+            section = head
+            lines.append(f"\n[{head or 'top level'}]")
+        lines.append(f"{key} = {_shown_default(default)}")
+        lines += textwrap.wrap(help, width=width, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(lines).lstrip("\n")
+
+
 def markdown_table(root: type) -> str:
     """| key | default | meaning | for every leaf of the tree `root`, from the fields' help."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
-
-    def walk(cls: type, obj: Any, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            tp = _hints(cls)[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
-                continue
-            default = getattr(obj, f.name)
-            if isinstance(default, str) and "\n" in default:
-                shown = json.dumps(default)  # one table row: "<think>\n", not a broken line
-            else:
-                shown = yaml.safe_dump(default, default_flow_style=True, width=10**6).strip()
-                shown = shown.removesuffix("\n...").removesuffix("...").strip()
-            if len(shown) > 60:
-                shown = shown[:57] + "..."
-            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {f.metadata['help']} |")
-
-    walk(root, root(), "")
+    for key, default, help in _leaves(root, root()):
+        shown = _shown_default(default)
+        shown = shown[:57] + "..." if len(shown) > 60 else shown
+        rows.append(f"| `{key}` | `{shown}` | {help} |")
     return "\n".join(rows)

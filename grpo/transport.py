@@ -250,6 +250,10 @@ class BatchSender:
         self._context.term()
 
 
+class AddressInUse(OSError):
+    """The trainer's transport.address is taken (another run, or a trainer still running)."""
+
+
 class BatchReceiver:
     """The trainer's end: PULL, binds. A bad message is logged, counted and skipped."""
 
@@ -265,7 +269,13 @@ class BatchReceiver:
         self._socket.setsockopt(zmq.RCVHWM, high_water_mark)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)  # zmq drops bigger ones unread
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as e:
+            self.close()
+            raise AddressInUse(f"transport.address {address} cannot be bound ({e}): another run or trainer uses it; "
+                               "set transport.address=tcp://127.0.0.1:<free port> for both processes (the launcher "
+                               "picks a free one by itself)") from None
 
     def receive(self, timeout_s: float) -> RolloutBatch:
         """The next valid batch; TransportTimeout when none arrives within `timeout_s`."""

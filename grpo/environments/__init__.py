@@ -48,10 +48,16 @@ class Reply:
 BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator"}
 
 
+VALID_NAMES = ("'' (off)", *BUILT_IN, "openenv:package.module:Class", "package.module:factory",
+               "path/to/file.py:factory")
+
+
 def _environment_class(name: str):
     """The class or factory a built-in name or an import path names (not an openenv: one)."""
     from rewards.registry import import_object
 
+    if name not in BUILT_IN and ":" not in name:
+        raise ValueError(f"env.name: unknown environment {name!r}; valid: {', '.join(VALID_NAMES)}")
     return import_object(BUILT_IN.get(name, name), "env.name")
 
 

@@ -1,0 +1,171 @@
+"""Fresh start or resume: a start never deletes what an earlier run left in its folder."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from conftest import PROCESS_CONFIG, REPO
+from grpo.config import load_config
+from grpo.ports import free_local_port
+from grpo.run_start import RunFolderInUse, earlier_outputs, prepare_run_folder, resume_source
+from helpers import free_tcp_address
+
+
+def finished_run(folder: Path, checkpoint: bool = True) -> Path:
+    """What a run leaves: published versions, a checkpoint, metrics rows, its config and logs."""
+    for v in (1, 2):
+        version = folder / "weights" / f"v{v:06d}"
+        version.mkdir(parents=True)
+        (version / "adapter_model.safetensors").write_bytes(bytes([v]) * 64)
+        (version / "manifest.json").write_text(json.dumps({"version": v, "step": v, "kind": "lora", "files": {}}))
+    (folder / "weights" / "LATEST").write_text("2")
+    if checkpoint:
+        (folder / "checkpoints" / "step000002").mkdir(parents=True)
+        (folder / "checkpoints" / "step000002" / "state.pt").write_bytes(b"optimizer state")
+        (folder / "checkpoints" / "latest").write_text("step000002")
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (folder / "config.yaml").write_text("seed: 0\n")
+    (folder / "trainer.log").write_text("done\n")
+    return folder
+
+
+def contents(folder: Path) -> dict[str, str]:
+    """Every file below `folder` and the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def config(run_dir: Path, *overrides: str):
+    return load_config(None, [f"run.dir={run_dir}", "run.name=my-run", *overrides])
+
+
+def test_a_fresh_start_into_a_used_run_folder_refuses_and_deletes_nothing(tmp_path):
+    run_dir = finished_run(tmp_path / "my-run")
+    before = contents(run_dir)
+    with pytest.raises(RunFolderInUse) as e:
+        prepare_run_folder(config(run_dir, "checkpoint.resume=never"))
+    message = str(e.value)
+    assert "run.name=my-run" in message and "run.overwrite=true" in message and "new run.name" in message
+    assert "published weights v1..v2, checkpoints, metrics.jsonl (2 rows)" in message
+    assert "\n" not in message
+    assert contents(run_dir) == before
+
+
+def test_weights_and_metrics_without_a_checkpoint_are_no_fresh_start_either(tmp_path):
+    """A run stopped before its first checkpoint: `auto` finds nothing to resume from, and a
+    fresh start would have deleted its published versions."""
+    run_dir = finished_run(tmp_path / "my-run", checkpoint=False)
+    before = contents(run_dir)
+    with pytest.raises(RunFolderInUse, match="there is no checkpoint to resume from"):
+        prepare_run_folder(config(run_dir))
+    assert contents(run_dir) == before
+
+
+def test_run_overwrite_moves_the_old_contents_aside_whole(tmp_path):
+    run_dir = finished_run(tmp_path / "my-run")
+    before = contents(run_dir)
+    moved = prepare_run_folder(config(run_dir, "checkpoint.resume=never", "run.overwrite=true"))
+    assert moved.parent == tmp_path and moved.name.startswith("my-run.replaced-")
+    assert {k: v for k, v in contents(moved).items() if k != "REPLACED.json"} == before
+    assert json.loads((moved / "REPLACED.json").read_text())["run_dir"] == str(run_dir)
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []
+    # a second start finds the folder fresh: nothing more is moved
+    assert prepare_run_folder(config(run_dir, "checkpoint.resume=never", "run.overwrite=true")) is None
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["my-run", moved.name]
+
+
+def test_a_weights_folder_outside_the_run_folder_moves_with_it(tmp_path):
+    run_dir, weights = tmp_path / "my-run", tmp_path / "elsewhere" / "weights"
+    finished_run(run_dir, checkpoint=False)
+    weights.parent.mkdir()
+    os.rename(run_dir / "weights", weights)
+    before = contents(weights)
+    moved = prepare_run_folder(config(run_dir, f"weights.dir={weights}", "run.overwrite=true"))
+    assert contents(moved / "weights.moved") == before and not weights.exists()
+
+
+def test_resume_sources(tmp_path):
+    run_dir = finished_run(tmp_path / "my-run")
+    assert resume_source("auto", run_dir) == run_dir / "checkpoints"
+    assert resume_source("never", run_dir) is None
+    assert resume_source(str(run_dir / "checkpoints"), tmp_path / "other") == run_dir / "checkpoints"
+    assert resume_source("auto", tmp_path / "empty") is None
+    before = contents(run_dir)
+    assert prepare_run_folder(config(run_dir)) is None  # auto with a checkpoint: a resume, nothing moves
+    assert contents(run_dir) == before
+    assert earlier_outputs(tmp_path / "empty", tmp_path / "empty" / "weights") == []
+
+
+def start_one_rank_trainer(run_dir: Path, model_dir, data_dir, address: str, *extra: str):
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port()), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, str(REPO / "training_worker.py"), "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}",
+            "run.name=my-run", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
+            f"transport.address={address}", "lora.r=4", *extra]
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if " ERROR " in line]
+
+
+def test_the_trainer_refuses_a_fresh_start_into_a_finished_run_and_deletes_nothing(tmp_path, tiny_model_dir,
+                                                                                   tiny_gsm8k):
+    run_dir = finished_run(tmp_path / "my-run")
+    before = contents(run_dir)
+    proc = start_one_rank_trainer(run_dir, tiny_model_dir, tiny_gsm8k, free_tcp_address(), "checkpoint.resume=never")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = error_lines(proc)
+    assert len(errors) == 1 and "run.name=my-run" in errors[0] and "run.overwrite=true" in errors[0], errors
+    assert contents(run_dir) == before
+
+
+def test_a_trainer_whose_address_is_taken_stops_in_one_line_naming_it(tmp_path, tiny_model_dir, tiny_gsm8k):
+    address = free_tcp_address()
+    context = zmq.Context()
+    taken = context.socket(zmq.PULL)
+    taken.bind(address)
+    try:
+        proc = start_one_rank_trainer(tmp_path / "run", tiny_model_dir, tiny_gsm8k, address)
+    finally:
+        taken.close(linger=0)
+        context.term()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = error_lines(proc)
+    assert len(errors) == 1 and f"transport.address {address} cannot be bound" in errors[0], errors
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", ["training_worker.py", "sampling_worker.py"])
+def test_help_exits_0_and_names_the_config_and_the_key_reference(script):
+    proc = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert f"{script} [--config config.yaml] [key=value ...]" in proc.stdout
+    assert "--help-config" in proc.stdout and "docs/config.md" in proc.stdout
+
+
+def test_help_config_prints_every_key_with_its_default(tmp_path):
+    from grpo.config import all_keys
+
+    proc = subprocess.run([sys.executable, str(REPO / "sampling_worker.py"), "--help-config"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    printed = [line.split(" = ", 1)[0] for line in proc.stdout.splitlines() if " = " in line and not line.startswith(" ")]
+    assert printed == all_keys()
+    assert "training.learning_rate = 0.0002" in proc.stdout and "checkpoint.resume = auto" in proc.stdout
+
+
+def test_a_config_error_is_one_message_without_a_traceback():
+    proc = subprocess.run([sys.executable, str(REPO / "training_worker.py"), "training.lr=1e-5", "num_generations=4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "unknown config key 'training.lr'; did you mean 'training.learning_rate'?" in proc.stderr
+    assert "unknown config key 'num_generations'; did you mean 'sampling.group_size'?" in proc.stderr

@@ -1,4 +1,4 @@
-"""RolloutBatch: the sampler's output, in memory and on the wire (DESIGN section 3).
+"""RolloutBatch: the sampler's output, in memory and on the wire.
 
 Ragged and unpadded. Prompt-major: completion j of prompt i sits at sum(group_sizes[:i]) + j,
 whatever chunking the generator used. `FIELDS` declares every field once (how it travels, its

@@ -126,7 +126,7 @@ class RewardsConfig:
                           "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
                           "think_answer_format_partial, answer_format, reasoning_gym) or your own as 'package.module:function' or "
                           "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
-                          "not apply to this row); row = the dataset row plus reference_answer. README: your own rewards.")
+                          "not apply to this row); row = the dataset row plus reference_answer. docs/rewards.md: your own rewards.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
     accuracy_reward: str = _f("gsm8k_answer", "The reward that decides whether an answer is correct, for the reported "
                                               "accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): "

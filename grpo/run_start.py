@@ -61,6 +61,30 @@ def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
     return found
 
 
+def refusal(cfg, found: list[str]) -> str:
+    """The one line that refuses a fresh start into a run folder holding `found`."""
+    why = "checkpoint.resume=never" if cfg.checkpoint.resume == "never" else "there is no checkpoint to resume from"
+    return (f"run folder {cfg.run_dir} (run.name={cfg.run.name}) already holds {', '.join(found)}, and this start is "
+            f"a fresh one ({why}); nothing was changed. Pick a new run.name, or set run.overwrite=true to move the "
+            "old contents aside into a dated folder")
+
+
+def planned_start(cfg) -> tuple[str, str]:
+    """What a start would do with the run folder, changing nothing: ("resume" | "fresh" | "overwrite"
+    | "refuse", the same in words). `prepare_run_folder` decides the same way."""
+    run_dir = Path(cfg.run_dir)
+    source = resume_source(cfg.checkpoint.resume, run_dir)
+    if source is not None:
+        return "resume", f"resume from {source} (checkpoint {(source / CHECKPOINT_MARK).read_text().strip()})"
+    found = earlier_outputs(run_dir, Path(cfg.weights_dir))
+    if not found:
+        return "fresh", "fresh start"
+    if cfg.run.overwrite:
+        return "overwrite", (f"fresh start; the old contents ({', '.join(found)}) are first moved aside into "
+                             f"{run_dir.name}.replaced-<date> beside it (run.overwrite=true)")
+    return "refuse", refusal(cfg, found)
+
+
 def prepare_run_folder(cfg) -> Path | None:
     """Refuse a fresh start into a used run folder, or move its contents aside with run.overwrite;
     returns the folder they were moved to (None when nothing was moved). A resume changes nothing."""
@@ -73,12 +97,7 @@ def prepare_run_folder(cfg) -> Path | None:
         if not found:
             return None
         if not cfg.run.overwrite:
-            why = ("checkpoint.resume=never" if cfg.checkpoint.resume == "never"
-                   else "there is no checkpoint to resume from")
-            raise RunFolderInUse(
-                f"run folder {run_dir} (run.name={cfg.run.name}) already holds {', '.join(found)}, and this start "
-                f"is a fresh one ({why}); nothing was changed. Pick a new run.name, or set run.overwrite=true to "
-                "move the old contents aside into a dated folder")
+            raise RunFolderInUse(refusal(cfg, found))
         return _move_aside(run_dir, weights_dir)
 
 

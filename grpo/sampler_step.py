@@ -1,7 +1,7 @@
 """One sampler step as functions: generate, score, the policy's log-probs, the batch.
 
 `make_batch` is what the sampler's loop calls once per step; each piece below it is a small
-function of its inputs, in the order they run (DESIGN section 1).
+function of its inputs, in the order they run.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class StalenessTimeout(TimeoutError):
 
 
 def required_version(step: int, max_staleness: int, publish_every: int) -> int:
-    """The oldest weights version step `step` may be generated with (DESIGN section 5).
+    """The oldest weights version step `step` may be generated with (docs/architecture.md).
 
     Version v is the policy after v optimizer steps, published every `publish_every` steps, so
     the bound step - max_staleness is rounded up to a version that will be published: the first

@@ -1,4 +1,4 @@
-"""Weights through the filesystem (DESIGN section 4).
+"""Weights through the filesystem.
 
     <weights>/v000012/  adapter_model.safetensors + adapter_config.json   (LoRA, PEFT format)
                         or model.safetensors + config.json                 (full fine-tune)

@@ -1,13 +1,18 @@
 """Held-out accuracy (greedy, pass@1) and exact-format rate, for the base model or trained weights.
 
+    .venv/bin/python scripts/evaluate.py --run runs/<name> [--version N] [--limit N] [key=value ...]
     .venv/bin/python scripts/evaluate.py [--config config.yaml] [--weights PATH] [--limit N]
                                          [--batch-size 16] [--out summary.json] [key=value ...]
 
---weights takes a published version folder (runs/<name>/weights/v000200, adapter or full model,
-checksums verified) or any PEFT adapter folder; without it the base model is evaluated. The
-prompt (system prompt, chat template, prefill) is the training one; an answer is correct when
-rewards.accuracy_reward gives it >= 1 and well-formed when rewards.format_reward does (GSM8K's
-strict pair by default; `--config configs/needle_haystack.yaml` evaluates that task with its own scorer).
+--run evaluates a run's published version (default: the one weights/LATEST names) with that run's
+resolved config (runs/<name>/config.yaml: model, prompt, rewards, task, environment); key=value
+overrides still apply on top. --weights takes a published version folder (runs/<name>/weights/v000200,
+adapter or full model, checksums verified; inside a run folder, that run's config is used unless
+--config is given) or any PEFT adapter folder; without either the base model of --config is
+evaluated. The prompt (system prompt, chat template, prefill) is the training one; an answer is
+correct when rewards.accuracy_reward gives it >= 1 and well-formed when rewards.format_reward does
+(GSM8K's strict pair by default; `--config configs/needle_haystack.yaml` evaluates that task with
+its own scorer).
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from tqdm import tqdm  # noqa: E402
 
 from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
-from grpo.config import parse_cli  # noqa: E402
+from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.environments import environment_demonstration  # noqa: E402
 from grpo.episodes import episode_runner  # noqa: E402
 from grpo.evaluation import greedy_samples, summary  # noqa: E402
-from grpo.weights import MANIFEST, load_into, verify  # noqa: E402
+from grpo.run_outputs import RunOutputsError, run_config, run_of_weights, version_folder  # noqa: E402
+from grpo.sources import SourceError  # noqa: E402
+from grpo.weights import MANIFEST, WeightsError, load_into, verify  # noqa: E402
 from rewards.strict import checks_of  # noqa: E402
 
 
@@ -76,19 +83,44 @@ def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, spli
     return result, samples
 
 
+def resolve_inputs(args, overrides: list[str]) -> tuple:
+    """(config, weights folder or None, where the config came from), from --run / --weights / --config."""
+    if args.run is not None:
+        if args.weights is not None or args.config is not None:
+            raise RunOutputsError("--run evaluates a run with its own config and weights: leave out --weights and --config")
+        return run_config(args.run, overrides), version_folder(args.run, args.version), str(args.run / "config.yaml")
+    if args.version is not None:
+        raise RunOutputsError("--version picks a version of a run: use it with --run runs/<name>")
+    if args.weights is not None and not args.weights.exists():
+        raise RunOutputsError(f"--weights {args.weights} does not exist")
+    run = run_of_weights(args.weights) if args.weights is not None and args.config is None else None
+    if run is not None:  # a run's weights folder (its LATEST) or one of its versions, as that run was trained
+        weights = args.weights if (args.weights / MANIFEST).is_file() else version_folder(args.weights)
+        return run_config(run, overrides), weights, str(run / "config.yaml")
+    path = args.config or "config.yaml"
+    source = path if Path(path).is_file() or args.config else "built-in defaults"
+    return parse_cli(["--config", path, *overrides]), args.weights, source
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="config.yaml")
+    parser.add_argument("--run", type=Path, help="run folder (runs/<name>): its config and its published weights")
+    parser.add_argument("--version", type=int, help="with --run: the published version (default: weights/LATEST)")
+    parser.add_argument("--config", help="config file (default config.yaml; with --weights inside a run: that run's)")
     parser.add_argument("--weights", type=Path, help="published version folder or PEFT adapter folder")
     parser.add_argument("--limit", type=int, help="first N test problems")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--split", default="test")
     parser.add_argument("--out", type=Path, help="JSON summary path (samples go next to it as .samples.jsonl)")
     args, overrides = parser.parse_known_args(argv)
-    cfg = parse_cli(["--config", args.config, *overrides])
-    torch.manual_seed(cfg.seed)
-    summary, samples = evaluate(cfg, args.weights, args.limit, args.batch_size, args.split)
-    text = json.dumps(summary, indent=1)
+    try:
+        cfg, weights, config_source = resolve_inputs(args, overrides)
+        torch.manual_seed(cfg.seed)
+        summary, samples = evaluate(cfg, weights, args.limit, args.batch_size, args.split)
+    except (RunOutputsError, ConfigError, WeightsError, SourceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps({**summary, "config": config_source}, indent=1)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,43 +1,85 @@
-"""Start the sampler(s) and the DeepSpeed trainer for one run, show progress, stop all together.
+"""Start the sampler(s) and the DeepSpeed trainer of one run, show progress, stop all together
+(what `make train` runs; USAGE below is its --help, `placement` where each process runs).
 
-    python scripts/launch.py [--config config.yaml] [key=value ...]        (what `make train` runs)
-
-Placement (override with launch.trainer_ranks / launch.cpu_threads; launch.samplers starts N
-samplers): with more GPUs than samplers the last N sample, one each, and the others train; with
-fewer, all share GPU 0; on a CPU-only machine one trainer rank and the samplers split the cores.
-Everything lands in the run folder: config, sampler.log (sampler0.log, sampler1.log, ... with
-several), trainer.log, metrics.jsonl, tb/, weights/, checkpoints/. Ctrl-C or a failure of any
-process stops all (the trainer checkpoints on SIGTERM); the exit code says which failed (3: a
-sampler, 4: the trainer, 130: interrupted) and the failing log's last lines are shown.
+The transport gets a free loopback port unless transport.address is set, so that two runs can
+share a machine; a fresh start into a used run folder is refused (grpo/run_start.py). Everything
+lands in the run folder: config, address, sampler.log (sampler0.log, ... with several),
+trainer.log, metrics.jsonl, tb/, weights/, checkpoints/. Ctrl-C or a failure of any process stops
+all (the trainer checkpoints on SIGTERM); the exit code says which failed (3: a sampler, 4: the
+trainer, 130: interrupted; 2: a mistake in the command or config) and the failing log's last lines are shown.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.problems import check_source  # noqa: E402
-from grpo.config import ConfigError, parse_cli  # noqa: E402
-from grpo.evaluation import is_evaluation_row  # noqa: E402
-from grpo.files import RunFolderError, ensure_writable  # noqa: E402
+from grpo.config import ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
+from grpo.files import RunFolderError, ensure_writable, write_atomically  # noqa: E402
+from grpo.progress import LogMilestones, StepProgress, tail  # noqa: E402
+from grpo.ports import free_local_port, free_loopback_address  # noqa: E402
+from grpo.run_start import planned_start, prepare_run_folder  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
-from grpo.ports import free_local_port  # noqa: E402
 
-EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED = 3, 4, 130
+EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
+
+USAGE = """\
+usage: python scripts/launch.py [--config config.yaml] [--dry-run] [key=value ...]
+       make train ARGS="..."    (passes the same: make train ARGS="--dry-run training.steps=50";
+                                 CONFIG=configs/<recipe>.yaml picks the config file)
+
+Starts the sampler(s) and the DeepSpeed trainer of one run, shows its progress, and stops them
+all together (Ctrl-C, a failure of any of them, or launch.max_minutes).
+
+  --config PATH   the YAML config: config.yaml by default (the default run, offline on a CPU);
+                  configs/ holds recipes, e.g. configs/qwen2.5-0.5b-gsm8k-1gpu.yaml
+  key=value       overrides of any config key, after the file, e.g. training.steps=50 run.name=try2
+  --dry-run       print the plan and start or change nothing: each process's GPUs or threads,
+                  command and environment, the transport address and DeepSpeed port, the run
+                  folder and whether it starts fresh, resumes or would be refused
+  --gpus N        with --dry-run only: plan for a machine with N GPUs (planning on another machine)
+  --help-config   every config key with its default and help (docs/config.md has the same)
+  -h, --help      this text"""
+
+
+def split_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """The launcher's own flags, and the rest (--config and key=value) for grpo.config.parse_cli."""
+    options = {"help": False, "help_config": False, "dry_run": False, "gpus": None}
+    flags = {"-h": "help", "--help": "help", "--help-config": "help_config", "--dry-run": "dry_run"}
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in flags:
+            options[flags[arg]] = True
+        elif arg == "--gpus" or arg.startswith("--gpus="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            if not value.isdigit():
+                raise ValueError(f"--gpus needs a number of GPUs; got {value!r}")
+            options["gpus"] = int(value)
+        else:
+            rest.append(arg)
+        i += 1
+    if options["gpus"] is not None and not options["dry_run"]:
+        raise ValueError("--gpus plans for another machine and goes with --dry-run only; a real start counts its GPUs")
+    return options, rest
 
 
 def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int, samplers: int = 1) -> dict:
-    """Ranks, visible GPUs and thread counts for the trainer and each sampler (a pure function)."""
+    """Ranks, visible GPUs and thread counts for the trainer and each sampler (a pure function):
+    with more GPUs than samplers the last ones sample, one each, and the others train (or
+    launch.trainer_ranks of them); with fewer, all share GPU 0; on a CPU-only machine one trainer
+    rank and the samplers split the cores (or launch.cpu_threads each)."""
     if gpus == 0:
         threads = cpu_threads or max(1, cores // (1 + samplers))
         cpu_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
@@ -49,6 +91,36 @@ def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int, sampl
     ranks = min(trainer_ranks or gpus - samplers, gpus - samplers)
     return {"ranks": ranks, "trainer_env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(ranks))},
             "sampler_envs": [{"CUDA_VISIBLE_DEVICES": str(gpus - samplers + i)} for i in range(samplers)]}
+
+
+def make_plan(cfg, argv: list[str], gpus: int, cores: int, address: str, master_port: int) -> dict:
+    """What the launcher starts (a pure function but for which Python a vLLM sampler runs with):
+    per process its command and the environment variables it sets."""
+    samplers = cfg.launch.samplers
+    placed = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpus, cores, samplers)
+    # every process gets the address: the workers' config.yaml in the run folder records it
+    shared = [*argv, f"sampling.num_workers={samplers}", f"transport.address={address}"]
+    command, env = trainer_command(placed, shared, master_port)
+    processes = {"trainer": {"command": command, "env": env}}
+    for i, name in enumerate(sampler_names(samplers)):
+        processes[name] = {"command": [sampler_python(cfg), str(ROOT / "sampling_worker.py"), *shared,
+                                       f"sampling.worker_index={i}"], "env": placed["sampler_envs"][i]}
+    return {"gpus": gpus, "cores": cores, "ranks": placed["ranks"], "address": address,
+            "master_port": master_port, "processes": processes}
+
+
+def trainer_command(plan: dict, args: list[str], port: int) -> tuple[list[str], dict]:
+    """One rank: the worker itself, with the environment DeepSpeed's launcher would give it, which
+    spares its runner and launcher processes (~240 MB RSS each: both import torch). Several:
+    `deepspeed --num_gpus N training_worker.py`."""
+    worker = str(ROOT / "training_worker.py")
+    if plan["ranks"] == 1:
+        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return [sys.executable, "-u", worker, *args], {**plan["trainer_env"], **rank_env}
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    return ([str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(port), worker, *args],
+            plan["trainer_env"])
 
 
 def sampler_python(cfg) -> str:
@@ -73,170 +145,145 @@ def gpu_count() -> int:
         return 0
 
 
-def format_duration(seconds: float) -> str:
-    """1:02:03 for 3723 s; hours are not wrapped at a day."""
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
+def run_address(cfg) -> tuple[str, bool]:
+    """The transport address and whether it was picked here: the default one would make a second
+    run on this machine connect to the first, so an unset address becomes a free loopback port."""
+    if cfg.transport.address != TransportConfig().address:
+        return cfg.transport.address, False
+    return free_loopback_address(), True
 
 
-def progress_line(row: dict, total_steps: int, step_times: deque) -> str:
-    done = row["step"]
-    per_step = sum(step_times) / len(step_times) if step_times else float("nan")
-    eta = per_step * (total_steps - done)
-    eta_text = format_duration(eta) if eta == eta else "?"
-    return (f"step {done}/{total_steps} | reward {row.get('reward', float('nan')):+.3f} | "
-            f"answer {100 * row.get('strict/answer_accuracy', float('nan')):5.1f}% | "
-            f"format {100 * row.get('strict/format_rate', float('nan')):5.1f}% | "
-            f"kl {row.get('kl', 0.0):.4f} | {per_step:6.1f} s/step | ETA {eta_text}")
+def free_master_port(address: str) -> int:
+    """A free port for DeepSpeed's rendezvous that is not the one just picked for the transport."""
+    port = free_local_port()
+    while str(port) == address.rsplit(":", 1)[-1]:
+        port = free_local_port()
+    return port
 
 
-def eval_line(row: dict) -> str:
-    return (f"eval at step {row['step']} | answer {100 * row['eval/answer_accuracy']:5.1f}% "
-            f"± {100 * row['eval/answer_accuracy_stderr']:.1f} | format {100 * row['eval/format_rate']:5.1f}% | "
-            f"{row['eval/problems']:.0f} problems in {row['eval/seconds']:.0f} s")
+def rank_problem(ranks: int, gpus: int, cfg) -> str | None:
+    """Each rank trains whole groups: more ranks than groups a step leave some idle every step."""
+    groups = cfg.sampling.prompts_per_step
+    if ranks <= groups:
+        return None
+    given = (f"launch.trainer_ranks={ranks} gives {ranks} trainer ranks" if cfg.launch.trainer_ranks == ranks
+             else f"{gpus} GPUs give {ranks} trainer ranks")
+    return (f"{given} but sampling.prompts_per_step={groups} gives only {groups} groups a step: raise "
+            f"sampling.prompts_per_step to >= {ranks} (a multiple of {ranks} balances the ranks) or set "
+            f"launch.trainer_ranks={groups}")
 
 
-# start-up lines worth showing before the first step (which takes a few minutes on a CPU)
-MILESTONES = {"sampler": ("converting ", "prompts from", "resuming at step"),
-              "trainer": ("trainable parameters", "resumed from")}
+def rank_warning(ranks: int, cfg) -> str | None:
+    groups = cfg.sampling.prompts_per_step
+    if groups % ranks == 0:
+        return None
+    return (f"warning: sampling.prompts_per_step={groups} is not a multiple of the {ranks} trainer ranks: some "
+            f"ranks train {groups // ranks + 1} groups a step, others {groups // ranks}, and each step waits for "
+            "the busiest")
 
 
-class LogMilestones:
-    """Prints the start-up milestones of the two logs as they appear (read from where it left off)."""
-
-    def __init__(self, logs: dict[str, Path]):
-        self.logs, self.offsets = logs, {name: _size(path) for name, path in logs.items()}  # a resumed run appends
-
-    def print_new(self) -> None:
-        for name, path in self.logs.items():
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[name])
-                    data = f.read()
-            except OSError:
-                continue
-            complete = data[:data.rfind(b"\n") + 1]  # a line being written: read it next time
-            self.offsets[name] += len(complete)
-            for line in complete.decode(errors="replace").splitlines():
-                if any(pattern in line for pattern in MILESTONES[name.rstrip("0123456789")]) and " INFO " in line:
-                    print(f"  {name}: {line.split(' INFO ', 1)[1]}", flush=True)
-
-
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return f"(no log at {path})"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process and everything it started, wait for all of them, then SIGKILL.
-
-    The whole tree: deepspeed's runner returns as soon as it has passed the signal on, while
-    its ranks are still writing their checkpoint.
-    """
-    import psutil
-
-    try:
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
-    for p in alive:
-        p.kill()
-    proc.wait()
+def plan_lines(cfg, plan: dict, state: str, address_picked: bool, gpus_given: bool) -> list[str]:
+    """The dry run's report: one line per fact, then each process's devices, environment and command."""
+    run_dir = Path(cfg.run_dir)
+    lines = ["dry run: nothing is started, created or moved",
+             f"run folder  {run_dir} ({'exists' if run_dir.is_dir() else 'does not exist yet'})",
+             f"start       {state}",
+             f"machine     {plan['gpus']} GPU{'s' * (plan['gpus'] != 1)}{' (--gpus)' if gpus_given else ''}, "
+             f"{plan['cores']} CPU cores",
+             f"transport   {plan['address']} " + ("(a free loopback port; a real start picks its own)" if address_picked
+                                                   else "(transport.address)"),
+             f"deepspeed   master port {plan['master_port']} (a real start picks its own free port)"]
+    for name, process in plan["processes"].items():
+        env = process["env"]
+        devices = (f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if env["CUDA_VISIBLE_DEVICES"]
+                   else f"CPU, {env['OMP_NUM_THREADS']} threads")
+        ranks = f"{plan['ranks']} rank{'s' * (plan['ranks'] > 1)}"
+        what = ranks if name == "trainer" else f"engine {cfg.sampling.engine}"
+        lines.append(f"{name:<11} {what}, {devices}")
+        if name != "trainer" and cfg.sampling.engine == "vllm":
+            found = process["command"][0] != sys.executable
+            lines.append(f"  python   {process['command'][0]}" + ("" if found else
+                         f" (launch.vllm_python={cfg.launch.vllm_python} does not exist: make install-vllm)"))
+        lines.append(f"  env      {' '.join(f'{k}={v}' for k, v in env.items())}")
+        lines.append(f"  command  {shlex.join(process['command'])}")
+    return lines
 
 
 def main(argv: list[str]) -> int:
     try:
+        options, argv = split_options(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if options["help"]:
+        print(USAGE)
+        return 0
+    if options["help_config"]:
+        print(reference_text())
+        return 0
+    try:
         cfg = parse_cli(argv)  # a bad config stops here, before anything starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    gpus = gpu_count() if options["gpus"] is None else options["gpus"]
+    address, address_picked = run_address(cfg)
+    plan = make_plan(cfg, argv, gpus, os.cpu_count() or 1, address, free_master_port(address))
+    problem, warning = rank_problem(plan["ranks"], gpus, cfg), rank_warning(plan["ranks"], cfg)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if warning:
+        print(warning, file=sys.stderr)
+    if options["dry_run"]:
+        return report_plan(cfg, plan, address_picked, options["gpus"] is not None)
+    return start_run(cfg, plan)
+
+
+def report_plan(cfg, plan: dict, address_picked: bool, gpus_given: bool) -> int:
+    """--dry-run: print the plan; exit 2 where a real start would refuse the run folder."""
+    state, words = planned_start(cfg)
+    print("\n".join(plan_lines(cfg, plan, words, address_picked, gpus_given)))
+    if state == "refuse":  # as a real start would: one line
+        print(f"error: {words}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def start_run(cfg, plan: dict) -> int:
+    """Check what the run needs, claim its folder, start the processes and supervise them."""
     try:
         # before anything starts: a model or data the machine cannot have is one line, not two
         # half-started processes (a Hub id offline answers within seconds)
         check_model_source(cfg.model.name_or_path)
         check_source(cfg.data.path, cfg.data.split, cfg.data.task_args)
         run_dir = ensure_writable(cfg.run_dir)
-    except (SourceError, RunFolderError) as e:
+        moved = prepare_run_folder(cfg)  # refuses a fresh start into a used folder (nothing changed)
+    except (SourceError, RunFolderError) as e:  # grpo.run_start.RunFolderInUse is one
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    logs = {name: run_dir / f"{name}.log" for name in ["trainer", *sampler_names(cfg.launch.samplers)]}
+        return EXIT_USAGE
+    if moved:
+        print(f"run.overwrite=true: the old contents of {run_dir} were moved to {moved}", flush=True)
+    write_atomically(run_dir / "address", plan["address"] + "\n")  # for whoever attaches to this run
+    logs = {name: run_dir / f"{name}.log" for name in plan["processes"]}
     milestones = LogMilestones(logs)  # before the processes start: only their lines are shown
-    procs, ranks = start_processes(cfg, argv, logs)
-    print(f"run folder {run_dir}: trainer ({ranks} rank(s)) and {len(logs) - 1} sampler(s) started; logs in "
-          f"{', '.join(path.name for path in logs.values())}. The first step takes a few minutes on a CPU (the first "
-          "run on a machine also converts the embedded model and builds DeepSpeed's CPU op)", flush=True)
+    procs = start_processes(plan, logs)
+    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(logs) - 1} sampler(s) started; "
+          f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.values())}. The first step "
+          "takes a few minutes on a CPU (the first run on a machine also converts the embedded model and builds "
+          "DeepSpeed's CPU op)", flush=True)
     return supervise(cfg, procs, logs, milestones, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
 
 
-def start_processes(cfg, argv: list[str], logs: dict[str, Path]) -> tuple[dict[str, subprocess.Popen], int]:
-    """The DeepSpeed trainer and the samplers, placed on the GPUs or cores (`placement`); and the
-    trainer's rank count. Every process is told the number of samplers, each sampler its index."""
-    samplers = cfg.launch.samplers
-    plan = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpu_count(), os.cpu_count() or 1, samplers)
-    shared = [*argv, f"sampling.num_workers={samplers}"]
-    commands = {"trainer": trainer_command(plan, shared)}
-    for i, name in enumerate(sampler_names(samplers)):
-        commands[name] = ([sampler_python(cfg), str(ROOT / "sampling_worker.py"), *shared, f"sampling.worker_index={i}"],
-                          plan["sampler_envs"][i])
+def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.Popen]:
+    """The processes of `make_plan`, each writing to its log."""
     procs = {}
-    for name, (command, env) in commands.items():
+    for name, process in plan["processes"].items():
         with open(logs[name], "ab") as log:
             # their own session: Ctrl-C reaches only this launcher, which stops them in order
-            procs[name] = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **env}, start_new_session=True)
-    return procs, plan["ranks"]
-
-
-def trainer_command(plan: dict, args: list[str]) -> tuple[list[str], dict]:
-    """One rank: the worker itself, with the environment DeepSpeed's launcher would give it, which
-    spares its runner and launcher processes (~240 MB RSS each: both import torch). Several:
-    `deepspeed --num_gpus N training_worker.py`."""
-    worker, port = str(ROOT / "training_worker.py"), str(free_local_port())
-    if plan["ranks"] == 1:
-        rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        return [sys.executable, "-u", worker, *args], {**plan["trainer_env"], **rank_env}
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    return [str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", port, worker, *args], plan["trainer_env"]
-
-
-class StepProgress:
-    """Prints a progress line for each new metrics.jsonl row (a resumed run's old rows are skipped)."""
-
-    def __init__(self, metrics_path: Path, total_steps: int):
-        self.path, self.total_steps = metrics_path, total_steps
-        self.seen = len(metrics_path.read_text().splitlines()) if metrics_path.is_file() else 0
-        self.step_times, self.last = deque(maxlen=10), time.monotonic()
-
-    def print_new(self) -> None:
-        if not self.path.is_file():
-            return
-        for line in self.path.read_text().splitlines()[self.seen:]:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                return  # a line being written: read it next time
-            self.seen += 1
-            if is_evaluation_row(row):
-                print(eval_line(row), flush=True)
-                continue
-            now = time.monotonic()
-            self.step_times.append(now - self.last)
-            self.last = now
-            print(progress_line(row, self.total_steps, self.step_times), flush=True)
+            procs[name] = subprocess.Popen(process["command"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **process["env"]}, start_new_session=True)
+    return procs
 
 
 def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
@@ -278,6 +325,29 @@ def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones
             print(f"done: {cfg.training.steps} steps; weights in {cfg.weights_dir}", flush=True)
             return 0
         time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process and everything it started, wait for all of them, then SIGKILL.
+
+    The whole tree: deepspeed's runner returns as soon as it has passed the signal on, while
+    its ranks are still writing their checkpoint.
+    """
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+    for p in alive:
+        p.kill()
+    proc.wait()
 
 
 if __name__ == "__main__":

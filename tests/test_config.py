@@ -45,7 +45,7 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
 
 def test_config_yaml_and_the_built_in_defaults_are_the_same_run():
     """One source of defaults: every value in config.yaml is the dataclass default (deleting a line
-    changes nothing), and README's table is generated from the dataclasses (next test but one)."""
+    changes nothing), and docs/config.md's table is generated from the dataclasses."""
     shipped = _leaves(to_dict(load_config(REPO / "config.yaml")))
     built_in = _leaves(to_dict(validate(Config())))
     assert {k: (shipped[k], built_in[k]) for k in shipped if shipped[k] != built_in[k]} == {}
@@ -136,6 +136,15 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1, got 0"),
     (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit), got -1.0"),
     (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit), got -5.0"),
+    (["checkpoint.resume=true"], "checkpoint.resume must be auto, never or a checkpoint folder"),
+    (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
+    (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment gives its "
+                                                              "episodes, and env.name is empty: set env.name"),
+    (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, "
+                        "openenv:package.module:Class, package.module:factory, path/to/file.py:factory"),
+    (["launch.trainer_ranks=7", "sampling.prompts_per_step=2"],
+     "launch.trainer_ranks=7 is more than sampling.prompts_per_step=2: each rank trains whole groups, so 5 rank(s) "
+     "would have nothing to do"),
 ])
 def test_cross_field_rules_say_what_to_do(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -147,6 +156,39 @@ def test_all_errors_are_reported_at_once():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["sampling.group_size=1", "sampling.temperature=-1"])
     assert "group_size" in str(e.value) and "temperature" in str(e.value)
+
+
+def test_every_unknown_key_and_bad_value_of_file_and_overrides_is_in_one_message(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sampling:\n  temprature: 0.5\n  group_size: many\ntraining:\n  lr: 1.0e-5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["num_generations=4", "sampling.top_p=2", "checkpoint.resume=nevr"])
+    assert str(e.value).splitlines() == [
+        "invalid config:",
+        "  unknown config key 'sampling.temprature'; did you mean 'sampling.temperature'?",
+        "  sampling.group_size: expected int, got 'many' (str)",
+        "  unknown config key 'training.lr'; did you mean 'training.learning_rate'?",
+        "  unknown config key 'num_generations'; did you mean 'sampling.group_size'?",
+        "  sampling.top_p must be in (0, 1]; got 2.0",
+        "  checkpoint.resume must be auto, never or a checkpoint folder (one holding DeepSpeed's 'latest' file, e.g. "
+        "runs/<name>/checkpoints); got 'nevr'",
+    ]
+
+
+@pytest.mark.parametrize("theirs, ours", [
+    ("lr", "'training.learning_rate'"), ("training.lr", "'training.learning_rate'"),
+    ("learning_rate", "'training.learning_rate'"), ("num_generations", "'sampling.group_size'"),
+    ("max_completion_length", "'sampling.max_new_tokens'"), ("max_prompt_length", "'data.max_prompt_tokens'"),
+    ("per_device_train_batch_size", "sampling.prompts_per_step (prompts, each with sampling.group_size completions)"),
+    ("epsilon", "'training.clip_low'"), ("epsilon_high", "'training.clip_high'"),
+    ("loss_type", "training.aggregation (grpo, dapo, dr_grpo)"), ("use_vllm", "'sampling.engine=vllm'"),
+    ("sampling.beta", "'training.beta'"), ("actor_rollout_ref.rollout.n", "'sampling.group_size'"),
+    ("kl_loss_coef", "'training.beta'"), ("model_name_or_path", "'model.name_or_path'"),
+])
+def test_names_users_bring_from_trl_openrlhf_and_verl_are_mapped_to_ours(theirs, ours):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{theirs}=1"])
+    assert f"unknown config key '{theirs}'; did you mean {ours}?" in str(e.value)
 
 
 def test_non_loopback_address_is_allowed_with_a_secret_or_explicit_opt_in():
@@ -181,9 +223,9 @@ def test_resolved_config_round_trips_through_the_run_folder(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
 
 
-def test_readme_documents_every_config_key():
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown() in readme, "README config reference is stale: paste grpo.config.reference_markdown()"
+def test_docs_config_documents_every_config_key():
+    reference = (REPO / "docs" / "config.md").read_text()
+    assert reference_markdown() in reference, "docs/config.md is stale: paste grpo.config.reference_markdown()"
 
 
 def test_defaults_are_not_shared_between_instances():

@@ -1,8 +1,10 @@
-"""scripts/launch.py: placement, a real two-step run, the time limit, and a killed sampler stopping everything."""
+"""scripts/launch.py: placement, --help and --dry-run plans, the rank check, the fresh-start guard, a
+real two-step run, two runs at once, the time limit, and a killed sampler stopping everything."""
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -11,13 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from conftest import PROCESS_CONFIG, REPO
 from grpo.weights import read_latest
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
-from launch import EXIT_SAMPLER_FAILED, format_duration, placement, progress_line, trainer_command  # noqa: E402
+from grpo.progress import format_duration, progress_line  # noqa: E402
+from launch import EXIT_SAMPLER_FAILED, main, placement, rank_problem  # noqa: E402
+from launch import trainer_command  # noqa: E402
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [
@@ -45,22 +50,173 @@ def test_cpu_threads_do_not_oversubscribe_the_cores():
 
 def test_one_rank_runs_the_worker_itself_and_several_go_through_deepspeed():
     """One rank needs no DeepSpeed runner: the launcher gives it the environment the runner would."""
-    command, env = trainer_command(placement(0, 0, 0, 2), ["a=1"])
-    assert command[0] == sys.executable and command[-2:] == [str(REPO / "training_worker.py"), "a=1"]
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == \
-        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    assert int(env["MASTER_PORT"]) > 0 and env["OMP_NUM_THREADS"] == "1"
-    command, env = trainer_command(placement(0, 0, 3, 16), ["a=1"])
-    assert Path(command[0]).name == "deepspeed" and command[1:3] == ["--num_gpus", "2"] and "RANK" not in env
-    assert command[-2:] == [str(REPO / "training_worker.py"), "a=1"]
+    command, env = trainer_command(placement(0, 0, 0, 2), ["a=1"], 29511)
+    assert command == [sys.executable, "-u", str(REPO / "training_worker.py"), "a=1"]
+    assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RANK": "0",
+                   "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "29511"}
+    command, env = trainer_command(placement(0, 0, 3, 16), ["a=1"], 29511)
+    assert command == [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29511",
+                       str(REPO / "training_worker.py"), "a=1"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
-def launch(run_dir, model_dir, data_dir, *extra):
-    args = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(PROCESS_CONFIG),
-            f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
-            f"transport.address={free_tcp_address()}", "sampling.prompts_per_step=2", "sampling.group_size=4",
-            "sampling.max_new_tokens=1", "lora.r=4", "launch.cpu_threads=1", *extra]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def test_help_says_how_to_start_and_where_the_keys_are():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "launch.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "usage: python scripts/launch.py [--config config.yaml] [--dry-run] [key=value ...]"
+    assert lines[1].startswith('       make train ARGS="..."    (passes the same')
+    for text in ("config.yaml by default", "configs/ holds recipes", "--help-config", "docs/config.md", "--gpus N"):
+        assert text in proc.stdout, text
+
+
+def dry_run(capsys, *args, gpus: int):
+    """The launcher's --dry-run, in this process, planning for `gpus` GPUs: (exit code, stdout, stderr)."""
+    code = main(["--config", str(PROCESS_CONFIG), "--dry-run", "--gpus", str(gpus), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_plan(out: str) -> tuple[dict, dict]:
+    """The dry run's facts ({"start": ...}) and processes ({"trainer": {"what", "env", "command"}})."""
+    assert out.splitlines()[0] == "dry run: nothing is started, created or moved"
+    facts, processes, current = {}, {}, None
+    for line in out.splitlines()[1:]:
+        if line.startswith("  "):
+            field, value = line.split(maxsplit=1)
+            processes[current][field] = shlex.split(value) if field == "command" else value
+        elif line[:11].strip() == "trainer" or line.startswith("sampler"):
+            current = line[:11].strip()
+            processes[current] = {"what": line[12:]}
+        else:
+            facts[line[:11].strip()] = line[12:]
+    return facts, processes
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+CPU3 = "OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 CUDA_VISIBLE_DEVICES="
+
+
+@pytest.mark.parametrize("gpus, extra, trainer, trainer_env, samplers", [
+    (0, ["launch.cpu_threads=3"], "1 rank, CPU, 3 threads", CPU3, {"sampler": ("engine hf, CPU, 3 threads", CPU3)}),
+    (1, [], "1 rank, CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=0",
+     {"sampler": ("engine hf, CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=0")}),
+    (2, [], "1 rank, CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=0",
+     {"sampler": ("engine hf, CUDA_VISIBLE_DEVICES=1", "CUDA_VISIBLE_DEVICES=1")}),
+    (8, ["sampling.prompts_per_step=14"], "7 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6",
+     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6",
+     {"sampler": ("engine hf, CUDA_VISIBLE_DEVICES=7", "CUDA_VISIBLE_DEVICES=7")}),
+    (8, ["sampling.prompts_per_step=12", "launch.samplers=2"], "6 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5",
+     "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5", {"sampler0": ("engine hf, CUDA_VISIBLE_DEVICES=6", "CUDA_VISIBLE_DEVICES=6"),
+                                          "sampler1": ("engine hf, CUDA_VISIBLE_DEVICES=7", "CUDA_VISIBLE_DEVICES=7")}),
+])
+def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys, gpus, extra, trainer, trainer_env, samplers):
+    run_dir = tmp_path / "run"
+    code, out, err = dry_run(capsys, f"run.dir={run_dir}", *extra, gpus=gpus)
+    assert code == 0 and err == "", err
+    assert list(tmp_path.iterdir()) == []  # no run folder, no lock file
+    facts, processes = read_plan(out)
+    address, port = facts["transport"].split()[0], facts["deepspeed"].split()[2]
+    assert facts == {"run folder": f"{run_dir} (does not exist yet)", "start": "fresh start",
+                     "machine": f"{gpus} GPU{'s' * (gpus != 1)} (--gpus), {os.cpu_count()} CPU cores",
+                     "transport": f"{address} (a free loopback port; a real start picks its own)",
+                     "deepspeed": f"master port {port} (a real start picks its own free port)"}
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", address) and not address.endswith(f":{port}")
+    args = ["--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", *extra, f"sampling.num_workers={len(samplers)}",
+            f"transport.address={address}"]
+    worker, ranks = str(REPO / "training_worker.py"), int(trainer.split()[0])
+    if ranks == 1:  # the worker itself, with the environment DeepSpeed's runner would give it
+        command = [sys.executable, "-u", worker, *args]
+        trainer_env += f" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+    else:
+        command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port,
+                   worker, *args]
+    assert list(processes) == ["trainer", *samplers]
+    assert processes["trainer"] == {"what": trainer, "env": trainer_env, "command": command}
+    for i, (name, (what, env)) in enumerate(samplers.items()):
+        assert processes[name] == {"what": what, "env": env, "command": [
+            sys.executable, str(REPO / "sampling_worker.py"), *args, f"sampling.worker_index={i}"]}
+
+
+USED = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "weights/v000001/manifest.json": "{}"}
+
+
+@pytest.mark.parametrize("made, extra, code, start", [
+    ({"trainer.log": "x"}, [], 0, "fresh start"),  # only logs: nothing a fresh start would mix with
+    ({"checkpoints/latest": "global_step4"}, [], 0,
+     "resume from {run}/checkpoints (checkpoint global_step4)"),
+    (USED, [], 2, "run folder {run} (run.name=gsm8k-lora-grpo) already holds published weights v1, "
+                  "metrics.jsonl (1 rows), and this start is a fresh one (there is no checkpoint to resume from); "
+                  "nothing was changed. Pick a new run.name, or set run.overwrite=true to move the old contents "
+                  "aside into a dated folder"),
+    (USED, ["run.overwrite=true"], 0, "fresh start; the old contents (published weights v1, metrics.jsonl (1 rows)) "
+                                      "are first moved aside into run.replaced-<date> beside it (run.overwrite=true)"),
+])
+def test_dry_run_says_whether_it_would_start_fresh_resume_or_refuse(tmp_path, capsys, made, extra, code, start):
+    run_dir = tmp_path / "run"
+    for name, text in made.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    before = snapshot(tmp_path)
+    result, out, err = dry_run(capsys, f"run.dir={run_dir}", *extra, gpus=0)
+    assert result == code and snapshot(tmp_path) == before
+    facts, _ = read_plan(out)
+    assert facts["run folder"] == f"{run_dir} (exists)" and facts["start"] == start.format(run=run_dir)
+    assert err == ("" if code == 0 else f"error: {facts['start']}\n")
+
+
+def test_more_trainer_ranks_than_groups_a_step_is_refused_in_one_line(tmp_path, capsys):
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", gpus=8)  # the process config: 2 prompts a step
+    assert code == 2 and out == ""
+    assert err == ("error: 8 GPUs give 7 trainer ranks but sampling.prompts_per_step=2 gives only 2 groups a step: "
+                   "raise sampling.prompts_per_step to >= 7 (a multiple of 7 balances the ranks) or set "
+                   "launch.trainer_ranks=2\n")
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "sampling.prompts_per_step=10", gpus=8)
+    assert code == 0 and read_plan(out)[1]["trainer"]["what"] == "7 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6"
+    assert err == ("warning: sampling.prompts_per_step=10 is not a multiple of the 7 trainer ranks: some ranks train 2 "
+                   "groups a step, others 1, and each step waits for the busiest\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rank_problem_names_an_explicit_launch_trainer_ranks():
+    from grpo.config import Config
+
+    cfg = Config()  # not validated: the config rule refuses this before the launcher would
+    cfg.launch.trainer_ranks, cfg.sampling.prompts_per_step = 4, 3
+    assert rank_problem(4, 8, cfg) == (
+        "launch.trainer_ranks=4 gives 4 trainer ranks but sampling.prompts_per_step=3 gives only 3 groups a step: "
+        "raise sampling.prompts_per_step to >= 4 (a multiple of 4 balances the ranks) or set launch.trainer_ranks=3")
+    assert rank_problem(3, 8, cfg) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "8"],
+     "error: --gpus plans for another machine and goes with --dry-run only; a real start counts its GPUs"),
+    (["--dry-run", "--gpus", "eight"], "error: --gpus needs a number of GPUs; got 'eight'"),
+])
+def test_gpus_is_for_planning_only(capsys, args, message):
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == message + "\n"
+
+
+def launch_command(run_dir, model_dir, data_dir, *extra, own_address=True):
+    """A tiny run; with own_address=False the launcher picks the transport address itself."""
+    address = [f"transport.address={free_tcp_address()}"] if own_address else []
+    return [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(PROCESS_CONFIG),
+            f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}", *address,
+            "sampling.prompts_per_step=2", "sampling.group_size=4", "sampling.max_new_tokens=1", "lora.r=4",
+            "launch.cpu_threads=1", *extra]
+
+
+def launch(run_dir, model_dir, data_dir, *extra, own_address=True):
+    return subprocess.Popen(launch_command(run_dir, model_dir, data_dir, *extra, own_address=own_address), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -80,6 +236,53 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_m
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["staleness"] == 0 and first["sampling/sampling_logp_difference/max"] < 1e-3
     assert 0.999 < first["sampling/importance_sampling_ratio/min"] <= first["sampling/importance_sampling_ratio/max"] < 1.001
+
+
+def make_used(run_dir: Path) -> None:
+    """A run folder as a finished run leaves it: published weights and metrics."""
+    for name, text in USED.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+
+
+def test_a_fresh_start_into_a_used_run_folder_is_refused_and_changes_nothing(tmp_path, digit_model_dir, tiny_gsm8k):
+    run_dir = tmp_path / "run"
+    make_used(run_dir)
+    before = snapshot(run_dir)
+    proc = subprocess.run(launch_command(run_dir, digit_model_dir, tiny_gsm8k, "training.steps=1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: run folder {run_dir} (run.name=gsm8k-lora-grpo) already holds ")
+    assert "run.overwrite=true" in proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_two_runs_at_once_pick_their_own_addresses(tmp_path, digit_model_dir, tiny_gsm8k):
+    """Two launches on one machine, neither given transport.address: each picks a free loopback port,
+    passes it to its processes (their config.yaml records it), writes it to <run>/address and prints
+    it. The second also starts fresh over a used folder with run.overwrite=true: the old contents
+    are found beside it in <name>.replaced-<date>."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    make_used(second)
+    old = snapshot(second)
+    procs = [launch(first, digit_model_dir, tiny_gsm8k, "training.steps=2", own_address=False),
+             launch(second, digit_model_dir, tiny_gsm8k, "training.steps=2", "run.overwrite=true", own_address=False)]
+    outs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, out in zip(procs, outs):
+        assert proc.returncode == 0, out
+        assert "done: 2 steps" in out
+    addresses = [(run_dir / "address").read_text() for run_dir in (first, second)]
+    assert addresses[0] != addresses[1]
+    for run_dir, address, out in zip((first, second), addresses, outs):
+        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+\n", address)
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["transport"]["address"] == address.strip()
+        assert f"; transport {address.strip()}; logs in " in out
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("second.replaced-")]
+    assert len(moved) == 1 and f"run.overwrite=true: the old contents of {second} were moved to {moved[0]}\n" in outs[1]
+    assert {name: data for name, data in snapshot(moved[0]).items() if name in old} == old
+    assert not any(p.name.startswith("first.replaced-") for p in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("override, named", [
@@ -156,3 +359,10 @@ def test_a_run_with_truncated_importance_sampling(tmp_path, penalised_digit_mode
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0 < r["importance_sampling/weight_mean"] <= 1.5 for r in rows)
     assert rows[0]["staleness"] == 0 and abs(rows[0]["importance_sampling/weight_mean"] - 1) < 1e-3
+
+
+def test_help_config_lists_every_key_with_its_default(capsys):
+    assert main(["--help-config"]) == 0
+    out, _ = capsys.readouterr()
+    assert "transport.address = tcp://127.0.0.1:5555\n    ZeroMQ address" in out
+    assert "\nrun.overwrite = false\n" in out and "\nlaunch.trainer_ranks = 0\n" in out

@@ -1,5 +1,6 @@
 """scripts/evaluate.py and scripts/plot_metrics.py on small real inputs."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from grpo.config import LoraConfig, ModelConfig
+from grpo.config import LoraConfig, ModelConfig, load_config, save_config, to_dict
 from grpo.models import add_lora, load_model
 from grpo.weights import publish, version_dir
 from conftest import REPO
@@ -45,6 +46,53 @@ def test_evaluate_writes_a_summary_for_the_base_model_and_a_published_adapter(tm
     assert trained["weights"].endswith("v000007") and trained["problems"] == 5
     trained_samples = [json.loads(line) for line in (tmp_path / "v7.samples.jsonl").read_text().splitlines()]
     assert [s["completion"] for s in trained_samples] != [s["completion"] for s in samples]
+
+
+def test_evaluate_a_run_uses_the_runs_config_and_lists_the_versions_on_disk(tmp_path, digit_model_dir, tiny_gsm8k,
+                                                                           capsys, monkeypatch):
+    """The default config.yaml (the working folder's) names the embedded model and GSM8K (1319 test
+    problems); the run's config.yaml names the digit model and the 12 problems of tiny_gsm8k."""
+    run = tmp_path / "runs" / "digits"
+    cfg = load_config(None, [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "data.prefill=",
+                             "sampling.max_new_tokens=1", "lora.r=4", f"run.dir={run}"])
+    save_config(cfg, run / "config.yaml")
+    model = add_lora(load_model(cfg.model), cfg.lora)
+    for version in (2, 3):
+        publish(model, run / "weights", version=version, step=version)
+    run_script("evaluate.py", "--run", str(run), "--batch-size", "6", "sampling.max_new_tokens=2",
+               "--out", str(tmp_path / "run.json"))
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert (summary["model"], summary["problems"], summary["config"]) == (str(digit_model_dir), 12, str(run / "config.yaml"))
+    assert summary["weights"] == str(version_dir(run / "weights", 3))  # LATEST
+    assert summary["max_new_tokens"] == 2  # an override on top of the run's config
+    run_script("evaluate.py", "--weights", str(version_dir(run / "weights", 2)), "--limit", "3",
+               "--out", str(tmp_path / "v2.json"))
+    summary = json.loads((tmp_path / "v2.json").read_text())
+    assert (summary["model"], summary["problems"], summary["max_new_tokens"]) == (str(digit_model_dir), 3, 1)
+    assert summary["weights"] == str(version_dir(run / "weights", 2))
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from evaluate import main, resolve_inputs
+
+    no_flags = argparse.Namespace(run=None, version=None, config=None, weights=None)
+    cfg, weights, source = resolve_inputs(argparse.Namespace(**{**vars(no_flags), "weights": run / "weights"}),
+                                          ["sampling.max_new_tokens=3"])  # a run's weights folder: its LATEST
+    assert (cfg.model.name_or_path, cfg.sampling.max_new_tokens) == (str(digit_model_dir), 3)
+    assert (weights, source) == (version_dir(run / "weights", 3), str(run / "config.yaml"))
+    monkeypatch.chdir(REPO)
+    cfg, weights, source = resolve_inputs(no_flags, [])  # no run: the working folder's config.yaml, as before
+    assert (to_dict(cfg), weights, source) == (to_dict(load_config(REPO / "config.yaml")), None, "config.yaml")
+    capsys.readouterr()  # what loading the model printed
+    assert main(["--run", str(run), "--version", "9"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {run / 'weights'} has no version 9 (versions on disk: 2, 3; "
+                                               "weights.keep_last keeps only the newest few); pass one of those")
+    assert main(["--run", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path} is not a run folder: it has no config.yaml")
+    assert main(["--weights", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --weights {tmp_path / 'nowhere'} does not exist"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "--run RUN" in capsys.readouterr().out
 
 
 def test_plot_metrics_overlays_runs_into_pngs(tmp_path):

@@ -21,7 +21,7 @@ from grpo.weights import WeightWatcher, into_model, publish, verify, version_dir
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
 # the largest |vLLM's recorded log-prob - the trainer's fp32 shared-prefix recompute| seen here:
-# 4.9e-5 over 988 tokens (issue 20), kept with headroom for other CPUs' kernels
+# 4.9e-5 over 988 tokens , kept with headroom for other CPUs' kernels
 LOGP_BOUND = 5e-4
 
 
@@ -289,3 +289,54 @@ def test_vllm_on_the_cpu_gets_the_samplers_threads_unless_the_user_set_them():
                                                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     assert cpu_threads_environment([5], 4, {})["VLLM_CPU_OMP_THREADS_BIND"] == "5"
     assert cpu_threads_environment([0, 1], 1, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {}
+
+
+@needs_vllm
+def test_vllm_serves_a_merged_export_as_transformers_does(tmp_path):
+    """scripts/export.py --merge writes a plain model folder: vLLM (the CPU build here, with the
+    engine settings of the sampler) loads it by path, and its greedy tokens equal transformers'
+    greedy tokens on the same folder."""
+    import os
+    import sys
+
+    import psutil
+    import vllm
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from vllm.inputs import TokensPrompt
+
+    from conftest import REPO
+    from grpo.config import save_config
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export import export
+
+    cfg = vllm_config(f"run.dir={tmp_path / 'run'}")
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    publish(trained_adapter(cfg, seed=1), tmp_path / "run" / "weights", version=1, step=1)
+    export(tmp_path / "run", None, tmp_path / "merged", merge=True)
+
+    merged = vllm_config(f"model.name_or_path={tmp_path / 'merged'}", "lora.enabled=false",
+                         "training.reference_on=sampler")
+    tokenizer = load_tokenizer(merged.model)
+    prompts = [p.token_ids for p in build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])[0]]
+    cuda = torch.cuda.is_available()
+    if not cuda:  # as VllmEngine does: the sampler's threads
+        os.environ.update(cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ))
+    args = engine_arguments(merged, cuda, psutil.virtual_memory().available)
+    assert args["model"] == str(tmp_path / "merged") and "enable_lora" not in args
+    llm = vllm.LLM(**args)
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[tokenizer.eos_token_id])
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        served = [list(request.outputs[0].token_ids) for request in outputs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)  # not the folder's generation_config, as vLLM
+    with torch.no_grad():
+        hf = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             generation_config=greedy)[0, len(p):].tolist() for p in prompts]
+    print(f"merged export, vLLM greedy: {served}")
+    assert served == hf

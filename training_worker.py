@@ -40,7 +40,7 @@ from grpo.files import RunFolderError, ensure_writable
 from grpo.flops import ModelShape, batch_step_flops
 from grpo.logprobs import check_supported, verify_shared_prefix
 from grpo.models import load_policy, load_tokenizer
-from grpo.run_start import prepare_run_folder, resume_source
+from grpo.run_start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.sources import SourceError
 from grpo.tracking import open_tracker
 from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(argv)
     rank, world, device = start_distributed(cfg)
     try:  # a run folder, address or model that cannot be had: one line, no traceback (the launcher stops the rest)
-        receiver = claim_run_on_rank_zero(cfg, rank, world, device)
+        receiver, run_lock = claim_run_on_rank_zero(cfg, rank, world, device)  # noqa: F841 (held until exit)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
         check_supported(model, cfg)
@@ -205,32 +205,37 @@ class StartRefused(RuntimeError):
     """The run cannot start: its folder or address (rank 0 says why), or more ranks than groups per step."""
 
 
-def claim_run_on_rank_zero(cfg, rank: int, world: int, device) -> BatchReceiver | None:
-    """Before anything is loaded, rank 0 claims the run: the run folder (a fresh start into a used
-    one refuses, or moves it aside with run.overwrite), the resolved config, and the bound socket
-    (a taken transport.address stops the start here). Every rank learns whether it could, and
-    stops together with it; so do more ranks than groups per step. Rank 0's receiver, else None."""
-    receiver, refusal = None, ""
+def claim_run_on_rank_zero(cfg, rank: int, world: int, device) -> tuple[BatchReceiver | None, object]:
+    """Before anything is loaded, rank 0 claims the run: the run's lock (held while this process
+    lives: a second trainer or launch into a live run stops), the bound socket (a taken
+    transport.address stops here), then the run folder (a fresh start into a used one refuses, or
+    moves it aside with run.overwrite) and the resolved config. Every rank learns whether it could
+    and stops together with it; so do more ranks than groups per step. (Rank 0's receiver or None,
+    the lock to keep.)"""
+    groups = cfg.sampling.prompts_per_step
+    if world > groups:  # every rank sees this alike, so each stops by itself
+        raise StartRefused(f"{world} trainer ranks but sampling.prompts_per_step={groups}: each rank trains whole "
+                           f"groups, so {world - groups} rank(s) would have nothing to do; raise "
+                           f"sampling.prompts_per_step to >= {world} or start fewer ranks")
+    receiver, lock, refusal = None, None, ""
     if rank == 0:
         try:
-            moved = prepare_run_folder(cfg)
+            lock = hold_run_folder(cfg)
+            receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
+                                     max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
+            moved = prepare_run_folder(cfg, held=True)
             if moved is not None:
                 log.warning("run.overwrite=true: the earlier contents of %s were moved to %s", cfg.run_dir, moved)
             save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
-            receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
-                                     max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
-        except (RunFolderError, AddressInUse) as e:
-            refusal = str(e)
+        except Exception as e:  # whatever it is, the other ranks must hear of it, not wait in a collective
+            refusal = str(e) if isinstance(e, (RunFolderError, AddressInUse)) else f"{type(e).__name__}: {e}"
+            if receiver is not None:
+                receiver.close()
     refused = torch.tensor([int(bool(refusal))], device=device)
     dist.broadcast(refused, 0)
     if refused.item():
         raise StartRefused(refusal or "rank 0 could not claim the run folder or transport.address (its log says why)")
-    groups = cfg.sampling.prompts_per_step
-    if world > groups:
-        raise StartRefused(f"{world} trainer ranks but sampling.prompts_per_step={groups}: each rank trains whole "
-                           f"groups, so {world - groups} rank(s) would have nothing to do; raise "
-                           f"sampling.prompts_per_step to >= {world} or start fewer ranks")
-    return receiver
+    return receiver, lock
 
 
 @dataclass

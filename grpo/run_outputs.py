@@ -46,7 +46,8 @@ def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ())
         raise RunOutputsError(f"{run_dir} is not a run folder: it has no {CONFIG} (the trainer writes it when a run "
                               "starts); pass runs/<name>, or --config for weights outside a run folder")
     try:
-        return load_config(run_dir / CONFIG, overrides)
+        # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
+        return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides])
     except ConfigError as e:
         raise RunOutputsError(f"{run_dir / CONFIG}: {e}") from None
 

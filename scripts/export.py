@@ -1,6 +1,6 @@
 """Export a run's published version as a folder to load with transformers / PEFT or upload to the Hub.
 
-    .venv/bin/python scripts/export.py runs/<name> [--version N] --out DIR [--merge] [--force]
+    .venv/bin/python scripts/export.py runs/<name> [--version N] --out DIR [--merge [--dtype D]] [--force]
 
 LoRA runs: the PEFT adapter (adapter_config.json's base_model_name_or_path set to a base a user can
 load), or with --merge the base model with the adapter merged in by PEFT's merge_and_unload(), in
@@ -8,9 +8,10 @@ model.dtype. Full fine-tunes: the model folder as published. Every export also h
 with its chat template, a README.md model card (training settings, the last evaluation, the prompt
 format, how to load and upload it) and the resolved config as training_config.yaml.
 
-The version's checksums are verified first. DIR must be new or empty unless --force: a previous
-export is then replaced, any other contents are moved aside to DIR.replaced-<date> (nothing is
-deleted). The export is written into a temporary folder beside DIR and renamed at the end.
+The version's checksums are verified first. DIR must be new or empty unless --force, which moves
+its contents aside to DIR.replaced-<date> (nothing is deleted). --merge merges in float32 and
+saves in --dtype (float32 by default: in bfloat16 the rounding can undo small LoRA updates). The
+export is written into a temporary folder beside DIR and renamed at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, versi
 from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
 from grpo.weights import MANIFEST, WeightsError, verify  # noqa: E402
 
-TRAINING_CONFIG = "training_config.yaml"  # also marks a folder as an earlier export (--force replaces it)
+TRAINING_CONFIG = "training_config.yaml"
 
 
 class ExportError(ValueError):
@@ -67,8 +68,9 @@ def check_out(out: Path, run_dir: Path, force: bool) -> None:
                           f"(an earlier export is replaced, anything else is moved aside to {out.name}.replaced-<date>)")
 
 
-def write_lora(tmp: Path, folder: Path, cfg, merge: bool) -> str:
-    """The adapter as published, pointed at a loadable base; or (merge) the merged full model."""
+def write_lora(tmp: Path, folder: Path, cfg, merge: bool, dtype: str = "float32") -> str:
+    """The adapter as published, pointed at a loadable base; or (merge) the merged full model: merged
+    in float32 (a bfloat16 weight would round away most of a small LoRA update), saved in `dtype`."""
     if not merge:
         base_path, _ = base_reference(cfg.model)
         shutil.copyfile(folder / "adapter_model.safetensors", tmp / "adapter_model.safetensors")  # bytes as verified
@@ -82,10 +84,9 @@ def write_lora(tmp: Path, folder: Path, cfg, merge: bool) -> str:
     from grpo.models import DTYPES, resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
-                                                dtype=DTYPES[cfg.model.dtype],
-                                                trust_remote_code=cfg.model.trust_remote_code)
-    merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
-    merged.save_pretrained(tmp, safe_serialization=True)  # in merged.dtype (= model.dtype); also generation_config
+                                                dtype=DTYPES["float32"], trust_remote_code=cfg.model.trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload().to(DTYPES[dtype])
+    merged.save_pretrained(tmp, safe_serialization=True)  # also generation_config
     return "transformers"
 
 
@@ -205,24 +206,24 @@ def training_config_yaml(cfg) -> str:
 
 
 def install(tmp: Path, out: Path) -> Path | None:
-    """Rename the finished export into place; returns where an older non-export --out was moved."""
+    """Rename the finished export into place; returns where a non-empty --out was moved (nothing
+    is deleted: an earlier export may hold files of the user's, e.g. a Hub repo's .git)."""
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
-    if not out.exists():
-        os.rename(tmp, out)
-        return None
-    earlier_export = (out / TRAINING_CONFIG).is_file()
-    aside = (out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}") if earlier_export
-             else out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
-    os.rename(out, aside)
+    aside = None
+    if out.exists():
+        aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        os.rename(out, aside)
     os.rename(tmp, out)
-    if earlier_export:
-        shutil.rmtree(aside)
-        return None
     return aside
 
 
-def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, force: bool = False) -> dict:
+def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, force: bool = False,
+           dtype: str = "float32") -> dict:
     """Write the export; returns what was written (version, step, kind, library, moved_aside)."""
     cfg = run_config(run_dir)
     folder = version_folder(run_dir, version)
@@ -232,7 +233,7 @@ def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, f
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.mkdir()
-        library = write_lora(tmp, folder, cfg, merge) if manifest["kind"] == "lora" else write_full(tmp, folder)
+        library = write_lora(tmp, folder, cfg, merge, dtype) if manifest["kind"] == "lora" else write_full(tmp, folder)
         save_tokenizer(cfg.model, tmp)
         (tmp / TRAINING_CONFIG).write_text(training_config_yaml(cfg))
         (tmp / "README.md").write_text(model_card(cfg, run_dir, manifest, library))
@@ -249,10 +250,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--version", type=int, help="published version to export (default: weights/LATEST)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (new or empty, unless --force)")
     parser.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base model")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (see above)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="--merge: the merged model's dtype (merged in float32 either way; in bfloat16 the "
+                             "rounding can undo small LoRA updates)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out: its contents are moved "
+                                                            "aside to DIR.replaced-<date> first")
     args = parser.parse_args(argv)
     try:
-        result = export(args.run, args.version, args.out, args.merge, args.force)
+        result = export(args.run, args.version, args.out, args.merge, args.force, args.dtype)
     except (RunOutputsError, ExportError, ConfigError, WeightsError, SourceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -244,7 +244,7 @@ def report_plan(cfg, plan: dict, address_picked: bool, gpus_given: bool) -> int:
     """--dry-run: print the plan; exit 2 where a real start would refuse the run folder."""
     state, words = planned_start(cfg)
     print("\n".join(plan_lines(cfg, plan, words, address_picked, gpus_given)))
-    if state == "refuse":  # as a real start would: one line
+    if state in ("refuse", "in use"):  # as a real start would: one line
         print(f"error: {words}", file=sys.stderr)
         return EXIT_USAGE
     return 0

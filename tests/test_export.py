@@ -136,6 +136,20 @@ def test_merged_export_generates_what_base_plus_adapter_generates(lora_run, tmp_
     assert changed > 0  # the merge carried the adapter
 
 
+def test_a_bfloat16_merge_is_the_float32_merge_rounded_once(lora_run, tmp_path):
+    """Merged in float32 and cast at the end: adding a small update to bfloat16 weights would round
+    most of it away."""
+    from transformers import AutoModelForCausalLM
+
+    run, _ = lora_run
+    export(run, None, tmp_path / "fp32", merge=True)
+    export(run, None, tmp_path / "bf16", merge=True, dtype="bfloat16")
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").state_dict()
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).state_dict()
+    assert half.keys() == full.keys() and all(v.dtype == torch.bfloat16 for v in half.values())
+    assert all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in full)
+
+
 def test_model_card_names_the_version_the_evaluation_and_the_prompt(lora_run, tmp_path):
     run, cfg = lora_run
     export(run, 3, tmp_path / "v3")
@@ -167,8 +181,12 @@ def test_a_non_empty_out_is_refused_and_force_moves_user_files_aside(lora_run, t
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.replaced-")]
     assert len(aside) == 1 and (aside[0] / "notes.txt").read_text() == "mine"
     assert (out / "adapter_model.safetensors").is_file()
-    assert main([str(run), "--out", str(out), "--force", "--version", "3"]) == 0  # an earlier export: replaced
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", aside[0].name])
+    earlier = (out / "README.md").read_text()
+    assert main([str(run), "--out", str(out), "--force", "--version", "3"]) == 0  # an earlier export: moved aside too
+    asides = sorted(p for p in tmp_path.iterdir() if p.name.startswith("out.replaced-"))
+    assert len(asides) == 2 and sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(p.name for p in asides)])
+    assert sorted([(p / "README.md").read_text() if (p / "README.md").is_file() else (p / "notes.txt").read_text()
+                   for p in asides]) == sorted([earlier, "mine"])
     assert "# tiny-export: version 3 (step 3)" in (out / "README.md").read_text()
     assert main([str(run), "--out", str(run / "weights")]) == 2
     assert main([str(run), "--out", str(run.parent)]) == 2

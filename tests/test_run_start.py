@@ -3,8 +3,10 @@
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ import zmq
 from conftest import PROCESS_CONFIG, REPO
 from grpo.config import load_config
 from grpo.ports import free_local_port
-from grpo.run_start import RunFolderInUse, earlier_outputs, prepare_run_folder, resume_source
+from grpo.run_start import (RunFolderInUse, earlier_outputs, hold_run_folder, planned_start, prepare_run_folder,
+                            resume_source)
 from helpers import free_tcp_address
 
 
@@ -80,14 +83,60 @@ def test_run_overwrite_moves_the_old_contents_aside_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["my-run", moved.name]
 
 
-def test_a_weights_folder_outside_the_run_folder_moves_with_it(tmp_path):
-    run_dir, weights = tmp_path / "my-run", tmp_path / "elsewhere" / "weights"
-    finished_run(run_dir, checkpoint=False)
-    weights.parent.mkdir()
-    os.rename(run_dir / "weights", weights)
-    before = contents(weights)
-    moved = prepare_run_folder(config(run_dir, f"weights.dir={weights}", "run.overwrite=true"))
-    assert contents(moved / "weights.moved") == before and not weights.exists()
+def test_a_weights_folder_outside_the_run_folder_is_moved_aside_beside_itself(tmp_path):
+    """Beside itself: a rename within its own file system (/dev/shm, another disk) always works."""
+    elsewhere = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else tmp_path
+    run_dir, weights = tmp_path / "my-run", Path(tempfile.mkdtemp(dir=elsewhere)) / "weights"
+    try:
+        finished_run(run_dir, checkpoint=False)
+        shutil.move(run_dir / "weights", weights)
+        before = contents(weights)
+        moved = prepare_run_folder(config(run_dir, f"weights.dir={weights}", "run.overwrite=true"))
+        record = json.loads((moved / "REPLACED.json").read_text())
+        assert record["weights_moved_to"].startswith(f"{weights}.replaced-") and not weights.exists()
+        assert contents(Path(record["weights_moved_to"])) == before
+    finally:
+        shutil.rmtree(weights.parent)
+
+
+def test_overwrite_through_a_linked_run_folder_keeps_the_link(tmp_path):
+    real, link = tmp_path / "disk" / "my-run", tmp_path / "runs" / "my-run"
+    finished_run(real)
+    link.parent.mkdir()
+    link.symlink_to(real)
+    before = contents(real)
+    moved = prepare_run_folder(config(link, "checkpoint.resume=never", "run.overwrite=true"))
+    assert moved.parent == real.parent and {k: v for k, v in contents(moved).items() if k != "REPLACED.json"} == before
+    assert link.is_symlink() and link.resolve() == real and list(real.iterdir()) == []
+
+
+def test_a_run_whose_trainer_runs_is_in_use_for_any_start(tmp_path):
+    """A second launch into a live run would resume under it (dropping the versions and metrics
+    rows past its checkpoint) or move it away with run.overwrite: both refuse while its lock is held."""
+    run_dir = finished_run(tmp_path / "my-run")
+    before = contents(run_dir)
+    held = hold_run_folder(config(run_dir))
+    try:
+        for extra in ([], ["checkpoint.resume=never", "run.overwrite=true"]):
+            with pytest.raises(RunFolderInUse, match=f"is in use by a running trainer \\(pid {os.getpid()}\\)"):
+                prepare_run_folder(config(run_dir, *extra))
+        assert planned_start(config(run_dir))[0] == "in use"
+    finally:
+        held.close()
+    assert contents(run_dir) == before and planned_start(config(run_dir))[0] == "resume"
+
+
+def test_another_runs_checkpoint_starts_a_fresh_run_folder_then_its_own_take_over(tmp_path):
+    source = finished_run(tmp_path / "source") / "checkpoints"
+    used = finished_run(tmp_path / "my-run", checkpoint=False)
+    with pytest.raises(RunFolderInUse, match=f"checkpoint.resume={source} is another run's checkpoint"):
+        prepare_run_folder(config(used, f"checkpoint.resume={source}"))
+    fresh = tmp_path / "fresh-run"
+    assert prepare_run_folder(config(fresh, f"checkpoint.resume={source}")) is None
+    assert resume_source(str(source), fresh) == source
+    (fresh / "checkpoints").mkdir(parents=True)
+    (fresh / "checkpoints" / "latest").write_text("step000004")  # the run's own first checkpoint
+    assert resume_source(str(source), fresh) == fresh / "checkpoints"
 
 
 def test_resume_sources(tmp_path):

@@ -9,13 +9,15 @@ the task's own settings (the fields of its config class: difficulty ranges and t
 `size` and `seed` of the train split and `test_size` and `test_seed` of the held-out one.
 
 Each row is `{"question", "answer", "metadata"}` as reasoning-gym makes it (the metadata made
-JSON-safe: it crosses to the reward process as JSON); `metadata.source_dataset` names the task,
-which the `reasoning_gym` reward (rewards/procedural.py) scores with the task's own scorer.
+JSON-safe: it crosses to the reward process as JSON) plus `entry`, the task, settings and index
+it was generated from: the `reasoning_gym` reward (rewards/procedural.py) regenerates that entry
+and scores with the task's own scorer on it, as reasoning-gym itself would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 PREFIX = "reasoning-gym:"
@@ -83,15 +85,19 @@ def create(task: str, settings: dict):
 
 
 def json_safe(value):
-    """Tuples become lists and anything JSON has no type for becomes its string."""
+    """Tuples become lists and anything JSON has no type for becomes its string (for logs and the
+    wire; a scorer gets the task's own entry instead, `original_entry`)."""
     return json.loads(json.dumps(value, default=str))
 
 
 def task_rows(path: str, split: str, task_args: dict) -> list[dict]:
-    """The rows of one split: train as generated, test without the questions train holds."""
+    """The rows of one split: train as generated, test without the questions train holds. Each
+    row names its entry (`entry`: task, settings, index), from which the scorer regenerates it."""
     task = task_of(path)
-    rows = [{"question": e["question"], "answer": str(e["answer"]), "metadata": json_safe(e["metadata"])}
-            for e in create(task, split_settings(task_args, split))]
+    settings = split_settings(task_args, split)
+    rows = [{"question": e["question"], "answer": str(e["answer"]), "metadata": json_safe(e["metadata"]),
+             "entry": {"task": task, "settings": json_safe(settings), "index": i}}
+            for i, e in enumerate(create(task, settings))]
     if split == "test":  # distinct questions that train does not hold
         seen = {e["question"] for e in create(task, split_settings(task_args, "train"))}
         generated = len(rows)
@@ -100,6 +106,24 @@ def task_rows(path: str, split: str, task_args: dict) -> list[dict]:
             raise TaskError(f"data.task_args: all {generated} held-out rows of {path} are questions the train split "
                             f"holds ({len(seen)} distinct); lower data.task_args.size or widen the task's settings")
     return rows
+
+
+@functools.lru_cache(maxsize=8)
+def _dataset(task: str, settings_json: str):
+    return create(task, json.loads(settings_json))
+
+
+@functools.lru_cache(maxsize=4096)  # a group's G completions share one entry
+def _entry(task: str, settings_json: str, index: int) -> dict:
+    return _dataset(task, settings_json)[index]
+
+
+def original_entry(reference: dict) -> dict:
+    """The task's own entry a row was made from, regenerated from its seed as reasoning-gym made it
+    (tuples, sets and objects in its metadata intact: JSON would turn them into other types, which
+    some scorers then compare unequal). `reference` is a row's `entry`."""
+    settings_json = json.dumps(reference["settings"], sort_keys=True)
+    return _entry(str(reference["task"]), settings_json, int(reference["index"]))
 
 
 def check_task(path: str, task_args: dict) -> None:

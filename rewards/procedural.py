@@ -1,7 +1,8 @@
 """The `reasoning_gym` reward: a reasoning-gym task's own scorer on the last <answer> block.
 
 Rows of `data.path=reasoning-gym:<task>` (data/procedural.py) carry the task's metadata, whose
-`source_dataset` names the task; its `score_answer` gives 1.0 for a right answer, 0.0 for a
+`source_dataset` names the task, and the reference of the entry they were made from, which is
+regenerated for the scorer (data.procedural.original_entry); its `score_answer` gives 1.0 for a right answer, 0.0 for a
 wrong or missing one, and for some tasks partial credit between. A row of another dataset has no
 task: the reward does not apply to it (None).
 """
@@ -21,12 +22,18 @@ def task_scorer(task: str):
 
 
 def reasoning_gym_score(completion: str, row: dict) -> float | None:
-    """The task's score of the last <answer> block (stripped); 0.0 without one; None off a task's rows."""
+    """The task's score of the last <answer> block (stripped) against the task's own entry; 0.0
+    without a block; None off a task's rows."""
     metadata = row.get("metadata")
     task = metadata.get("source_dataset") if isinstance(metadata, dict) else None
     if not task:
         return None
     block = last_answer_block(completion)
-    entry = {"question": row.get("question", ""), "answer": row.get("answer", row.get("reference_answer")),
-             "metadata": metadata}
+    if isinstance(row.get("entry"), dict):
+        from data.procedural import original_entry
+
+        entry = original_entry(row["entry"])
+    else:  # a row made elsewhere (a user's own dataset of reasoning-gym rows): as the row holds it
+        entry = {"question": row.get("question", ""), "answer": row.get("answer", row.get("reference_answer")),
+                 "metadata": metadata}
     return float(task_scorer(task)(block.strip() if block is not None else None, entry))

@@ -146,3 +146,24 @@ def test_the_recipe_config_loads_as_make_train_passes_it_after_the_default():
     cfg = parse_cli(["--config", str(REPO / "config.yaml"), "--config", str(REPO / "configs" / "needle_haystack.yaml")])
     assert cfg.data.path == "reasoning-gym:needle_haystack" and cfg.rewards.names == ["reasoning_gym"]
     assert (cfg.rewards.accuracy_reward, cfg.rewards.format_reward) == ("reasoning_gym", "answer_format")
+
+
+def test_every_task_scores_its_own_reference_answer_through_our_path_as_reasoning_gym_does():
+    """A row crosses to the reward process as JSON, which turns tuples into lists (arc_agi's and
+    rearc's grids then never equal the answer's): the scorer gets the task's own entry, regenerated."""
+    import reasoning_gym
+
+    from data.procedural import create, task_names
+
+    needs_settings = {"composite"}  # made of other tasks named in its settings
+    checked = 0
+    for task in sorted(set(task_names()) - needs_settings):
+        rows = task_rows(f"reasoning-gym:{task}", "train", {"size": 3})
+        entries = list(create(task, split_settings({"size": 3}, "train")))
+        for row, entry in zip(rows, entries, strict=True):
+            row = json.loads(json.dumps(row))  # as the reward sandbox receives it
+            expected = reasoning_gym.get_score_answer_fn(task)(str(entry["answer"]).strip(), entry)
+            completion = f"<answer>{entry['answer']}</answer>"
+            assert get_reward("reasoning_gym")(completion, {**row, "reference_answer": row["answer"]}) == expected, task
+            checked += 1
+    assert checked == 3 * (len(task_names()) - len(needs_settings))

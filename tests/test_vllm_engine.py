@@ -21,7 +21,7 @@ from grpo.weights import WeightWatcher, into_model, publish, verify, version_dir
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
 # the largest |vLLM's recorded log-prob - the trainer's fp32 shared-prefix recompute| seen here:
-# 4.9e-5 over 988 tokens , kept with headroom for other CPUs' kernels
+# 4.9e-5 over 988 tokens, kept with headroom for other CPUs' kernels
 LOGP_BOUND = 5e-4
 
 

@@ -37,7 +37,8 @@ from grpo.behaviour import behaviour_of
 from grpo.config import ConfigError, help_requested, parse_cli, save_config
 from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.environments import environment_demonstration
-from grpo.episodes import episode_runner
+from grpo.environments.pool import IsolationError
+from grpo.episodes import TemplateRoleError, episode_runner
 from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
         eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
-    except (RunFolderError, SourceError) as e:
+    except (RunFolderError, SourceError, TemplateRoleError, IsolationError) as e:
         log.error("%s", e)
         return 2
     if sampler == 0:

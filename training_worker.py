@@ -250,9 +250,9 @@ class RankZero:
     def open(cls, cfg, state: TrainerState, receiver: BatchReceiver) -> "RankZero":
         inbox = Inbox(lambda timeout: keyed(receiver.receive_frames(timeout)), receiver.address,
                       stop=lambda: STOP["requested"], num_samplers=cfg.sampling.num_workers)
-        tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg))
-        io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
         state.incarnation = uuid.uuid4().hex[:12]
+        tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg), writer=f"trainer-{state.incarnation}")
+        io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
         state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/delivery.py)
         return io
 

@@ -206,6 +206,14 @@ class EnvConfig:
                            "model and environment tokens together.")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
                                 "network; a step that raises or runs past this is an error message to the model.")
+    network: str = _f("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
+                              "filter on socket(); where neither exists it refuses to start); allow: environments "
+                              "that need the network (a web tool, a remote judge) get it.")
+    memory_mb: int = _f(4096, "Address space the environments' child may add to what it had at the fork (0 = no limit).")
+    max_processes: int = _f(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
+                                "enforce it for root).")
+    cpu_s: int = _f(3600, "CPU seconds of the environments' child over its life, and of each process it starts "
+                          "(0 = no limit); past it the child is replaced like after a hang.")
 
 
 @dataclass

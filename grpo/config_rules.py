@@ -27,6 +27,7 @@ def option_lists() -> dict[str, tuple]:
     from grpo.sampling import OLD_LOGPS_SOURCES
     from grpo.schedule import SCHEDULES
     from grpo.tracking import TRACKERS, WANDB_MODES
+    from grpo.environments.pool import NETWORK_MODES
 
     return {
         "model.dtype": tuple(DTYPES),
@@ -44,6 +45,7 @@ def option_lists() -> dict[str, tuple]:
         "logging.level": LOG_LEVELS,
         "logging.backend": TRACKERS,
         "logging.wandb_mode": WANDB_MODES,
+        "env.network": NETWORK_MODES,
     }
 
 
@@ -206,6 +208,8 @@ def _env_errors(cfg) -> list[str]:
     e = cfg.env
     errors = [f"{key} must be > 0; got {get_key(cfg, key)}" for key in ("env.max_turns", "env.timeout_s")
               if not get_key(cfg, key) > 0]
+    errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
+               for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
     if e.name:
         from grpo.environments import environment_factory
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -28,19 +29,28 @@ log = logging.getLogger(__name__)
 MESSAGE, REPLY = "\ue000", "\ue001"  # private-use characters: markers no chat template holds
 
 
-def reply_parts(tokenizer, role: str) -> tuple[list[int], list[int]]:
+class TemplateRoleError(ValueError):
+    """The chat template cannot render an environment's reply in its role."""
+
+
+def reply_parts(tokenizer, role: str, turn_ends: Sequence[str] = ()) -> tuple[list[int], list[int]]:
     """The template's tokens (before, after) an environment's message in `role`, between the
-    model's message (which ended with EOS) and the model's next turn. No chat template: newlines."""
+    model's message (which ended with an EOS token) and the model's next turn. `turn_ends`: the
+    text of every token that ends the model's turn (the checkpoint's EOS list: Phi-3 ends a turn
+    with <|end|>, not its eos_token); the template's own turn end is left out, since the model's
+    EOS token already ended its turn. No chat template: newlines."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer("\n", add_special_tokens=False)["input_ids"], tokenizer("\n", add_special_tokens=False)["input_ids"]
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE}, {"role": role, "content": REPLY}]
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that refuses the role
-        raise ValueError(f"the chat template cannot render an environment message in role {role!r}: {e}") from None
+        raise TemplateRoleError(f"the chat template cannot render an environment message in role {role!r} ({e}); "
+                                "use a model whose template does, or have the environment reply in another "
+                                "role (env.args role, or its reply_roles)") from None
     tail = text[text.index(MESSAGE) + 1:]
-    eos = tokenizer.eos_token or ""
-    tail = tail[len(eos):] if eos and tail.startswith(eos) else tail  # the model's EOS token already ended its turn
+    ends = sorted({end for end in (tokenizer.eos_token, *turn_ends) if end}, key=len, reverse=True)
+    tail = next((tail[len(end):] for end in ends if tail.startswith(end)), tail)  # the longest turn end it opens with
     before, after = tail.split(REPLY)
     return (tokenizer(before, add_special_tokens=False)["input_ids"],
             tokenizer(after, add_special_tokens=False)["input_ids"])
@@ -87,24 +97,35 @@ class Episodes:
 class EpisodeRunner:
     """Runs episodes of the environments in `pool` (grpo/environments/pool.py) with any engine."""
 
-    def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = ""):
+    def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
+                 roles: tuple[str, ...] = ("user",)):
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
-        self._parts: dict[str, tuple[list[int], list[int]]] = {}
+        # the roles the environment replies in, rendered now: a template that refuses one stops the start
+        self._parts: dict[str, tuple[list[int], list[int]]] = {role: reply_parts(tokenizer, role) for role in roles}
+        self._turn_ends: tuple[str, ...] = ()
         self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
         self.runs = 0
+
+    def use_turn_ends(self, eos_ids: Sequence[int]) -> None:
+        """Render replies after any of these EOS tokens (the engine's list), not only eos_token."""
+        ends = tuple(self.tokenizer.decode([i]) for i in eos_ids)
+        if ends != self._turn_ends:
+            self._turn_ends = ends
+            self._parts = {role: reply_parts(self.tokenizer, role, ends) for role in self._parts}
 
     def reply_tokens(self, text: str, role: str) -> list[int]:
         """An environment message as tokens: the template around it, then the next turn's prefill.
         Its text cannot smuggle in special tokens: they are read as plain text."""
         if role not in self._parts:
-            self._parts[role] = reply_parts(self.tokenizer, role)
+            self._parts[role] = reply_parts(self.tokenizer, role, self._turn_ends)
         before, after = self._parts[role]
         body = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return before + body + after + self._prefill_ids
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
+        self.use_turn_ends(getattr(engine, "eos_ids", ()))
         rows = reward_rows([p.problem for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
@@ -150,7 +171,13 @@ class EpisodeRunner:
             e.reward = (e.reward or 0.0) + reply.reward
         if reply.done or e.turns >= self.max_turns:
             return False
-        ids = self.reply_tokens(reply.text, reply.role)
+        try:
+            ids = self.reply_tokens(reply.text, reply.role)
+        except ValueError as error:  # a role it did not declare, which the template refuses: this episode ends
+            log.warning("episode %s: %s; the episode ends here (declare the role in the environment's "
+                        "reply_roles to have it checked at start)", j, error)
+            e.env_errors += 1
+            return False
         room = self.max_new_tokens - len(e.tokens)
         if len(ids) >= room:  # no room left for the model to answer: the episode ends at the budget
             e.add(ids[:room], model=False)
@@ -164,12 +191,17 @@ def episode_runner(cfg, tokenizer) -> EpisodeRunner | None:
     """With env.name: the environments in their child process, and the runner of episodes."""
     if not cfg.env.name:
         return None
-    from grpo.environments.pool import EnvironmentPool
+    from grpo.environments.pool import EnvironmentPool, Limits
 
-    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
+    from grpo.environments import reply_roles
+
+    roles = reply_roles(cfg.env.name, cfg.env.args)
+    for role in roles:  # before the child process starts: a refused role is a start-up error
+        reply_parts(tokenizer, role)
+    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
              cfg.env.max_turns, cfg.sampling.max_new_tokens)
-    return EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill)
+    return EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill, roles)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

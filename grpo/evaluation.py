@@ -111,7 +111,7 @@ def evaluated_through_at_start(eval_cfg, served_at_least: int | None) -> int:
 def append_metrics_row(run_dir: Path, row: dict, logging_cfg, run_name: str) -> None:
     """The final evaluation's row, appended by the sampler once the trainer has written its last
     one (a single O_APPEND write of one line), its TensorBoard scalars in a file of its own, and
-    the row to the tracker's run (logging.backend), which the sampler resumes for it."""
+    the row to the tracker (logging.backend: a W&B run of its own in the run folder's group)."""
     from grpo.tracking import open_tracker
 
     row = {"wall_time": time.time(), **row}
@@ -124,7 +124,7 @@ def append_metrics_row(run_dir: Path, row: dict, logging_cfg, run_name: str) -> 
             for key, value in row.items():
                 if key.startswith("eval/"):
                     writer.add_scalar(key, value, row["step"])
-    tracker = open_tracker(logging_cfg, run_dir, run_name, {})
+    tracker = open_tracker(logging_cfg, run_dir, run_name, {}, writer="eval")
     if tracker is not None:
         tracker.log(row)
         tracker.finish()

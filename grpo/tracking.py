@@ -3,9 +3,9 @@
 Every metrics row goes to the tracker under its metrics.jsonl names, against the row's `step`
 (an evaluation's step is its weights version, as in metrics.jsonl). W&B's own step must grow with
 each call while evaluation rows may arrive for a version already logged, so `step` is declared the
-x-axis of every metric (define_metric) and W&B's step is left to count calls. One run per run
-folder: its W&B id is derived from the folder, so a resumed trainer, and the sampler's final
-evaluation row, continue the same run (resume="allow"). W&B's offline mode (the default,
+x-axis of every metric (define_metric) and W&B's step is left to count calls. W&B: one run per
+writer (each trainer incarnation, the sampler's final evaluation), grouped by the run folder;
+trackio: one run per run folder. A tracker that fails is logged and counted, never fatal. W&B's offline mode (the default,
 `logging.wandb_mode`) writes <run.dir>/wandb and needs no network (`wandb sync` uploads it later);
 trackio writes its local database ($TRACKIO_DIR, default ~/.cache/huggingface/trackio).
 """
@@ -13,7 +13,10 @@ trackio writes its local database ($TRACKIO_DIR, default ~/.cache/huggingface/tr
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TRACKERS = ("none", "wandb", "trackio")  # logging.backend
 WANDB_MODES = ("offline", "online")  # logging.wandb_mode
@@ -29,12 +32,23 @@ def run_id(run_dir: Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
+def trackio_name(run_name: str, run_dir: Path) -> str:
+    """trackio continues a run by its name: keyed by the run folder too, so that two folders with
+    the same run.name (the default, say) are two runs."""
+    return f"{run_name}-{run_id(run_dir)[:8]}"
+
+
 class WandbTracker:
-    def __init__(self, logging_cfg, run_dir: Path, name: str, config: dict):
+    """One W&B run per writer (a trainer incarnation, the sampler's final evaluation), grouped by
+    the run folder: offline, two processes writing one run id make two offline runs whose sync
+    replaces one history with the other."""
+
+    def __init__(self, logging_cfg, run_dir: Path, name: str, config: dict, writer: str):
         import wandb
 
-        self.run = wandb.init(project=logging_cfg.project, name=name, id=run_id(run_dir), dir=str(run_dir),
-                              mode=logging_cfg.wandb_mode, config=config, resume="allow")
+        self.run = wandb.init(project=logging_cfg.project, name=f"{name} ({writer})", id=f"{run_id(run_dir)}-{writer}",
+                              group=run_id(run_dir), job_type=writer.split("-")[0], dir=str(run_dir),
+                              mode=logging_cfg.wandb_mode, config=config)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -46,11 +60,12 @@ class WandbTracker:
 
 
 class TrackioTracker:
-    def __init__(self, logging_cfg, run_dir: Path, name: str, config: dict):
+    def __init__(self, logging_cfg, run_dir: Path, name: str, config: dict, writer: str):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=logging_cfg.project, name=name, config=config, resume="allow")
+        self.run = trackio.init(project=logging_cfg.project, name=trackio_name(name, run_dir), config=config,
+                                resume="allow")
 
     def log(self, row: dict) -> None:
         values = numeric(row)
@@ -60,9 +75,39 @@ class TrackioTracker:
         self.trackio.finish()
 
 
-def open_tracker(logging_cfg, run_dir: Path, name: str, config: dict):
-    """The configured tracker (None for logging.backend=none)."""
+class Guarded:
+    """A tracker whose failures are logged and counted (`failures`), never raised: an exception on
+    rank 0 would leave the other ranks waiting in the next collective, and metrics.jsonl holds
+    every row anyway."""
+
+    def __init__(self, tracker):
+        self.tracker, self.failures = tracker, 0
+
+    def _call(self, what: str, *args) -> None:
+        try:
+            getattr(self.tracker, what)(*args)
+        except Exception as e:
+            self.failures += 1
+            if self.failures <= 3:
+                log.warning("the tracker's %s failed (%s: %s); training goes on, metrics.jsonl has every row",
+                            what, type(e).__name__, e)
+
+    def log(self, row: dict) -> None:
+        self._call("log", row)
+
+    def finish(self) -> None:
+        self._call("finish")
+
+
+def open_tracker(logging_cfg, run_dir: Path, name: str, config: dict, writer: str = "trainer"):
+    """The configured tracker, guarded (None for logging.backend=none, or when it cannot start:
+    said once, the run goes on). `writer` names the process's own tracker run (W&B)."""
     kinds = {"wandb": WandbTracker, "trackio": TrackioTracker}
     if logging_cfg.backend == "none":
         return None
-    return kinds[logging_cfg.backend](logging_cfg, Path(run_dir), name, config)
+    try:
+        return Guarded(kinds[logging_cfg.backend](logging_cfg, Path(run_dir), name, config, writer))
+    except Exception as e:
+        log.warning("logging.backend=%s could not start (%s: %s); metrics.jsonl and TensorBoard only",
+                    logging_cfg.backend, type(e).__name__, e)
+        return None

@@ -63,6 +63,8 @@ class MetricsLog:
             self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, row: dict) -> None:
+        if self.tracker is not None:
+            row = {**row, "tracker/failures": self.tracker.failures}
         with reported_write(f"metrics of step {row['step']}", self.path):
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()

@@ -18,13 +18,18 @@ class GuessObservation(Observation):
 class GuessNumber(Environment):
     """Guess a number in [low, high]: "higher" / "lower" until right (reward 1) or out of tries (0)."""
 
-    def __init__(self, low: int = 0, high: int = 9, tries: int = 3):
+    def __init__(self, low: int = 0, high: int = 9, tries: int = 3, closed_log: str = ""):
         super().__init__()
-        self.low, self.high, self.tries = low, high, tries
+        self.low, self.high, self.tries, self.closed_log = low, high, tries, closed_log
+
+    def close(self) -> None:
+        if self.closed_log:  # one line per close, from the environments' child process
+            with open(self.closed_log, "a") as f:
+                f.write(f"{self._state.episode_id}\n")
 
     def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
         self.target = random.Random(seed).randint(self.low, self.high)
-        self._state = State(episode_id=episode_id, step_count=0)
+        self._state = State(episode_id=episode_id or str(random.random()), step_count=0)
         return GuessObservation(feedback=f"guess a number from {self.low} to {self.high}")
 
     def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:

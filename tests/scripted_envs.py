@@ -37,6 +37,18 @@ class Counter:
         return Reply(text=f"count {self.count}")
 
 
+class SlowCounter(Counter):
+    """Counter, each step taking `delay` seconds (hangs on "hang")."""
+
+    def __init__(self, row, delay: float = 0.6):
+        super().__init__(row)
+        self.delay = delay
+
+    def step(self, message: str) -> Reply:
+        time.sleep(self.delay)
+        return super().step(message)
+
+
 def hangs_or_raises(row, on: str = "hang", turn: int = 2):
     """A Scripted environment that hangs (or raises) at message `turn` of the problem whose
     reference answer is "1"; the other problems' episodes go on."""
@@ -65,6 +77,40 @@ class NetworkProbe:
             return Reply(text="connected", done=True)
         except OSError as e:
             return Reply(text=f"{type(e).__name__}: {e}", done=True)
+
+
+class Allocates:
+    """Allocates `message` MB and says so (a MemoryError past the child's budget is the step's error)."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, message: str) -> Reply:
+        block = bytearray(int(message) * 2**20)
+        return Reply(text=f"allocated {len(block) // 2**20} MB")
+
+
+class SocketProbe:
+    """Tries what a Python-level guard would miss: the C socket module, and a subprocess connecting."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, message: str) -> Reply:
+        import _socket
+        import subprocess
+        import sys
+
+        results = []
+        try:
+            _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM).connect(("127.0.0.1", int(message)))
+            results.append("_socket connected")
+        except OSError as e:
+            results.append(f"_socket {type(e).__name__}")
+        code = f"import socket; socket.create_connection(('127.0.0.1', {int(message)}), timeout=2)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        results.append("subprocess connected" if proc.returncode == 0 else "subprocess refused")
+        return Reply(text=", ".join(results), done=True)
 
 
 class PausesOnce:

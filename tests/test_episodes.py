@@ -87,6 +87,44 @@ def test_an_environment_message_is_rendered_between_the_models_eos_and_its_next_
     assert ids.count(tokenizer.eos_token_id) == 1  # the template's own end of turn only
 
 
+STRICT_ROLES = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_refuses_the_environments_role_stops_the_start(tiny_model_dir):
+    """Found at start (the role in env.args), not mid-rollout; a role the environment did not
+    declare and the template refuses ends that episode alone."""
+    from grpo.config import load_config
+    from grpo.episodes import TemplateRoleError, episode_runner
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = STRICT_ROLES
+    cfg = load_config(None, [f"env.name={ENVS}:Scripted", "env.args={role: tool}"])
+    with pytest.raises(TemplateRoleError, match="cannot render an environment message in role 'tool'"):
+        episode_runner(cfg, tokenizer)
+    runner = episode_runner(load_config(None, [f"env.name={ENVS}:Scripted"]), tokenizer)  # user: fine
+    runner.pool.close()
+
+
+def test_a_turn_end_from_the_checkpoints_eos_list_is_rendered_once(tiny_model_dir):
+    """Phi-3 style: the template ends the assistant's turn with <|end|>, an EOS of the checkpoint's
+    generation_config but not the tokenizer's eos_token. The model's turn ended with <|end|> (its
+    EOS, kept in the completion); the reply after it must not write <|end|> again."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert tokenizer.eos_token != "<|end|>"
+    runner = EpisodeRunner(None, tokenizer, 64, 4)
+    assert tokenizer.decode(runner.reply_tokens("7", "user")).startswith("<|end|>")  # the fault: eos_token only
+    runner.use_turn_ends([tokenizer.eos_token_id, end])
+    episode = [*tokenizer("4 + 3 =", add_special_tokens=False)["input_ids"], end, *runner.reply_tokens("7", "user")]
+    assert tokenizer.decode(episode) == "4 + 3 =<|end|>\n<|user|>\n7<|end|>\n<|assistant|>\n"
+
+
 def test_each_turn_draws_from_its_own_seed():
     seeds = {turn_seed(5, t) for t in range(50)} | {turn_seed(6, t) for t in range(1, 50)}
     assert len(seeds) == 99 and turn_seed(5, 0) == 5 and turn_seed(None, 3) is None
@@ -165,6 +203,24 @@ def test_a_new_child_rebuilds_the_other_episodes_by_replaying_their_messages(tmp
         pool.close()
 
 
+def test_one_hung_episode_fails_alone_while_the_others_are_rebuilt_after_it():
+    """Steps of 0.6 s, a 1 s limit: after episode a hangs and the child is replaced, b and c each
+    replay two messages and take a third (1.8 s in all), each call within its own limit, and get
+    their replies; only a's message failed."""
+    pool = EnvironmentPool(f"{ENVS}:SlowCounter", {"delay": 0.6}, timeout_s=1.0)
+    try:
+        for key in "abc":
+            assert [pool.step(key, {}, [], "x")[0].text, pool.step(key, {}, ["x"], "y")[0].text] == ["count 1", "count 2"]
+        reply, failure = pool.step("a", {}, ["x", "y"], "hang")
+        assert failure == "no reply within env.timeout_s=1 s" and pool.restarts == 1
+        for key in "bc":
+            assert pool.step(key, {}, ["x", "y"], "z") == (Reply(text="count 3"), None)
+        assert pool.step("a", {}, ["x", "y"], "z") == (Reply(text="count 3"), None)  # the hung message is not replayed
+        assert pool.restarts == 1
+    finally:
+        pool.close()
+
+
 def test_environments_have_no_network():
     import socket
 
@@ -178,6 +234,66 @@ def test_environments_have_no_network():
     finally:
         pool.close()
         server.close()
+
+
+def listening_port():
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    return server, server.getsockname()[1]
+
+
+@pytest.mark.parametrize("isolation", ["namespace", "seccomp"])
+def test_neither_the_c_socket_module_nor_a_subprocess_reaches_the_network(isolation, monkeypatch):
+    """The namespace, and the seccomp filter where user namespaces are refused (forced here by an
+    unshare that fails): both act below Python, on every process the child starts."""
+    import grpo.environments.pool as pool_module
+
+    if isolation == "seccomp":
+        monkeypatch.setattr(pool_module, "unshare_network", lambda: False)  # the forked child inherits it
+    server, port = listening_port()
+    pool = EnvironmentPool(f"{ENVS}:SocketProbe", {}, timeout_s=60.0)
+    try:
+        assert pool.isolation == isolation
+        reply, failure = pool.step("a", {}, [], str(port))
+        assert failure is None and "connected" not in reply.text and reply.text.endswith(", subprocess refused")
+        assert reply.text.startswith("_socket PermissionError" if isolation == "seccomp" else "_socket OSError")
+    finally:
+        pool.close()
+        server.close()
+
+
+def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allowed(monkeypatch):
+    import grpo.environments.pool as pool_module
+    from grpo.environments.pool import IsolationError, Limits
+
+    def cannot():
+        raise IsolationError("the environments' child cannot be cut off from the network here (no user namespaces, "
+                             "no libseccomp): set env.network=allow to run environments with network access")
+    monkeypatch.setattr(pool_module, "deny_network", cannot)  # the forked child inherits it
+    with pytest.raises(IsolationError, match="set env.network=allow"):
+        EnvironmentPool(f"{ENVS}:Counter", {}, 5.0)
+    server, port = listening_port()
+    pool = EnvironmentPool(f"{ENVS}:NetworkProbe", {}, 5.0, Limits(network="allow"))
+    try:
+        assert pool.isolation == "allowed" and pool.step("a", {}, [], str(port))[0].text == "connected"
+    finally:
+        pool.close()
+        server.close()
+
+
+def test_the_child_has_a_memory_budget():
+    from grpo.environments.pool import Limits
+
+    pool = EnvironmentPool(f"{ENVS}:Allocates", {}, 30.0, Limits(memory_mb=256))
+    try:
+        assert pool.step("a", {}, [], "64")[0].text == "allocated 64 MB"
+        reply, failure = pool.step("b", {}, [], "1024")
+        assert failure == "MemoryError: " and pool.restarts == 0  # the environment's error, the child lives on
+    finally:
+        pool.close()
 
 
 # ----------------------------------------------------------------------------- the loss sees the model's tokens only
@@ -227,7 +343,21 @@ def test_the_calculator_answers_bad_calls_with_an_error_message():
     assert reply.text == ("__import__('os'): error: Call is not arithmetic\n"
                           "2 ** 999: error: no calls left") and reply.tool_errors == 2
     assert env.step("<answer>42</answer>") == Reply(done=True)
-    assert "exponent 999 is above 64" in Calculator({}).step("<calc>2 ** 999</calc>").text
+    assert "2 ** 999 has more than 64 digits" in Calculator({}).step("<calc>2 ** 999</calc>").text
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("(((9**64)**64)**64)**64", "** 64 has more than 64 digits"),  # refused before it is computed
+    ("(-8)**0.5 % 2", "the result is not a real number"),  # a complex number: was a TypeError
+    ("(-8)**(1/3)", "the result is not a real number"),  # was shown to the model as a complex number
+    ("10**40 * 10**40", "a number of more than 64 digits"),
+    ("1e300 * 1e300", "a number of more than 64 digits"),  # floats too: never inf
+])
+def test_every_bad_expression_is_a_tool_error_that_leaves_the_valid_call_beside_it(expression, error):
+    reply = Calculator({}).step(f"<calc>{expression}</calc> then <calc>6 * 7</calc>")
+    assert reply.text.splitlines() == [f"{expression}: error: {reply.text.split(': error: ')[1].splitlines()[0]}",
+                                       "6 * 7 = 42"]
+    assert error in reply.text and (reply.tool_calls, reply.tool_errors) == (2, 1)
 
 
 def test_a_bad_environment_name_is_a_config_error_naming_it():
@@ -255,6 +385,21 @@ def test_an_openenv_environment_runs_by_name_with_no_code_of_ours():
         assert low == Reply(text="higher", done=False, reward=0.0)
     assert episode.step("no idea") == Reply(text="say a number", done=False, reward=0.0)
     assert episode.step(f"it is {target}") == Reply(text="right", done=True, reward=1.0)
+
+
+def test_each_openenv_episode_is_closed_once_when_it_ends_or_the_pool_closes(tmp_path):
+    closed = tmp_path / "closed.txt"
+    pool = EnvironmentPool(f"openenv:{REPO}/tests/openenv_envs.py:GuessNumber",
+                           {"init": {"tries": 9, "closed_log": str(closed)}}, 10.0)
+    try:
+        for key in ("a", "b", "c"):
+            assert pool.step(key, {"question": key}, [], "no idea")[1] is None
+        pool.forget(["a", "b"])
+        pool.forget(["a"])  # already gone: not closed again
+    finally:
+        pool.close()  # c: closed by the child as the pipe closes
+    lines = closed.read_text().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 3
 
 
 def test_openenv_episodes_in_the_pool_give_the_environments_reward(chatty):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from grpo.tracking import numeric, run_id
+from grpo.tracking import numeric, run_id, trackio_name
 
 WRITE_ROWS = """
 import sys
@@ -35,20 +35,21 @@ EXPECTED = [(1, {"loss": 0.5, "reward": -1.25, "timing/train_s": 2.0}), (2, {"lo
             (1, {"eval/answer_accuracy": 0.125}), (2, {"eval/answer_accuracy": 0.25})]
 
 
-def write_rows(tmp_path, backend):
+def write_rows(tmp_path, backend, run="run"):
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}  # any network use would fail
-    code = WRITE_ROWS.format(repo=str(REPO), backend=backend, run_dir=str(tmp_path / "run"))
-    (tmp_path / "run").mkdir()
+    code = WRITE_ROWS.format(repo=str(REPO), backend=backend, run_dir=str(tmp_path / run))
+    (tmp_path / run).mkdir()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], without_wall_time(numeric(r))) for r in rows] == EXPECTED
     assert "wall_time" in rows[3]  # the sampler's row has its time; the trainer adds its own rows' before writing
+    assert [r.get("tracker/failures") for r in rows] == [0, 0, 0, None]  # the trainer's rows count its failures
 
 
 def without_wall_time(values: dict) -> dict:
-    return {k: v for k, v in values.items() if k not in ("step", "wall_time")}
+    return {k: v for k, v in values.items() if k not in ("step", "wall_time", "tracker/failures")}
 
 
 def wandb_records(path):
@@ -74,12 +75,10 @@ def test_wandb_offline_gets_every_row_against_step(tmp_path):
     write_rows(tmp_path, "wandb")
     identity = run_id(tmp_path / "run")
 
-    def started(path):  # offline-run-<time to the second>-<id>, and -1, -2, ... for later runs in the same second
-        stamp, _, suffix = path.parent.name.removeprefix("offline-run-").partition(f"-{identity}")
-        return stamp, int(suffix.lstrip("-") or 0)
-
-    files = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{identity}*/run-*.wandb"), key=started)
-    assert len(files) == 2  # the trainer's, and the sampler's resumed run for its last evaluation: one id
+    # one offline run per writer, each with its own id in the run folder's group: syncing one never
+    # replaces another's history
+    files = [next((tmp_path / "run" / "wandb").glob(f"offline-run-*-{identity}-{writer}/run-*.wandb"))
+             for writer in ("trainer", "eval")]
     logged = []
     for path in files:
         for raw in wandb_records(path):
@@ -95,9 +94,40 @@ def test_wandb_offline_gets_every_row_against_step(tmp_path):
 def test_trackio_gets_every_row_at_its_step(tmp_path):
     write_rows(tmp_path, "trackio")
     db = sqlite3.connect(tmp_path / "trackio" / "grpo-trainer.db")
-    logged = [(step, without_wall_time(json.loads(metrics))) for step, metrics, name in
-              db.execute("select step, metrics, run_name from metrics order by id") if name == "tracked"]
+    name = trackio_name("tracked", tmp_path / "run")
+    logged = [(step, without_wall_time(json.loads(metrics))) for step, metrics, run in
+              db.execute("select step, metrics, run_name from metrics order by id") if run == name]
     assert logged == EXPECTED
+
+
+def test_two_run_folders_with_one_name_are_two_trackio_runs(tmp_path):
+    """trackio continues a run by its name: the default run.name in two folders was one run."""
+    write_rows(tmp_path, "trackio", "a")
+    write_rows(tmp_path, "trackio", "b")
+    db = sqlite3.connect(tmp_path / "trackio" / "grpo-trainer.db")
+    for folder in ("a", "b"):
+        name = trackio_name("tracked", tmp_path / folder)
+        logged = [(step, without_wall_time(json.loads(metrics))) for step, metrics, run in
+                  db.execute("select step, metrics, run_name from metrics order by id") if run == name]
+        assert logged == EXPECTED, folder
+
+
+def test_a_raising_tracker_is_counted_and_never_stops_the_caller(caplog):
+    from grpo.tracking import Guarded
+
+    class Broken:
+        def log(self, row):
+            raise ConnectionError("the tracker's server went away")
+
+        def finish(self):
+            raise RuntimeError("no")
+
+    tracker = Guarded(Broken())
+    for step in range(5):
+        tracker.log({"step": step})
+    tracker.finish()
+    assert tracker.failures == 6
+    assert sum("the tracker's log failed (ConnectionError" in r.message for r in caplog.records) == 3  # said, not spammed
 
 
 def test_an_unknown_backend_is_a_config_error():

@@ -109,8 +109,43 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
     adapter = load_file(version_dir(weights, 3) / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # LoRA B starts at 0
     assert (tmp_path / "tb").is_dir() and (tmp_path / "checkpoints" / "latest").is_file()
-    # W&B offline, from rank 0 only: one run of this folder (tests/test_tracking.py reads the records)
-    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id(tmp_path)}/run-*.wandb"))) == 1
+    # W&B offline, from rank 0 only: one run of this trainer (tests/test_tracking.py reads the records)
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id(tmp_path)}-trainer-*/run-*.wandb"))) == 1
+    assert all(r["tracker/failures"] == 0 for r in rows)
+
+
+BROKEN_TRACKIO = """
+class _Run:
+    pass
+
+
+def init(**kwargs):
+    return _Run()
+
+
+def log(values, step=None):
+    raise ConnectionError("the tracker's server went away")
+
+
+def finish():
+    raise RuntimeError("finish failed too")
+"""
+
+
+def test_a_raising_tracker_neither_stops_nor_stalls_a_two_rank_run(tmp_path, digit_model_dir, tiny_gsm8k,
+                                                                    monkeypatch):
+    """An exception in rank 0's tracker used to leave rank 1 waiting in the next collective: now it
+    is logged and counted (tracker/failures) and both ranks train every step."""
+    shim = tmp_path / "shim" / "trackio"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(BROKEN_TRACKIO)
+    monkeypatch.setitem(ENV, "PYTHONPATH", str(shim.parent))
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=3", "logging.backend=trackio", *LEARNING,
+                    timeout=400)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["tracker/failures"] for r in rows] == [0, 1, 2]  # counted before each row is sent
+    assert "the tracker's log failed (ConnectionError: the tracker's server went away)" in \
+        (tmp_path / "trainer.log").read_text()
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -270,12 +270,16 @@ def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
 
 
 @needs_vllm
-def test_two_step_run_of_the_real_processes_with_vllm(tmp_path):
+@pytest.mark.parametrize("training", [["lora.r=8"], ["lora.enabled=false", "training.reference_on=sampler"]],
+                         ids=["lora", "full"])
+def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
+    """LoRA adapters swapped in, or the full weights reloaded in place (collective_rpc reload_weights)
+    between the two steps."""
     from test_launch import launch
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=2",
-                  "sampling.max_new_tokens=24", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_new_tokens=24", *training, "sampling.vllm_kv_cache_gb=1", "training.beta=0",
                   "sampling.max_staleness=0")  # every step's gap is then the engine's alone, not a policy change too
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]

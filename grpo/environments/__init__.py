@@ -71,6 +71,14 @@ def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
     return lambda row: make(row, **args)
 
 
+def reply_roles(name: str, args: dict) -> tuple[str, ...]:
+    """The chat roles an environment's replies come in, which the chat template must render
+    (checked at start): its class's `reply_roles`, else the `role` of env.args, else user."""
+    declared = None if not name or name.startswith("openenv:") else \
+        getattr(_environment_class(name), "reply_roles", None)
+    return tuple(declared) if declared else (str(args.get("role", "user")),)
+
+
 def environment_demonstration(name: str):
     """The environment's `demonstration(row, answer) -> chat turns | None` for few-shot examples
     (data.prompts.solved_turns), or None when it has none (OpenEnv environments have none)."""

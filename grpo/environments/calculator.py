@@ -11,6 +11,7 @@ network, like every environment.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 
@@ -20,22 +21,43 @@ CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 NOTE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")  # GSM8K's calculator notes: "48/2 = <<48/2=24>>24 clips"
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-             ast.USub: operator.neg, ast.UAdd: operator.pos}
-MAX_EXPONENT = 64  # 10 ** 10 ** 10 would run for minutes: refused as a bad call, not left to the time limit
+             ast.USub: operator.neg, ast.UAdd: operator.pos}  # Pow through _power
+MAX_DIGITS = 64  # no GSM8K quantity comes near; every intermediate is kept below 10 ** 64
+MAX_INT = 10 ** MAX_DIGITS
+
+
+def _bounded(number):
+    """`number` if it is a real number below 10 ** MAX_DIGITS in size; ValueError otherwise."""
+    if isinstance(number, complex):
+        raise ValueError("the result is not a real number")
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError("the result is not a finite number")
+    if abs(number) >= MAX_INT:
+        raise ValueError(f"a number of more than {MAX_DIGITS} digits")
+    return number
+
+
+def _power(base, exponent):
+    """base ** exponent, refused before it is computed when the integer result would be too big
+    (`(9**64)**64` would otherwise run until the time limit)."""
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1 \
+            and exponent * math.log10(abs(base)) >= MAX_DIGITS:
+        raise ValueError(f"{base} ** {exponent} has more than {MAX_DIGITS} digits")
+    return base ** exponent
 
 
 def evaluate(expression: str) -> float | int:
-    """The value of an arithmetic expression; ValueError naming what is not allowed."""
+    """The value of an arithmetic expression; ValueError naming what is not allowed or too big
+    (every intermediate is a real number below 10 ** MAX_DIGITS)."""
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            return _bounded(node.value)
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.operand))
+            return _bounded(OPERATORS[type(node.op)](value(node.operand)))
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError(f"exponent {right} is above {MAX_EXPONENT}")
-            return OPERATORS[type(node.op)](left, right)
+            apply = _power if isinstance(node.op, ast.Pow) else OPERATORS[type(node.op)]
+            return _bounded(apply(left, right))
         raise ValueError(f"{type(node).__name__} is not arithmetic")
     try:
         tree = ast.parse(expression.strip().replace(",", ""), mode="eval")
@@ -90,7 +112,7 @@ class Calculator:
             self.calls_left -= 1
             try:
                 lines.append(f"{expression.strip()} = {show(evaluate(expression))}")
-            except (ValueError, ArithmeticError) as e:  # ZeroDivisionError, OverflowError
+            except (ValueError, ArithmeticError, TypeError) as e:  # ZeroDivisionError, OverflowError, ...
                 lines.append(f"{expression.strip()}: error: {e}")
                 errors += 1
         return Reply(text="\n".join(lines), tool_calls=len(calls), tool_errors=errors)

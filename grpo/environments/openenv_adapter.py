@@ -64,6 +64,9 @@ class OpenEnvEpisode:
         self.observation_field, self.role = observation_field, role
         self.env.reset(seed=row_seed(row))
 
+    def close(self) -> None:
+        self.env.close()  # OpenEnv's Environment.close(): what its server calls at a session's end
+
     def step(self, message: str) -> Reply:
         observation = self.env.step(self.action_cls(**{self.action_field: message}))
         reward = None if observation.reward is None else float(observation.reward)

@@ -53,13 +53,30 @@ def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[in
     return plan
 
 
+def prompt_blocks(num_prompts: int, max_sequences: int) -> list[range]:
+    """Prompts decoded together: at most max_sequences, so that a chunk of one completion each
+    fits (`chunk_plan`); e.g. 128 prompts, max 64 -> two blocks of 64 (a later turn of 16 x 8 episodes)."""
+    return [range(start, min(start + max_sequences, num_prompts)) for start in range(0, num_prompts, max_sequences)]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N, vocab] float64 probabilities, [N, 1] uniforms in [0, 1) -> [N] tokens: token i when u
+    falls in [cdf_{i-1}, cdf_i). In float64 the cumulative sum keeps every token's share to ~1e-16
+    (in float32 the tail's small probabilities round to nothing after ~1 of mass: ~1e-4 of the
+    embedded model's mass could never be drawn)."""
+    cdf = probs.cumsum(-1)  # [N, vocab]
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # right: never a zero-probability token
+    last_possible = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # u rounded up to the total
+    return torch.minimum(tokens, last_possible)
+
+
 class TokenSampler:
     """Draws each next token from the raw logits and records its log-prob on the way.
 
-    Sampling is inverse-CDF from softmax(logits / T) after top-k / top-p (transformers' own
-    warpers): torch.multinomial takes ~25 ms per step for 16 x 49k probabilities on one CPU
+    Sampling is inverse-CDF in float64 from softmax(logits / T) after top-k / top-p (transformers'
+    own warpers): torch.multinomial takes ~25 ms per step for 16 x 49k probabilities on one CPU
     thread, about 8% of a decode step of the embedded model; a cumulative sum and a binary
-    search take ~2 ms. The recorded log-prob is the one under the untruncated softmax(logits / T),
+    search take a few ms. The recorded log-prob is the one under the untruncated softmax(logits / T),
     as the trainer computes it.
     """
 
@@ -79,12 +96,8 @@ class TokenSampler:
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             logits = warper(None, logits)  # top-k / top-p look at the scores only
-        probs = torch.softmax(logits, dim=-1)
-        cdf = probs.cumsum(-1)
-        u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # right: never a zero-probability token
-        last_possible = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # u rounded up to the total
-        return torch.minimum(tokens, last_possible)
+        u = torch.rand(len(logits), 1, device=logits.device, dtype=torch.float64)
+        return inverse_cdf(torch.softmax(logits.double(), dim=-1), u)
 
     def recorded(self) -> torch.Tensor:
         """[N, steps] log-probs of the drawn tokens."""
@@ -232,14 +245,23 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+        """G completions of each prompt, decoded in chunks of at most generation_batch_size rows:
+        blocks of prompts (`prompt_blocks`; later turns of episodes are many prompts of one
+        completion each), each prefilled once and decoded in chunks of its completions (`chunk_plan`)."""
+        limits = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
+        if seed is not None:
+            torch.manual_seed(seed)
+        parts = [self._generate_block([prompts[i] for i in block], group_size, greedy, [limits[i] for i in block])
+                 for block in prompt_blocks(len(prompts), self.cfg.generation_batch_size)]
+        return Rollouts(*([x for part in parts for x in getattr(part, name)]
+                          for name in ("completion_ids", "truncated", "logps")))
+
+    def _generate_block(self, prompts: list[list[int]], group_size: int, greedy: bool, limits: list[int]) -> Rollouts:
         cfg = self.cfg
-        limits = list(max_new_tokens) if max_new_tokens is not None else [cfg.max_new_tokens] * len(prompts)
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self._prefill(ids, mask) if ids.shape[1] > 1 else None
         plan = chunk_plan(len(prompts), group_size, cfg.generation_batch_size)
-        if seed is not None:
-            torch.manual_seed(seed)
         produced, truncated, logps = [], [], []
         for k in plan:
             row_limits = torch.tensor(limits, device=self.device).repeat_interleave(k)

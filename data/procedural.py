@@ -16,6 +16,7 @@ and scores with the task's own scorer on it, as reasoning-gym itself would.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -94,12 +95,16 @@ def task_rows(path: str, split: str, task_args: dict) -> list[dict]:
     """The rows of one split: train as generated, test without the questions train holds. Each
     row names its entry (`entry`: task, settings, index), from which the scorer regenerates it."""
     task = task_of(path)
-    settings = split_settings(task_args, split)
+    settings = json_safe(split_settings(task_args, split))
+    # through the scorer's cache: the reward sandbox, forked after the data is loaded, starts with
+    # the dataset built (some tasks precompute every question: seconds, within its time limit)
+    dataset = _dataset(task, json.dumps(settings, sort_keys=True))
     rows = [{"question": e["question"], "answer": str(e["answer"]), "metadata": json_safe(e["metadata"]),
-             "entry": {"task": task, "settings": json_safe(settings), "index": i}}
-            for i, e in enumerate(create(task, settings))]
+             "entry": {"task": task, "settings": settings, "index": i}}
+            for i, e in enumerate(dataset)]
     if split == "test":  # distinct questions that train does not hold
-        seen = {e["question"] for e in create(task, split_settings(task_args, "train"))}
+        seen = {e["question"] for e in _dataset(task, json.dumps(json_safe(split_settings(task_args, "train")),
+                                                                 sort_keys=True))}
         generated = len(rows)
         rows = [row for row in rows if row["question"] not in seen and not seen.add(row["question"])]
         if not rows:  # a small value space: the train split already holds every question
@@ -123,7 +128,7 @@ def original_entry(reference: dict) -> dict:
     (tuples, sets and objects in its metadata intact: JSON would turn them into other types, which
     some scorers then compare unequal). `reference` is a row's `entry`."""
     settings_json = json.dumps(reference["settings"], sort_keys=True)
-    return _entry(str(reference["task"]), settings_json, int(reference["index"]))
+    return copy.deepcopy(_entry(str(reference["task"]), settings_json, int(reference["index"])))  # a scorer may write to it
 
 
 def check_task(path: str, task_args: dict) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -33,12 +32,13 @@ class TemplateRoleError(ValueError):
     """The chat template cannot render an environment's reply in its role."""
 
 
-def reply_parts(tokenizer, role: str, turn_ends: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+def reply_parts(tokenizer, role: str, ended_with: str | None = None) -> tuple[list[int], list[int]]:
     """The template's tokens (before, after) an environment's message in `role`, between the
-    model's message (which ended with an EOS token) and the model's next turn. `turn_ends`: the
-    text of every token that ends the model's turn (the checkpoint's EOS list: Phi-3 ends a turn
-    with <|end|>, not its eos_token); the template's own turn end is left out, since the model's
-    EOS token already ended its turn. No chat template: newlines."""
+    model's message and the model's next turn. The model's message ended with an EOS token whose
+    text is `ended_with` (default: the tokenizer's eos_token): when the template's own turn end is
+    that token, it is left out (the model's token already ended the turn); another one (Phi-3 ends
+    turns with <|end|>, an EOS of its generation_config, while a model may also stop at
+    <|endoftext|>) is kept, as the template writes it. No chat template: newlines."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer("\n", add_special_tokens=False)["input_ids"], tokenizer("\n", add_special_tokens=False)["input_ids"]
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE}, {"role": role, "content": REPLY}]
@@ -49,8 +49,8 @@ def reply_parts(tokenizer, role: str, turn_ends: Sequence[str] = ()) -> tuple[li
                                 "use a model whose template does, or have the environment reply in another "
                                 "role (env.args role, or its reply_roles)") from None
     tail = text[text.index(MESSAGE) + 1:]
-    ends = sorted({end for end in (tokenizer.eos_token, *turn_ends) if end}, key=len, reverse=True)
-    tail = next((tail[len(end):] for end in ends if tail.startswith(end)), tail)  # the longest turn end it opens with
+    end = tokenizer.eos_token if ended_with is None else ended_with
+    tail = tail[len(end):] if end and tail.startswith(end) else tail
     before, after = tail.split(REPLY)
     return (tokenizer(before, add_special_tokens=False)["input_ids"],
             tokenizer(after, add_special_tokens=False)["input_ids"])
@@ -102,30 +102,23 @@ class EpisodeRunner:
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
-        self._parts: dict[str, tuple[list[int], list[int]]] = {role: reply_parts(tokenizer, role) for role in roles}
-        self._turn_ends: tuple[str, ...] = ()
+        self._parts = {(role, None): reply_parts(tokenizer, role) for role in roles}
         self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
         self.runs = 0
 
-    def use_turn_ends(self, eos_ids: Sequence[int]) -> None:
-        """Render replies after any of these EOS tokens (the engine's list), not only eos_token."""
-        ends = tuple(self.tokenizer.decode([i]) for i in eos_ids)
-        if ends != self._turn_ends:
-            self._turn_ends = ends
-            self._parts = {role: reply_parts(self.tokenizer, role, ends) for role in self._parts}
-
-    def reply_tokens(self, text: str, role: str) -> list[int]:
-        """An environment message as tokens: the template around it, then the next turn's prefill.
-        Its text cannot smuggle in special tokens: they are read as plain text."""
-        if role not in self._parts:
-            self._parts[role] = reply_parts(self.tokenizer, role, self._turn_ends)
-        before, after = self._parts[role]
+    def reply_tokens(self, text: str, role: str, ended_with: int | None = None) -> list[int]:
+        """An environment message as tokens: the template around it, then the next turn's prefill;
+        after the model's turn that ended with token `ended_with` (None: the eos_token). Its text
+        cannot smuggle in special tokens: they are read as plain text."""
+        end = None if ended_with is None else self.tokenizer.decode([ended_with])
+        if (role, end) not in self._parts:
+            self._parts[role, end] = reply_parts(self.tokenizer, role, end)
+        before, after = self._parts[role, end]
         body = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return before + body + after + self._prefill_ids
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
-        self.use_turn_ends(getattr(engine, "eos_ids", ()))
         rows = reward_rows([p.problem for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
@@ -172,7 +165,7 @@ class EpisodeRunner:
         if reply.done or e.turns >= self.max_turns:
             return False
         try:
-            ids = self.reply_tokens(reply.text, reply.role)
+            ids = self.reply_tokens(reply.text, reply.role, ended_with=e.tokens[-1])  # not truncated: an EOS
         except ValueError as error:  # a role it did not declare, which the template refuses: this episode ends
             log.warning("episode %s: %s; the episode ends here (declare the role in the environment's "
                         "reply_roles to have it checked at start)", j, error)

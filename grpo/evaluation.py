@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 
 from rewards.strict import GSM8K_CHECKS, passes, reward_rows
@@ -124,7 +125,7 @@ def append_metrics_row(run_dir: Path, row: dict, logging_cfg, run_name: str) -> 
             for key, value in row.items():
                 if key.startswith("eval/"):
                     writer.add_scalar(key, value, row["step"])
-    tracker = open_tracker(logging_cfg, run_dir, run_name, {}, writer="eval")
+    tracker = open_tracker(logging_cfg, run_dir, run_name, {}, writer=f"eval-{uuid.uuid4().hex[:12]}")
     if tracker is not None:
         tracker.log(row)
         tracker.finish()

@@ -35,6 +35,7 @@ from grpo.config import ConfigError, parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.environments import environment_demonstration  # noqa: E402
+from grpo.environments.pool import IsolationError  # noqa: E402
 from grpo.episodes import TemplateRoleError, episode_runner  # noqa: E402
 from grpo.evaluation import greedy_samples, summary  # noqa: E402
 from grpo.run_outputs import RunOutputsError, run_config, run_of_weights, version_folder  # noqa: E402
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
         cfg, weights, config_source = resolve_inputs(args, overrides)
         torch.manual_seed(cfg.seed)
         summary, samples = evaluate(cfg, weights, args.limit, args.batch_size, args.split)
-    except (RunOutputsError, ConfigError, WeightsError, SourceError, TemplateRoleError) as e:
+    except (RunOutputsError, ConfigError, WeightsError, SourceError, TemplateRoleError, IsolationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = json.dumps({**summary, "config": config_source}, indent=1)

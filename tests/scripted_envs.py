@@ -107,6 +107,13 @@ class SocketProbe:
             results.append("_socket connected")
         except OSError as e:
             results.append(f"_socket {type(e).__name__}")
+        import ctypes
+        import os
+
+        fd = ctypes.CDLL(None).syscall(41, (1 << 32) | 2, 1, 0)  # socket(AF_INET) with junk in the high bits
+        results.append("raw socket refused" if fd < 0 else "raw socket made")
+        if fd >= 0:
+            os.close(fd)
         code = f"import socket; socket.create_connection(('127.0.0.1', {int(message)}), timeout=2)"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         results.append("subprocess connected" if proc.returncode == 0 else "subprocess refused")

@@ -110,19 +110,21 @@ def test_a_template_that_refuses_the_environments_role_stops_the_start(tiny_mode
 
 def test_a_turn_end_from_the_checkpoints_eos_list_is_rendered_once(tiny_model_dir):
     """Phi-3 style: the template ends the assistant's turn with <|end|>, an EOS of the checkpoint's
-    generation_config but not the tokenizer's eos_token. The model's turn ended with <|end|> (its
-    EOS, kept in the completion); the reply after it must not write <|end|> again."""
+    generation_config but not the tokenizer's eos_token. A turn the model ended with <|end|> is
+    followed by the reply without a second <|end|>; one it ended with its eos_token keeps the
+    template's <|end|>."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>"]})
     tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    end, eos = tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.eos_token_id
     assert tokenizer.eos_token != "<|end|>"
     runner = EpisodeRunner(None, tokenizer, 64, 4)
-    assert tokenizer.decode(runner.reply_tokens("7", "user")).startswith("<|end|>")  # the fault: eos_token only
-    runner.use_turn_ends([tokenizer.eos_token_id, end])
-    episode = [*tokenizer("4 + 3 =", add_special_tokens=False)["input_ids"], end, *runner.reply_tokens("7", "user")]
-    assert tokenizer.decode(episode) == "4 + 3 =<|end|>\n<|user|>\n7<|end|>\n<|assistant|>\n"
+    message = tokenizer("4 + 3 =", add_special_tokens=False)["input_ids"]
+    ended = [*message, end, *runner.reply_tokens("7", "user", ended_with=end)]
+    assert tokenizer.decode(ended) == "4 + 3 =<|end|>\n<|user|>\n7<|end|>\n<|assistant|>\n"
+    stopped = [*message, eos, *runner.reply_tokens("7", "user", ended_with=eos)]
+    assert tokenizer.decode(stopped) == f"4 + 3 ={tokenizer.eos_token}<|end|>\n<|user|>\n7<|end|>\n<|assistant|>\n"
 
 
 def test_each_turn_draws_from_its_own_seed():
@@ -203,6 +205,17 @@ def test_a_new_child_rebuilds_the_other_episodes_by_replaying_their_messages(tmp
         pool.close()
 
 
+def test_a_child_that_died_between_calls_costs_no_episode_its_step():
+    pool = EnvironmentPool(f"{ENVS}:Counter", {}, timeout_s=5.0)
+    try:
+        assert pool.step("a", {}, [], "x")[0].text == "count 1"
+        pool._process.kill()  # killed from outside (out of memory, say) while no call was under way
+        pool._process.join()
+        assert pool.step("a", {}, ["x"], "y") == (Reply(text="count 2"), None) and pool.restarts == 1
+    finally:
+        pool.close()
+
+
 def test_one_hung_episode_fails_alone_while_the_others_are_rebuilt_after_it():
     """Steps of 0.6 s, a 1 s limit: after episode a hangs and the child is replaced, b and c each
     replay two messages and take a third (1.8 s in all), each call within its own limit, and get
@@ -259,7 +272,10 @@ def test_neither_the_c_socket_module_nor_a_subprocess_reaches_the_network(isolat
         assert pool.isolation == isolation
         reply, failure = pool.step("a", {}, [], str(port))
         assert failure is None and "connected" not in reply.text and reply.text.endswith(", subprocess refused")
-        assert reply.text.startswith("_socket PermissionError" if isolation == "seccomp" else "_socket OSError")
+        if isolation == "seccomp":  # the filter reads the family as the kernel does: its low 32 bits
+            assert reply.text == "_socket PermissionError, raw socket refused, subprocess refused"
+        else:  # sockets can be made in the namespace; nothing is reachable from it
+            assert reply.text.startswith("_socket OSError")
     finally:
         pool.close()
         server.close()
@@ -352,6 +368,7 @@ def test_the_calculator_answers_bad_calls_with_an_error_message():
     ("(-8)**(1/3)", "the result is not a real number"),  # was shown to the model as a complex number
     ("10**40 * 10**40", "a number of more than 64 digits"),
     ("1e300 * 1e300", "a number of more than 64 digits"),  # floats too: never inf
+    ("-" * 600 + "1", "longer than 500 characters"),  # the parser would recurse or run out of memory
 ])
 def test_every_bad_expression_is_a_tool_error_that_leaves_the_valid_call_beside_it(expression, error):
     reply = Calculator({}).step(f"<calc>{expression}</calc> then <calc>6 * 7</calc>")

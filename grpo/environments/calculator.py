@@ -24,6 +24,7 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
              ast.USub: operator.neg, ast.UAdd: operator.pos}  # Pow through _power
 MAX_DIGITS = 64  # no GSM8K quantity comes near; every intermediate is kept below 10 ** 64
 MAX_INT = 10 ** MAX_DIGITS
+MAX_LENGTH = 500  # characters of one expression: a GSM8K calculation is a few dozen
 
 
 def _bounded(number):
@@ -59,11 +60,15 @@ def evaluate(expression: str) -> float | int:
             apply = _power if isinstance(node.op, ast.Pow) else OPERATORS[type(node.op)]
             return _bounded(apply(left, right))
         raise ValueError(f"{type(node).__name__} is not arithmetic")
+    if len(expression) > MAX_LENGTH:
+        raise ValueError(f"longer than {MAX_LENGTH} characters")
     try:
         tree = ast.parse(expression.strip().replace(",", ""), mode="eval")
+        return value(tree.body)
     except SyntaxError:
         raise ValueError("not an arithmetic expression") from None
-    return value(tree.body)
+    except (RecursionError, MemoryError):  # nested too deep for the parser or the walk
+        raise ValueError("nested too deeply") from None
 
 
 def show(number: float | int) -> str:
@@ -87,7 +92,7 @@ class Calculator:
         for note in NOTE.finditer(solution):
             try:
                 value = show(evaluate(note.group(1)))
-            except (ValueError, ArithmeticError):
+            except (ValueError, ArithmeticError, TypeError):
                 return None
             call = note.group(1).strip()
             opening = NOTE.sub("", solution[start:note.start()]).strip()

@@ -62,7 +62,11 @@ class OpenEnvEpisode:
     def __init__(self, env, action_cls, action_field: str, observation_field: str | None, role: str, row: dict):
         self.env, self.action_cls, self.action_field = env, action_cls, action_field
         self.observation_field, self.role = observation_field, role
-        self.env.reset(seed=row_seed(row))
+        try:
+            self.env.reset(seed=row_seed(row))
+        except BaseException:
+            self.env.close()  # the episode never starts: nobody else will close it
+            raise
 
     def close(self) -> None:
         self.env.close()  # OpenEnv's Environment.close(): what its server calls at a session's end

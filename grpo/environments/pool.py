@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import stat
 from dataclasses import dataclass
 
 from grpo.environments import Reply, environment_factory
@@ -58,8 +59,9 @@ def unshare_network() -> bool:
     return True
 
 
-AF_INET, AF_INET6, AF_PACKET = 2, 10, 17
-SCMP_ACT_ALLOW, SCMP_ACT_ERRNO_EACCES, SCMP_CMP_EQ = 0x7FFF0000, 0x00050000 | 13, 4
+NETWORK_FAMILIES = (2, 10, 17, 40)  # AF_INET, AF_INET6, AF_PACKET, AF_VSOCK
+SCMP_ACT_ALLOW, SCMP_ACT_ERRNO_EACCES, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000 | 13, 7
+INT_MASK = 0xFFFFFFFF  # the kernel reads socket()'s family as an int: compare the low 32 bits only
 
 
 class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
@@ -68,8 +70,9 @@ class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
 
 def seccomp_deny_sockets() -> bool:
     """A seccomp filter on this process and every process it starts (a subprocess, a C library):
-    socket() of an internet or packet family fails with EACCES, at the system call, below
-    Python's `socket` and `_socket`. False when libseccomp is missing or the filter cannot load."""
+    socket() of an internet, packet or vsock family fails with EACCES, at the system call, below
+    Python's `socket` and `_socket`, and io_uring (which makes sockets without socket()) is off.
+    False when libseccomp is missing or the filter cannot load."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
     except OSError:
@@ -83,20 +86,24 @@ def seccomp_deny_sockets() -> bool:
         return False
     try:
         number = lib.seccomp_syscall_resolve_name(b"socket")
-        for family in (AF_INET, AF_INET6, AF_PACKET):
-            rule = _ArgCmp(0, SCMP_CMP_EQ, family, 0)
+        for family in NETWORK_FAMILIES:
+            rule = _ArgCmp(0, SCMP_CMP_MASKED_EQ, INT_MASK, family)
             if lib.seccomp_rule_add_array(ctx, SCMP_ACT_ERRNO_EACCES, number, 1, ctypes.byref(rule)) != 0:
                 return False
+        uring = lib.seccomp_syscall_resolve_name(b"io_uring_setup")
+        if uring >= 0 and lib.seccomp_rule_add_array(ctx, SCMP_ACT_ERRNO_EACCES, uring, 0, None) != 0:
+            return False
         return lib.seccomp_load(ctx) == 0
     finally:
         lib.seccomp_release(ctx)
 
 
-def limit_resources(memory_mb: int, processes: int, cpu_s: int) -> None:
+def limit_resources(memory_mb: int, processes: int, cpu_s: int, own_namespace: bool) -> None:
     """Budgets of the child above what it has at the fork (it is a copy of the sampler): address
-    space, processes of this user (not enforced for root), CPU seconds over its life and of each
-    process it starts; 0 leaves one unlimited. Past them an allocation or fork fails in the
-    environment's code (an error message to the model) or the process is killed (a restart)."""
+    space (each thread's stack and arena count too), processes and threads (only in its own user
+    namespace, where the kernel counts the child's alone; not enforced for root), CPU seconds over
+    its life and of each process it starts; 0 leaves one unlimited. Past them an allocation or fork
+    fails in the environment's code (an error message to the model) or the process is killed (a restart)."""
     import resource
 
     def budget(kind: int, used: int, extra: int) -> None:
@@ -108,8 +115,21 @@ def limit_resources(memory_mb: int, processes: int, cpu_s: int) -> None:
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
     budget(resource.RLIMIT_AS, int(status["VmSize"].split()[0]) * 1024, memory_mb * 2**20)
-    budget(resource.RLIMIT_NPROC, len(os.listdir("/proc")), processes)  # an upper bound on the user's count
+    if own_namespace:  # outside it the count is every thread of the user on the machine
+        budget(resource.RLIMIT_NPROC, int(status["Threads"]), processes)
     budget(resource.RLIMIT_CPU, int(sum(os.times()[:2])) + 1, cpu_s)
+
+
+def close_inherited_sockets(keep: int) -> None:
+    """The sockets the sampler had open at the fork (its connection to the trainer, an engine's):
+    closed, so that no environment writes to them."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd != keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:
+            pass  # the listing's own descriptor, already gone
 
 
 def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
@@ -119,9 +139,10 @@ def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a child busy in a hang dies with its parent
     except (OSError, AttributeError):
         pass
+    close_inherited_sockets(keep=conn.fileno())
     try:
         how = deny_network() if limits.network == "deny" else "allowed"
-        limit_resources(limits.memory_mb, limits.processes, limits.cpu_s)
+        limit_resources(limits.memory_mb, limits.processes, limits.cpu_s, own_namespace=how == "namespace")
     except (IsolationError, OSError, ValueError) as e:
         conn.send_bytes(json.dumps(["refused", str(e)]).encode())
         return
@@ -225,9 +246,13 @@ class EnvironmentPool:
 
     def _call(self, kind: str, key: str, value):
         """One request to the child within env.timeout_s; StepFailed (the child replaced where it hung or died)."""
-        if not self._process.is_alive():
-            self._restart()
-        self._conn.send_bytes(json.dumps([kind, key, value]).encode())
+        try:
+            if not self._process.is_alive():
+                self._restart()
+            self._conn.send_bytes(json.dumps([kind, key, value]).encode())
+        except (OSError, IsolationError) as e:  # a pipe to a child that just died; a child that cannot start
+            self._process.kill()
+            raise StepFailed(f"the environment process could not take the call ({e})") from None
         if not self._conn.poll(self.timeout_s):
             self._restart()
             raise StepFailed(f"no reply within env.timeout_s={self.timeout_s:g} s")
@@ -245,6 +270,8 @@ class EnvironmentPool:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
         on a failure, (an error message for the model, the failure)."""
         try:
+            if not self._process.is_alive():  # died between calls: it holds no episode any more
+                self._restart()
             if key not in self._held:
                 self._call("open", key, row)
                 self._held.add(key)
@@ -258,9 +285,12 @@ class EnvironmentPool:
     def forget(self, keys: list[str]) -> None:
         """Drop finished episodes' environments."""
         held = [key for key in keys if key in self._held]
+        self._held.difference_update(held)
         if held and self._process.is_alive():
-            self._held.difference_update(held)
-            self._conn.send_bytes(json.dumps(["forget", "", held]).encode())
+            try:
+                self._conn.send_bytes(json.dumps(["forget", "", held]).encode())
+            except OSError:
+                pass  # the child is gone, and its environments with it
 
     def close(self) -> None:
         """The child closes the environments it holds when the pipe closes (given a second), then goes."""

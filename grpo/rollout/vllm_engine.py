@@ -11,8 +11,8 @@ at once so that a bad adapter fails here and the previous one keeps serving, the
 one is removed. Its name and integer id count the engine's loads, not the version: the prefix
 cache is keyed by them, and a trainer that resumes from an older checkpoint republishes a
 version number with other weights, whose prompt KV must not be served from the cache. Full
-fine-tuning: the version's safetensors are reloaded in place by the engine's workers, and the
-prefix cache is reset.
+fine-tuning: the version's safetensors are reloaded in place by the engine's workers (with the
+tied output head's CPU kernel made again: grpo/rollout/vllm_worker.py), and the prefix cache is reset.
 
 On the CPU, vLLM reserves `gpu_memory_utilization` of the *host's* memory at start; the engine
 asks instead for a KV cache of `sampling.vllm_kv_cache_gb`, and says plainly when that does not
@@ -50,7 +50,8 @@ def engine_arguments(cfg, cuda: bool, available_bytes: int) -> dict:
     args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
                 seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                 generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
-                trust_remote_code=cfg.model.trust_remote_code)
+                trust_remote_code=cfg.model.trust_remote_code,
+                worker_extension_cls="grpo.rollout.vllm_worker.PolicyReload")
     if cfg.lora.enabled:
         rank = next((r for r in LORA_RANKS if r >= cfg.lora.r), None)
         if rank is None:
@@ -104,7 +105,7 @@ class VllmEngine:
             return self._stage_adapter(folder, manifest, version)
 
         def reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            self.llm.collective_rpc("reload_policy", kwargs={"weights_path": str(folder)})  # grpo/rollout/vllm_worker.py
             self.llm.reset_prefix_cache()  # its KV was computed with the old weights
             self.version, self.weights_digest = version, manifest["digest"]
         return Staged(reload)

@@ -78,4 +78,6 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
         assert published.keys() == adapters[step].keys()
         difference = max(difference, *((published[k] - v).abs().max().item() for k, v in adapters[step].items()))
     moved = max((adapters[-1][k] - v).abs().max().item() for k, v in adapters[0].items())
-    assert difference < 1e-6 and moved > 1e-3, (difference, moved)  # the updates are 1000x the difference
+    # the updates are over 1000x the difference: float32 sums in another order over two ranks (~1e-6
+    # absolute on these batches), not a lost or doubled step, which would be of the update's own size
+    assert moved > 1e-3 and difference < moved / 1000, (difference, moved)

@@ -78,7 +78,7 @@ def test_wandb_offline_gets_every_row_against_step(tmp_path):
     # one offline run per writer, each with its own id in the run folder's group: syncing one never
     # replaces another's history
     files = [next((tmp_path / "run" / "wandb").glob(f"offline-run-*-{identity}-{writer}/run-*.wandb"))
-             for writer in ("trainer", "eval")]
+             for writer in ("trainer", "eval-*")]  # each final evaluation: eval-<its own id>
     logged = []
     for path in files:
         for raw in wandb_records(path):

@@ -98,19 +98,23 @@ def task_rows(path: str, split: str, task_args: dict) -> list[dict]:
     settings = json_safe(split_settings(task_args, split))
     # through the scorer's cache: the reward sandbox, forked after the data is loaded, starts with
     # the dataset built (some tasks precompute every question: seconds, within its time limit)
-    dataset = _dataset(task, json.dumps(settings, sort_keys=True))
+    dataset = _dataset(task, _settings_key(settings))
     rows = [{"question": e["question"], "answer": str(e["answer"]), "metadata": json_safe(e["metadata"]),
              "entry": {"task": task, "settings": settings, "index": i}}
             for i, e in enumerate(dataset)]
     if split == "test":  # distinct questions that train does not hold
-        seen = {e["question"] for e in _dataset(task, json.dumps(json_safe(split_settings(task_args, "train")),
-                                                                 sort_keys=True))}
+        seen = {e["question"] for e in _dataset(task, _settings_key(split_settings(task_args, "train")))}
         generated = len(rows)
         rows = [row for row in rows if row["question"] not in seen and not seen.add(row["question"])]
         if not rows:  # a small value space: the train split already holds every question
             raise TaskError(f"data.task_args: all {generated} held-out rows of {path} are questions the train split "
                             f"holds ({len(seen)} distinct); lower data.task_args.size or widen the task's settings")
     return rows
+
+
+def _settings_key(settings: dict) -> str:
+    """A split's settings as the caches' key: the same JSON however they were written."""
+    return json.dumps(json_safe(settings), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -127,8 +131,8 @@ def original_entry(reference: dict) -> dict:
     """The task's own entry a row was made from, regenerated from its seed as reasoning-gym made it
     (tuples, sets and objects in its metadata intact: JSON would turn them into other types, which
     some scorers then compare unequal). `reference` is a row's `entry`."""
-    settings_json = json.dumps(reference["settings"], sort_keys=True)
-    return copy.deepcopy(_entry(str(reference["task"]), settings_json, int(reference["index"])))  # a scorer may write to it
+    entry = _entry(str(reference["task"]), _settings_key(reference["settings"]), int(reference["index"]))
+    return copy.deepcopy(entry)  # a scorer may write to it
 
 
 def check_task(path: str, task_args: dict) -> None:

@@ -110,10 +110,10 @@ class EpisodeRunner:
         """An environment message as tokens: the template around it, then the next turn's prefill;
         after the model's turn that ended with token `ended_with` (None: the eos_token). Its text
         cannot smuggle in special tokens: they are read as plain text."""
-        end = None if ended_with is None else self.tokenizer.decode([ended_with])
-        if (role, end) not in self._parts:
-            self._parts[role, end] = reply_parts(self.tokenizer, role, end)
-        before, after = self._parts[role, end]
+        if (role, ended_with) not in self._parts:
+            end = None if ended_with is None else self.tokenizer.decode([ended_with])
+            self._parts[role, ended_with] = reply_parts(self.tokenizer, role, end)
+        before, after = self._parts[role, ended_with]
         body = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return before + body + after + self._prefill_ids
 
@@ -166,7 +166,7 @@ class EpisodeRunner:
             return False
         try:
             ids = self.reply_tokens(reply.text, reply.role, ended_with=e.tokens[-1])  # not truncated: an EOS
-        except ValueError as error:  # a role it did not declare, which the template refuses: this episode ends
+        except TemplateRoleError as error:  # a role it did not declare, which the template refuses: this episode ends
             log.warning("episode %s: %s; the episode ends here (declare the role in the environment's "
                         "reply_roles to have it checked at start)", j, error)
             e.env_errors += 1
@@ -188,13 +188,13 @@ def episode_runner(cfg, tokenizer) -> EpisodeRunner | None:
 
     from grpo.environments import reply_roles
 
-    roles = reply_roles(cfg.env.name, cfg.env.args)
-    for role in roles:  # before the child process starts: a refused role is a start-up error
-        reply_parts(tokenizer, role)
-    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
+    # the runner renders the roles first: a refused one is a start-up error before the child is forked
+    runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
+                           reply_roles(cfg.env.name, cfg.env.args))
+    runner.pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
              cfg.env.max_turns, cfg.sampling.max_new_tokens)
-    return EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill, roles)
+    return runner
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -35,6 +35,15 @@ def write_atomically(path: str | os.PathLike, content: str | bytes) -> None:
     fsync_path(path.parent)
 
 
+def aside_name(path: Path, stamp: str) -> Path:
+    """A free name beside `path` to move it to instead of deleting it: <name>.replaced-<stamp>[-n]."""
+    target, n = path.with_name(f"{path.name}.replaced-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.replaced-{stamp}-{n}")
+    return target
+
+
 class RunFolderError(OSError):
     """The run folder cannot be created or written."""
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from grpo.config import Config, ConfigError, load_config
 from grpo.evaluation import is_evaluation_row
+from grpo.run_start import METRICS
 from grpo.weights import WeightsError, published_versions, read_latest, version_dir
 
 log = logging.getLogger(__name__)
 
 CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
 WEIGHTS = "weights"
 _VERSION_NAME = re.compile(r"^v\d+$")
 

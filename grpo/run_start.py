@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from grpo.files import RunFolderError
+from grpo.files import RunFolderError, aside_name
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -45,9 +45,9 @@ def resume_source(resume: str, run_dir: Path) -> Path | None:
     own = Path(run_dir) / CHECKPOINTS
     if resume == "never":
         return None
-    if resume == "auto" or is_checkpoint_folder(own):
-        return own if is_checkpoint_folder(own) else None
-    return Path(resume) if is_checkpoint_folder(resume) else None
+    if is_checkpoint_folder(own):  # auto, or a folder elsewhere this run has moved on from
+        return own
+    return Path(resume) if resume != "auto" and is_checkpoint_folder(resume) else None
 
 
 def continues_the_run(resume: str, run_dir: Path) -> bool:
@@ -188,8 +188,8 @@ def _move_aside(run_dir: Path, weights_dir: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     real_run, real_weights = run_dir.resolve(), weights_dir.resolve()
     outside = real_weights.is_dir() and not real_weights.is_relative_to(real_run)
-    weights_target = _unused(real_weights, stamp) if outside else None
-    target = _unused(real_run, stamp)
+    weights_target = aside_name(real_weights, stamp) if outside else None
+    target = aside_name(real_run, stamp)
     if weights_target is not None:
         os.rename(real_weights, weights_target)
     os.rename(real_run, target)
@@ -197,12 +197,4 @@ def _move_aside(run_dir: Path, weights_dir: Path) -> Path:
     (target / "REPLACED.json").write_text(json.dumps(
         {"run_dir": str(run_dir), "weights_dir": str(weights_dir), "moved_at": stamp,
          "weights_moved_to": str(weights_target) if outside else str(target / "weights")}, indent=1) + "\n")
-    return target
-
-
-def _unused(path: Path, stamp: str) -> Path:
-    target, n = path.with_name(f"{path.name}.replaced-{stamp}"), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.replaced-{stamp}-{n}")
     return target

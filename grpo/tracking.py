@@ -5,7 +5,8 @@ Every metrics row goes to the tracker under its metrics.jsonl names, against the
 each call while evaluation rows may arrive for a version already logged, so `step` is declared the
 x-axis of every metric (define_metric) and W&B's step is left to count calls. W&B: one run per
 writer (each trainer incarnation, the sampler's final evaluation), grouped by the run folder;
-trackio: one run per run folder. A tracker that fails is logged and counted, never fatal. W&B's offline mode (the default,
+trackio: one run per run folder. A tracker that fails is logged and counted, never fatal.
+W&B's offline mode (the default,
 `logging.wandb_mode`) writes <run.dir>/wandb and needs no network (`wandb sync` uploads it later);
 trackio writes its local database ($TRACKIO_DIR, default ~/.cache/huggingface/trackio).
 """

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from grpo.config import ConfigError, to_dict  # noqa: E402
+from grpo.files import aside_name  # noqa: E402
 from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root  # noqa: E402
 from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
 from grpo.weights import MANIFEST, WeightsError, verify  # noqa: E402
@@ -210,13 +211,8 @@ def install(tmp: Path, out: Path) -> Path | None:
     is deleted: an earlier export may hold files of the user's, e.g. a Hub repo's .git)."""
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
-    aside = None
-    if out.exists():
-        aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        n = 1
-        while aside.exists():
-            n += 1
-            aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+    aside = aside_name(out, time.strftime("%Y%m%d-%H%M%S")) if out.exists() else None
+    if aside is not None:
         os.rename(out, aside)
     os.rename(tmp, out)
     return aside

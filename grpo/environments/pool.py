@@ -5,8 +5,9 @@ Like the reward sandbox (rewards/sandbox.py) the child is forked and talks JSON 
 pickle. It is cut off from the network at start (a network namespace of its own where the kernel
 allows unprivileged ones, else a seccomp filter on socket(); where neither can be had it refuses
 to start unless env.network=allow), gets budgets of memory, processes and CPU (env.memory_mb,
-env.max_processes, env.cpu_s), and holds one environment per live episode. A step that raises becomes an error message to the model; one that does not answer
-within `env.timeout_s` gets the child killed and a new one forked. The parent keeps each episode's
+env.max_processes, env.cpu_s), and holds one environment per live episode. A step that raises
+becomes an error message to the model; one that does not answer within `env.timeout_s` gets the
+child killed and a new one forked. The parent keeps each episode's
 earlier messages, so a new child rebuilds an episode it does not hold by replaying them, one call
 at a time with its own time limit: the other episodes of the turn go on where they were.
 """
@@ -247,10 +248,8 @@ class EnvironmentPool:
     def _call(self, kind: str, key: str, value):
         """One request to the child within env.timeout_s; StepFailed (the child replaced where it hung or died)."""
         try:
-            if not self._process.is_alive():
-                self._restart()
             self._conn.send_bytes(json.dumps([kind, key, value]).encode())
-        except (OSError, IsolationError) as e:  # a pipe to a child that just died; a child that cannot start
+        except OSError as e:  # a pipe to a child that just died
             self._process.kill()
             raise StepFailed(f"the environment process could not take the call ({e})") from None
         if not self._conn.poll(self.timeout_s):
@@ -278,7 +277,7 @@ class EnvironmentPool:
                 for earlier in history:
                     self._call("step", key, earlier)
             return Reply.from_json(self._call("step", key, message)), None
-        except StepFailed as e:
+        except (StepFailed, IsolationError) as e:  # IsolationError: a replacement child that could not start
             failure = str(e)
         return Reply(text=f"error: the environment failed: {failure}"), failure
 

@@ -11,6 +11,7 @@ from data.problems import Problem
 class Prompt:
     problem: Problem
     token_ids: list[int]  # the whole prompt, prefill included, no padding
+    turns: tuple = ()  # the chat it was rendered from (before the generation prompt and prefill)
 
 
 def solved_answer(shot: Problem) -> str:
@@ -33,15 +34,41 @@ def solved_turns(shots: list[Problem], demonstrate=None) -> list[dict]:
     return turns
 
 
-def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = (),
-                messages: tuple = (), demonstrate=None) -> str:
-    """The chat-templated prompt. A dataset's own chat `messages` replace the question; the system
+def prompt_turns(question: str, system_prompt: str, shots: list[Problem] = (), messages: tuple = (),
+                 demonstrate=None) -> list[dict]:
+    """The prompt's chat turns. A dataset's own chat `messages` replace the question; the system
     prompt goes first unless they open with a system turn of their own."""
     conversation = list(messages) or [{"role": "user", "content": question}]
     system = [] if conversation[0]["role"] == "system" else [{"role": "system", "content": system_prompt}]
-    turns = [*system, *solved_turns(shots, demonstrate), *conversation]
-    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return text + prefill
+    return [*system, *solved_turns(shots, demonstrate), *conversation]
+
+
+def render(tokenizer, turns: list[dict], prefill: str) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) + prefill
+
+
+def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = (),
+                messages: tuple = (), demonstrate=None) -> str:
+    """The chat-templated prompt (see `prompt_turns`), prefill included."""
+    return render(tokenizer, prompt_turns(question, system_prompt, shots, messages, demonstrate), prefill)
+
+
+def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str) -> Prompt:
+    """The prompt with an environment's opening message (an OpenEnv environment's reset
+    observation) after the question: in the question's own user turn, so that templates which
+    require alternating roles take it, else in a user turn of its own. A prompt that was not
+    rendered from chat turns (a tokenizer without a chat template) gets it after its text between
+    newlines, as environments' replies are then shown."""
+    if not prompt.turns or not getattr(tokenizer, "chat_template", None):
+        ids = prompt.token_ids + tokenizer(f"\n{opening}\n", add_special_tokens=False)["input_ids"]
+        return Prompt(prompt.problem, ids, prompt.turns)
+    turns = list(prompt.turns)
+    if turns and turns[-1]["role"] == "user":
+        turns[-1] = {**turns[-1], "content": f"{turns[-1]['content']}\n\n{opening}"}
+    else:
+        turns.append({"role": "user", "content": opening})
+    ids = tokenizer(render(tokenizer, turns, prefill), add_special_tokens=False)["input_ids"]
+    return Prompt(prompt.problem, ids, tuple(turns))
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
@@ -52,13 +79,13 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
     for problem in problems:
         if problem.id in shown:
             continue
-        text = prompt_text(tokenizer, problem.question, system_prompt, prefill, shots, problem.messages, demonstrate)
+        turns = prompt_turns(problem.question, system_prompt, shots, problem.messages, demonstrate)
         # the chat template already holds the special tokens; do not add BOS twice
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render(tokenizer, turns, prefill), add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        prompts.append(Prompt(problem, ids))
+        prompts.append(Prompt(problem, ids, tuple(turns)))
     return prompts, dropped
 
 

@@ -1,6 +1,7 @@
 """Multi-turn episodes: the model's turns and an environment's replies in one completion.
 
-The prompt stays the shared prefix of its G episodes. An episode's completion is every token
+The prompt stays the shared prefix of its G episodes; an environment's opening message (an
+OpenEnv reset observation) is part of it (data.prompts.with_opening). An episode's completion is every token
 after the prompt: model turns (sampled, with their behaviour log-probs) and the environment's
 replies in between (rendered by the chat template in the environment's role; context only).
 `model_masks` marks the model's tokens: the trainer's loss, KL, ratio and entropy see only
@@ -88,6 +89,7 @@ class Episode:
 class Episodes:
     """B x G episodes, prompt-major."""
 
+    prompts: list  # the prompts as the episodes saw them: with their environment's opening message
     rollouts: Rollouts  # completion_ids: whole episodes; model_masks set
     texts: list[str]  # each episode's last model message (data.prefill included): what the rewards score
     rows: list[dict]  # the reward rows, each with the episode's `env_reward`
@@ -98,9 +100,9 @@ class EpisodeRunner:
     """Runs episodes of the environments in `pool` (grpo/environments/pool.py) with any engine."""
 
     def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
-                 roles: tuple[str, ...] = ("user",)):
+                 roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None):
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
-        self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
+        self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
         self._parts = {(role, None): reply_parts(tokenizer, role) for role in roles}
         self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
@@ -122,6 +124,7 @@ class EpisodeRunner:
         rows = reward_rows([p.problem for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
+        prompts = self._opened(prompts, rows, group_size, episodes)
         out = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy)
         live, turn = list(range(len(owner))), 0
         while live:
@@ -136,12 +139,38 @@ class EpisodeRunner:
             out = engine.generate(contexts, 1, seed=turn_seed(seed, turn), greedy=greedy,
                                   max_new_tokens=[self.max_new_tokens - len(episodes[j].tokens) for j in live])
         return Episodes(
+            prompts=prompts,
             rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
                               truncated=[e.truncated for e in episodes],
                               logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
                               model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes]),
             texts=[e.last_message for e in episodes],
             rows=[{**rows[owner[j]], "env_reward": e.reward} for j, e in enumerate(episodes)], episodes=episodes)
+
+    def _opened(self, prompts: list, rows: list[dict], group_size: int, episodes: list[Episode]) -> list:
+        """Every episode's environment started; the prompts with their environment's opening message.
+        The G episodes of a prompt start from one seed, so they open alike; where they do not (a
+        reset that ignores its seed), the first one's opening is shown."""
+        from data.prompts import with_opening
+
+        shown = []
+        for i, prompt in enumerate(prompts):
+            openings = []
+            for j in range(i * group_size, (i + 1) * group_size):
+                opening, failure = self.pool.open(f"{self.runs}/{j}", rows[i])
+                episodes[j].env_errors += failure is not None  # its first step starts it again
+                openings += [opening] if failure is None else []
+            if len(set(openings)) > 1:
+                log.warning("the %d episodes of prompt %s opened with different messages (does the environment's "
+                            "reset follow its seed?): all are shown the first", group_size, prompt.problem.id)
+            if openings and openings[0] is not None:
+                prompt = with_opening(self.tokenizer, prompt, openings[0], self.prefill)
+                if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+                    raise ValueError(f"prompt {prompt.problem.id}: with the environment's opening message it is "
+                                     f"{len(prompt.token_ids)} tokens, over data.max_prompt_tokens="
+                                     f"{self.max_prompt_tokens}; raise data.max_prompt_tokens")
+            shown.append(prompt)
+        return shown
 
     def _add_model_turn(self, episodes: list[Episode], live: list[int], out) -> None:
         for k, j in enumerate(live):
@@ -190,7 +219,7 @@ def episode_runner(cfg, tokenizer) -> EpisodeRunner | None:
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
     runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
-                           reply_roles(cfg.env.name, cfg.env.args))
+                           reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens)
     runner.pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
              cfg.env.max_turns, cfg.sampling.max_new_tokens)

@@ -90,7 +90,7 @@ def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, san
     episodes = None
     if policy.episodes is not None:  # multi-turn: rewards score each episode's last model message
         run = policy.episodes.run(policy.engine, prompts, G, seed=seed)
-        rollouts, texts, rows, episodes = run.rollouts, run.texts, run.rows, run.episodes
+        prompts, rollouts, texts, rows, episodes = run.prompts, run.rollouts, run.texts, run.rows, run.episodes
     else:
         rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed)
     generate_s, t = time.perf_counter() - t, time.perf_counter()

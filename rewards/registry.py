@@ -6,7 +6,8 @@ the completion and its dataset row, `fn(completion: str, row: dict) -> float | N
 holds every column of the dataset row plus `reference_answer` (the answer the data loader
 parsed). None means the reward does not apply to that row: it adds nothing to the total and is
 left out of that reward's mean. A function marked with `@batched` takes the whole batch instead,
-`fn(completions: list[str], rows: list[dict]) -> list[float | None]` (TRL's form, one call).
+`fn(completions: list[str], rows: list[dict]) -> list[float | None]` (TRL's form, one call;
+a call that fails is made again per sample, so one bad sample does not cost the batch).
 The built-ins keep their pure `(completion, answer)` form.
 """
 
@@ -130,26 +131,44 @@ def _checked(value) -> float | None:
 
 
 def _score_one_function(name: str, fn, call, completions, rows, fallback: float) -> tuple[list, int]:
-    """(values with None kept, failures). The batch form fails as a whole: every sample falls back."""
+    """(values with None kept, failures). A batch form that raises or times out is called again on
+    each sample alone, so only the samples it fails on fall back; one that returns the wrong count
+    breaks its contract: the whole batch falls back."""
     if is_batched(fn):
         try:
             values = call(name, completions, rows) if call is not None else fn(list(completions), list(rows))
-            if len(values) != len(completions):
-                raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
-            return [_checked(v) for v in values], 0
         except Exception as e:  # a reward bug must not end a run of hours
-            log.warning("reward %s failed on the batch (%s: %s); using fallback %s", name, type(e).__name__, e, fallback)
-            return [fallback] * len(completions), len(completions)
+            log.warning("reward %s failed on a batch of %d (%s: %s); scoring each sample alone", name,
+                        len(completions), type(e).__name__, e)
+        else:
+            if len(values) != len(completions):
+                log.warning("reward %s returned %d values for %d completions; using fallback %s", name, len(values),
+                            len(completions), fallback)
+                return [fallback] * len(completions), len(completions)
+            try:
+                return [_checked(v) for v in values], 0
+            except ValueError as e:
+                log.warning("reward %s: %s in its batch; scoring each sample alone", name, e)
     values, failures = [], 0
     for i, (completion, row) in enumerate(zip(completions, rows, strict=True)):
         try:
-            values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
+            values.append(_checked(_one(name, fn, call, completion, row)))
         except Exception as e:
             log.warning("reward %s failed on sample %d (%s: %s); using fallback %s",
                         name, i, type(e).__name__, e, fallback)
             values.append(fallback)
             failures += 1
     return values, failures
+
+
+def _one(name: str, fn, call, completion: str, row: dict):
+    """One sample's reward, through the batch form of a batched function."""
+    if not is_batched(fn):
+        return call(name, completion, row) if call is not None else fn(completion, row)
+    values = call(name, [completion], [row]) if call is not None else fn([completion], [row])
+    if len(values) != 1:
+        raise ValueError(f"returned {len(values)} values for 1 completion")
+    return values[0]
 
 
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],

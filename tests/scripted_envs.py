@@ -9,10 +9,12 @@ from grpo.environments import Reply
 
 class Scripted:
     """Replies "reply <k> to <the message's first 3 characters>" to message k (k = 1, 2, ...);
-    done at message `length`; reward = the number of messages, given at the end."""
+    done at message `length`; reward = the number of messages, given at the end. `opening`: a
+    message the model reads before its first turn ("{answer}" becomes the row's reference answer)."""
 
-    def __init__(self, row, length: int = 3, role: str = "user"):
+    def __init__(self, row, length: int = 3, role: str = "user", opening: str = ""):
         self.length, self.role, self.seen = length, role, 0
+        self.opening = opening.replace("{answer}", str(row.get("reference_answer")))
 
     def step(self, message: str) -> Reply:
         self.seen += 1
@@ -20,6 +22,18 @@ class Scripted:
             return Reply(done=True, reward=float(self.seen))
         return Reply(text=f"reply {self.seen} to {message[:3]!r}", role=self.role, tool_calls=1,
                      tool_errors=int(self.seen % 2 == 0))
+
+
+class Unseeded(Scripted):
+    """Opens each episode with "open <k>", k counting the episodes made in this process: episodes
+    of one prompt open differently (a reset that ignores its seed)."""
+
+    made = 0
+
+    def __init__(self, row, **kwargs):
+        super().__init__(row, **kwargs)
+        self.opening = f"open {Unseeded.made}"
+        Unseeded.made += 1
 
 
 class Counter:

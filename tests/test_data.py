@@ -214,3 +214,21 @@ def test_any_dataset_with_renamed_columns_text_answers_and_chat_prompts(tmp_path
 def test_few_shot_needs_gsm8k_answers():
     with pytest.raises(ConfigError, match="data.few_shot=2 shows solved problems .* set data.few_shot=0"):
         load_config(None, ["data.answer_format=text"])
+
+
+def test_an_environments_opening_joins_the_question_in_its_user_turn(tiny_model_dir):
+    """The opening (an OpenEnv reset observation) is rendered as if the question had said it: one
+    user turn, so templates that require alternating roles take it; the prefill stays last."""
+    from transformers import AutoTokenizer
+
+    from data.problems import Problem
+    from data.prompts import with_opening
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    problem = Problem("train-0", "Guess the word.", "crane")
+    [prompt], _ = encode_prompts(tokenizer, [problem], "SYS", "<think>", 512)
+    opened = with_opening(tokenizer, prompt, "_ _ _ _ _ (6 tries)", "<think>")
+    assert tokenizer.decode(opened.token_ids) == prompt_text(tokenizer, "Guess the word.\n\n_ _ _ _ _ (6 tries)", "SYS",
+                                                             prefill="<think>")
+    assert opened.turns[-1] == {"role": "user", "content": "Guess the word.\n\n_ _ _ _ _ (6 tries)"}
+    assert prompt.turns[-1]["content"] == "Guess the word."  # the dataset's prompt is left as it was

@@ -433,6 +433,56 @@ def test_openenv_episodes_in_the_pool_give_the_environments_reward(chatty):
     assert any(e.turns == 2 for e in run.episodes)
 
 
+def test_the_reset_observation_opens_every_episode_of_its_prompt(chatty):
+    """OpenEnv's reset() observation is the model's first message from the environment: part of the
+    prompt (its G episodes share it), so the model generates from it and the batch carries it."""
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"openenv:{REPO}/tests/openenv_envs.py:GuessNumber", {"init": {"tries": 2}}, 10.0)
+    prompts = prompts_of(tokenizer)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 48, 4).run(HFEngine(model, tokenizer, sampling_cfg()), prompts, 4, seed=1)
+    finally:
+        pool.close()
+    opening = tokenizer("\nguess a number from 0 to 9\n")["input_ids"]
+    assert [p.token_ids for p in run.prompts] == [p.token_ids + opening for p in prompts]
+    assert all(e.env_errors == 0 for e in run.episodes)
+
+
+def test_a_sampler_step_generates_from_the_opening_and_sends_it(chatty):
+    """The opening is in the batch's prompt, and the behaviour log-probs the engine recorded are
+    those the trainer recomputes from that prompt (a gap of float32 noise, not of a missing message)."""
+    model, tokenizer = chatty
+    _, plain = episode_step(chatty, 3)
+    _, opened = episode_step(chatty, 3, "env.args={length: 3, opening: 'the answer is {answer}'}")
+    for before, after, answer in zip(plain.prompt_ids, opened.prompt_ids, ("1", "2")):
+        assert after.tolist() == before.tolist() + tokenizer(f"\nthe answer is {answer}\n")["input_ids"]
+    assert opened.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-5
+
+
+def test_an_opening_that_makes_the_prompt_too_long_is_named(chatty):
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"{ENVS}:Scripted", {"opening": "x" * 40}, 10.0)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, 48, 4, max_prompt_tokens=32)
+        with pytest.raises(ValueError, match=r"prompt train-0: with the environment's opening message it is 45 "
+                                             r"tokens, over data.max_prompt_tokens=32"):
+            runner.run(HFEngine(model, tokenizer, sampling_cfg()), prompts_of(tokenizer), 2, seed=1)
+    finally:
+        pool.close()
+
+
+def test_episodes_that_open_differently_are_shown_the_first_opening_and_warned_of(chatty, caplog):
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"{ENVS}:Unseeded", {}, 10.0)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 48, 1).run(HFEngine(model, tokenizer, sampling_cfg()),
+                                                        prompts_of(tokenizer)[:1], 3, seed=1)
+    finally:
+        pool.close()
+    assert run.prompts[0].token_ids[-4:-1] == tokenizer("n 0")["input_ids"]  # the first episode's
+    assert "opened with different messages" in caplog.text
+
+
 def test_an_openenv_class_without_a_text_action_is_named():
     from grpo.environments import environment_factory
 

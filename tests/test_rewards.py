@@ -248,6 +248,16 @@ def exact(completions, rows):
 def short(completions, rows):
     return [1.0]
 
+@batched
+def fragile(completions, rows):
+    """Each completion's length; raises on a batch holding "boom", hangs on one holding "spin"."""
+    if any("spin" in c for c in completions):
+        import time
+        time.sleep(60)
+    if any("boom" in c for c in completions):
+        raise RuntimeError("bug in reward")
+    return [float(len(c)) for c in completions]
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -274,6 +284,22 @@ def test_a_users_reward_module_by_path_with_rows_none_and_the_batch_form(tmp_pat
     texts[0] = "7 and then some"  # 15 characters, 12 past the limit
     assert score_completions(texts, rows, names[:1], [1.0], -3.0).total[0].item() == pytest.approx(-0.12)
     assert broken.per_function[:, 0].tolist() == [-3.0] * 3 and broken.failures == {f"{tmp_path}/my_rewards.py:short": 3}
+
+
+def test_a_batched_reward_that_fails_on_one_sample_costs_that_sample_alone(tmp_path):
+    """A batch form that raises or hangs is called again on each sample alone: the samples it
+    fails on fall back, the others keep their scores."""
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    name = f"{tmp_path}/my_rewards.py:fragile"
+    texts = ["a", "boom", "ccc", "spin", "ee"]
+    sandbox = RewardSandbox(timeout_s=0.5)
+    try:
+        there = score_completions(texts, rows(*"12345"), [name], [1.0], fallback=-3.0, call=sandbox)
+    finally:
+        sandbox.close()
+    here = score_completions(texts[:3], rows(*"123"), [name], [1.0], fallback=-3.0)
+    assert there.per_function[:, 0].tolist() == [1.0, -3.0, 3.0, -3.0, 2.0] and there.failures == {name: 2}
+    assert here.per_function[:, 0].tolist() == [1.0, -3.0, 3.0] and here.failures == {name: 1}
 
 
 def test_a_reward_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path):

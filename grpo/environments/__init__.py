@@ -7,7 +7,8 @@ served and how many failed. The episode runner (grpo/episodes.py) keeps the envi
 in the completion as context and out of the loss.
 
 An environment is a class (or factory) `make(row: dict, **env.args)` -> an object with
-`step(message: str) -> Reply`; one instance per episode, stepped in a child process
+`step(message: str) -> Reply` and optionally `opening` (a str: a message the model reads after the
+question before its first turn, the same for the G episodes of a prompt); one instance per episode, stepped in a child process
 (grpo/environments/pool.py) with a time limit and no network. `env.name` picks it:
   calculator                           the shipped GSM8K example (grpo/environments/calculator.py)
   openenv:package.module:Class         an OpenEnv `Environment` (grpo/environments/openenv_adapter.py)

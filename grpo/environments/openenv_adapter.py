@@ -3,8 +3,10 @@
 An OpenEnv `Environment` is a Gym-style class: `reset(seed=...)` then `step(action)` -> an
 `Observation` with `done` and `reward`. Each episode gets its own instance, reset with a seed
 taken from the dataset row (the G episodes of a prompt start alike, and a rebuilt episode
-replays the same way). The model's message becomes the action's text field; the observation's
-fields (less done, reward, metadata) become the reply: the one field as it is, several as JSON.
+replays the same way). The observation `reset()` returns, where it has text, is the episode's
+opening message: the model reads it after the question. The model's message becomes the action's
+text field; the observation's fields (less done, reward, metadata) become the reply: the one field
+as it is, several as JSON.
 
 env.args: `init` (the class's keyword arguments), `action` (the Action class as an import path;
 default: the type of `step`'s action parameter), `action_field` (default: the action's one
@@ -63,10 +65,12 @@ class OpenEnvEpisode:
         self.env, self.action_cls, self.action_field = env, action_cls, action_field
         self.observation_field, self.role = observation_field, role
         try:
-            self.env.reset(seed=row_seed(row))
+            observation = self.env.reset(seed=row_seed(row))
         except BaseException:
             self.env.close()  # the episode never starts: nobody else will close it
             raise
+        # what the model reads first (grpo.environments: `opening`); a reset that returns nothing shows nothing
+        self.opening = (self.text_of(observation) or None) if observation is not None else None
 
     def close(self) -> None:
         self.env.close()  # OpenEnv's Environment.close(): what its server calls at a session's end

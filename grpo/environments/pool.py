@@ -164,7 +164,7 @@ def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
         try:
             if kind == "open":  # a new episode, or one this (new) child rebuilds from its messages
                 episodes[key] = make(value)
-                answer = ["ok", None]
+                answer = ["ok", opening_of(episodes[key])]
             else:
                 reply = episodes[key].step(value)
                 if not isinstance(reply, Reply):
@@ -174,6 +174,14 @@ def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
             _close(episodes.pop(key, None))  # rebuilt from its messages at its next step
             answer = ["error", f"{type(e).__name__}: {e}"]
         conn.send_bytes(json.dumps(answer).encode())
+
+
+def opening_of(environment) -> str | None:
+    """An environment's opening message (its `opening`), None when it has none or it is empty."""
+    opening = getattr(environment, "opening", None)
+    if opening is not None and not isinstance(opening, str):
+        raise TypeError(f"the environment's opening is a {type(opening).__name__}, not a str")
+    return opening or None
 
 
 def _close(environment) -> None:
@@ -265,6 +273,20 @@ class EnvironmentPool:
             raise StepFailed(answer)
         return answer
 
+    def open(self, key: str, row: dict) -> tuple[str | None, str | None]:
+        """Start episode `key` from its dataset row: (its opening message or None, the failure or None)."""
+        try:
+            return self._open(key, row), None
+        except (StepFailed, IsolationError) as e:
+            return None, str(e)
+
+    def _open(self, key: str, row: dict) -> str | None:
+        if not self._process.is_alive():  # died between calls: it holds no episode any more
+            self._restart()
+        opening = self._call("open", key, row)
+        self._held.add(key)
+        return opening
+
     def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
         on a failure, (an error message for the model, the failure)."""
@@ -272,8 +294,7 @@ class EnvironmentPool:
             if not self._process.is_alive():  # died between calls: it holds no episode any more
                 self._restart()
             if key not in self._held:
-                self._call("open", key, row)
-                self._held.add(key)
+                self._open(key, row)
                 for earlier in history:
                     self._call("step", key, earlier)
             return Reply.from_json(self._call("step", key, message)), None

@@ -47,28 +47,45 @@ def render(tokenizer, turns: list[dict], prefill: str) -> str:
     return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) + prefill
 
 
+OPENING = "\ue002"  # a private-use character: a marker no chat template holds
+
+
 def prompt_text(tokenizer, question: str, system_prompt: str, prefill: str = "", shots: list[Problem] = (),
                 messages: tuple = (), demonstrate=None) -> str:
     """The chat-templated prompt (see `prompt_turns`), prefill included."""
     return render(tokenizer, prompt_turns(question, system_prompt, shots, messages, demonstrate), prefill)
 
 
-def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str) -> Prompt:
+def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str,
+                 max_tokens: int | None = None) -> tuple[Prompt, bool]:
     """The prompt with an environment's opening message (an OpenEnv environment's reset
     observation) after the question: in the question's own user turn, so that templates which
-    require alternating roles take it, else in a user turn of its own. A prompt that was not
-    rendered from chat turns (a tokenizer without a chat template) gets it after its text between
-    newlines, as environments' replies are then shown."""
+    require alternating roles take it, else in a user turn of its own; and whether the opening was
+    cut to keep the prompt within `max_tokens`. The opening is read as plain text: special tokens
+    in it cannot end the turn. A prompt not rendered from chat turns (made by hand) gets it after
+    its tokens between newlines."""
+    body = tokenizer(opening, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
     if not prompt.turns or not getattr(tokenizer, "chat_template", None):
-        ids = prompt.token_ids + tokenizer(f"\n{opening}\n", add_special_tokens=False)["input_ids"]
-        return Prompt(prompt.problem, ids, prompt.turns)
-    turns = list(prompt.turns)
-    if turns and turns[-1]["role"] == "user":
-        turns[-1] = {**turns[-1], "content": f"{turns[-1]['content']}\n\n{opening}"}
+        before, after = prompt.token_ids + newline, newline
     else:
-        turns.append({"role": "user", "content": opening})
-    ids = tokenizer(render(tokenizer, turns, prefill), add_special_tokens=False)["input_ids"]
-    return Prompt(prompt.problem, ids, tuple(turns))
+        head, tail = render(tokenizer, list(_opened_turns(prompt.turns, OPENING)), prefill).split(OPENING)
+        before, after = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in (head, tail))
+    room = len(body) if max_tokens is None else max_tokens - len(before) - len(after)
+    if room < 0:  # not even an empty opening fits
+        return prompt, True
+    shown = body[:room]
+    return Prompt(prompt.problem, before + shown + after, _opened_turns(prompt.turns, tokenizer.decode(shown))), \
+        room < len(body)
+
+
+def _opened_turns(turns: tuple, opening: str) -> tuple:
+    """The prompt's turns with the opening in the last user turn, else a user turn of its own."""
+    if not turns:
+        return turns
+    if turns[-1]["role"] == "user":
+        return (*turns[:-1], {**turns[-1], "content": f"{turns[-1]['content']}\n\n{opening}"})
+    return (*turns, {"role": "user", "content": opening})
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-SCALES = ("group", "batch", "none")
+from grpo.objective import ADVANTAGE_SCALES as SCALES
 
 
 def expand_group_sizes(group_sizes: int | Sequence[int], total: int) -> list[int]:

@@ -14,11 +14,12 @@ import hashlib
 import json
 
 from grpo.config import get_key
+from grpo.objective import Objective
 from grpo.weights import INITIAL_DIGEST
 
 # config keys that change the behaviour log-probs, which tokens the loss sees, or how stale a batch may be
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
-                  "training.mask_truncated_completions", "model.name_or_path", "model.dtype", "sampling.dtype",
+                  "model.name_or_path", "model.dtype", "sampling.dtype",
                   "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
                   "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",  # the sampler's copy scales by its own alpha
                   "env.name", "env.max_turns")
@@ -36,8 +37,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def behaviour_of(cfg, tokenizer) -> dict:
-    """What the sampler records in each batch header (and the trainer expects)."""
-    return {**{key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    """What the sampler records in each batch header (and the trainer expects): the settings above,
+    the tokenizer, and the objective the batch's loss tokens, denominators and advantages were made for."""
+    return {**{key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}, "tokenizer": tokenizer_fingerprint(tokenizer),
+            "objective": Objective.of(cfg).header()}
 
 
 def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> None:

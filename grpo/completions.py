@@ -1,4 +1,4 @@
-"""Completion bookkeeping: cutting at EOS, truncation, masks, and chunk-major reordering."""
+"""Completion bookkeeping: cutting at EOS, truncation, and chunk-major reordering."""
 
 from __future__ import annotations
 
@@ -29,18 +29,6 @@ def cut_at_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> tuple[torc
         return tokens, True
     first = int(is_eos.int().argmax())
     return tokens[: first + 1], False
-
-
-def eos_mask(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """bool [N, T]: True up to and including each row's first EOS (the whole row when none)."""
-    is_eos = torch.isin(tokens, torch.tensor(list(eos_token_ids), device=tokens.device))  # [N, T]
-    seen_before = (is_eos.cumsum(-1) - is_eos.int()) > 0  # [N, T] an EOS strictly earlier
-    return ~seen_before
-
-
-def loss_mask(mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
-    """Drop truncated completions from the loss when asked (DAPO's overlong filtering)."""
-    return mask & ~truncated[:, None] if mask_truncated else mask
 
 
 def chunk_major_to_prompt_major(items: Sequence[T], num_prompts: int, per_chunk: Sequence[int]) -> list[T]:

@@ -19,8 +19,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def option_lists() -> dict[str, tuple]:
     """The valid values of each choice key, from the module that implements the choice (imported
     late: they need torch). Both workers validate, so none of these is a worker's own module."""
-    from grpo.advantages import SCALES
-    from grpo.losses import AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+    from grpo.objective import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
     from data.problems import ANSWER_FORMATS
     from grpo.models import DTYPES
     from grpo.rollout import ENGINES
@@ -40,17 +39,13 @@ def option_lists() -> dict[str, tuple]:
         "training.importance_sampling": IS_MODES,
         "training.aggregation": AGGREGATIONS,
         "training.lr_schedule": SCHEDULES,
-        "training.advantage_scale": SCALES,
+        "training.advantage_scale": ADVANTAGE_SCALES,
         "deepspeed.backend": BACKENDS,
         "logging.level": LOG_LEVELS,
         "logging.backend": TRACKERS,
         "logging.wandb_mode": WANDB_MODES,
         "env.network": NETWORK_MODES,
     }
-
-
-GRPO_CLIP = (0.2, 0.2)  # GRPO / PPO paper default epsilon
-GSPO_CLIP = (3e-4, 4e-4)  # GSPO paper: sequence ratios live much closer to 1
 
 
 def is_loopback_address(address: str) -> bool:
@@ -69,11 +64,11 @@ def is_loopback_address(address: str) -> bool:
 def validate(cfg, problems: list[str] = ()):
     """All cross-field rules in one place, every error reported at once (after `problems`, those
     found while reading the file and overrides); fills the defaults that depend on other settings
-    (the clip range follows training.use_gspo)."""
+    (the clip range follows training.use_gspo: the objective's defaults, recorded in the run's config)."""
+    from grpo.objective import clip_range
+
     t = cfg.training
-    default_clip = GSPO_CLIP if t.use_gspo else GRPO_CLIP
-    t.clip_low = default_clip[0] if t.clip_low is None else t.clip_low
-    t.clip_high = default_clip[1] if t.clip_high is None else t.clip_high
+    t.clip_low, t.clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
     errors = [*problems, *_choice_and_count_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
         + _transport_errors(cfg) + _run_errors(cfg)
     if errors:

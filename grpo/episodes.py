@@ -77,6 +77,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     env_errors: int = 0  # steps that raised or timed out (grpo/environments/pool.py)
+    open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
 
     def add(self, ids, model: bool, logps=None) -> None:
         ids = [int(t) for t in ids]
@@ -150,25 +151,30 @@ class EpisodeRunner:
     def _opened(self, prompts: list, rows: list[dict], group_size: int, episodes: list[Episode]) -> list:
         """Every episode's environment started; the prompts with their environment's opening message.
         The G episodes of a prompt start from one seed, so they open alike; where they do not (a
-        reset that ignores its seed), the first one's opening is shown."""
+        reset that ignores its seed), the first one's opening is shown. An opening that would make
+        the prompt longer than data.max_prompt_tokens is cut to fit."""
         from data.prompts import with_opening
 
         shown = []
         for i, prompt in enumerate(prompts):
-            openings = []
+            openings, failures = [], []
             for j in range(i * group_size, (i + 1) * group_size):
                 opening, failure = self.pool.open(f"{self.runs}/{j}", rows[i])
-                episodes[j].env_errors += failure is not None  # its first step starts it again
+                episodes[j].open_failed = failure is not None  # counted once: its first step opens it again
+                episodes[j].env_errors += failure is not None
                 openings += [opening] if failure is None else []
+                failures += [failure] if failure is not None else []
+            if not openings:
+                log.warning("prompt %s: no episode's environment could open (%s); shown without an opening",
+                            prompt.problem.id, failures[0])
             if len(set(openings)) > 1:
                 log.warning("the %d episodes of prompt %s opened with different messages (does the environment's "
                             "reset follow its seed?): all are shown the first", group_size, prompt.problem.id)
             if openings and openings[0] is not None:
-                prompt = with_opening(self.tokenizer, prompt, openings[0], self.prefill)
-                if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
-                    raise ValueError(f"prompt {prompt.problem.id}: with the environment's opening message it is "
-                                     f"{len(prompt.token_ids)} tokens, over data.max_prompt_tokens="
-                                     f"{self.max_prompt_tokens}; raise data.max_prompt_tokens")
+                prompt, cut = with_opening(self.tokenizer, prompt, openings[0], self.prefill, self.max_prompt_tokens)
+                if cut:
+                    log.warning("prompt %s: its environment's opening message is cut to keep the prompt within "
+                                "data.max_prompt_tokens=%d", prompt.problem.id, self.max_prompt_tokens)
             shown.append(prompt)
         return shown
 
@@ -187,7 +193,7 @@ class EpisodeRunner:
         reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.last_message)
         if failure is None:  # a message whose step failed is not replayed when the episode is rebuilt
             e.messages.append(e.last_message)
-        e.env_errors += failure is not None
+        e.env_errors += failure is not None and not (e.open_failed and e.turns == 1)  # that failure is counted
         e.tool_calls, e.tool_errors = e.tool_calls + reply.tool_calls, e.tool_errors + reply.tool_errors
         if reply.reward is not None:
             e.reward = (e.reward or 0.0) + reply.reward

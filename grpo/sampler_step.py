@@ -23,7 +23,8 @@ from grpo.logprobs import completion_logprobs
 from grpo.dynamic_sampling import choose_groups, has_spread, round_seed
 from grpo.episodes import episode_metrics
 from grpo.rollout import RolloutEngine, Rollouts
-from grpo.sampling import loss_counts, sampler_metrics
+from grpo.objective import Objective, loss_counts
+from grpo.sampling import sampler_metrics
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.strict import checks_of, reward_rows, strict_rates
@@ -193,8 +194,8 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
-    prompts, rollouts, scores = kept.prompts, kept.rollouts, kept.scores
-    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=cfg.training.advantage_scale)
+    prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, Objective.of(cfg)
+    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()
@@ -202,8 +203,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
     timings["timing/logprobs_s"] = time.perf_counter() - t
 
     truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
-    num_tokens, num_sequences = loss_counts(rollouts.completion_ids, truncated, cfg.training.mask_truncated_completions,
-                                            rollouts.model_masks)
+    num_tokens, num_sequences = loss_counts(objective, rollouts.completion_ids, truncated, rollouts.model_masks)
     batch = RolloutBatch(
         step=step, sampler=sampler, policy_version=version, prompt_ids=prompt_ids,
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),

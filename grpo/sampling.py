@@ -53,16 +53,6 @@ def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2
         time.sleep(poll_s)
 
 
-def loss_counts(completion_ids, truncated: torch.Tensor, mask_truncated: bool,
-                model_masks=None) -> tuple[int, int]:
-    """Global loss denominators: (completion tokens, completions) that the loss will see; with
-    episodes' `model_masks`, only the model's tokens count."""
-    keep = [not (mask_truncated and bool(t)) for t in truncated]
-    sizes = [int(m.sum()) for m in model_masks] if model_masks is not None else [len(c) for c in completion_ids]
-    tokens = sum(size for size, k in zip(sizes, keep) if k)
-    return tokens, sum(keep)
-
-
 def sampler_metrics(batch: RolloutBatch, scores, timings: dict[str, float]) -> dict[str, float]:
     """TRL's names where they exist. `scores`: the batch's rewards.RewardScores (a reward's mean
     and std leave out the samples it does not apply to)."""

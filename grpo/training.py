@@ -12,27 +12,26 @@ import torch
 import torch.distributed as dist
 
 from grpo.batch import RolloutBatch
-from grpo.completions import loss_mask
 from grpo.logprobs import completion_logprobs, pad_right
-from grpo.losses import behaviour_weights, policy_loss
+from grpo.objective import ADDITIVE, EXTREMES as LOSS_EXTREMES, Denominators, Objective, loss_mask, policy_loss
 from grpo.schedule import learning_rate_at
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 
-ADDITIVE = ("loss", "policy_loss")  # pieces computed with global denominators: their sum is the whole's value
 # sampler/trainer mismatch on the first pass, before any update of this step (TRL's names)
 MISMATCH_MEANS = ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
-EXTREMES = {"ratio/min": dist.ReduceOp.MIN, "ratio/max": dist.ReduceOp.MAX,
+REDUCE_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+EXTREMES = {**{key: REDUCE_OPS[how] for key, how in LOSS_EXTREMES.items()},
             "sampling/sampling_logp_difference/max": dist.ReduceOp.MAX,
             "sampling/importance_sampling_ratio/min": dist.ReduceOp.MIN,
             "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
 
 
-def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True,
-                     batch_completions: int | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
+def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True, batch_completions: int | None = None,
+                     objective: Objective | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
-    batch_completions: the whole batch's completions (default: `mb` is the whole batch).
-    On the first pass the metrics include the sampler/trainer mismatch (`mismatch_metrics`)."""
-    t = cfg.training
+    batch_completions: the whole batch's completions (default: `mb` is the whole batch); objective:
+    default the config's. On the first pass the metrics include the sampler/trainer mismatch."""
+    t, objective = cfg.training, objective or Objective.of(cfg)
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                            shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
                                            return_entropy=True, max_tokens_per_forward=t.max_tokens_per_micro_batch)
@@ -40,24 +39,15 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True,
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
     ref_logps = mb.ref_logps
-    if ref_logps is None and t.beta > 0 and t.reference_on == "trainer":
+    if ref_logps is None and objective.beta > 0 and t.reference_on == "trainer":
         ref_logps = reference_logps(model, mb, cfg)
     ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
-    mask = loss_mask(mask, mb.truncated.to(device), t.mask_truncated_completions)
-    if mb.model_mask is not None:  # episodes: the environment's tokens are context, not the policy's actions
-        mask = mask & pad_right([m.to(device) for m in mb.model_mask], value=False)[0]
-    level = "sequence" if t.use_gspo else "token"
-    clip_against, is_weights = old, None
-    if t.importance_sampling != "none":  # decoupled: clip against the proximal policy (this forward, before
-        clip_against = new.detach()      # the update; num_iterations is 1), weigh by pi_prox / pi_behaviour
-        is_weights = behaviour_weights(clip_against, old, mask, mode=t.importance_sampling,
-                                       cap=t.importance_sampling_cap, level=level)
-    loss, metrics = policy_loss(
-        new, clip_against, mb.advantages.to(device), mask, ref_logps=ref, level=level,
-        aggregation=t.aggregation, clip_low=t.clip_low, clip_high=t.clip_high, beta=t.beta,
-        kl_estimator=t.kl_estimator, num_sequences=max(1, mb.num_sequences), num_tokens=max(1, mb.num_tokens),
-        max_completion_length=cfg.sampling.max_new_tokens, is_weights=is_weights,
-        num_completions=len(mb.completion_ids) if batch_completions is None else batch_completions)
+    model_mask = pad_right([m.to(device) for m in mb.model_mask], value=False)[0] if mb.model_mask is not None else None
+    mask = loss_mask(objective, mask, mb.truncated.to(device), model_mask)
+    denominators = Denominators(max(1, mb.num_sequences), max(1, mb.num_tokens),
+                                len(mb.completion_ids) if batch_completions is None else batch_completions)
+    loss, metrics = policy_loss(objective, new, old, mb.advantages.to(device), mask, ref_logps=ref,
+                                denominators=denominators)
     tokens = int(mask.sum())
     entropy = pad_right(entropies)[0]
     metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
@@ -105,12 +95,13 @@ class PolicyObjective(torch.nn.Module):
 
     def __init__(self, policy: torch.nn.Module, cfg):
         super().__init__()
-        self.policy, self.cfg = policy, cfg
+        self.policy, self.cfg, self.objective = policy, cfg, Objective.of(cfg)
 
     def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True):
         if mb is None:
             return dummy_loss(self.policy, batch, self.cfg), {}, 0
-        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, batch_completions=len(batch.completion_ids))
+        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, batch_completions=len(batch.completion_ids),
+                                objective=self.objective)
 
 
 def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
@@ -267,11 +258,7 @@ class MetricSums:
 
 def metric_keys(cfg) -> list[str]:
     """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
-    keys = ["loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-            "clip_ratio/region_mean", "ratio/mean"]
-    weights = ["importance_sampling/weight_mean", "importance_sampling/zero_fraction"]
-    return (keys + (["kl"] if cfg.training.beta > 0 else []) + list(MISMATCH_MEANS)
-            + (weights if cfg.training.importance_sampling != "none" else []))
+    return Objective.of(cfg).metric_names() + list(MISMATCH_MEANS)
 
 
 def _merge(base: dict, extra: dict) -> dict:

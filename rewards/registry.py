@@ -7,7 +7,8 @@ holds every column of the dataset row plus `reference_answer` (the answer the da
 parsed). None means the reward does not apply to that row: it adds nothing to the total and is
 left out of that reward's mean. A function marked with `@batched` takes the whole batch instead,
 `fn(completions: list[str], rows: list[dict]) -> list[float | None]` (TRL's form, one call;
-a call that fails is made again per sample, so one bad sample does not cost the batch).
+a call that raises or times out is made again on halves of the batch, so that one bad sample
+costs only itself).
 The built-ins keep their pure `(completion, answer)` form.
 """
 
@@ -130,45 +131,64 @@ def _checked(value) -> float | None:
     return value
 
 
+class _Failed:
+    """A sample's place while its reward failed (it becomes the fallback)."""
+
+
+FAILED = _Failed()
+
+
+class WrongCount(ValueError):
+    """A batched function returned another number of values than completions: its contract is broken."""
+
+
 def _score_one_function(name: str, fn, call, completions, rows, fallback: float) -> tuple[list, int]:
-    """(values with None kept, failures). A batch form that raises or times out is called again on
-    each sample alone, so only the samples it fails on fall back; one that returns the wrong count
-    breaks its contract: the whole batch falls back."""
+    """(values with None kept, failures). A sample the function raises on, times out on or returns
+    a bad value for gets `fallback`; the failures are logged in one line."""
+    errors: list[str] = []
     if is_batched(fn):
-        try:
-            values = call(name, completions, rows) if call is not None else fn(list(completions), list(rows))
-        except Exception as e:  # a reward bug must not end a run of hours
-            log.warning("reward %s failed on a batch of %d (%s: %s); scoring each sample alone", name,
-                        len(completions), type(e).__name__, e)
-        else:
-            if len(values) != len(completions):
-                log.warning("reward %s returned %d values for %d completions; using fallback %s", name, len(values),
-                            len(completions), fallback)
-                return [fallback] * len(completions), len(completions)
+        values = _score_batch(name, fn, call, list(completions), list(rows), errors)
+    else:
+        values = []
+        for completion, row in zip(completions, rows, strict=True):
             try:
-                return [_checked(v) for v in values], 0
-            except ValueError as e:
-                log.warning("reward %s: %s in its batch; scoring each sample alone", name, e)
-    values, failures = [], 0
-    for i, (completion, row) in enumerate(zip(completions, rows, strict=True)):
-        try:
-            values.append(_checked(_one(name, fn, call, completion, row)))
-        except Exception as e:
-            log.warning("reward %s failed on sample %d (%s: %s); using fallback %s",
-                        name, i, type(e).__name__, e, fallback)
-            values.append(fallback)
-            failures += 1
-    return values, failures
+                values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
+            except Exception as e:  # a reward bug must not end a run of hours
+                values.append(FAILED)
+                errors.append(f"{type(e).__name__}: {e}")
+    failures = sum(v is FAILED for v in values)
+    if failures:
+        log.warning("reward %s failed on %d of %d samples (%s); using fallback %s", name, failures, len(values),
+                    errors[0], fallback)
+    return [fallback if v is FAILED else v for v in values], failures
 
 
-def _one(name: str, fn, call, completion: str, row: dict):
-    """One sample's reward, through the batch form of a batched function."""
-    if not is_batched(fn):
-        return call(name, completion, row) if call is not None else fn(completion, row)
-    values = call(name, [completion], [row]) if call is not None else fn([completion], [row])
-    if len(values) != 1:
-        raise ValueError(f"returned {len(values)} values for 1 completion")
-    return values[0]
+def _batch_values(name: str, fn, call, completions: list, rows: list) -> list:
+    values = list(call(name, completions, rows) if call is not None else fn(completions, rows))
+    if len(values) != len(completions):
+        raise WrongCount(f"returned {len(values)} values for {len(completions)} completions")
+    return [_checked(v) for v in values]
+
+
+def _score_batch(name: str, fn, call, completions: list, rows: list, errors: list, split: bool = True) -> list:
+    """A batched function's values (FAILED where it failed). A call that raises or times out is
+    made again on each half of the batch, so one bad sample costs about 2 log2(n) calls and only
+    itself; when the first half fails whole, the fault is not one sample's and the second half is
+    not split (a function that always hangs costs about 2.5x its batch's time limit). A wrong
+    number of values breaks the batch form's contract: the whole batch fails."""
+    try:
+        return _batch_values(name, fn, call, completions, rows)
+    except WrongCount as e:
+        errors.append(f"{type(e).__name__}: {e}")
+        return [FAILED] * len(completions)
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    if len(completions) == 1 or not split:
+        return [FAILED] * len(completions)
+    half = len(completions) // 2
+    left = _score_batch(name, fn, call, completions[:half], rows[:half], errors)
+    systematic = half > 1 and all(v is FAILED for v in left)
+    return left + _score_batch(name, fn, call, completions[half:], rows[half:], errors, split=not systematic)
 
 
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],

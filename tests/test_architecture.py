@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from grpo import advantages, losses, models, rollout, sampling
+from grpo import models, objective, rollout, sampling
 from grpo.config import option_lists
 from conftest import REPO
 
@@ -34,9 +34,9 @@ def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
 
 def test_each_choice_is_validated_against_the_list_its_implementing_module_owns():
     lists = option_lists()
-    assert lists["training.aggregation"] is losses.AGGREGATIONS
-    assert lists["training.kl_estimator"] is losses.KL_ESTIMATORS
-    assert lists["training.advantage_scale"] is advantages.SCALES
+    assert lists["training.aggregation"] is objective.AGGREGATIONS
+    assert lists["training.kl_estimator"] is objective.KL_ESTIMATORS
+    assert lists["training.advantage_scale"] is objective.ADVANTAGE_SCALES
     assert lists["sampling.engine"] is rollout.ENGINES
     assert lists["sampling.old_logps"] is sampling.OLD_LOGPS_SOURCES
     assert lists["model.dtype"] == tuple(models.DTYPES)

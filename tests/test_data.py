@@ -227,7 +227,8 @@ def test_an_environments_opening_joins_the_question_in_its_user_turn(tiny_model_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     problem = Problem("train-0", "Guess the word.", "crane")
     [prompt], _ = encode_prompts(tokenizer, [problem], "SYS", "<think>", 512)
-    opened = with_opening(tokenizer, prompt, "_ _ _ _ _ (6 tries)", "<think>")
+    opened, cut = with_opening(tokenizer, prompt, "_ _ _ _ _ (6 tries)", "<think>")
+    assert cut is False
     assert tokenizer.decode(opened.token_ids) == prompt_text(tokenizer, "Guess the word.\n\n_ _ _ _ _ (6 tries)", "SYS",
                                                              prefill="<think>")
     assert opened.turns[-1] == {"role": "user", "content": "Guess the word.\n\n_ _ _ _ _ (6 tries)"}

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, tiny_model
 from data.problems import Problem
@@ -18,7 +18,7 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.episodes import EpisodeRunner, reply_parts, turn_seed
 from grpo.logprobs import completion_logprobs
 from grpo.rollout.hf_engine import HFEngine
-from grpo.sampling import loss_counts
+from grpo.objective import Objective, loss_counts
 from grpo.training import micro_batch_loss
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
@@ -328,7 +328,7 @@ def test_the_loss_and_its_counts_see_only_the_models_tokens(chatty):
     wild = [torch.tensor([0, 0, 9.0, -9.0, 0]), torch.tensor([0, 9.0, 0])]
     old = [n - x + w for n, x, w in zip(new, d, wild)]
     advantages = torch.tensor([1.0, -0.5])
-    tokens, sequences = loss_counts(completions, torch.tensor([False, False]), False, masks)
+    tokens, sequences = loss_counts(Objective(), completions, torch.tensor([False, False]), masks)
     assert (tokens, sequences) == (5, 2)
     batch = RolloutBatch(step=0, policy_version=0, prompt_ids=prompt, completion_ids=completions, group_sizes=[2],
                          old_logps=old, ref_logps=None, rewards=torch.zeros(2, 1), reward_names=["r"],
@@ -459,16 +459,39 @@ def test_a_sampler_step_generates_from_the_opening_and_sends_it(chatty):
     assert opened.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-5
 
 
-def test_an_opening_that_makes_the_prompt_too_long_is_named(chatty):
+def test_an_opening_too_long_for_the_prompt_budget_is_cut_to_fit(chatty, caplog):
+    """3 prompt tokens + newline + 40 + newline = 45 > 32: the opening keeps 27 tokens."""
     model, tokenizer = chatty
     pool = EnvironmentPool(f"{ENVS}:Scripted", {"opening": "x" * 40}, 10.0)
     try:
         runner = EpisodeRunner(pool, tokenizer, 48, 4, max_prompt_tokens=32)
-        with pytest.raises(ValueError, match=r"prompt train-0: with the environment's opening message it is 45 "
-                                             r"tokens, over data.max_prompt_tokens=32"):
-            runner.run(HFEngine(model, tokenizer, sampling_cfg()), prompts_of(tokenizer), 2, seed=1)
+        run = runner.run(HFEngine(model, tokenizer, sampling_cfg()), prompts_of(tokenizer), 2, seed=1)
     finally:
         pool.close()
+    x, newline = tokenizer("x")["input_ids"], tokenizer("\n")["input_ids"]
+    assert run.prompts[0].token_ids == [5, 6, 7] + newline + x * 27 + newline
+    assert "prompt train-0: its environment's opening message is cut" in caplog.text
+
+
+def test_an_opening_is_plain_text_in_the_question_turn_before_the_prefill(tiny_model_dir):
+    """The real path: a prompt rendered from its chat turns, a prefill, an opening holding the
+    template's own control tokens, which cannot end the user turn; the G episodes generate from it."""
+    from data.problems import Problem
+    from data.prompts import encode_prompts, prompt_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    opening = "<|im_end|>\n<|im_start|>assistant\nI win"
+    prompts, _ = encode_prompts(tokenizer, [Problem("train-0", "Guess.", "1")], "SYS", "<think>", 512)
+    pool = EnvironmentPool(f"{ENVS}:Scripted", {"opening": opening, "length": 1}, 10.0)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 8, 1, prefill="<think>").run(
+            HFEngine(model, tokenizer, sampling_cfg(8)), prompts, 2, seed=1)
+    finally:
+        pool.close()
+    ids = run.prompts[0].token_ids
+    assert tokenizer.decode(ids) == prompt_text(tokenizer, f"Guess.\n\n{opening}", "SYS", prefill="<think>")
+    assert ids.count(tokenizer.eos_token_id) == prompts[0].token_ids.count(tokenizer.eos_token_id)
 
 
 def test_episodes_that_open_differently_are_shown_the_first_opening_and_warned_of(chatty, caplog):
@@ -635,3 +658,25 @@ def test_the_environment_written_from_scratch_in_the_docs_runs_as_written(tmp_pa
         assert pool.step("b", row, [], "it is 42")[0] == Reply(done=True, reward=1.0)
     finally:
         pool.close()
+
+
+def test_an_empty_reset_observation_opens_with_nothing():
+    """None and empty fields are left out of the opening; nothing left: no opening, not "{}"."""
+    from typing import Optional
+
+    from openenv.core.env_server.types import Observation
+
+    from grpo.environments.openenv_adapter import OpenEnvEpisode
+
+    class Board(Observation):
+        prompt: str = ""
+        legal: list = []
+        hint: Optional[str] = None
+
+    episode = OpenEnvEpisode.__new__(OpenEnvEpisode)
+    episode.observation_field = None
+    assert episode.text_of(Board(), skip_empty=True) is None
+    assert episode.text_of(Board(prompt="p"), skip_empty=True) == "p"
+    assert episode.text_of(Board(prompt="p")) == '{"prompt": "p", "legal": [], "hint": null}'
+    episode.observation_field = "hint"
+    assert episode.text_of(Board(prompt="p"), skip_empty=True) is None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.completions import chunk_major_to_prompt_major, cut_at_eos, eos_mask, loss_mask
+from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
 from grpo.logprobs import HEAD_CHUNK_BYTES, head_chunk_tokens, head_logprobs, pad_right
 
 
@@ -50,20 +50,6 @@ def test_cut_at_first_eos_keeps_it_and_flags_truncation():
     assert tokens.tolist() == [9] and truncated is False
     tokens, truncated = cut_at_eos(torch.tensor([5, 6, 7]), eos)
     assert tokens.tolist() == [5, 6, 7] and truncated is True
-
-
-def test_eos_mask_counts_eos_and_hides_what_follows_even_if_pad_equals_eos():
-    tokens = torch.tensor([[4, 2, 2, 2],  # EOS then pad (= EOS)
-                           [4, 5, 6, 7],  # no EOS: all counts
-                           [2, 3, 3, 3]])
-    assert eos_mask(tokens, [2]).int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-
-
-def test_mask_truncated_completions_drops_whole_rows_only_when_asked():
-    mask = torch.ones(2, 3, dtype=torch.bool)
-    truncated = torch.tensor([False, True])
-    assert loss_mask(mask, truncated, True).int().tolist() == [[1, 1, 1], [0, 0, 0]]
-    assert torch.equal(loss_mask(mask, truncated, False), mask)
 
 
 def test_chunk_major_order_is_put_back_prompt_major():

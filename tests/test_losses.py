@@ -1,4 +1,4 @@
-"""policy_loss: worked numbers, a slow per-token reference loop, GSPO, micro-batch invariance."""
+"""The objective's loss: worked numbers, a slow per-token reference loop, GSPO, micro-batch invariance."""
 
 import math
 import zlib
@@ -6,9 +6,21 @@ import zlib
 import pytest
 import torch
 
-from grpo.losses import MAX_LOG_RATIO, behaviour_weights, kl_per_token, policy_loss
+from grpo.objective import MAX_LOG_RATIO, Denominators, Objective, behaviour_weights, clipped_loss, kl_per_token
 
 LN = math.log
+
+
+def policy_loss(logps, old, adv, mask, *, ref_logps=None, num_sequences=None, num_tokens=None, num_completions=None,
+                is_weights=None, **objective):
+    """`clipped_loss` with the objective's settings as keywords (GRPO's defaults otherwise) and the
+    denominators this call's own unless given."""
+    mask = mask.bool()
+    sequences = mask.shape[0] if num_sequences is None else num_sequences
+    denominators = Denominators(sequences, mask.sum() if num_tokens is None else num_tokens,
+                                sequences if num_completions is None else num_completions)
+    return clipped_loss(Objective(**objective), logps, old, adv, mask, ref_logps=ref_logps,
+                        denominators=denominators, is_weights=is_weights)
 
 
 def worked_batch():
@@ -312,7 +324,7 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
 
     from conftest import tiny_model
     from grpo.config import load_config
-    from grpo.sampling import loss_counts
+    from grpo.objective import loss_counts
     from grpo.sharding import select_groups
     from grpo.training import micro_batch_loss
     from helpers import make_batch
@@ -324,9 +336,9 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     truncated = torch.tensor([False, True, False, False, True])
     batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
                                 prompt_ids=[p % 101 for p in batch.prompt_ids], truncated=truncated)
-    tokens, sequences = loss_counts(batch.completion_ids, truncated, True)
+    tokens, sequences = loss_counts(Objective(mask_truncated=True), batch.completion_ids, truncated)
     masked = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences)
-    tokens, sequences = loss_counts(batch.completion_ids, truncated, False)
+    tokens, sequences = loss_counts(Objective(mask_truncated=False), batch.completion_ids, truncated)
     zeroed = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences,
                                  advantages=torch.where(truncated, 0.0, batch.advantages))
     with torch.no_grad():
@@ -337,3 +349,12 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     assert masked.num_sequences == 3 and abs(expected.item()) > 1e-3
     torch.testing.assert_close(whole, expected)
     torch.testing.assert_close(pieces, expected)
+
+
+def test_mask_truncated_completions_drops_whole_rows_only_when_asked():
+    from grpo.objective import loss_mask
+
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    truncated = torch.tensor([False, True])
+    assert loss_mask(Objective(mask_truncated=True), mask, truncated).int().tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert torch.equal(loss_mask(Objective(mask_truncated=False), mask, truncated), mask)

@@ -258,6 +258,13 @@ def fragile(completions, rows):
         raise RuntimeError("bug in reward")
     return [float(len(c)) for c in completions]
 
+CALLS = []
+
+@batched
+def always_raises(completions, rows):
+    CALLS.append(len(completions))
+    raise RuntimeError("broken")
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -287,7 +294,7 @@ def test_a_users_reward_module_by_path_with_rows_none_and_the_batch_form(tmp_pat
 
 
 def test_a_batched_reward_that_fails_on_one_sample_costs_that_sample_alone(tmp_path):
-    """A batch form that raises or hangs is called again on each sample alone: the samples it
+    """A batch form that raises or hangs is called again on the halves of its batch: the samples it
     fails on fall back, the others keep their scores."""
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     name = f"{tmp_path}/my_rewards.py:fragile"
@@ -300,6 +307,18 @@ def test_a_batched_reward_that_fails_on_one_sample_costs_that_sample_alone(tmp_p
     here = score_completions(texts[:3], rows(*"123"), [name], [1.0], fallback=-3.0)
     assert there.per_function[:, 0].tolist() == [1.0, -3.0, 3.0, -3.0, 2.0] and there.failures == {name: 2}
     assert here.per_function[:, 0].tolist() == [1.0, -3.0, 3.0] and here.failures == {name: 1}
+
+
+def test_a_batched_reward_that_always_fails_is_not_split_down_to_every_sample(tmp_path):
+    """8 samples: the batch, its first half (4), that half's halves (2, then 1 and 1), then the
+    second halves whole (2 and 4): 7 calls, not 8 single ones after the batch's; all fall back."""
+    from rewards.registry import get_reward
+
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    name = f"{tmp_path}/my_rewards.py:always_raises"
+    scores = score_completions(list("abcdefgh"), rows(*"12345678"), [name], [1.0], fallback=-3.0)
+    assert get_reward(name).__globals__["CALLS"] == [8, 4, 2, 1, 1, 2, 4]
+    assert scores.per_function[:, 0].tolist() == [-3.0] * 8 and scores.failures == {name: 8}
 
 
 def test_a_reward_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path):

@@ -70,7 +70,7 @@ class OpenEnvEpisode:
             self.env.close()  # the episode never starts: nobody else will close it
             raise
         # what the model reads first (grpo.environments: `opening`); a reset that returns nothing shows nothing
-        self.opening = (self.text_of(observation) or None) if observation is not None else None
+        self.opening = self.text_of(observation, skip_empty=True) if observation is not None else None
 
     def close(self) -> None:
         self.env.close()  # OpenEnv's Environment.close(): what its server calls at a session's end
@@ -80,10 +80,16 @@ class OpenEnvEpisode:
         reward = None if observation.reward is None else float(observation.reward)
         return Reply(text=self.text_of(observation), done=bool(observation.done), reward=reward, role=self.role)
 
-    def text_of(self, observation) -> str:
+    def text_of(self, observation, skip_empty: bool = False) -> str | None:
+        """The observation as text. skip_empty (the opening): fields that are None or empty are left
+        out, and an observation with nothing left is None, not "{}" or "None"."""
+        fields = observation.model_dump()
         if self.observation_field:
-            return str(getattr(observation, self.observation_field))
-        shown = {k: v for k, v in observation.model_dump().items() if k not in NOT_SHOWN}
+            fields = {self.observation_field: getattr(observation, self.observation_field)}
+        shown = {k: v for k, v in fields.items() if k not in NOT_SHOWN
+                 and not (skip_empty and (v is None or (hasattr(v, "__len__") and len(v) == 0)))}
+        if skip_empty and not shown:
+            return None
         if len(shown) == 1:
             return str(next(iter(shown.values())))
         return json.dumps(shown, default=str)

@@ -170,6 +170,7 @@ def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
                 if not isinstance(reply, Reply):
                     raise TypeError(f"step returned a {type(reply).__name__}, not a grpo.environments.Reply")
                 answer = ["ok", reply.to_json()]
+                answer[1][0] = valid_text(answer[1][0])
         except Exception as e:  # the environment's fault: reported, the episode goes on
             _close(episodes.pop(key, None))  # rebuilt from its messages at its next step
             answer = ["error", f"{type(e).__name__}: {e}"]
@@ -181,7 +182,12 @@ def opening_of(environment) -> str | None:
     opening = getattr(environment, "opening", None)
     if opening is not None and not isinstance(opening, str):
         raise TypeError(f"the environment's opening is a {type(opening).__name__}, not a str")
-    return opening or None
+    return valid_text(opening) or None
+
+
+def valid_text(text: str | None) -> str | None:
+    """Text a tokenizer takes: a lone surrogate (half of a broken character) becomes "?"."""
+    return text if text is None else text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _close(environment) -> None:

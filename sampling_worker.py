@@ -45,7 +45,8 @@ from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import check_supported
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
-from grpo.sampling import SamplerState, required_version, wait_for_version
+from grpo.sampling import SamplerState, wait_for_version
+from grpo.staleness import oldest_version, required_version
 from grpo.sources import SourceError
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher, into_model
@@ -84,10 +85,10 @@ def main(argv: list[str]) -> int:
         # resumed: the step before start_step served at least version g - 1 - max_staleness and
         # evaluated every mark up to it (their rows exist)
         g = global_step(sampler, start_step, cfg.sampling.num_workers)
-        served = g - 1 - cfg.sampling.max_staleness if start_step else None
+        served = oldest_version(g - 1, cfg.sampling.max_staleness) if start_step else None
         evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
                                       evaluated_through=evaluated_through_at_start(cfg.eval, served),
-                                      checks=checks_of(cfg.rewards), episodes=policy.episodes)
+                                      checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
 
     previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):

@@ -15,6 +15,7 @@ import json
 
 from grpo.config import get_key
 from grpo.objective import Objective
+from grpo.staleness import too_stale
 from grpo.weights import INITIAL_DIGEST
 
 # config keys that change the behaviour log-probs, which tokens the loss sees, or how stale a batch may be
@@ -57,7 +58,7 @@ def check_staleness(trainer_version: int, batch_version: int, max_staleness: int
     """Raise when a batch's weights are more than `max_staleness` versions older than the trainer's
     policy about to train on it (the sampler waits for them, so only a sampler with another bound
     or a bug gets here)."""
-    if trainer_version - batch_version > max_staleness:
+    if too_stale(batch_version, trainer_version, max_staleness):
         raise BehaviourMismatch(
             f"sampler {sampler} step {step} was sampled with weights v{batch_version}, {trainer_version - batch_version} "
             f"versions behind this trainer's v{trainer_version}; sampling.max_staleness={max_staleness} allows "

@@ -23,10 +23,10 @@ def is_evaluation_row(row: dict) -> bool:
 
 
 def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None,
-                   checks: tuple[str, str] = GSM8K_CHECKS, episodes=None) -> list[dict]:
+                   checks: tuple[str, str] = GSM8K_CHECKS, episodes=None, call=None) -> list[dict]:
     """Each prompt's greedy completion (with `episodes`, a grpo.episodes.EpisodeRunner: its greedy
     episode, judged by its last model message), scored with the (accuracy, format) rewards
-    `checks`: the rows of an evaluation."""
+    `checks` (run by `call`, the reward sandbox; None: here): the rows of an evaluation."""
     samples = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
@@ -37,7 +37,7 @@ def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: i
             rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
             completions = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
             rows = reward_rows([p.problem for p in chunk])
-        correct, formatted = passes(checks[0], completions, rows), passes(checks[1], completions, rows)
+        correct, formatted = passes(checks[0], completions, rows, call), passes(checks[1], completions, rows, call)
         for k, (prompt, completion, ids, cut, ok, form) in enumerate(zip(chunk, completions, rollouts.completion_ids,
                                                                        rollouts.truncated, correct, formatted)):
             samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
@@ -69,12 +69,13 @@ class TrainingEvaluator:
     at the end."""
 
     def __init__(self, eval_cfg, prompts: list, tokenizer, prefill: str, evaluated_through: int = -1,
-                 checks: tuple[str, str] = GSM8K_CHECKS, episodes=None):
+                 checks: tuple[str, str] = GSM8K_CHECKS, episodes=None, call=None):
         """`evaluated_through`: the marks up to this version are done (-1 on a fresh start; a
         resumed sampler passes the least version its last step could have served). `checks`:
-        the (accuracy, format) rewards (rewards.accuracy_reward, rewards.format_reward)."""
+        the (accuracy, format) rewards (rewards.accuracy_reward, rewards.format_reward), run by
+        `call` (the reward sandbox)."""
         self.cfg, self.prompts, self.tokenizer, self.prefill = eval_cfg, prompts, tokenizer, prefill
-        self.checks, self.episodes = checks, episodes
+        self.checks, self.episodes, self.call = checks, episodes, call
         self.next_mark = self._mark_after(evaluated_through)
         self.newest_seen = max(evaluated_through, 0)
         self.last_samples: list[dict] = []
@@ -93,7 +94,7 @@ class TrainingEvaluator:
         """The `eval/` metrics of the weights `engine` serves (version `version`), keyed for metrics.jsonl."""
         t = time.perf_counter()
         self.last_samples = greedy_samples(engine, self.tokenizer, self.prompts, self.prefill, self.cfg.batch_size,
-                                           checks=self.checks, episodes=self.episodes)
+                                           checks=self.checks, episodes=self.episodes, call=self.call)
         result = summary(self.last_samples)
         self.next_mark = self._mark_after(version)
         return {"step": version, **{f"eval/{key}": float(value) for key, value in result.items()},

@@ -214,7 +214,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: in
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
-    metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards)))
+    metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
     if kept.episodes is not None:
         metrics.update(episode_metrics(kept.episodes))
     if gap is not None:

@@ -1,4 +1,4 @@
-"""The sampler's steps as small functions: staleness, batch assembly, metrics, resumable state."""
+"""The sampler's wait for weights, its metrics and its resumable state."""
 
 from __future__ import annotations
 
@@ -18,18 +18,6 @@ OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps (grpo/samp
 
 class StalenessTimeout(TimeoutError):
     """The trainer did not publish the weights the next step needs in time."""
-
-
-def required_version(step: int, max_staleness: int, publish_every: int) -> int:
-    """The oldest weights version step `step` may be generated with (docs/architecture.md).
-
-    Version v is the policy after v optimizer steps, published every `publish_every` steps, so
-    the bound step - max_staleness is rounded up to a version that will be published: the first
-    one at or after it. It is published before step `step` is trained as long as max_staleness
-    >= publish_every - 1 (the config refuses less).
-    """
-    needed = max(0, step - max_staleness)
-    return -(-needed // publish_every) * publish_every
 
 
 def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None) -> None:

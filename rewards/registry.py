@@ -14,18 +14,14 @@ The built-ins keep their pure `(completion, answer)` form.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-import sys
-import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from grpo.imports import import_object, is_import_path
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.procedural import reasoning_gym_score
 from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
@@ -47,10 +43,6 @@ ROW_FUNCTIONS: dict[str, Callable[[str, dict], float | None]] = {  # built-ins t
 }
 
 
-class RewardImportError(ValueError):
-    """A `module:function` reward that cannot be imported; the message names the path."""
-
-
 def batched(fn):
     """Mark a reward that scores a whole batch: fn(completions, rows) -> list of float | None."""
     fn.batched = True
@@ -59,40 +51,6 @@ def batched(fn):
 
 def is_batched(fn) -> bool:
     return getattr(fn, "batched", False) is True
-
-
-def is_import_path(name: str) -> bool:
-    return ":" in name
-
-
-def _module_of(path: str):
-    if path.endswith(".py"):  # a file: imported under its own name, once
-        file = Path(path).expanduser().resolve()
-        name = f"grpo_user_rewards.{file.stem}_{zlib.crc32(str(file).encode()):08x}"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, file)
-            if spec is None or not file.is_file():
-                raise FileNotFoundError(f"no file {file}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules[name] = module
-        return sys.modules[name]
-    return importlib.import_module(path)
-
-
-def import_object(name: str, key: str):
-    """The callable an import path names (for the config key `key`); RewardImportError (naming the
-    key, the path and why) otherwise."""
-    module_path, _, attribute = name.rpartition(":")
-    try:
-        function = getattr(_module_of(module_path), attribute)
-    except Exception as e:  # ImportError, SyntaxError in the module, AttributeError, ...
-        raise RewardImportError(f"{key}: cannot import {name!r} ({type(e).__name__}: {e}); give "
-                                "'package.module:name' importable from the project folder or PYTHONPATH, "
-                                "or 'path/to/file.py:name'") from None
-    if not callable(function):
-        raise RewardImportError(f"{key}: {name!r} is a {type(function).__name__}, not a function or class")
-    return function
 
 
 def import_reward(name: str):
@@ -142,7 +100,7 @@ class WrongCount(ValueError):
     """A batched function returned another number of values than completions: its contract is broken."""
 
 
-def _score_one_function(name: str, fn, call, completions, rows, fallback: float) -> tuple[list, int]:
+def score_one_function(name: str, fn, call, completions, rows, fallback: float) -> tuple[list, int]:
     """(values with None kept, failures). A sample the function raises on, times out on or returns
     a bad value for gets `fallback`; the failures are logged in one line."""
     errors: list[str] = []
@@ -203,7 +161,7 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     applies = torch.ones(len(completions), len(names), dtype=torch.bool)
     failures = {}
     for j, name in enumerate(names):
-        values, failures[name] = _score_one_function(name, get_reward(name), call, completions, rows, fallback)
+        values, failures[name] = score_one_function(name, get_reward(name), call, completions, rows, fallback)
         for i, value in enumerate(values):
             if value is None:
                 applies[i, j] = False

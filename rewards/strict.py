@@ -9,8 +9,9 @@ sample or does not apply to it (None) does not count it: a rate is never a crash
 from __future__ import annotations
 
 import logging
+import math
 
-from rewards.registry import REFERENCE, get_reward, is_batched
+from rewards.registry import REFERENCE, get_reward, score_one_function
 
 log = logging.getLogger(__name__)
 
@@ -18,26 +19,12 @@ PASS = 1.0  # a reward at or above this counts the sample as correct / well-form
 GSM8K_CHECKS = ("gsm8k_answer", "think_answer_format")  # (accuracy reward, format reward): the defaults
 
 
-def passes(name: str, texts: list[str], rows: list[dict]) -> list[bool]:
-    """For each completion, whether reward `name` gives it >= PASS (rows: dataset rows with reference_answer)."""
-    fn = get_reward(name)
-    try:
-        values = fn(list(texts), list(rows)) if is_batched(fn) else None
-    except Exception as e:
-        log.warning("reported rate: %s failed on the batch (%s: %s); counted as not passing", name, type(e).__name__, e)
-        return [False] * len(texts)
-    if values is not None:
-        return [v is not None and float(v) >= PASS for v in values]
-    return [_passes_one(fn, name, text, row) for text, row in zip(texts, rows, strict=True)]
-
-
-def _passes_one(fn, name: str, text: str, row: dict) -> bool:
-    try:
-        value = fn(text, row)
-    except Exception as e:
-        log.warning("reported rate: %s failed on a sample (%s: %s); counted as not passing", name, type(e).__name__, e)
-        return False
-    return value is not None and float(value) >= PASS
+def passes(name: str, texts: list[str], rows: list[dict], call=None) -> list[bool]:
+    """For each completion, whether reward `name` gives it >= PASS (rows: dataset rows with
+    reference_answer). `call`: where the function runs (rewards.sandbox.RewardSandbox; None: here),
+    as for the training rewards; a sample it fails on does not pass."""
+    values, _ = score_one_function(name, get_reward(name), call, list(texts), list(rows), fallback=-math.inf)
+    return [v is not None and v >= PASS for v in values]
 
 
 def reward_rows(problems: list) -> list[dict]:
@@ -50,8 +37,9 @@ def checks_of(rewards_cfg) -> tuple[str, str]:
     return rewards_cfg.accuracy_reward, rewards_cfg.format_reward
 
 
-def strict_rates(texts: list[str], rows: list[dict], checks: tuple[str, str] = GSM8K_CHECKS) -> dict[str, float]:
+def strict_rates(texts: list[str], rows: list[dict], checks: tuple[str, str] = GSM8K_CHECKS,
+                 call=None) -> dict[str, float]:
     """The answer accuracy and exact-format rate of completions (rows as `reward_rows` makes them)."""
     n = max(len(texts), 1)
-    return {"strict/answer_accuracy": sum(passes(checks[0], texts, rows)) / n,
-            "strict/format_rate": sum(passes(checks[1], texts, rows)) / n}
+    return {"strict/answer_accuracy": sum(passes(checks[0], texts, rows, call)) / n,
+            "strict/format_rate": sum(passes(checks[1], texts, rows, call)) / n}

@@ -38,6 +38,7 @@ from grpo.environments import environment_demonstration  # noqa: E402
 from grpo.environments.pool import IsolationError  # noqa: E402
 from grpo.episodes import TemplateRoleError, episode_runner  # noqa: E402
 from grpo.evaluation import greedy_samples, summary  # noqa: E402
+from rewards.sandbox import RewardSandbox  # noqa: E402
 from grpo.run_outputs import RunOutputsError, run_config, run_of_weights, version_folder  # noqa: E402
 from grpo.sources import SourceError  # noqa: E402
 from grpo.weights import MANIFEST, WeightsError, load_into, verify  # noqa: E402
@@ -70,14 +71,17 @@ def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, spli
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
+    sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None  # as in training
     start = time.perf_counter()
     try:
         with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:
             samples = greedy_samples(engine, tokenizer, prompts, cfg.data.prefill, batch_size, progress=bar.update,
-                                     checks=checks_of(cfg.rewards), episodes=episodes)
+                                     checks=checks_of(cfg.rewards), episodes=episodes, call=sandbox)
     finally:
         if episodes is not None:
             episodes.pool.close()
+        if sandbox is not None:
+            sandbox.close()
     result = {"model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,
               "dropped_overlong": dropped, **summary(samples), "max_new_tokens": cfg.sampling.max_new_tokens,
               "seconds": round(time.perf_counter() - start, 1)}

@@ -209,8 +209,8 @@ def test_a_child_that_died_between_calls_costs_no_episode_its_step():
     pool = EnvironmentPool(f"{ENVS}:Counter", {}, timeout_s=5.0)
     try:
         assert pool.step("a", {}, [], "x")[0].text == "count 1"
-        pool._process.kill()  # killed from outside (out of memory, say) while no call was under way
-        pool._process.join()
+        pool._child._process.kill()  # killed from outside (out of memory, say) while no call was under way
+        pool._child._process.join()
         assert pool.step("a", {}, ["x"], "y") == (Reply(text="count 2"), None) and pool.restarts == 1
     finally:
         pool.close()

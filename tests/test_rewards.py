@@ -201,8 +201,8 @@ def test_sandbox_replaces_a_child_that_was_killed():
     sandbox = RewardSandbox(timeout_s=5)
     try:
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
-        os.kill(sandbox._process.pid, signal.SIGKILL)
-        sandbox._process.join()
+        os.kill(sandbox._child._process.pid, signal.SIGKILL)
+        sandbox._child._process.join()
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
     finally:
         sandbox.close()
@@ -213,7 +213,7 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from rewards.sandbox import RewardSandbox
 sandbox = RewardSandbox(timeout_s=5)
-print(sandbox._process.pid, flush=True)
+print(sandbox._child._process.pid, flush=True)
 time.sleep(600)
 """
 

@@ -11,7 +11,7 @@ from grpo.config import LoraConfig, ModelConfig
 from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.models import add_lora, load_model
-from grpo.sampling import required_version
+from grpo.staleness import required_version
 from grpo.transport import BatchReceiver, TransportTimeout
 from grpo.weights import publish, version_dir
 from data.cursor import PromptCursor

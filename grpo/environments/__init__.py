@@ -55,7 +55,7 @@ VALID_NAMES = ("'' (off)", *BUILT_IN, "openenv:package.module:Class", "package.m
 
 def _environment_class(name: str):
     """The class or factory a built-in name or an import path names (not an openenv: one)."""
-    from rewards.registry import import_object
+    from grpo.imports import import_object
 
     if name not in BUILT_IN and ":" not in name:
         raise ValueError(f"env.name: unknown environment {name!r}; valid: {', '.join(VALID_NAMES)}")

@@ -29,7 +29,7 @@ def openenv_factory(path: str, args: dict):
     """row -> an episode of the OpenEnv Environment class at `path` (ValueError naming what is wrong)."""
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action
-    from rewards.registry import import_object
+    from grpo.imports import import_object
 
     unknown = sorted(set(args) - set(SETTINGS))
     if unknown:

@@ -1,8 +1,8 @@
 """The episodes' environments in a child process: a step that hangs or raises costs that step,
 never the run.
 
-Like the reward sandbox (rewards/sandbox.py) the child is forked and talks JSON over a pipe, never
-pickle. It is cut off from the network at start (a network namespace of its own where the kernel
+The child is the reward sandbox's kind (grpo/child.py: forked, JSON over a pipe, never pickle, a
+time limit per call, replaced when it hangs or dies). It is cut off from the network at start (a network namespace of its own where the kernel
 allows unprivileged ones, else a seccomp filter on socket(); where neither can be had it refuses
 to start unless env.network=allow), gets budgets of memory, processes and CPU (env.memory_mb,
 env.max_processes, env.cpu_s), and holds one environment per live episode. A step that raises
@@ -15,18 +15,15 @@ at a time with its own time limit: the other episodes of the turn go on where th
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
-import multiprocessing
 import os
-import signal
 import stat
 from dataclasses import dataclass
 
+from grpo.child import NO_ANSWER, Child, ChildFailed, ChildRefused
 from grpo.environments import Reply, environment_factory
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
 
@@ -133,48 +130,49 @@ def close_inherited_sockets(keep: int) -> None:
             pass  # the listing's own descriptor, already gone
 
 
-def _serve(conn, parent_end, name: str, args: dict, limits: "Limits") -> None:
-    parent_end.close()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a child busy in a hang dies with its parent
-    except (OSError, AttributeError):
-        pass
-    close_inherited_sockets(keep=conn.fileno())
-    try:
-        how = deny_network() if limits.network == "deny" else "allowed"
-        limit_resources(limits.memory_mb, limits.processes, limits.cpu_s, own_namespace=how == "namespace")
-    except (IsolationError, OSError, ValueError) as e:
-        conn.send_bytes(json.dumps(["refused", str(e)]).encode())
-        return
-    conn.send_bytes(json.dumps(["ready", how]).encode())
-    make = environment_factory(name, args)
-    episodes: dict[str, object] = {}
-    while True:
-        try:
-            kind, key, value = json.loads(conn.recv_bytes())
-        except EOFError:
-            for gone in list(episodes):
-                _close(episodes.pop(gone))
-            return
+class _Episodes:
+    """The child's handler: one environment per live episode, by key."""
+
+    def __init__(self, make):
+        self.make, self.episodes = make, {}
+
+    def __call__(self, request):
+        kind, key, value = request
         if kind == "forget":
             for gone in value:
-                _close(episodes.pop(gone, None))
-            continue
+                _close(self.episodes.pop(gone, None))
+            return NO_ANSWER
         try:
             if kind == "open":  # a new episode, or one this (new) child rebuilds from its messages
-                episodes[key] = make(value)
-                answer = ["ok", opening_of(episodes[key])]
-            else:
-                reply = episodes[key].step(value)
-                if not isinstance(reply, Reply):
-                    raise TypeError(f"step returned a {type(reply).__name__}, not a grpo.environments.Reply")
-                answer = ["ok", reply.to_json()]
-                answer[1][0] = valid_text(answer[1][0])
-        except Exception as e:  # the environment's fault: reported, the episode goes on
-            _close(episodes.pop(key, None))  # rebuilt from its messages at its next step
-            answer = ["error", f"{type(e).__name__}: {e}"]
-        conn.send_bytes(json.dumps(answer).encode())
+                self.episodes[key] = self.make(value)
+                return opening_of(self.episodes[key])
+            reply = self.episodes[key].step(value)
+            if not isinstance(reply, Reply):
+                raise TypeError(f"step returned a {type(reply).__name__}, not a grpo.environments.Reply")
+            answer = reply.to_json()
+            answer[0] = valid_text(answer[0])
+            return answer
+        except Exception:  # the environment's fault: reported, the episode is rebuilt from its messages
+            _close(self.episodes.pop(key, None))
+            raise
+
+    def close(self) -> None:
+        for gone in list(self.episodes):
+            _close(self.episodes.pop(gone))
+
+
+def _isolated_episodes(name: str, args: dict, limits: "Limits"):
+    """The child's setup: cut off from the network, within its budgets, holding no socket of the
+    sampler's; then the handler of its episodes. ChildRefused where it cannot be isolated."""
+    def setup(pipe_fd: int):
+        close_inherited_sockets(keep=pipe_fd)
+        try:
+            how = deny_network() if limits.network == "deny" else "allowed"
+            limit_resources(limits.memory_mb, limits.processes, limits.cpu_s, own_namespace=how == "namespace")
+        except (IsolationError, OSError, ValueError) as e:
+            raise ChildRefused(str(e)) from None
+        return _Episodes(environment_factory(name, args)), how
+    return setup
 
 
 def opening_of(environment) -> str | None:
@@ -201,7 +199,6 @@ def _close(environment) -> None:
             log.warning("an environment's close() raised %s: %s", type(e).__name__, e)
 
 
-START_TIMEOUT_S = 30.0
 NETWORK_MODES = ("deny", "allow")  # env.network
 
 
@@ -233,51 +230,34 @@ class EnvironmentPool:
 
     def __init__(self, name: str, args: dict, timeout_s: float, limits: "Limits | None" = None):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
-        self.name, self.args, self.timeout_s, self.limits = name, dict(args), timeout_s, limits or Limits()
-        self.restarts = 0
-        self._context = multiprocessing.get_context("fork")
-        self._start()
+        self.timeout_s, self.limits = timeout_s, limits or Limits()
+        try:  # fails closed: no environment runs with a network it should not have
+            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits))
+        except ChildRefused as e:
+            raise IsolationError(str(e)) from None
+        self.isolation = self._child.info
+        self._held: set[str] = set()  # the episodes the child holds
+        self._incarnation = 0  # the child's restarts when `_held` was last true
         log.info("environments run in a child process: network %s", self.isolation)
 
-    def _start(self) -> None:
-        self._conn, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child, self._conn, self.name, self.args,
-                                                                   self.limits), daemon=True, name="environments")
-        self._process.start()
-        child.close()
-        self._held: set[str] = set()  # the episodes this child holds
-        if not self._conn.poll(START_TIMEOUT_S):
-            self._stop(grace_s=0.0)
-            raise IsolationError(f"the environments' child did not start within {START_TIMEOUT_S:g} s")
-        status, self.isolation = json.loads(self._conn.recv_bytes())
-        if status != "ready":  # fails closed: no environment runs with a network it should not have
-            self._process.join()
-            raise IsolationError(self.isolation)
-
-    def _restart(self) -> None:
-        self._stop(grace_s=0.0)  # hung or dead: nothing to wait for
-        self.restarts += 1
-        self._start()
+    @property
+    def restarts(self) -> int:
+        return self._child.restarts
 
     def _call(self, kind: str, key: str, value):
-        """One request to the child within env.timeout_s; StepFailed (the child replaced where it hung or died)."""
+        """One request to the child within env.timeout_s; StepFailed (the child replaced where it
+        hung or died: it then holds no episode)."""
         try:
-            self._conn.send_bytes(json.dumps([kind, key, value]).encode())
-        except OSError as e:  # a pipe to a child that just died
-            self._process.kill()
-            raise StepFailed(f"the environment process could not take the call ({e})") from None
-        if not self._conn.poll(self.timeout_s):
-            self._restart()
-            raise StepFailed(f"no reply within env.timeout_s={self.timeout_s:g} s")
-        try:
-            status, answer = json.loads(self._conn.recv_bytes())
-        except EOFError:
-            self._restart()
-            raise StepFailed("the environment process died") from None
-        if status != "ok":
-            self._held.discard(key)
-            raise StepFailed(answer)
-        return answer
+            return self._child.call([kind, key, value], self.timeout_s,
+                                    f"no reply within env.timeout_s={self.timeout_s:g} s")
+        except ChildFailed as e:
+            if self._child.restarts != self._incarnation:
+                self._held.clear()
+                self._incarnation = self._child.restarts
+            self._held.discard(key)  # an environment that raised was dropped by the child
+            raise StepFailed(str(e)) from None
+        except ChildRefused as e:  # a replacement child that could not start
+            raise IsolationError(str(e)) from None
 
     def open(self, key: str, row: dict) -> tuple[str | None, str | None]:
         """Start episode `key` from its dataset row: (its opening message or None, the failure or None)."""
@@ -287,18 +267,25 @@ class EnvironmentPool:
             return None, str(e)
 
     def _open(self, key: str, row: dict) -> str | None:
-        if not self._process.is_alive():  # died between calls: it holds no episode any more
-            self._restart()
+        self._restart_if_dead()
         opening = self._call("open", key, row)
         self._held.add(key)
         return opening
+
+    def _restart_if_dead(self) -> None:
+        if not self._child.alive():  # died between calls: it holds no episode any more
+            self._held.clear()
+            try:
+                self._child.restart()
+            except ChildRefused as e:
+                raise IsolationError(str(e)) from None
+            self._incarnation = self._child.restarts
 
     def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
         on a failure, (an error message for the model, the failure)."""
         try:
-            if not self._process.is_alive():  # died between calls: it holds no episode any more
-                self._restart()
+            self._restart_if_dead()
             if key not in self._held:
                 self._open(key, row)
                 for earlier in history:
@@ -312,19 +299,9 @@ class EnvironmentPool:
         """Drop finished episodes' environments."""
         held = [key for key in keys if key in self._held]
         self._held.difference_update(held)
-        if held and self._process.is_alive():
-            try:
-                self._conn.send_bytes(json.dumps(["forget", "", held]).encode())
-            except OSError:
-                pass  # the child is gone, and its environments with it
+        if held:
+            self._child.tell(["forget", "", held])  # lost with a child that is gone, and its environments with it
 
     def close(self) -> None:
         """The child closes the environments it holds when the pipe closes (given a second), then goes."""
-        self._stop(grace_s=1.0)
-
-    def _stop(self, grace_s: float) -> None:
-        self._conn.close()
-        if grace_s:
-            self._process.join(timeout=grace_s)
-        self._process.kill()
-        self._process.join()
+        self._child.close(grace_s=1.0)

@@ -10,7 +10,7 @@ the batches one sampler would; grpo/delivery.py):
   generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
   and training.reference_on=sampler) with the shared-prefix forward at the sampling
   temperature -> spool and send the RolloutBatch -> save the data cursor (after the send, so a
-  restart neither repeats nor skips prompts). The pieces of a step: grpo/sampler_step.py;
+  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler_step.py;
   delivery (spool, re-sending to a restarted trainer): grpo/delivery.py.
 
 Old log-probs: `sampling.old_logps=recompute` runs the forward the trainer uses, so the
@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import logging
 import sys
-import time
 
 import torch
 
@@ -35,7 +34,6 @@ from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
 from grpo.config import ConfigError, help_requested, parse_cli, save_config
-from grpo.dynamic_sampling import round_start, rounds_per_step
 from grpo.environments import environment_demonstration
 from grpo.environments.pool import IsolationError
 from grpo.episodes import TemplateRoleError, episode_runner
@@ -44,9 +42,9 @@ from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_thr
 from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import check_supported
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
-from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
+from grpo.sampler_step import SamplerLoop, SamplerPolicy, make_engine, run_step
 from grpo.sampling import SamplerState, wait_for_version
-from grpo.staleness import oldest_version, required_version
+from grpo.staleness import oldest_version
 from grpo.sources import SourceError
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher, into_model
@@ -79,7 +77,7 @@ def main(argv: list[str]) -> int:
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
-    sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
+    sandbox = policy.sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
     evaluator = None
     if eval_prompts is not None:
         # resumed: the step before start_step served at least version g - 1 - max_staleness and
@@ -90,25 +88,10 @@ def main(argv: list[str]) -> int:
                                       evaluated_through=evaluated_through_at_start(cfg.eval, served),
                                       checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
 
-    previous_send_s, end_step = 0.0, steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
+    loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step)
+    end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     for step in range(start_step, end_step):
-        redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
-        metrics = wait_for_weights(cfg, watcher, redelivery, step)
-        metrics["timing/previous_send_s"] = previous_send_s  # this batch's own send is not over when it is encoded
-        evaluated = evaluate_if_due(evaluator, policy.engine)
-        metrics["timing/eval_s"] = evaluated["eval/seconds"] if evaluated else 0.0
-        prompts_of_round = round_prompts(cfg, cursor, prompts, global_step(sampler, step, cfg.sampling.num_workers))
-        batch = make_batch(cfg, policy, prompts_of_round(0), step, sampler, sandbox, metrics,
-                           check_recorded=step == start_step, more_prompts=prompts_of_round)
-        if evaluated:
-            batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
-        t = time.perf_counter()
-        frames = sender.encode(batch)
-        spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
-        sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
-        previous_send_s = time.perf_counter() - t
-        state.save(step + 1, cursor.state_dict())
-        log_step(batch)
+        run_step(loop, step)
 
     if sandbox is not None:
         sandbox.close()
@@ -156,15 +139,6 @@ def evaluation_prompts(cfg, tokenizer) -> list:
     return prompts
 
 
-def evaluate_if_due(evaluator: "TrainingEvaluator | None", engine) -> dict | None:
-    if evaluator is None or not evaluator.due(engine.version):
-        return None
-    result = evaluator.run(engine, engine.version)
-    log.info("eval at version %d: answer accuracy %.3f, format rate %.3f (%d problems, %.0f s)", engine.version,
-             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"], result["eval/seconds"])
-    return result
-
-
 def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
     trainer needs steps the spool no longer holds (grpo/delivery.py, rule 5). The loop seeks the
@@ -183,18 +157,6 @@ def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, ru
     return cursor, start_step
 
 
-def round_prompts(cfg, cursor: PromptCursor, prompts: list, g: int):
-    """round -> the prompts of that round of global step g: their stream positions are a function
-    of g alone (grpo/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
-    s = cfg.sampling
-    rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
-
-    def prompts_of_round(r: int) -> list:
-        cursor.seek(round_start(g, r, s.prompts_per_step, rounds))
-        return [prompts[i] for i in cursor.take(s.prompts_per_step)]
-    return prompts_of_round
-
-
 def weight_stagers(cfg, policy: SamplerPolicy) -> list:
     """The HF engine generates with the scoring model itself; an engine with its own copy of the
     weights (vLLM) takes each version together with the scoring model (recomputed and reference
@@ -202,23 +164,6 @@ def weight_stagers(cfg, policy: SamplerPolicy) -> list:
     if cfg.sampling.engine == "hf":
         return [policy.engine.stage_weights]
     return [into_model(policy.model), policy.engine.stage_weights]
-
-
-def wait_for_weights(cfg, watcher: WeightWatcher, redelivery: Redelivery, step: int) -> dict[str, float]:
-    """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
-    counted in global steps); the metrics of the wait, loading included."""
-    t, loaded_before = time.perf_counter(), watcher.load_seconds
-    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
-    needed = required_version(g, cfg.sampling.max_staleness, cfg.weights.publish_every)
-    wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: redelivery.check(step))
-    return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
-            "sampler/weight_load_failures": float(watcher.failures)}
-
-
-def log_step(batch) -> None:
-    m = batch.meta["metrics"]
-    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version, m["reward"],
-             m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
 
 
 if __name__ == "__main__":

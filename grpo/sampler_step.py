@@ -1,7 +1,8 @@
-"""One sampler step as functions: generate, score, the policy's log-probs, the batch.
+"""One sampler step, top to bottom: wait for weights, evaluate when due, take the prompts,
+generate (or run episodes), score, advantages, log-probs, assemble the batch, send it.
 
-`make_batch` is what the sampler's loop calls once per step; each piece below it is a small
-function of its inputs, in the order they run.
+`run_step` is what the sampler's loop calls once per step; each stage is a small function
+below it, in the order they run (`make_batch`: the stages from generating to the batch).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from grpo.advantages import group_advantages
 from grpo.batch import RolloutBatch
 from grpo.completions import eos_token_ids
 from grpo.delivery import global_step
+from grpo.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
+from grpo.episodes import episode_metrics
 from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
-from grpo.dynamic_sampling import choose_groups, has_spread, round_seed
-from grpo.episodes import episode_metrics
-from grpo.rollout import RolloutEngine, Rollouts
 from grpo.objective import Objective, loss_counts
-from grpo.sampling import sampler_metrics
+from grpo.rollout import RolloutEngine, Rollouts
+from grpo.sampling import sampler_metrics, wait_for_version
+from grpo.staleness import required_version
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.strict import checks_of, reward_rows, strict_rates
@@ -42,11 +44,95 @@ class SamplerPolicy:
     tokenizer: Any
     behaviour: dict  # the settings each batch records (grpo/behaviour.py)
     episodes: Any | None = None  # grpo.episodes.EpisodeRunner with env.name: multi-turn episodes
+    sandbox: Any | None = None  # rewards.sandbox.RewardSandbox the rewards run in (None: in this process)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
         """The scoring model's shape, for the model FLOPs of each round (read once)."""
         return ModelShape.of(self.model)
+
+
+@dataclass
+class SamplerLoop:
+    """What every step of a sampler uses (sampling_worker.py builds it)."""
+
+    cfg: Any
+    policy: SamplerPolicy
+    prompts: list  # the training prompts, tokenised
+    cursor: Any  # data.cursor.PromptCursor
+    watcher: Any  # grpo.weights.WeightWatcher
+    redelivery: Any  # grpo.delivery.Redelivery
+    sender: Any  # grpo.transport.BatchSender
+    spool: Any  # grpo.delivery.Spool
+    state: Any  # grpo.sampling.SamplerState
+    evaluator: Any | None  # grpo.evaluation.TrainingEvaluator on sampler 0 with eval.every
+    start_step: int
+    previous_send_s: float = 0.0
+
+
+def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
+    """Sampler step `step`: the batch it sent."""
+    cfg, policy = loop.cfg, loop.policy
+    loop.redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
+    metrics = wait_for_weights(loop, step)
+    evaluated = evaluate_if_due(loop.evaluator, policy.engine)
+    metrics.update({"timing/previous_send_s": loop.previous_send_s,  # this batch's own send is not over when encoded
+                    "timing/eval_s": evaluated["eval/seconds"] if evaluated else 0.0})
+    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    prompts_of_round = round_prompts(cfg, loop.cursor, loop.prompts, g)
+    batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step,
+                       more_prompts=prompts_of_round)
+    if evaluated:
+        batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
+    send(loop, step, batch)
+    return batch
+
+
+def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
+    """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
+    counted in global steps); the metrics of the wait, loading included."""
+    cfg, watcher = loop.cfg, loop.watcher
+    t, loaded_before = time.perf_counter(), watcher.load_seconds
+    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    needed = required_version(g, cfg.sampling.max_staleness, cfg.weights.publish_every)
+    wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: loop.redelivery.check(step))
+    return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
+            "sampler/weight_load_failures": float(watcher.failures)}
+
+
+def evaluate_if_due(evaluator, engine) -> dict | None:
+    if evaluator is None or not evaluator.due(engine.version):
+        return None
+    result = evaluator.run(engine, engine.version)
+    log.info("eval at version %d: answer accuracy %.3f, format rate %.3f (%d problems, %.0f s)", engine.version,
+             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"], result["eval/seconds"])
+    return result
+
+
+def round_prompts(cfg, cursor, prompts: list, g: int):
+    """round -> the prompts of that round of global step g: their stream positions are a function
+    of g alone (grpo/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
+    s = cfg.sampling
+    rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
+
+    def prompts_of_round(r: int) -> list:
+        cursor.seek(round_start(g, r, s.prompts_per_step, rounds))
+        return [prompts[i] for i in cursor.take(s.prompts_per_step)]
+    return prompts_of_round
+
+
+def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
+    """Spool the batch, send it, then save the data cursor: after the send, so that a restart
+    neither repeats nor skips prompts."""
+    t = time.perf_counter()
+    frames = loop.sender.encode(batch)
+    loop.spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
+    loop.sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
+    loop.previous_send_s = time.perf_counter() - t
+    loop.state.save(step + 1, loop.cursor.state_dict())
+    m = batch.meta["metrics"]
+    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version, m["reward"],
+             m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
 
 
 def make_engine(cfg, model, tokenizer) -> RolloutEngine:
@@ -182,13 +268,14 @@ def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], 
     return (rollouts.logps if recorded else recomputed), ref_logps, gap
 
 
-def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, sampler: int, sandbox,
-               metrics_so_far: dict[str, float], check_recorded: bool, more_prompts=None) -> RolloutBatch:
+def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
+               check_recorded: bool, more_prompts=None) -> RolloutBatch:
     """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
     rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
     weights wait, and this function's) in `meta["metrics"]`."""
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
+    sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
                                           global_step(sampler, step, cfg.sampling.num_workers), sandbox)
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds

@@ -45,7 +45,7 @@ def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     adapters, rewards = [adapter(model)], []
     for step in range(STEPS):
         chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
-        batch = make_batch(cfg, policy, chosen, step, 0, None, {}, check_recorded=False)
+        batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
         loss, _, _ = micro_batch_loss(model, batch, cfg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)

@@ -531,7 +531,7 @@ def episode_step(chatty, step, *overrides):
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
         policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
         more = lambda r: prompts_of(tokenizer, answers=(str(3 + 2 * r), str(4 + 2 * r)))  # noqa: E731
-        return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step, sampler=0, sandbox=None,
+        return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step,
                                metrics_so_far={}, check_recorded=True, more_prompts=more)
     finally:
         pool.close()

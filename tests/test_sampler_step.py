@@ -75,7 +75,7 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     engine = FakeEngine()
     engine.load_weights(None, {"kind": "lora", "digest": "d3"}, 3)
     policy = SamplerPolicy(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
-    batch = make_batch(cfg, policy, prompts(), step=5, sampler=0, sandbox=None, metrics_so_far={"timing/x": 1.0},
+    batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={"timing/x": 1.0},
                        check_recorded=True)
     assert (batch.step, batch.policy_version, batch.weights_digest, batch.behaviour) == \
         (5, 3, "d3", {"sampling.temperature": 0.9})
@@ -90,8 +90,8 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     metrics = batch.meta["metrics"]
     assert metrics["sampler/engine_logp_gap_max"] == gap and metrics["timing/x"] == 1.0
 
-    recompute = make_batch(config("sampling.old_logps=recompute"), policy, prompts(), step=5, sampler=0,
-                           sandbox=None, metrics_so_far={}, check_recorded=False)
+    recompute = make_batch(config("sampling.old_logps=recompute"), policy, prompts(), step=5, metrics_so_far={},
+                           check_recorded=False)
     assert all(torch.equal(a, b) for a, b in zip(recompute.old_logps, recomputed))
 
 
@@ -117,7 +117,7 @@ def dynamic_batch(rounds, *overrides):
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3", *overrides)
     engine = ScriptedEngine()
     policy = SamplerPolicy(engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
-    batch = make_batch(cfg, policy, rounds[0], step=4, sampler=0, sandbox=None, metrics_so_far={},
+    batch = make_batch(cfg, policy, rounds[0], step=4, metrics_so_far={},
                        check_recorded=False, more_prompts=lambda r: rounds[r])
     return cfg, engine, batch
 
@@ -160,7 +160,7 @@ def test_without_dynamic_sampling_one_round_and_the_step_seed():
 def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_same_prompts():
     """Step g owns stream positions [g*B*R, (g+1)*B*R): a sampler that restarts at step 3 (a new
     cursor restored from the saved state) draws exactly what the uninterrupted one drew."""
-    from sampling_worker import round_prompts
+    from grpo.sampler_step import round_prompts
 
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
     prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4

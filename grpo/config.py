@@ -59,8 +59,6 @@ class LoraConfig:
     enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
     r: int = _f(16, "LoRA rank.")
     alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
-    dropout: float = _f(0.0, "LoRA dropout: must be 0 (dropout is off in every forward of both processes, so that "
-                             "a token's log-prob is the same function of the weights in each).")
     target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
 
 
@@ -109,7 +107,7 @@ class SamplingConfig:
                                              "prompts per step; short of informative groups after them, the batch is "
                                              "filled with dropped ones and sampling/dynamic_cap_hit is logged.")
     num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
-                             "scripts/launch.py sets it from launch.samplers). Together they make the batches one "
+                             "scripts/launch.py starts this many). Together they make the batches one "
                              "sampler would: global step g is made by sampler g % N.")
     worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
     vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
@@ -269,8 +267,6 @@ class LaunchConfig:
     vllm_python: str = _f(".venv-vllm/bin/python", "The Python scripts/launch.py runs a sampler with when "
                                                    "sampling.engine=vllm (make install-vllm builds it; relative to "
                                                    "the project). When it does not exist, the launcher's own Python.")
-    samplers: int = _f(1, "Sampler processes scripts/launch.py starts (sets sampling.num_workers and each "
-                          "sampling.worker_index); each gets its own GPU where there are enough, else a share of the cores.")
     max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both processes "
                                  "cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.")
 

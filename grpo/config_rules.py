@@ -95,47 +95,58 @@ def _choice_and_count_errors(cfg) -> list[str]:
 
 
 def _value_errors(cfg) -> list[str]:
-    errors, s, t = [], cfg.sampling, cfg.training
+    return (_sampling_errors(cfg.sampling, cfg.weights.publish_every) + _data_errors(cfg.data)
+            + _training_errors(cfg.training, cfg.lora.enabled) + _model_errors(cfg) + _process_errors(cfg))
+
+
+def _sampling_errors(s, publish_every: int) -> list[str]:
+    errors = []
     if not s.temperature > 0:
         errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
     if not 0 < s.top_p <= 1:
         errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
-    if not 0 <= s.worker_index < s.num_workers or cfg.launch.samplers < 1:
-        errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1 and launch.samplers >= 1; got "
-                      f"{s.worker_index}, {s.num_workers} and {cfg.launch.samplers}")
+    if not 0 <= s.worker_index < s.num_workers:
+        errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
+                      f"{s.worker_index} and {s.num_workers}")
     if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
         errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
                       f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
-    if t.reference_on == "trainer" and not cfg.lora.enabled:
-        errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
-                      "off; a full fine-tune would need a second copy of the model in every rank)")
-    if cfg.eval.every < 0:
-        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
-    if cfg.data.few_shot < 0:
-        errors.append(f"data.few_shot must be >= 0 (0 = none); got {cfg.data.few_shot}")
-    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
-
-    if cfg.data.few_shot > 0 and cfg.data.answer_format != "gsm8k" and not is_procedural(cfg.data.path):
-        errors.append(f"data.few_shot={cfg.data.few_shot} shows solved problems (GSM8K's worked solutions, or a "
-                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
-                      "set data.few_shot=0 for your own data")
-    if is_procedural(cfg.data.path):
-        try:
-            check_task(cfg.data.path, cfg.data.task_args)
-        except TaskError as e:
-            errors.append(str(e))
-    elif cfg.data.task_args:
-        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={cfg.data.path!r} is none "
-                      "(use data.path=reasoning-gym:<task>)")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
-    elif s.max_staleness < cfg.weights.publish_every - 1:  # step g needs a version >= g - max_staleness
+    elif s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
         errors.append(f"sampling.max_staleness={s.max_staleness} cannot hold with weights.publish_every="
-                      f"{cfg.weights.publish_every}: versions are published every {cfg.weights.publish_every} "
-                      f"steps, so a step may be {cfg.weights.publish_every - 1} versions behind; set "
-                      f"sampling.max_staleness >= {cfg.weights.publish_every - 1} or publish more often")
+                      f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
+                      f"{publish_every - 1} versions behind; set sampling.max_staleness >= {publish_every - 1} or "
+                      "publish more often")
+    return errors
+
+
+def _data_errors(d) -> list[str]:
+    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
+
+    errors = [f"data.few_shot must be >= 0 (0 = none); got {d.few_shot}"] if d.few_shot < 0 else []
+    if d.few_shot > 0 and d.answer_format != "gsm8k" and not is_procedural(d.path):
+        errors.append(f"data.few_shot={d.few_shot} shows solved problems (GSM8K's worked solutions, or a "
+                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
+                      "set data.few_shot=0 for your own data")
+    if is_procedural(d.path):
+        try:
+            check_task(d.path, d.task_args)
+        except TaskError as e:
+            errors.append(str(e))
+    elif d.task_args:
+        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={d.path!r} is none "
+                      "(use data.path=reasoning-gym:<task>)")
+    return errors
+
+
+def _training_errors(t, lora_enabled: bool) -> list[str]:
+    errors = []
+    if t.reference_on == "trainer" and not lora_enabled:
+        errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
+                      "off; a full fine-tune would need a second copy of the model in every rank)")
     if t.beta < 0:
         errors.append(f"training.beta must be >= 0; got {t.beta}")
     if t.learning_rate <= 0:
@@ -147,29 +158,38 @@ def _value_errors(cfg) -> list[str]:
         errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
     if t.clip_high < 0:
         errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
-    if cfg.rewards.timeout_s < 0:
-        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
     if t.max_bad_steps < 1:
         errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
-    if cfg.launch.max_minutes < 0:
-        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
-    if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
-        errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
-    if not 0 <= cfg.deepspeed.zero_stage <= 3:
-        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
     if t.importance_sampling != "none" and t.num_iterations != 1:
         errors.append(f"training.importance_sampling={t.importance_sampling} needs training.num_iterations=1 (the "
                       "proximal log-probs are the trainer's first forward of the step; keeping them for later passes "
                       f"is not built); got {t.num_iterations}")
     if not t.importance_sampling_cap > 0:
         errors.append(f"training.importance_sampling_cap must be > 0; got {t.importance_sampling_cap}")
-    if cfg.lora.dropout != 0:
-        errors.append(f"lora.dropout must be 0, got {cfg.lora.dropout}: with dropout the trainer's log-prob of a token "
-                      "is not the sampler's, and the importance ratio becomes noise")
+    return errors
+
+
+def _model_errors(cfg) -> list[str]:
+    errors = []
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:
         errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
+    return errors
+
+
+def _process_errors(cfg) -> list[str]:
+    errors = []
+    if cfg.eval.every < 0:
+        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
+    if cfg.rewards.timeout_s < 0:
+        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
+    if cfg.launch.max_minutes < 0:
+        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
+    if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
+        errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
+    if not 0 <= cfg.deepspeed.zero_stage <= 3:
+        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
     return errors
 
 

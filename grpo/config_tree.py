@@ -132,7 +132,7 @@ FOREIGN_NAMES = {
     "model_name_or_path": "model.name_or_path", "pretrain": "model.name_or_path", "model_name": "model.name_or_path",
     "torch_dtype": "model.dtype", "bf16": "model.dtype=bfloat16", "fp16": "model.dtype=float16",
     "use_peft": "lora.enabled", "lora_r": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha",
-    "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules",
+    "lora_dropout": "nothing: LoRA dropout is always off", "lora_target_modules": "lora.target_modules",
     "dataset_name": "data.path", "dataset": "data.path", "prompt_data": "data.path",
     "input_key": "data.prompt_column", "label_key": "data.answer_column",
     "output_dir": "run.dir", "run_name": "run.name", "save_steps": "checkpoint.every",
@@ -160,7 +160,17 @@ def suggestion(key: str, root: type) -> str | None:
     return close[0] if close[0] in keys else next(k for k in keys if k.rsplit(".", 1)[-1] == close[0])
 
 
+# keys this trainer had, and what does their job now
+REMOVED_KEYS = {
+    "launch.samplers": "use sampling.num_workers (the launcher starts that many samplers)",
+    "lora.dropout": "LoRA dropout is always off (a token's log-prob must be one function of the weights in both "
+                    "processes)",
+}
+
+
 def _unknown_key(key: str, root: type) -> str:
+    if key in REMOVED_KEYS:
+        return f"config key '{key}' is gone: {REMOVED_KEYS[key]}"
     hint = suggestion(key, root)
     hint = f"; did you mean {hint}?" if hint and " " in hint else f"; did you mean '{hint}'?" if hint else ""
     return f"unknown config key '{key}'{hint or '; see --help-config or docs/config.md for every key'}"

@@ -132,8 +132,8 @@ def add_lora(model, lora_cfg):
     """Wrap `model` in a PEFT LoRA adapter; only the adapter's parameters are trainable."""
     import peft
 
-    config = peft.LoraConfig(
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+    config = peft.LoraConfig(  # no dropout: a token's log-prob is one function of the weights in both processes
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0,
         target_modules=list(lora_cfg.target_modules), task_type="CAUSAL_LM",
     )
     try:

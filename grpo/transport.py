@@ -277,10 +277,6 @@ class BatchReceiver:
                                "set transport.address=tcp://127.0.0.1:<free port> for both processes (the launcher "
                                "picks a free one by itself)") from None
 
-    def receive(self, timeout_s: float) -> RolloutBatch:
-        """The next valid batch; TransportTimeout when none arrives within `timeout_s`."""
-        return self.receive_frames(timeout_s)[1]
-
     def receive_frames(self, timeout_s: float) -> tuple[list[bytes], RolloutBatch]:
         """The next valid message's frames (signature stripped) and its decoded batch."""
         deadline = time.monotonic() + timeout_s

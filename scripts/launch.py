@@ -96,7 +96,7 @@ def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int, sampl
 def make_plan(cfg, argv: list[str], gpus: int, cores: int, address: str, master_port: int) -> dict:
     """What the launcher starts (a pure function but for which Python a vLLM sampler runs with):
     per process its command and the environment variables it sets."""
-    samplers = cfg.launch.samplers
+    samplers = cfg.sampling.num_workers
     placed = placement(cfg.launch.trainer_ranks, cfg.launch.cpu_threads, gpus, cores, samplers)
     # every process gets the address: the workers' config.yaml in the run folder records it
     shared = [*argv, f"sampling.num_workers={samplers}", f"transport.address={address}"]

@@ -61,7 +61,7 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
                                                                                    tiny_gsm8k, samplers):
     proc = launch(tmp_path, digit_model_dir, tiny_gsm8k, f"training.steps={STEPS}", "sampling.max_staleness=0",
                   "sampling.group_size=8", "training.learning_rate=1e-3", "launch.trainer_ranks=2",
-                  f"weights.keep_last={STEPS}", f"launch.samplers={samplers}")
+                  f"weights.keep_last={STEPS}", f"sampling.num_workers={samplers}")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -111,7 +111,7 @@ CPU3 = "OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 CUDA_VISIBLE_DEVICES="
     (8, ["sampling.prompts_per_step=14"], "7 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6",
      "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6",
      {"sampler": ("engine hf, CUDA_VISIBLE_DEVICES=7", "CUDA_VISIBLE_DEVICES=7")}),
-    (8, ["sampling.prompts_per_step=12", "launch.samplers=2"], "6 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5",
+    (8, ["sampling.prompts_per_step=12", "sampling.num_workers=2"], "6 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5",
      "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5", {"sampler0": ("engine hf, CUDA_VISIBLE_DEVICES=6", "CUDA_VISIBLE_DEVICES=6"),
                                           "sampler1": ("engine hf, CUDA_VISIBLE_DEVICES=7", "CUDA_VISIBLE_DEVICES=7")}),
 ])

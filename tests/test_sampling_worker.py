@@ -68,7 +68,7 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
                          "training.steps=3", "training.reference_on=sampler")
     try:
-        first = receiver.receive(timeout_s=120)
+        first = receiver.receive_frames(timeout_s=120)[1]
         assert (first.step, first.policy_version) == (0, 0)
         assert first.ref_logps is not None and len(first.completion_ids) == 6
         assert set(first.meta["metrics"]) >= {"reward", "reward_std", "frac_reward_zero_std",
@@ -83,11 +83,11 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
                                      first.group_sizes)  # its value: tests/test_flops.py
         assert first.meta["metrics"]["perf/generation_model_gflop"] == pytest.approx(generated.total / 1e9)
         with pytest.raises(TransportTimeout):  # step 1 needs v1, which does not exist yet
-            receiver.receive(timeout_s=3)
+            receiver.receive_frames(timeout_s=3)[1]
 
         v1 = trained_adapter(tiny_model_dir, seed=1)
         publish(v1, tmp_path / "weights", version=1, step=1)
-        second = receiver.receive(timeout_s=60)
+        second = receiver.receive_frames(timeout_s=60)[1]
         assert (second.step, second.policy_version) == (1, 1)
         assert close(second.old_logps, logps_of(v1, second))  # generated and scored by v1
         with v1.disable_adapter():
@@ -100,9 +100,9 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
         path = version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors"
         path.write_bytes(path.read_bytes()[:-1] + b"\x00")
         with pytest.raises(TransportTimeout):
-            receiver.receive(timeout_s=3)
+            receiver.receive_frames(timeout_s=3)[1]
         publish(v2, tmp_path / "weights", version=2, step=2)
-        third = receiver.receive(timeout_s=60)
+        third = receiver.receive_frames(timeout_s=60)[1]
         assert (third.step, third.policy_version) == (2, 2)
         assert third.meta["metrics"]["sampler/weight_load_failures"] == 1.0
         assert close(third.old_logps, logps_of(v2, third))
@@ -122,11 +122,11 @@ def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_
     try:
         proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
                              "training.steps=3", "data.few_shot=2")
-        got = [receiver.receive(timeout_s=120) for _ in range(3)]
+        got = [receiver.receive_frames(timeout_s=120)[1] for _ in range(3)]
         assert proc.wait(timeout=60) == 0
         proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
                              "training.steps=5", "data.few_shot=2")
-        got += [receiver.receive(timeout_s=120) for _ in range(2)]
+        got += [receiver.receive_frames(timeout_s=120)[1] for _ in range(2)]
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
@@ -147,13 +147,13 @@ def test_old_logps_read_off_generation_are_the_serving_versions_and_checked_once
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
                          "training.steps=2", "sampling.old_logps=generation")
     try:
-        first = receiver.receive(timeout_s=120)
+        first = receiver.receive_frames(timeout_s=120)[1]
         v1 = trained_adapter(tiny_model_dir, seed=1)
         with v1.disable_adapter():  # v0: the adapter's B starts at zero, so v0 is the base model
             assert close(first.old_logps, logps_of(v1, first))
         assert first.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-5  # checked on the first step
         publish(v1, tmp_path / "weights", version=1, step=1)
-        second = receiver.receive(timeout_s=60)
+        second = receiver.receive_frames(timeout_s=60)[1]
         assert second.policy_version == 1 and close(second.old_logps, logps_of(v1, second))
         assert "sampler/engine_logp_gap_max" not in second.meta["metrics"]  # only once per start
         assert proc.wait(timeout=60) == 0
@@ -170,7 +170,7 @@ def test_embedded_model_streams_real_gsm8k_batches(tmp_path, gsm8k_data):
     proc = start_sampler(tmp_path, "smollm2-135m-instruct", gsm8k_data, address, "training.steps=1",
                          "sampling.max_new_tokens=24", "sampling.group_size=2", "sampling.prompts_per_step=1")
     try:
-        batch = receiver.receive(timeout_s=300)
+        batch = receiver.receive_frames(timeout_s=300)[1]
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()

@@ -33,7 +33,7 @@ def test_a_real_batch_through_real_sockets_arrives_bit_exact():
         for b in sent:
             sender.send(b)
         for b in sent:
-            assert_batches_equal(receiver.receive(timeout_s=10), b)
+            assert_batches_equal(receiver.receive_frames(timeout_s=10)[1], b)
     finally:
         sender.close()
         receiver.close()
@@ -130,7 +130,7 @@ def test_receiver_skips_garbage_and_keeps_working():
         raw.send_multipart([b"garbage"])
         raw.send_multipart(malformed_messages()["unknown schema"][0])
         raw.send_multipart(encode_batch(make_batch(step=4)))
-        batch = receiver.receive(timeout_s=10)
+        batch = receiver.receive_frames(timeout_s=10)[1]
         assert batch.step == 4 and receiver.rejected == 2
     finally:
         raw.close(linger=0)
@@ -143,7 +143,7 @@ def test_timeouts_name_the_address_and_what_to_check():
     receiver = BatchReceiver(address)
     try:
         with pytest.raises(TransportTimeout, match=f"no valid batch arrived on {address} in 0.2 s"):
-            receiver.receive(timeout_s=0.2)
+            receiver.receive_frames(timeout_s=0.2)[1]
     finally:
         receiver.close()
     sender = BatchSender(free_tcp_address(), high_water_mark=1, send_timeout_s=0.3)
@@ -178,7 +178,7 @@ def test_high_water_mark_applies_back_pressure():
         thread.start()
         thread.join(timeout=2.0)
         assert thread.is_alive() and len(sent) < 6  # blocked: nobody is receiving
-        got = [receiver.receive(timeout_s=10).step for _ in range(6)]
+        got = [receiver.receive_frames(timeout_s=10)[1].step for _ in range(6)]
         thread.join(timeout=10)
         assert got == list(range(6)) and sent == list(range(6))
     finally:
@@ -293,10 +293,10 @@ def test_the_secret_can_come_from_the_environment(monkeypatch):
     try:
         unsigned.send(make_batch(step=1))
         with pytest.raises(TransportTimeout):
-            receiver.receive(timeout_s=2)  # it arrives and is rejected
+            receiver.receive_frames(timeout_s=2)[1]  # it arrives and is rejected
         assert receiver.rejected == 1
         signed.send(make_batch(step=2))
-        assert receiver.receive(timeout_s=10).step == 2
+        assert receiver.receive_frames(timeout_s=10)[1].step == 2
     finally:
         for socket in (signed, unsigned, receiver):
             socket.close()

@@ -33,7 +33,7 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.behaviour import behaviour_of
-from grpo.config import ConfigError, help_requested, parse_cli, save_config
+from grpo.config import Config, ConfigError, help_requested, parse_cli, save_config
 from grpo.environments import environment_demonstration
 from grpo.environments.pool import IsolationError
 from grpo.episodes import TemplateRoleError, episode_runner
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- the steps of main
 
-def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
+def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
     fine-tune with beta > 0, the rollout engine, and the tokenised training prompts."""
     torch.manual_seed(cfg.seed)
@@ -129,7 +129,7 @@ def load_policy_and_prompts(cfg) -> tuple[SamplerPolicy, list]:
     return policy, prompts
 
 
-def evaluation_prompts(cfg, tokenizer) -> list:
+def evaluation_prompts(cfg: Config, tokenizer) -> list:
     """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
     problems, _ = load_split(cfg.data, cfg.eval.split)
     prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems],
@@ -139,7 +139,7 @@ def evaluation_prompts(cfg, tokenizer) -> list:
     return prompts
 
 
-def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
+def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
     trainer needs steps the spool no longer holds (grpo/delivery.py, rule 5). The loop seeks the
     cursor to each step's global position; a saved cursor still refuses other data or seed."""
@@ -157,7 +157,7 @@ def resume_position(cfg, state: SamplerState, spool: Spool, num_prompts: int, ru
     return cursor, start_step
 
 
-def weight_stagers(cfg, policy: SamplerPolicy) -> list:
+def weight_stagers(cfg: Config, policy: SamplerPolicy) -> list:
     """The HF engine generates with the scoring model itself; an engine with its own copy of the
     weights (vLLM) takes each version together with the scoring model (recomputed and reference
     log-probs), or neither does (grpo.weights.WeightWatcher)."""

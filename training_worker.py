@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
-from grpo.config import ConfigError, help_requested, parse_cli, save_config, to_dict
+from grpo.config import Config, ConfigError, TrainingConfig, help_requested, parse_cli, save_config, to_dict
 from grpo.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.flops import ModelShape, batch_step_flops
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     return code if failed else 0
 
 
-def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expected: dict,
+def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None", expected: dict,
           rank, world, device) -> str:
     """The loop, until `training.steps` are done, SIGTERM, or too many non-finite steps in a row
     (returned: what to tell the user; empty otherwise). A batch made with other settings than
@@ -137,7 +137,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
         timings["timing/publish_s"] = time.perf_counter() - t2
         if rank == 0:
             timings.update(perf_metrics(batch_step_flops(shape, batch, cfg), timings["timing/train_s"]))
-            io.metrics.write(step_row(cfg, state, batch, step_metrics, timings, learning_rate,
+            io.metrics.write(step_row(cfg.training, state, batch, step_metrics, timings, learning_rate,
                                       io.receiver.rejected, skipped_total))
         too_many_bad = bad_in_row >= cfg.training.max_bad_steps
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps or too_many_bad:
@@ -152,7 +152,7 @@ def train(cfg, engine, model, state: TrainerState, io: "RankZero | None", expect
 
 # ----------------------------------------------------------------------------- the steps of main
 
-def start_distributed(cfg) -> tuple[int, int, torch.device]:
+def start_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """Join the process group (nccl on GPUs, gloo on the CPU), set up logging and SIGTERM."""
     import deepspeed
 
@@ -168,7 +168,7 @@ def start_distributed(cfg) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def build_engine(cfg, model, world: int):
+def build_engine(cfg: Config, model, world: int):
     """The DeepSpeed engine around the policy-with-loss (no DeepSpeed scheduler: it would advance on
     skipped steps too; train() sets each step's rate from grpo/schedule.py)."""
     import deepspeed
@@ -182,7 +182,7 @@ def build_engine(cfg, model, world: int):
     return engine
 
 
-def resume(cfg, engine, model, rank: int) -> TrainerState:
+def resume(cfg: Config, engine, model, rank: int) -> TrainerState:
     """The checkpoint of checkpoint.resume, if any; its weights become the served version again and
     the versions published after it, which belong to the trajectory being redone, are removed. (A
     fresh start finds no versions: `claim_run_on_rank_zero` refused a used run folder.)"""
@@ -205,7 +205,7 @@ class StartRefused(RuntimeError):
     """The run cannot start: its folder or address (rank 0 says why), or more ranks than groups per step."""
 
 
-def claim_run_on_rank_zero(cfg, rank: int, world: int, device) -> tuple[BatchReceiver | None, object]:
+def claim_run_on_rank_zero(cfg: Config, rank: int, world: int, device) -> tuple[BatchReceiver | None, object]:
     """Before anything is loaded, rank 0 claims the run: the run's lock (held while this process
     lives: a second trainer or launch into a live run stops), the bound socket (a taken
     transport.address stops here), then the run folder (a fresh start into a used one refuses, or
@@ -247,7 +247,7 @@ class RankZero:
     metrics: MetricsLog
 
     @classmethod
-    def open(cls, cfg, state: TrainerState, receiver: BatchReceiver) -> "RankZero":
+    def open(cls, cfg: Config, state: TrainerState, receiver: BatchReceiver) -> "RankZero":
         inbox = Inbox(lambda timeout: keyed(receiver.receive_frames(timeout)), receiver.address,
                       stop=lambda: STOP["requested"], num_samplers=cfg.sampling.num_workers)
         state.incarnation = uuid.uuid4().hex[:12]
@@ -315,14 +315,14 @@ def perf_metrics(flops: dict[str, int], train_s: float) -> dict[str, float]:
             "perf/trainer_gflop_per_s": flops["model"] / 1e9 / max(train_s, 1e-9)}
 
 
-def step_row(cfg, state: TrainerState, batch, step_metrics: dict, timings: dict, learning_rate: float,
+def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, timings: dict, learning_rate: float,
              rejected: int, skipped_total: int) -> dict:
     """The metrics.jsonl row of the step just trained: the trainer's metrics and the sampler's."""
     completion_tokens = sum(len(c) for c in batch.completion_ids)
     row = {"step": state.step, "wall_time": time.time(), **step_metrics, "learning_rate": learning_rate,
            "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
            **timings, "trainer/completion_tokens": completion_tokens,
-           "trainer/tokens_per_s": completion_tokens * cfg.training.num_iterations / max(timings["timing/train_s"], 1e-9),
+           "trainer/tokens_per_s": completion_tokens * t.num_iterations / max(timings["timing/train_s"], 1e-9),
            "trainer/rejected_messages": rejected, "trainer/skipped_steps": skipped_total,
            "sampler/index": batch.sampler, "sampler_step": batch.step, **batch.meta.get("metrics", {})}  # the sampler's metrics, already namespaced
     log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs", state.step,

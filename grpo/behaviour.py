@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 from grpo.config import get_key
 from grpo.objective import Objective
 from grpo.staleness import too_stale
 from grpo.weights import INITIAL_DIGEST
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 # config keys that change the behaviour log-probs, which tokens the loss sees, or how stale a batch may be
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
@@ -37,7 +41,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def behaviour_of(cfg, tokenizer) -> dict:
+def behaviour_of(cfg: Config, tokenizer) -> dict:
     """What the sampler records in each batch header (and the trainer expects): the settings above,
     the tokenizer, and the objective the batch's loss tokens, denominators and advantages were made for."""
     return {**{key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}, "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -78,7 +82,7 @@ def check_weights_digest(version: int, digest: str, published: dict[int, set[str
 MANTISSA_BITS = {"float32": 24, "float16": 11, "bfloat16": 8}
 
 
-def uncorrected_precision_gap(cfg) -> str:
+def uncorrected_precision_gap(cfg: Config) -> str:
     """What to tell the user when the sampler computes in a lower precision than the trainer and
     no importance-sampling correction is on (empty otherwise): docs/results.md measured a mean
     log-prob gap of ~0.03 for a bfloat16 sampler against a float32 trainer."""

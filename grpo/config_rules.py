@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from typing import TYPE_CHECKING
 
 from grpo.config_tree import ConfigError, get_key
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 # Choices that no module of ours implements (they pick a process, DeepSpeed's backend, a log level):
 # the config owns these lists. Every other choice list belongs to the module that implements it.
@@ -61,7 +65,7 @@ def is_loopback_address(address: str) -> bool:
         return False
 
 
-def validate(cfg, problems: list[str] = ()):
+def validate(cfg: Config, problems: list[str] = ()):
     """All cross-field rules in one place, every error reported at once (after `problems`, those
     found while reading the file and overrides); fills the defaults that depend on other settings
     (the clip range follows training.use_gspo: the objective's defaults, recorded in the run's config)."""
@@ -76,7 +80,7 @@ def validate(cfg, problems: list[str] = ()):
     return cfg
 
 
-def _choice_and_count_errors(cfg) -> list[str]:
+def _choice_and_count_errors(cfg: Config) -> list[str]:
     errors = []
     for key, options in option_lists().items():
         if get_key(cfg, key) not in options:
@@ -94,7 +98,7 @@ def _choice_and_count_errors(cfg) -> list[str]:
     return errors
 
 
-def _value_errors(cfg) -> list[str]:
+def _value_errors(cfg: Config) -> list[str]:
     return (_sampling_errors(cfg.sampling, cfg.weights.publish_every) + _data_errors(cfg.data)
             + _training_errors(cfg.training, cfg.lora.enabled) + _model_errors(cfg) + _process_errors(cfg))
 
@@ -169,7 +173,7 @@ def _training_errors(t, lora_enabled: bool) -> list[str]:
     return errors
 
 
-def _model_errors(cfg) -> list[str]:
+def _model_errors(cfg: Config) -> list[str]:
     errors = []
     if cfg.lora.enabled and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
@@ -178,7 +182,7 @@ def _model_errors(cfg) -> list[str]:
     return errors
 
 
-def _process_errors(cfg) -> list[str]:
+def _process_errors(cfg: Config) -> list[str]:
     errors = []
     if cfg.eval.every < 0:
         errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
@@ -193,7 +197,7 @@ def _process_errors(cfg) -> list[str]:
     return errors
 
 
-def _reward_errors(cfg) -> list[str]:
+def _reward_errors(cfg: Config) -> list[str]:
     errors = []
     r = cfg.rewards
     if not r.names:
@@ -219,7 +223,7 @@ def _reward_errors(cfg) -> list[str]:
     return errors
 
 
-def _env_errors(cfg) -> list[str]:
+def _env_errors(cfg: Config) -> list[str]:
     e = cfg.env
     errors = [f"{key} must be > 0; got {get_key(cfg, key)}" for key in ("env.max_turns", "env.timeout_s")
               if not get_key(cfg, key) > 0]
@@ -235,7 +239,7 @@ def _env_errors(cfg) -> list[str]:
     return errors
 
 
-def _transport_errors(cfg) -> list[str]:
+def _transport_errors(cfg: Config) -> list[str]:
     errors = []
     tr = cfg.transport
     if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
@@ -247,7 +251,7 @@ def _transport_errors(cfg) -> list[str]:
     return errors
 
 
-def _run_errors(cfg) -> list[str]:
+def _run_errors(cfg: Config) -> list[str]:
     """How a run starts and where its trainer ranks find work."""
     from grpo.run_start import is_checkpoint_folder
 

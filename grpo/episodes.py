@@ -19,11 +19,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo.rollout import Rollouts
 from rewards.strict import reward_rows
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 log = logging.getLogger(__name__)
 MESSAGE, REPLY = "\ue000", "\ue001"  # private-use characters: markers no chat template holds
@@ -215,7 +219,7 @@ class EpisodeRunner:
         return True
 
 
-def episode_runner(cfg, tokenizer) -> EpisodeRunner | None:
+def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     """With env.name: the environments in their child process, and the runner of episodes."""
     if not cfg.env.name:
         return None

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from grpo.models import unwrap_causal_lm
 from grpo.shared_prefix import group_bounds
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 
 def _full_numel(weight: torch.Tensor) -> int:
@@ -116,7 +119,7 @@ def trainer_step_flops(shape: ModelShape, prompt_lens: Sequence[int], completion
     return {"model": model, "recomputed": passes * policy.head}
 
 
-def batch_step_flops(shape: ModelShape, batch, cfg) -> dict[str, int]:
+def batch_step_flops(shape: ModelShape, batch, cfg: Config) -> dict[str, int]:
     """`trainer_step_flops` of a received batch under the run's config: the reference pass is
     the trainer's when the sampler sent no reference log-probs and the KL term is on."""
     t = cfg.training

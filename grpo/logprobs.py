@@ -7,13 +7,16 @@ tokens go through the LM head, in chunks, so an [N, T, vocab] float32 tensor is 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.utils.checkpoint
 
 from grpo.models import unwrap_causal_lm
 from grpo.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 # A [chunk, vocab] float32 logits block under glibc's largest mmap threshold (32 MiB): freed, it
 # goes back to the heap and the next chunk reuses it. 1,024-row blocks (200 MB at a 49k vocab)
@@ -182,7 +185,7 @@ def unsupported_features(hf_config, shared_prefix: bool, max_tokens: int) -> lis
     return problems
 
 
-def check_supported(model, cfg) -> None:
+def check_supported(model, cfg: Config) -> None:
     """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong."""
     from grpo.sources import ModelError
 

@@ -12,10 +12,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo.sources import EMBEDDED_MODELS, ModelError, embedded_gguf_path, model_source
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +146,7 @@ def add_lora(model, lora_cfg):
         raise ModelError(f"lora.target_modules {lora_cfg.target_modules} do not fit this model: {e}") from None
 
 
-def load_policy(cfg, device: str | torch.device = "cpu"):
+def load_policy(cfg: Config, device: str | torch.device = "cpu"):
     """The trainable policy: the base model, wrapped in LoRA when `lora.enabled`."""
     model = load_model(cfg.model, device)
     return add_lora(model, cfg.lora) if cfg.lora.enabled else model

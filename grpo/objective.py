@@ -13,9 +13,12 @@ the worked numbers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 LEVELS = ("token", "sequence")
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
@@ -59,7 +62,7 @@ class Objective:
                 raise ValueError(f"{name} must be one of {options}; got {getattr(self, name)!r}")
 
     @classmethod
-    def of(cls, cfg) -> "Objective":
+    def of(cls, cfg: Config) -> "Objective":
         t = cfg.training
         clip_low, clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
         return cls(level="sequence" if t.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,

@@ -22,8 +22,12 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo.files import RunFolderError, aside_name
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -75,7 +79,7 @@ def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
     return found
 
 
-def refusal(cfg, found: list[str]) -> str:
+def refusal(cfg: Config, found: list[str]) -> str:
     """The one line that refuses a fresh start into a run folder holding `found`."""
     resume = cfg.checkpoint.resume
     why = ("checkpoint.resume=never" if resume == "never" else "there is no checkpoint to resume from"
@@ -85,7 +89,7 @@ def refusal(cfg, found: list[str]) -> str:
             "old contents aside into a dated folder")
 
 
-def planned_start(cfg) -> tuple[str, str]:
+def planned_start(cfg: Config) -> tuple[str, str]:
     """What a start would do with the run folder, changing nothing: ("resume" | "fresh" | "overwrite"
     | "refuse" | "in use", the same in words). `prepare_run_folder` decides the same way."""
     run_dir = Path(cfg.run_dir)
@@ -106,7 +110,7 @@ def planned_start(cfg) -> tuple[str, str]:
     return "refuse", refusal(cfg, found)
 
 
-def prepare_run_folder(cfg, held: bool = False) -> Path | None:
+def prepare_run_folder(cfg: Config, held: bool = False) -> Path | None:
     """Refuse a fresh start into a used run folder, or move its contents aside with run.overwrite;
     returns the folder they were moved to (None when nothing was moved). A resume changes nothing.
     `held`: the caller holds the run's lock (`hold_run_folder`); else it is taken for the check."""
@@ -126,7 +130,7 @@ def prepare_run_folder(cfg, held: bool = False) -> Path | None:
                                  "nothing was deleted: move them yourself or pick a new run.name") from None
 
 
-def hold_run_folder(cfg):
+def hold_run_folder(cfg: Config):
     """The trainer's claim on its run for as long as it runs: an open file holding the exclusive
     lock (keep it referenced). RunFolderInUse when another process holds it."""
     path = _lock_path(Path(cfg.run_dir))
@@ -145,7 +149,7 @@ def hold_run_folder(cfg):
     return f
 
 
-def in_use_message(cfg, holder: str) -> str:
+def in_use_message(cfg: Config, holder: str) -> str:
     return (f"run folder {cfg.run_dir} (run.name={cfg.run.name}) is in use by a running trainer (pid {holder}); "
             "stop it first, or pick a new run.name")
 
@@ -172,7 +176,7 @@ def _lock_path(run_dir: Path, create: bool = True) -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(run_dir: Path, cfg):
+def _exclusive(run_dir: Path, cfg: Config):
     """The run's lock for a check-and-move; RunFolderInUse when a running trainer holds it."""
     f = hold_run_folder(cfg)
     try:

@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from grpo.staleness import required_version
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.strict import checks_of, reward_rows, strict_rates
+
+if TYPE_CHECKING:
+    from grpo.config import Config, RewardsConfig, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
     metrics.update({"timing/previous_send_s": loop.previous_send_s,  # this batch's own send is not over when encoded
                     "timing/eval_s": evaluated["eval/seconds"] if evaluated else 0.0})
     g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
-    prompts_of_round = round_prompts(cfg, loop.cursor, loop.prompts, g)
+    prompts_of_round = round_prompts(cfg.sampling, loop.cursor, loop.prompts, g)
     batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step,
                        more_prompts=prompts_of_round)
     if evaluated:
@@ -109,10 +112,9 @@ def evaluate_if_due(evaluator, engine) -> dict | None:
     return result
 
 
-def round_prompts(cfg, cursor, prompts: list, g: int):
+def round_prompts(s: SamplingConfig, cursor, prompts: list, g: int):
     """round -> the prompts of that round of global step g: their stream positions are a function
     of g alone (grpo/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
-    s = cfg.sampling
     rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
 
     def prompts_of_round(r: int) -> list:
@@ -135,7 +137,7 @@ def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
              m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
 
 
-def make_engine(cfg, model, tokenizer) -> RolloutEngine:
+def make_engine(cfg: Config, model, tokenizer) -> RolloutEngine:
     """The configured rollout engine (sampling.engine); vLLM is imported only when selected."""
     if cfg.sampling.engine == "vllm":
         from grpo.rollout.vllm_engine import VllmEngine
@@ -146,14 +148,14 @@ def make_engine(cfg, model, tokenizer) -> RolloutEngine:
     return HFEngine(model, tokenizer, cfg.sampling)
 
 
-def step_seed(cfg, step: int) -> int:
+def step_seed(cfg: Config, step: int) -> int:
     """The seed of global step `step`: a re-run repeats it, and N samplers draw what one would."""
     return cfg.seed * 1_000_003 + step
 
 
-def reward_names(cfg) -> list[str]:
+def reward_names(r: RewardsConfig) -> list[str]:
     """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
-    return list(cfg.rewards.names) + ([OVERLONG] if cfg.rewards.overlong_buffer > 0 else [])
+    return list(r.names) + ([OVERLONG] if r.overlong_buffer > 0 else [])
 
 
 @dataclass
@@ -171,7 +173,7 @@ class Round:
     episodes: list | None = None  # grpo.episodes.Episode per sample, with env.name
 
 
-def generate_and_score(cfg, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
+def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
     t = time.perf_counter()
     G = cfg.sampling.group_size
     episodes = None
@@ -219,7 +221,7 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None)
 
 
-def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
+def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
     """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
     have differing rewards (grpo/dynamic_sampling.py); the metrics of that."""
     s = cfg.sampling
@@ -245,7 +247,7 @@ def sample_groups(cfg, policy: SamplerPolicy, prompts: list, more_prompts, step:
         "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
 
 
-def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
+def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
                     check_recorded: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, float | None]:
     """(old log-probs, reference log-probs or None, the largest gap between the engine's recorded
     log-probs and the recompute, or None when nothing was recomputed)."""
@@ -268,7 +270,7 @@ def policy_logprobs(cfg, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], 
     return (rollouts.logps if recorded else recomputed), ref_logps, gap
 
 
-def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
+def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
                check_recorded: bool, more_prompts=None) -> RolloutBatch:
     """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
     rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
@@ -296,7 +298,7 @@ def make_batch(cfg, policy: SamplerPolicy, prompts: list, step: int, metrics_so_
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
         old_logps=[x.float().cpu() for x in old_logps],
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
-        rewards=scores.per_function, reward_names=reward_names(cfg), advantages=advantages,
+        rewards=scores.per_function, reward_names=reward_names(cfg.rewards), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks)

@@ -11,11 +11,15 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo.delivery import TrainerState
 from grpo.evaluation import is_evaluation_row
 from grpo.files import write_atomically
 from grpo.weights import publish
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 
 class WriteFailed(RuntimeError):
@@ -89,7 +93,7 @@ class MetricsLog:
             self.tracker.finish()
 
 
-def publish_weights(model, cfg, version: int, rank: int) -> None:
+def publish_weights(model, cfg: Config, version: int, rank: int) -> None:
     """Rank 0 writes the adapter (or the full model); under ZeRO-3 every rank first takes part
     in gathering the partitioned parameters, so all ranks call this."""
     import deepspeed
@@ -101,7 +105,7 @@ def publish_weights(model, cfg, version: int, rank: int) -> None:
                 publish(model, cfg.weights_dir, version, version, cfg.weights.keep_last)
 
 
-def save_checkpoint(engine, cfg, state: TrainerState, rank: int) -> None:
+def save_checkpoint(engine, cfg: Config, state: TrainerState, rank: int) -> None:
     """DeepSpeed checkpoint (every rank) plus the trainer state the samplers resume from.
     DeepSpeed names a checkpoint in `latest` only once it is written whole."""
     ckpt_dir = cfg.run_dir / "checkpoints"

@@ -7,6 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ from grpo.objective import ADDITIVE, EXTREMES as LOSS_EXTREMES, Denominators, Ob
 from grpo.schedule import learning_rate_at
 from grpo.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 
+if TYPE_CHECKING:
+    from grpo.config import Config, TrainingConfig
+
 # sampler/trainer mismatch on the first pass, before any update of this step (TRL's names)
 MISMATCH_MEANS = ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
 REDUCE_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -26,7 +30,7 @@ EXTREMES = {**{key: REDUCE_OPS[how] for key, how in LOSS_EXTREMES.items()},
             "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
 
 
-def micro_batch_loss(model, mb: RolloutBatch, cfg, first_pass: bool = True, batch_completions: int | None = None,
+def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = True, batch_completions: int | None = None,
                      objective: Objective | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
     batch_completions: the whole batch's completions (default: `mb` is the whole batch); objective:
@@ -74,7 +78,7 @@ def mismatch_metrics(trainer_logps: torch.Tensor, behaviour_logps: torch.Tensor,
             "sampling/importance_sampling_ratio/max": ratio.max().item()}
 
 
-def reference_logps(model, mb: RolloutBatch, cfg) -> list[torch.Tensor]:
+def reference_logps(model, mb: RolloutBatch, cfg: Config) -> list[torch.Tensor]:
     """The reference policy's log-probs (the LoRA adapter off, no grad), computed here when the
     sampler leaves them to the trainer (training.reference_on=trainer)."""
     t = cfg.training
@@ -93,7 +97,7 @@ class PolicyObjective(torch.nn.Module):
     `mb=None` is the zero-loss forward of a rank with fewer micro-batches than the others.
     """
 
-    def __init__(self, policy: torch.nn.Module, cfg):
+    def __init__(self, policy: torch.nn.Module, cfg: Config):
         super().__init__()
         self.policy, self.cfg, self.objective = policy, cfg, Objective.of(cfg)
 
@@ -104,7 +108,7 @@ class PolicyObjective(torch.nn.Module):
                                 objective=self.objective)
 
 
-def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
+def dummy_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
     every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require."""
     logps = completion_logprobs(model, [batch.prompt_ids[0][:1]], [batch.completion_ids[0][:1]], [1],
@@ -112,7 +116,7 @@ def dummy_loss(model, batch: RolloutBatch, cfg) -> torch.Tensor:
     return logps[0].sum() * 0.0
 
 
-def clips_itself(cfg) -> bool:
+def clips_itself(cfg: Config) -> bool:
     """Plain float32 ZeRO-0: DeepSpeed would clip without reporting the norm, so SkippingAdamW clips."""
     return cfg.deepspeed.zero_stage == 0 and cfg.model.dtype == "float32"
 
@@ -154,12 +158,12 @@ class SkippingAdamW(torch.optim.AdamW):
         return None if self.skipped else super().step(closure)
 
 
-def make_optimizer(params, cfg) -> SkippingAdamW:
+def make_optimizer(params, cfg: Config) -> SkippingAdamW:
     return SkippingAdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay,
                          clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
 
 
-def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device, updates: int = 0) -> dict[str, float]:
+def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, device, updates: int = 0) -> dict[str, float]:
     """One optimizer update per pass over `batch` on this rank's share of it; the reduced metrics.
     `updates`: those applied before (the learning-rate clock); each pass sets its own rate, and
     "optimizer_updates" says how many passes applied theirs (a skipped pass does not count).
@@ -192,7 +196,7 @@ def train_step(engine, batch: RolloutBatch, cfg, rank: int, world: int, device, 
         forward_backward_s += time.perf_counter() - t
         t = time.perf_counter()
         optimizer.skipped = None
-        learning_rate = set_learning_rate(engine, cfg, updates + applied)
+        learning_rate = set_learning_rate(engine, cfg.training, updates + applied)
         engine.step()
         optimizer_s += time.perf_counter() - t
         pass_skipped = optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
@@ -256,7 +260,7 @@ class MetricSums:
         return out
 
 
-def metric_keys(cfg) -> list[str]:
+def metric_keys(cfg: Config) -> list[str]:
     """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
     return Objective.of(cfg).metric_names() + list(MISMATCH_MEANS)
 
@@ -284,7 +288,7 @@ def release_deepspeed_shm() -> None:
     (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
-def deepspeed_config(cfg, world_size: int) -> dict:
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed config: one 'sample' per rank and step; train_step sets the accumulation
     boundary itself, since the number of micro-batches changes from batch to batch."""
     config = {
@@ -302,10 +306,9 @@ def deepspeed_config(cfg, world_size: int) -> dict:
     return _merge(config, cfg.deepspeed.config)
 
 
-def set_learning_rate(engine, cfg, updates: int) -> float:
+def set_learning_rate(engine, t: TrainingConfig, updates: int) -> float:
     """The schedule's rate for the update after `updates` applied ones, set on the optimizer that steps.
     The schedule runs over every update of the run: training.steps batches x num_iterations passes."""
-    t = cfg.training
     rate = learning_rate_at(updates, t.learning_rate, t.lr_schedule, t.warmup_steps, t.steps * t.num_iterations,
                             t.min_lr_ratio)
     for group in base_optimizer(engine).param_groups:

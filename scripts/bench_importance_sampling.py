@@ -18,8 +18,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -27,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def default_batch(cfg, model):
+def default_batch(cfg: Config, model):
     """One sampler step of `model` (HF engine) on the first prompts_per_step train problems after
     the few-shot ones: the real batch the trainer benchmarks here work on."""
     from data.problems import load_split

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,10 +36,13 @@ from grpo.logprobs import completion_logprobs  # noqa: E402
 from grpo.models import load_policy, load_tokenizer  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine, left_pad  # noqa: E402
 
+if TYPE_CHECKING:
+    from grpo.config import Config
+
 VARIANTS = ("multinomial + recompute", "inverse-CDF + recompute", "inverse-CDF + recorded")
 
 
-def setup(cfg) -> tuple:
+def setup(cfg: Config) -> tuple:
     """The policy with a trained-looking adapter, its tokenizer, and the first prompts' token ids."""
     torch.manual_seed(0)
     model = load_policy(cfg).eval()

@@ -43,6 +43,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -234,7 +238,7 @@ def run_trl(workload: str, args, overrides: list[str], folder: Path, name: str =
     return {**measured, **result}
 
 
-def trl_prompt_rows(cfg, steps: int) -> list[dict]:
+def trl_prompt_rows(cfg: Config, steps: int) -> list[dict]:
     """The prompts our sampler would take in `steps` steps, as TRL's dataset rows: plain text that
     TRL tokenizes to exactly our token ids, and the row our rewards get, as JSON (TRL passes the
     columns to reward functions; one string column holds any dataset's row)."""
@@ -273,7 +277,7 @@ def trl_reward(name: str, prefill: str):
     return reward
 
 
-def trl_trainer(cfg, rows: list[dict], output_dir: Path, max_steps: int, callbacks: list):
+def trl_trainer(cfg: Config, rows: list[dict], output_dir: Path, max_steps: int, callbacks: list):
     """TRL's GRPOTrainer with our settings (model, LoRA, G, lengths, learning rate, beta, loss,
     rewards), on `rows` in their order."""
     from datasets import Dataset

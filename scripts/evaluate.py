@@ -31,7 +31,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
-from grpo.config import ConfigError, parse_cli  # noqa: E402
+from grpo.config import Config, ConfigError, parse_cli  # noqa: E402
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.environments import environment_demonstration  # noqa: E402
@@ -45,7 +45,7 @@ from grpo.weights import MANIFEST, WeightsError, load_into, verify  # noqa: E402
 from rewards.strict import checks_of  # noqa: E402
 
 
-def load_evaluated_model(cfg, weights: Path | None, device):
+def load_evaluated_model(cfg: Config, weights: Path | None, device):
     """The base model, or the base model with published / PEFT weights applied."""
     base = load_model(cfg.model, device)
     if weights is None:
@@ -60,7 +60,7 @@ def load_evaluated_model(cfg, weights: Path | None, device):
     return PeftModel.from_pretrained(base, str(weights)).eval()
 
 
-def evaluate(cfg, weights: Path | None, limit: int | None, batch_size: int, split: str) -> tuple[dict, list]:
+def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: int, split: str) -> tuple[dict, list]:
     """The summary and the scored samples (grpo/evaluation.py: the same function as the
     evaluation during training)."""
     device = resolve_device(cfg.sampling.device)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from grpo.config import ConfigError, to_dict  # noqa: E402
+from grpo.config import Config, ConfigError, to_dict  # noqa: E402
 from grpo.files import aside_name  # noqa: E402
 from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root  # noqa: E402
 from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
@@ -69,7 +69,7 @@ def check_out(out: Path, run_dir: Path, force: bool) -> None:
                           f"(an earlier export is replaced, anything else is moved aside to {out.name}.replaced-<date>)")
 
 
-def write_lora(tmp: Path, folder: Path, cfg, merge: bool, dtype: str = "float32") -> str:
+def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "float32") -> str:
     """The adapter as published, pointed at a loadable base; or (merge) the merged full model: merged
     in float32 (a bfloat16 weight would round away most of a small LoRA update), saved in `dtype`."""
     if not merge:
@@ -99,7 +99,7 @@ def write_full(tmp: Path, folder: Path) -> str:
     return "transformers"
 
 
-def base_paragraph(cfg, library: str) -> str:
+def base_paragraph(cfg: Config, library: str) -> str:
     """Which base model the export came from, and where adapter_config.json points."""
     base_path, is_hub = base_reference(cfg.model)
     name = cfg.model.name_or_path
@@ -114,7 +114,7 @@ def base_paragraph(cfg, library: str) -> str:
     return text + "."
 
 
-def settings_table(cfg, step: int) -> str:
+def settings_table(cfg: Config, step: int) -> str:
     t, lora = cfg.training, cfg.lora
     rows = [("algorithm", "GSPO" if t.use_gspo else "GRPO"), ("learning rate", f"{t.learning_rate:g} ({t.lr_schedule})"),
             ("group size", cfg.sampling.group_size), ("prompts per step", cfg.sampling.prompts_per_step),
@@ -126,7 +126,7 @@ def settings_table(cfg, step: int) -> str:
     return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
-def usage_code(cfg, library: str) -> list[str]:
+def usage_code(cfg: Config, library: str) -> list[str]:
     """A Python snippet that loads the export and answers one question in the training prompt format."""
     load = ([f'base = AutoModelForCausalLM.from_pretrained("{base_reference(cfg.model)[0]}")',
              'model = PeftModel.from_pretrained(base, "DIR")'] if library == "peft"
@@ -144,7 +144,7 @@ def usage_code(cfg, library: str) -> list[str]:
             "print(tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True))", "```"]
 
 
-def model_card(cfg, run_dir: Path, manifest: dict, library: str) -> str:
+def model_card(cfg: Config, run_dir: Path, manifest: dict, library: str) -> str:
     """README.md: front matter for the Hub, what was trained how, its evaluation, how to use it."""
     is_hub = base_reference(cfg.model)[1]
     front = {**({"base_model": cfg.model.name_or_path} if is_hub else {}), "library_name": library,
@@ -198,7 +198,7 @@ def save_tokenizer(model_cfg, tmp: Path) -> None:
         path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
-def training_config_yaml(cfg) -> str:
+def training_config_yaml(cfg: Config) -> str:
     """The resolved config, without the transport secret (the folder is meant to be shared)."""
     tree = to_dict(cfg)
     if tree["transport"].get("secret"):

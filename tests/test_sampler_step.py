@@ -165,14 +165,14 @@ def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_s
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
     prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4
     cursor = PromptCursor(len(prompts), cfg.seed)
-    drawn = {(g, r): round_prompts(cfg, cursor, prompts, g)(r) for g in range(6) for r in (0, 2, 1)}
+    drawn = {(g, r): round_prompts(cfg.sampling, cursor, prompts, g)(r) for g in range(6) for r in (0, 2, 1)}
     stream = [i for epoch in range(3) for i in torch.randperm(25, generator=torch.Generator().manual_seed(
         cfg.seed * 1_000_003 + epoch)).tolist()]
     for (g, r), chosen in drawn.items():
         assert [p.problem.id for p in chosen] == [prompts[i].problem.id for i in stream[(g * 3 + r) * 2:][:2]]
     restored = PromptCursor(len(prompts), cfg.seed)
     restored.load_state_dict(cursor.state_dict())
-    assert all(round_prompts(cfg, restored, prompts, g)(r) == drawn[g, r] for g in (3, 5) for r in range(3))
+    assert all(round_prompts(cfg.sampling, restored, prompts, g)(r) == drawn[g, r] for g in (3, 5) for r in range(3))
 
 
 def test_every_prompt_of_every_step_gets_its_own_block_of_seeds():

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from grpo.models import resolve_model_path
 from grpo.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.weights import INITIAL_DIGEST, Staged
+
+if TYPE_CHECKING:
+    from grpo.config import Config
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
@@ -40,7 +43,7 @@ class VllmUnavailable(RuntimeError):
     """vLLM is not installed, or cannot serve this configuration."""
 
 
-def engine_arguments(cfg, cuda: bool, available_bytes: int) -> dict:
+def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
     s = cfg.sampling
     if s.old_logps == "generation" and (s.top_p < 1 or s.top_k > 0):
@@ -82,7 +85,7 @@ def cpu_threads_environment(allowed_cpus: list[int], threads: int, environ) -> d
 class VllmEngine:
     """The `RolloutEngine` on vLLM, with its own copy of the weights."""
 
-    def __init__(self, cfg, eos_ids: list[int]):
+    def __init__(self, cfg: Config, eos_ids: list[int]):
         try:
             import vllm
         except ImportError:

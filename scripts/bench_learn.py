@@ -106,7 +106,7 @@ def published_versions(folder: Path) -> list[tuple[float, str]]:
 def run_trl(config: Path, minutes: float, marks: list[float], overrides: list[str], folder: Path) -> dict[float, str | None]:
     """TRL's GRPOTrainer for `minutes` in its own process; the adapter at each mark."""
     from grpo.config import parse_cli
-    from bench_vs_trl import trl_prompt_rows
+    from trl_recipe import trl_prompt_rows
 
     cfg = parse_cli(["--config", str(config), *overrides])
     rows_file = folder / "trl-rows.json"
@@ -128,7 +128,7 @@ def trl_worker(rows_file: Path, config: Path, minutes: float, marks: list[float]
     from transformers import TrainerCallback
 
     from grpo.config import parse_cli
-    from bench_vs_trl import trl_trainer
+    from trl_recipe import trl_trainer
 
     cfg = parse_cli(["--config", str(config), *overrides])
     snapshots = out.parent / "trl-snapshots"

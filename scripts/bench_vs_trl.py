@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,10 +42,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from grpo.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +52,6 @@ WORKLOADS = {
     "long": ["data.few_shot=4", "sampling.prompts_per_step=2", "sampling.group_size=8",
              "sampling.max_new_tokens=64", "data.max_prompt_tokens=2048"],
 }
-TRL_MICRO_BATCH_GROUPS = 2  # groups per TRL micro-batch (ours: training.max_tokens_per_micro_batch)
 SAMPLER_TIMINGS = ["timing/weights_wait_s", "timing/generate_s", "timing/rewards_s", "timing/logprobs_s",
                    "timing/previous_send_s"]
 TRAINER_TIMINGS = ["timing/wait_s", "timing/forward_backward_s", "timing/optimizer_s", "timing/publish_s"]
@@ -238,82 +232,6 @@ def run_trl(workload: str, args, overrides: list[str], folder: Path, name: str =
     return {**measured, **result}
 
 
-def trl_prompt_rows(cfg: Config, steps: int) -> list[dict]:
-    """The prompts our sampler would take in `steps` steps, as TRL's dataset rows: plain text that
-    TRL tokenizes to exactly our token ids, and the row our rewards get, as JSON (TRL passes the
-    columns to reward functions; one string column holds any dataset's row)."""
-    from data.cursor import PromptCursor
-    from data.problems import load_split
-    from data.prompts import build_prompts, few_shot_examples, prompt_text
-    from grpo.models import load_tokenizer
-    from rewards.strict import reward_rows
-
-    tokenizer = load_tokenizer(cfg.model)
-    problems, _ = load_split(cfg.data, cfg.data.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems)
-    shots = few_shot_examples(cfg.data, cfg.data.few_shot)
-    cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
-    chosen = [prompts[i] for _ in range(steps) for i in cursor.take(cfg.sampling.prompts_per_step)]
-    rows = []
-    for p, row in zip(chosen, reward_rows([p.problem for p in chosen])):
-        text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots,
-                           p.problem.messages)
-        if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt
-            raise SystemExit(f"TRL would see other prompt tokens than ours for {p.problem.id}")
-        rows.append({"prompt": text, "row": json.dumps(row)})
-    return rows
-
-
-def trl_reward(name: str, prefill: str):
-    """One of our reward functions in TRL's form; ours score the prefill + completion with the row."""
-    from rewards import get_reward
-
-    function = get_reward(name)  # the row form: fn(completion, row)
-
-    def reward(completions, row, **_):
-        return [function(prefill + c, json.loads(r)) for c, r in zip(completions, row)]
-
-    reward.__name__ = name
-    return reward
-
-
-def trl_trainer(cfg: Config, rows: list[dict], output_dir: Path, max_steps: int, callbacks: list):
-    """TRL's GRPOTrainer with our settings (model, LoRA, G, lengths, learning rate, beta, loss,
-    rewards), on `rows` in their order."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer
-
-    from grpo.models import load_model, load_tokenizer
-
-    s, t = cfg.sampling, cfg.training
-    if t.aggregation not in ("grpo", "dapo", "dr_grpo") or t.use_gspo or t.num_iterations != 1:
-        raise SystemExit("the TRL side is set up for GRPO with num_iterations 1 and the grpo/dapo/dr_grpo losses")
-    # one optimizer step per step of ours (prompts_per_step groups, generated at once), in micro-batches
-    # of TRL_MICRO_BATCH_GROUPS groups as our trainer packs them: the whole step in one micro-batch
-    # took TRL past 24 GiB at 8 groups of ~170 tokens
-    micro_groups = math.gcd(s.prompts_per_step, TRL_MICRO_BATCH_GROUPS)
-    trl_args = GRPOConfig(  # in bfloat16 (model.dtype) both its weights and Trainer's bf16 mode (autocast)
-        output_dir=str(output_dir), use_cpu=True, bf16=cfg.model.dtype == "bfloat16", fp16=False, seed=cfg.seed,
-        per_device_train_batch_size=micro_groups * s.group_size,
-        gradient_accumulation_steps=s.prompts_per_step // micro_groups,
-        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=t.beta, loss_type=t.aggregation,
-        epsilon=t.clip_low, epsilon_high=t.clip_high, scale_rewards=t.advantage_scale,
-        mask_truncated_completions=t.mask_truncated_completions, reward_weights=list(cfg.rewards.weights),
-        max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        shuffle_dataset=False, dataloader_num_workers=0,
-        # TRL turns it on by default; ours recomputes nothing unless model.gradient_checkpointing
-        gradient_checkpointing=cfg.model.gradient_checkpointing)
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
-    return GRPOTrainer(model=load_model(cfg.model, "cpu"),
-                       reward_funcs=[trl_reward(n, cfg.data.prefill) for n in cfg.rewards.names],
-                       args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(cfg.model),
-                       peft_config=lora, callbacks=callbacks)
-
-
 def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: list[str]) -> None:
     """Runs in the TRL subprocess: GRPOTrainer with our settings, prompts and rewards."""
     import torch
@@ -333,6 +251,8 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
                 self.steps.append({"step": state.global_step, "end_time": time.time(),
                                    "completion_tokens": round(logs["completions/mean_length"] * s.prompts_per_step
                                                               * s.group_size)})
+
+    from trl_recipe import trl_prompt_rows, trl_trainer
 
     callback = StepTimes()
     trainer = trl_trainer(cfg, trl_prompt_rows(cfg, steps), out.parent / f"trl-{workload}", steps, [callback])
@@ -363,26 +283,14 @@ def table(workload: str, results: dict, args) -> str:
                  f"generation {ours['generation_gflop_per_s'] / one:.0%} (of {ceiling['per_process_threads']} thread(s), "
                  f"busy time), end to end {ours['end_to_end_gflop_per_s'] / every:.0%} (of {ceiling['cores']}, wall time)")
     if "variant" in results:
-        variant = results["variant"]
-        lines.append(f"ours with {' '.join(args.variant)}: tokens/s {variant['completion_tokens_per_s']:.2f}, "
-                     f"x{variant['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} ours, "
-                     f"x{variant['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f} TRL; step "
-                     f"{variant['median_step_s']:.2f} s; MFU trainer {variant['trainer_gflop_per_s'] / one:.0%}, generation "
-                     f"{variant['generation_gflop_per_s'] / one:.0%}, end to end {variant['end_to_end_gflop_per_s'] / every:.0%}; "
-                     f"sampler busy {variant['sampler_busy_s']:.2f} s, trainer busy {variant['trainer_busy_s']:.2f} s; "
-                     f"peak RSS {variant['peak_rss'] / 2**20:.0f} MiB")
+        lines.append(variant_line(f"ours with {' '.join(args.variant)}", results["variant"], ours, trl, one, every))
     if "sync" in results:
         sync = results["sync"]
         lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
                      f"({ours['completion_tokens_per_s']:.2f} vs {sync['completion_tokens_per_s']:.2f}), step time "
                      f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
     if "bf16" in results:
-        bf16 = results["bf16"]
-        lines.append(f"ours in bfloat16 (model.dtype=bfloat16): tokens/s "
-                     f"{bf16['completion_tokens_per_s']:.2f}, x{bf16['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} "
-                     f"ours in float32; step {bf16['median_step_s']:.2f} s; peak RSS {bf16['peak_rss'] / 2**20:.0f} MiB "
-                     f"(x{bf16['peak_rss'] / ours['peak_rss']:.2f}); sampler busy {bf16['sampler_busy_s']:.2f} s, trainer busy "
-                     f"{bf16['trainer_busy_s']:.2f} s")
+        lines.append(variant_line("ours in bfloat16 (model.dtype=bfloat16)", results["bf16"], ours, trl, one, every))
     if "trl_bf16" in results:  # like for like: both in bfloat16
         bf16, trl16 = results["bf16"], results["trl_bf16"]
         lines.append(f"TRL in bfloat16 (its weights in bf16, GRPOConfig bf16=True): tokens/s "
@@ -400,6 +308,15 @@ def table(workload: str, results: dict, args) -> str:
     lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, trainer busy {ours['trainer_busy_s']:.2f} s, "
                  f"step / max(busy) = {ours['overlap_efficiency']:.2f}")
     return "\n".join(lines)
+
+
+def variant_line(label: str, r: dict, ours: dict, trl: dict, one: float, every: float) -> str:
+    """A variant of ours against ours and TRL: throughput, step time, MFU, busy times, memory."""
+    return (f"{label}: tokens/s {r['completion_tokens_per_s']:.2f}, x{r['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} "
+            f"ours, x{r['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f} TRL; step {r['median_step_s']:.2f} s; "
+            f"MFU trainer {r['trainer_gflop_per_s'] / one:.0%}, generation {r['generation_gflop_per_s'] / one:.0%}, end to end "
+            f"{r['end_to_end_gflop_per_s'] / every:.0%}; sampler busy {r['sampler_busy_s']:.2f} s, trainer busy "
+            f"{r['trainer_busy_s']:.2f} s; peak RSS {r['peak_rss'] / 2**20:.0f} MiB (x{r['peak_rss'] / ours['peak_rss']:.2f})")
 
 
 def main(argv: list[str]) -> int:

@@ -43,8 +43,8 @@ from grpo.files import RunFolderError, ensure_writable
 from grpo.logprobs import check_supported
 from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.sampler_step import SamplerLoop, SamplerPolicy, make_engine, run_step
-from grpo.sampling import SamplerState, wait_for_version
-from grpo.staleness import oldest_version
+from grpo.sampler_state import SamplerState
+from grpo.staleness import oldest_version, wait_for_version
 from grpo.sources import SourceError
 from grpo.transport import BatchSender
 from grpo.weights import WeightWatcher, into_model

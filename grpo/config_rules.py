@@ -27,7 +27,7 @@ def option_lists() -> dict[str, tuple]:
     from data.problems import ANSWER_FORMATS
     from grpo.models import DTYPES
     from grpo.rollout import ENGINES
-    from grpo.sampling import OLD_LOGPS_SOURCES
+    from grpo.logprobs import OLD_LOGPS_SOURCES
     from grpo.schedule import SCHEDULES
     from grpo.tracking import TRACKERS, WANDB_MODES
     from grpo.environments.pool import NETWORK_MODES

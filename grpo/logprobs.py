@@ -18,6 +18,8 @@ from grpo.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_gr
 if TYPE_CHECKING:
     from grpo.config import Config
 
+OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps (grpo/sampler_step.policy_logprobs)
+
 # A [chunk, vocab] float32 logits block under glibc's largest mmap threshold (32 MiB): freed, it
 # goes back to the heap and the next chunk reuses it. 1,024-row blocks (200 MB at a 49k vocab)
 # were mapped and unmapped each time; the page faults cost the trainer ~10% of its step in the

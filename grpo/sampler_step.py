@@ -25,8 +25,8 @@ from grpo.flops import ModelShape, generation_flops
 from grpo.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
 from grpo.rollout import RolloutEngine, Rollouts
-from grpo.sampling import sampler_metrics, wait_for_version
-from grpo.staleness import required_version
+from grpo.sampler_metrics import sampler_metrics
+from grpo.staleness import required_version, wait_for_version
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.strict import checks_of, reward_rows, strict_rates
@@ -67,7 +67,7 @@ class SamplerLoop:
     redelivery: Any  # grpo.delivery.Redelivery
     sender: Any  # grpo.transport.BatchSender
     spool: Any  # grpo.delivery.Spool
-    state: Any  # grpo.sampling.SamplerState
+    state: Any  # grpo.sampler_state.SamplerState
     evaluator: Any | None  # grpo.evaluation.TrainingEvaluator on sampler 0 with eval.every
     start_step: int
     previous_send_s: float = 0.0

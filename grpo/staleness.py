@@ -1,8 +1,14 @@
 """The staleness rule, in one place: global step g may be generated with weights v >= g - s
-(s = sampling.max_staleness). The sampler waits for such a version, and the trainer refuses a
-batch whose version is further behind the policy it is about to update (docs/architecture.md)."""
+(s = sampling.max_staleness). The sampler waits for such a version (`wait_for_version`), and the
+trainer refuses a batch whose version is further behind the policy it is about to update
+(docs/architecture.md)."""
 
 from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
 
 
 def oldest_version(step: int, max_staleness: int) -> int:
@@ -22,3 +28,28 @@ def required_version(step: int, max_staleness: int, publish_every: int) -> int:
 def too_stale(batch_version: int, trainer_version: int, max_staleness: int) -> bool:
     """Whether a batch made with `batch_version` is too old for the trainer at `trainer_version`."""
     return batch_version < oldest_version(trainer_version, max_staleness)
+
+
+class StalenessTimeout(TimeoutError):
+    """The trainer did not publish the weights the next step needs in time."""
+
+
+def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None) -> None:
+    """Poll the weights folder, loading new versions, until `watcher.version >= needed`;
+    `on_poll()` runs at each poll (the sampler re-sends spooled batches to a restarted trainer)."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        if on_poll is not None:
+            on_poll()
+        watcher.poll()
+        if watcher.version >= needed:
+            return
+        if not announced:
+            log.info("waiting for weights v%d (have v%d)", needed, watcher.version)
+            announced = True
+        if time.monotonic() > deadline:
+            raise StalenessTimeout(
+                f"no weights v{needed} in {watcher.root} after {timeout_s:g} s (have v{watcher.version}); "
+                "is training_worker.py running and publishing? (sampling.wait_timeout_s)")
+        time.sleep(poll_s)

@@ -40,8 +40,7 @@ from grpo.batch import RolloutBatch  # noqa: E402
 from grpo.behaviour import behaviour_of  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.delivery import global_step, steps_of_sampler  # noqa: E402
-from grpo.sampling import wait_for_version  # noqa: E402
-from grpo.staleness import required_version  # noqa: E402
+from grpo.staleness import required_version, wait_for_version  # noqa: E402
 from grpo.ports import free_local_port  # noqa: E402
 from grpo.transport import BatchSender  # noqa: E402
 from grpo.weights import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from grpo import models, objective, rollout, sampling
+from grpo import logprobs, models, objective, rollout
 from grpo.config import option_lists
 from conftest import REPO
 
@@ -38,5 +38,5 @@ def test_each_choice_is_validated_against_the_list_its_implementing_module_owns(
     assert lists["training.kl_estimator"] is objective.KL_ESTIMATORS
     assert lists["training.advantage_scale"] is objective.ADVANTAGE_SCALES
     assert lists["sampling.engine"] is rollout.ENGINES
-    assert lists["sampling.old_logps"] is sampling.OLD_LOGPS_SOURCES
+    assert lists["sampling.old_logps"] is logprobs.OLD_LOGPS_SOURCES
     assert lists["model.dtype"] == tuple(models.DTYPES)

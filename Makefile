@@ -62,11 +62,11 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 bench-trl: $(BENCH_STAMP)
-	$(PY) scripts/bench_vs_trl.py $(ARGS)
+	$(PY) scripts/benchmarks/bench_vs_trl.py $(ARGS)
 
 # time to quality: ours and TRL for the same wall-clock budget, held-out accuracy at fixed marks
 bench-learn: $(BENCH_STAMP)
-	$(PY) scripts/bench_learn.py $(ARGS)
+	$(PY) scripts/benchmarks/bench_learn.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

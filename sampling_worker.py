@@ -4,14 +4,14 @@
 
 One loop, one step per training step k (with N samplers, sampler i makes the global steps
 g = i, i + N, i + 2N, ...: prompts, seeds and the staleness gate follow g, so N samplers make
-the batches one sampler would; grpo/delivery.py):
+the batches one sampler would; grpo/wire/delivery.py):
   wait until weights v >= g - max_staleness are loaded -> take B prompts -> G completions each
   -> rewards (per function and weighted) -> group-relative advantages -> old log-probs (the
   generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
   and training.reference_on=sampler) with the shared-prefix forward at the sampling
   temperature -> spool and send the RolloutBatch -> save the data cursor (after the send, so a
-  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler_step.py;
-  delivery (spool, re-sending to a restarted trainer): grpo/delivery.py.
+  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler/step.py;
+  delivery (spool, re-sending to a restarted trainer): grpo/wire/delivery.py.
 
 Old log-probs: `sampling.old_logps=recompute` runs the forward the trainer uses, so the
 importance ratio is exactly 1 for on-policy data; `generation` uses the log-probs the engine
@@ -32,22 +32,22 @@ import torch
 from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
-from grpo.behaviour import behaviour_of
+from grpo.wire.behaviour import behaviour_of
 from grpo.config import Config, ConfigError, help_requested, parse_cli, save_config
 from grpo.environments import environment_demonstration
 from grpo.environments.pool import IsolationError
-from grpo.episodes import TemplateRoleError, episode_runner
-from grpo.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
-from grpo.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
+from grpo.sampler.episodes import TemplateRoleError, episode_runner
+from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
+from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
-from grpo.logprobs import check_supported
-from grpo.models import add_lora, load_model, load_tokenizer, resolve_device
-from grpo.sampler_step import SamplerLoop, SamplerPolicy, make_engine, run_step
-from grpo.sampler_state import SamplerState
-from grpo.staleness import oldest_version, wait_for_version
+from grpo.model.logprobs import check_supported
+from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
+from grpo.sampler.step import SamplerLoop, SamplerPolicy, make_engine, run_step
+from grpo.sampler.state import SamplerState
+from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.sources import SourceError
-from grpo.transport import BatchSender
-from grpo.weights import WeightWatcher, into_model
+from grpo.wire.transport import BatchSender
+from grpo.wire.weights import WeightWatcher, into_model
 from rewards.sandbox import RewardSandbox
 from rewards.strict import checks_of
 
@@ -141,7 +141,7 @@ def evaluation_prompts(cfg: Config, tokenizer) -> list:
 
 def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
-    trainer needs steps the spool no longer holds (grpo/delivery.py, rule 5). The loop seeks the
+    trainer needs steps the spool no longer holds (grpo/wire/delivery.py, rule 5). The loop seeks the
     cursor to each step's global position; a saved cursor still refuses other data or seed."""
     cursor = PromptCursor(num_prompts, cfg.seed)
     saved = state.load()
@@ -160,7 +160,7 @@ def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts:
 def weight_stagers(cfg: Config, policy: SamplerPolicy) -> list:
     """The HF engine generates with the scoring model itself; an engine with its own copy of the
     weights (vLLM) takes each version together with the scoring model (recomputed and reference
-    log-probs), or neither does (grpo.weights.WeightWatcher)."""
+    log-probs), or neither does (grpo.wire.weights.WeightWatcher)."""
     if cfg.sampling.engine == "hf":
         return [policy.engine.stage_weights]
     return [into_model(policy.model), policy.engine.stage_weights]

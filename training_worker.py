@@ -3,13 +3,13 @@
     deepspeed [--num_gpus N] training_worker.py [--config config.yaml] [key=value ...]
 
 One loop, one step per sampler batch:
-  rank 0 takes the next batch in order from its inbox (grpo/delivery.py: duplicates dropped,
+  rank 0 takes the next batch in order from its inbox (grpo/wire/delivery.py: duplicates dropped,
   early ones held) -> every rank gets the raw frames and decodes them itself (no pickle) ->
   whole groups are split across ranks by token cost -> each rank packs its groups into
   micro-batches -> shared-prefix forward, policy_loss with the batch's global denominators,
-  engine.backward per micro-batch -> engine.step once (grpo/training.py) -> the new weights are
+  engine.backward per micro-batch -> engine.step once (grpo/trainer/step.py) -> the new weights are
   published (the LoRA adapter or the full model), rank 0 logs metrics, and every rank
-  checkpoints every `checkpoint.every` steps (grpo/trainer_io.py).
+  checkpoints every `checkpoint.every` steps (grpo/trainer/outputs.py).
 
 Exactness: each micro-batch's loss uses the whole batch's num_sequences / num_tokens, so the
 pieces over all micro-batches and ranks sum to the whole batch's loss. DeepSpeed averages
@@ -32,28 +32,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
+from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
 from grpo.config import Config, ConfigError, TrainingConfig, help_requested, parse_cli, save_config, to_dict
-from grpo.delivery import Inbox, TrainerState
+from grpo.wire.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
-from grpo.flops import ModelShape, batch_step_flops
-from grpo.logprobs import check_supported, verify_shared_prefix
-from grpo.models import load_policy, load_tokenizer
-from grpo.run_start import hold_run_folder, prepare_run_folder, resume_source
+from grpo.model.flops import ModelShape, batch_step_flops
+from grpo.model.logprobs import check_supported, verify_shared_prefix
+from grpo.model.loading import load_policy, load_tokenizer
+from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.sources import SourceError
-from grpo.tracking import open_tracker
-from grpo.trainer_io import MetricsLog, WriteFailed, publish_weights, save_checkpoint
-from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
+from grpo.run.tracking import open_tracker
+from grpo.trainer.outputs import MetricsLog, WriteFailed, publish_weights, save_checkpoint
+from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
                            train_step)
-from grpo.transport import AddressInUse, BatchReceiver, decode_batch
-from grpo.weights import published_digests, published_versions, version_dir
+from grpo.wire.transport import AddressInUse, BatchReceiver, decode_batch
+from grpo.wire.weights import published_digests, published_versions, version_dir
 
 log = logging.getLogger("trainer")
 STOP = {"requested": False}
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
-EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings or staler weights than allowed (grpo/behaviour.py)
+EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings or staler weights than allowed (grpo/wire/behaviour.py)
 
 
 def main(argv: list[str]) -> int:
@@ -170,7 +170,7 @@ def start_distributed(cfg: Config) -> tuple[int, int, torch.device]:
 
 def build_engine(cfg: Config, model, world: int):
     """The DeepSpeed engine around the policy-with-loss (no DeepSpeed scheduler: it would advance on
-    skipped steps too; train() sets each step's rate from grpo/schedule.py)."""
+    skipped steps too; train() sets each step's rate from grpo/trainer/schedule.py)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -253,7 +253,7 @@ class RankZero:
         state.incarnation = uuid.uuid4().hex[:12]
         tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg), writer=f"trainer-{state.incarnation}")
         io = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
-        state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/delivery.py)
+        state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/wire/delivery.py)
         return io
 
     def close(self) -> None:
@@ -308,8 +308,8 @@ def check_weights_on_rank_zero(batch, weights_dir: Path, known: dict[int, set[st
 
 
 def perf_metrics(flops: dict[str, int], train_s: float) -> dict[str, float]:
-    """The step's model FLOPs (grpo/flops.py; all ranks together) and their rate over its train time:
-    against the machine's matmul rate that is the trainer's MFU (scripts/bench_vs_trl.py prints it)."""
+    """The step's model FLOPs (grpo/model/flops.py; all ranks together) and their rate over its train time:
+    against the machine's matmul rate that is the trainer's MFU (scripts/benchmarks/bench_vs_trl.py prints it)."""
     return {"perf/trainer_model_gflop": flops["model"] / 1e9,
             "perf/trainer_recomputed_gflop": flops["recomputed"] / 1e9,
             "perf/trainer_gflop_per_s": flops["model"] / 1e9 / max(train_s, 1e-9)}

@@ -1,4 +1,4 @@
-"""Durable small-file writes: a reader sees the old content or the new, never a half-written file."""
+"""Durable small files (written aside, fsynced, renamed into place), folder names, checkpoint marks."""
 
 from __future__ import annotations
 
@@ -61,3 +61,11 @@ def ensure_writable(folder: str | os.PathLike) -> Path:
         raise RunFolderError(f"the run folder {folder} is not writable ({e.strerror}: {e.filename}); "
                              "set run.dir to a folder you can write") from None
     return folder
+
+
+CHECKPOINT_MARK = "latest"  # DeepSpeed writes it once a checkpoint is whole
+
+
+def is_checkpoint_folder(path: str | os.PathLike) -> bool:
+    """A DeepSpeed checkpoint folder: it names its last whole checkpoint in `latest`."""
+    return (Path(path) / CHECKPOINT_MARK).is_file()

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from grpo.config import Config, ConfigError, to_dict  # noqa: E402
+from grpo.config import Config, ConfigError, run_config, to_dict  # noqa: E402
 from grpo.files import aside_name  # noqa: E402
-from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root  # noqa: E402
+from grpo.run.outputs import RunOutputsError, last_evaluation, version_folder, weights_root  # noqa: E402
 from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
-from grpo.weights import MANIFEST, WeightsError, verify  # noqa: E402
+from grpo.wire.weights import MANIFEST, WeightsError, verify  # noqa: E402
 
 TRAINING_CONFIG = "training_config.yaml"
 
@@ -47,7 +47,7 @@ def base_reference(model_cfg) -> tuple[str, bool]:
     """(what a user passes to from_pretrained for the base model, whether that is a Hub id)."""
     name = model_cfg.name_or_path
     if name in EMBEDDED_MODELS:
-        from grpo.models import convert_embedded
+        from grpo.model.loading import convert_embedded
 
         return str(convert_embedded(name, model_cfg.cache_dir)), False
     if Path(name).expanduser().is_dir():
@@ -82,7 +82,7 @@ def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo.models import DTYPES, resolve_model_path
+    from grpo.model.loading import DTYPES, resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
                                                 dtype=DTYPES["float32"], trust_remote_code=cfg.model.trust_remote_code)
@@ -110,7 +110,7 @@ def base_paragraph(cfg: Config, library: str) -> str:
             "exported this" if name in EMBEDDED_MODELS else f"Base model: the local folder `{base_path}`")
     if library == "peft":
         text += ("; adapter_config.json's base_model_name_or_path points there (elsewhere, point it at your copy"
-                 + (", made with grpo.models.convert_embedded" if name in EMBEDDED_MODELS else "") + ")")
+                 + (", made with grpo.model.loading.convert_embedded" if name in EMBEDDED_MODELS else "") + ")")
     return text + "."
 
 
@@ -187,7 +187,7 @@ def evaluation_text(run_dir: Path, step: int) -> str:
 def save_tokenizer(model_cfg, tmp: Path) -> None:
     """The training tokenizer's files and chat template, less the offline-loading flags transformers
     records in tokenizer_config.json (they describe this machine, not the tokenizer)."""
-    from grpo.models import load_tokenizer
+    from grpo.model.loading import load_tokenizer
 
     load_tokenizer(model_cfg).save_pretrained(tmp)
     path = tmp / "tokenizer_config.json"

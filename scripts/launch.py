@@ -2,7 +2,7 @@
 (what `make train` runs; USAGE below is its --help, `placement` where each process runs).
 
 The transport gets a free loopback port unless transport.address is set, so that two runs can
-share a machine; a fresh start into a used run folder is refused (grpo/run_start.py). Everything
+share a machine; a fresh start into a used run folder is refused (grpo/run/start.py). Everything
 lands in the run folder: config, address, sampler.log (sampler0.log, ... with several),
 trainer.log, metrics.jsonl, tb/, weights/, checkpoints/. Ctrl-C or a failure of any process stops
 all (the trainer checkpoints on SIGTERM); the exit code says which failed (3: a sampler, 4: the
@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 from data.problems import check_source  # noqa: E402
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable, write_atomically  # noqa: E402
-from grpo.progress import LogMilestones, StepProgress, tail  # noqa: E402
-from grpo.ports import free_local_port, free_loopback_address  # noqa: E402
-from grpo.run_start import planned_start, prepare_run_folder  # noqa: E402
+from grpo.run.progress import LogMilestones, StepProgress, tail  # noqa: E402
+from grpo.run.ports import free_local_port, free_loopback_address  # noqa: E402
+from grpo.run.start import planned_start, prepare_run_folder  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
@@ -259,7 +259,7 @@ def start_run(cfg: Config, plan: dict) -> int:
         check_source(cfg.data.path, cfg.data.split, cfg.data.task_args)
         run_dir = ensure_writable(cfg.run_dir)
         moved = prepare_run_folder(cfg)  # refuses a fresh start into a used folder (nothing changed)
-    except (SourceError, RunFolderError) as e:  # grpo.run_start.RunFolderInUse is one
+    except (SourceError, RunFolderError) as e:  # grpo.run.start.RunFolderInUse is one
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if moved:

@@ -49,7 +49,7 @@ def gsm8k_data() -> str:
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32, eval mode."""
     from grpo.config import ModelConfig
-    from grpo.models import load_model, load_tokenizer
+    from grpo.model.loading import load_model, load_tokenizer
 
     cfg = ModelConfig()
     return load_model(cfg).eval(), load_tokenizer(cfg)
@@ -58,7 +58,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer and chat template, for processes."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from simulate_scaling import tiny_model
 
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -1,6 +1,6 @@
 """Launched by test_training.py as `deepspeed --num_gpus N tests/ds_equivalence.py OUT.json`.
 
-For each case, one trainer update (grpo.training.train_step: W ranks, several micro-batches)
+For each case, one trainer update (grpo.trainer.step.train_step: W ranks, several micro-batches)
 and, on rank 0, the single-process whole-batch update from the same start; rank 0 writes both.
 """
 
@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_model  # noqa: E402
-from grpo.batch import RolloutBatch  # noqa: E402
+from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.config import LoraConfig, load_config  # noqa: E402
-from grpo.logprobs import completion_logprobs  # noqa: E402
-from grpo.models import add_lora  # noqa: E402
-from grpo.training import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
+from grpo.model.logprobs import completion_logprobs  # noqa: E402
+from grpo.model.loading import add_lora  # noqa: E402
+from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
                            release_deepspeed_shm, train_step)
 
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")

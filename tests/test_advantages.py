@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.advantages import group_advantages
+from grpo.objective.advantages import group_advantages
 
 
 def test_worked_numbers_group_scale():

@@ -3,7 +3,9 @@
 import subprocess
 import sys
 
-from grpo import logprobs, models, objective, rollout
+from grpo import objective
+from grpo.model import loading as models, logprobs
+from grpo.sampler import rollout
 from grpo.config import option_lists
 from conftest import REPO
 
@@ -24,12 +26,12 @@ def imported_by(worker: str, other: str) -> set[str]:
 
 def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
     sampler = imported_by("sampling_worker", "training_worker")
-    assert {"grpo.delivery", "grpo.sampler_step", "rewards.sandbox"} <= sampler  # engines load when chosen
-    assert not sampler & {"training_worker", "grpo.training", "grpo.trainer_io"}
+    assert {"grpo.wire.delivery", "grpo.sampler.step", "rewards.sandbox"} <= sampler  # engines load when chosen
+    assert not sampler & {"training_worker", "grpo.trainer.step", "grpo.trainer.outputs"}
     trainer = imported_by("training_worker", "sampling_worker")
-    assert {"grpo.delivery", "grpo.training", "grpo.trainer_io"} <= trainer
-    assert not trainer & {"sampling_worker", "grpo.sampler_step", "grpo.rollout.hf_engine",
-                          "grpo.rollout.vllm_engine", "rewards.sandbox"}
+    assert {"grpo.wire.delivery", "grpo.trainer.step", "grpo.trainer.outputs"} <= trainer
+    assert not trainer & {"sampling_worker", "grpo.sampler.step", "grpo.sampler.rollout.hf_engine",
+                          "grpo.sampler.rollout.vllm_engine", "rewards.sandbox"}
 
 
 def test_each_choice_is_validated_against_the_list_its_implementing_module_owns():

@@ -17,11 +17,11 @@ from data.cursor import PromptCursor
 from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.models import load_policy, load_tokenizer
-from grpo.rollout.hf_engine import HFEngine
-from grpo.sampler_step import SamplerPolicy, make_batch
-from grpo.training import micro_batch_loss
-from grpo.weights import version_dir
+from grpo.model.loading import load_policy, load_tokenizer
+from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.sampler.step import SamplerPolicy, make_batch
+from grpo.trainer.step import micro_batch_loss
+from grpo.wire.weights import version_dir
 from test_launch import launch
 
 STEPS = 3

@@ -12,7 +12,7 @@ from data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embed
 from data.problems import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
 from data.prompts import build_prompts, encode_prompts, prompt_text
 from grpo.config import DataConfig, load_config
-from grpo.config_tree import ConfigError
+from grpo.settings.tree import ConfigError
 
 
 def test_embedded_gsm8k_has_all_rows_and_every_answer_parses(gsm8k_data):

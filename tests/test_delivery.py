@@ -1,11 +1,11 @@
-"""The delivery protocol (grpo/delivery.py): the spool and re-delivery on real files, the trainer's
+"""The delivery protocol (grpo/wire/delivery.py): the spool and re-delivery on real files, the trainer's
 inbox on real sockets, the sampler's resume position."""
 
 import json
 
 import pytest
 
-from grpo.delivery import Inbox, Redelivery, Spool, SpoolError, TrainerState, resume_step
+from grpo.wire.delivery import Inbox, Redelivery, Spool, SpoolError, TrainerState, resume_step
 
 
 def frames_of(step: int) -> list[bytes]:
@@ -122,7 +122,7 @@ def test_a_restarted_sampler_generates_again_only_what_the_spool_lost(tmp_path):
 def test_the_inbox_trains_the_global_steps_of_two_samplers_once_and_in_order_on_real_sockets():
     """Sampler 0 sends 1, 0, 0 (early, then a duplicate); sampler 1 sends 1, 0. The inbox hands over
     global steps 0-3, i.e. 0:0, 1:0, 0:1, 1:1, each once and in that order."""
-    from grpo.transport import BatchReceiver, BatchSender
+    from grpo.wire.transport import BatchReceiver, BatchSender
     from helpers import free_tcp_address, make_batch
 
     address = free_tcp_address()
@@ -155,7 +155,7 @@ def test_the_inbox_trains_the_global_steps_of_two_samplers_once_and_in_order_on_
 
 
 def test_n_samplers_split_the_global_steps_between_them():
-    from grpo.delivery import global_step, owner, steps_of_sampler
+    from grpo.wire.delivery import global_step, owner, steps_of_sampler
 
     assert [owner(g, 3) for g in range(7)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2)]
     assert all(global_step(*owner(g, 3), 3) == g for g in range(20))

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (grpo/episodes.py, grpo/environments/): scripted environments in the real
+"""Multi-turn episodes (grpo/sampler/episodes.py, grpo/environments/): scripted environments in the real
 child-process pool, the HF engine on a tiny model, and the trainer's loss on the result."""
 
 import time
@@ -10,16 +10,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import REPO, tiny_model
 from data.problems import Problem
 from data.prompts import Prompt
-from grpo.batch import RolloutBatch
+from grpo.wire.batch import RolloutBatch
 from grpo.config import load_config
 from grpo.environments import Reply
 from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
-from grpo.episodes import EpisodeRunner, reply_parts, turn_seed
-from grpo.logprobs import completion_logprobs
-from grpo.rollout.hf_engine import HFEngine
+from grpo.sampler.episodes import EpisodeRunner, reply_parts, turn_seed
+from grpo.model.logprobs import completion_logprobs
+from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.objective import Objective, loss_counts
-from grpo.training import micro_batch_loss
+from grpo.trainer.step import micro_batch_loss
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 
@@ -97,7 +97,7 @@ def test_a_template_that_refuses_the_environments_role_stops_the_start(tiny_mode
     """Found at start (the role in env.args), not mid-rollout; a role the environment did not
     declare and the template refuses ends that episode alone."""
     from grpo.config import load_config
-    from grpo.episodes import TemplateRoleError, episode_runner
+    from grpo.sampler.episodes import TemplateRoleError, episode_runner
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = STRICT_ROLES
@@ -378,7 +378,7 @@ def test_every_bad_expression_is_a_tool_error_that_leaves_the_valid_call_beside_
 
 
 def test_a_bad_environment_name_is_a_config_error_naming_it():
-    from grpo.config_tree import ConfigError
+    from grpo.settings.tree import ConfigError
 
     with pytest.raises(ConfigError, match="env.name: cannot import 'no_such_module:Env'"):
         load_config(None, ["env.name=no_such_module:Env"])
@@ -518,7 +518,7 @@ def test_an_openenv_class_without_a_text_action_is_named():
 # ----------------------------------------------------------------------------- a sampler step of episodes
 
 def episode_step(chatty, step, *overrides):
-    from grpo.sampler_step import SamplerPolicy, make_batch
+    from grpo.sampler.step import SamplerPolicy, make_batch
 
     model, tokenizer = chatty
     cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=40", "sampling.temperature=1.0",
@@ -538,8 +538,8 @@ def episode_step(chatty, step, *overrides):
 
 
 def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_models_tokens(chatty):
-    from grpo.sharding import select_groups
-    from grpo.transport import decode_batch, encode_batch
+    from grpo.model.sharding import select_groups
+    from grpo.wire.transport import decode_batch, encode_batch
     from helpers import assert_batches_equal
 
     cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true")
@@ -620,7 +620,7 @@ def test_a_sampler_killed_mid_episode_restarts_and_loses_nothing(tmp_path, chatt
 
 
 def test_evaluation_runs_greedy_episodes_and_judges_their_last_message(chatty):
-    from grpo.evaluation import TrainingEvaluator
+    from grpo.sampler.evaluation import TrainingEvaluator
 
     model, tokenizer = chatty
     eval_cfg = load_config(None, ["eval.every=1", "eval.batch_size=2"]).eval

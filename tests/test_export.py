@@ -1,4 +1,4 @@
-"""scripts/export.py and grpo/run_outputs.py on a run folder made without training (tiny random model)."""
+"""scripts/export.py and grpo/run/outputs.py on a run folder made without training (tiny random model)."""
 
 import json
 import shutil
@@ -10,9 +10,10 @@ import yaml
 
 from conftest import REPO
 from grpo.config import load_config, save_config, to_dict
-from grpo.models import add_lora, load_model, load_tokenizer
-from grpo.run_outputs import RunOutputsError, last_evaluation, run_config, run_of_weights, version_folder
-from grpo.weights import load_into, publish, verify, version_dir
+from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.config import run_config
+from grpo.run.outputs import RunOutputsError, last_evaluation, run_of_weights, version_folder
+from grpo.wire.weights import load_into, publish, verify, version_dir
 
 sys.path.insert(0, str(REPO / "scripts"))
 from export import export, main  # noqa: E402

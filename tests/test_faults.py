@@ -1,7 +1,7 @@
 """Faults on real DeepSpeed ranks and sockets: killed processes (nothing trained twice, nothing
 lost), non-finite steps (skipped, then a clean stop), failed writes and a bad run folder.
 
-The delivery rule under test (grpo/delivery.py): at-least-once from the sampler's spool,
+The delivery rule under test (grpo/wire/delivery.py): at-least-once from the sampler's spool,
 de-duplicated by sampler step, trained strictly in order.
 """
 
@@ -23,13 +23,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import PROCESS_CONFIG, REPO
-from grpo.batch import RolloutBatch
-from grpo.behaviour import behaviour_of
+from grpo.wire.batch import RolloutBatch
+from grpo.wire.behaviour import behaviour_of
 from grpo.config import load_config
-from grpo.logprobs import completion_logprobs
-from grpo.ports import free_local_port
-from grpo.transport import BatchSender, encode_batch
-from grpo.weights import publish, read_latest, verify, version_dir
+from grpo.model.logprobs import completion_logprobs
+from grpo.run.ports import free_local_port
+from grpo.wire.transport import BatchSender, encode_batch
+from grpo.wire.weights import publish, read_latest, verify, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler, trained_adapter
 from training_worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
@@ -274,7 +274,7 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     rng = random.Random(0)
     behaviour = trainer_behaviour(tmp_path, digit_model_dir)
     good = [encode_batch(crafted_batch(model, step, 1.0, behaviour)) for step in range(2)]
-    pickled = [b'{"schema": "grpo.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
+    pickled = [b'{"schema": "grpo.sampler.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
     try:
         for step in range(2):
             for _ in range(10):

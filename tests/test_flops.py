@@ -4,10 +4,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from grpo.config import LoraConfig, SamplingConfig
-from grpo.flops import ModelShape, generation_flops, logprob_pass_flops, matmul_probe, trainer_step_flops
-from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora
-from grpo.rollout.hf_engine import HFEngine
+from grpo.model.flops import ModelShape, generation_flops, logprob_pass_flops, matmul_probe, trainer_step_flops
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.loading import add_lora
+from grpo.sampler.rollout.hf_engine import HFEngine
 from conftest import tiny_model
 
 PROMPT_LENS, COMPLETION_LENS, GROUPS = [7, 5], [3, 4, 2, 6], [2, 2]

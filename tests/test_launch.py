@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from conftest import PROCESS_CONFIG, REPO
-from grpo.weights import read_latest
+from grpo.wire.weights import read_latest
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
-from grpo.progress import format_duration, progress_line  # noqa: E402
+from grpo.run.progress import format_duration, progress_line  # noqa: E402
 from launch import EXIT_SAMPLER_FAILED, main, placement, rank_problem  # noqa: E402
 from launch import trainer_command  # noqa: E402
 

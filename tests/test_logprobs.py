@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo.completions import chunk_major_to_prompt_major, cut_at_eos
-from grpo.logprobs import HEAD_CHUNK_BYTES, head_chunk_tokens, head_logprobs, pad_right
+from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos
+from grpo.model.logprobs import HEAD_CHUNK_BYTES, head_chunk_tokens, head_logprobs, pad_right
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -95,7 +95,7 @@ def tiny_config(kind: str, **extra):
     ("Cohere", {}, True, ["logit_scale=0.0625: the logits are scaled"]),
 ])
 def test_model_features_the_log_probs_would_get_wrong_are_named(kind, extra, shared_prefix, expected):
-    from grpo.logprobs import unsupported_features
+    from grpo.model.logprobs import unsupported_features
 
     problems = unsupported_features(tiny_config(kind, **extra), shared_prefix, max_tokens=600)
     assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
@@ -107,7 +107,7 @@ def test_a_sliding_window_within_the_sequence_is_why_the_shared_prefix_path_refu
     forward equals the model's own; a 4-token window makes them differ."""
     import transformers
 
-    from grpo.logprobs import completion_logprobs
+    from grpo.model.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(tiny_config("Mistral", sliding_window=window)).eval()
@@ -123,7 +123,7 @@ def test_check_supported_refuses_at_start_in_one_line_naming_the_field():
     import transformers
 
     from grpo.config import load_config
-    from grpo.logprobs import check_supported
+    from grpo.model.logprobs import check_supported
     from grpo.sources import ModelError
 
     cfg = load_config(None, ["model.name_or_path=tiny-gemma2"])

@@ -325,8 +325,8 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     from conftest import tiny_model
     from grpo.config import load_config
     from grpo.objective import loss_counts
-    from grpo.sharding import select_groups
-    from grpo.training import micro_batch_loss
+    from grpo.model.sharding import select_groups
+    from grpo.trainer.step import micro_batch_loss
     from helpers import make_batch
 
     model = tiny_model()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.training import MetricSums, mismatch_metrics
+from grpo.trainer.step import MetricSums, mismatch_metrics
 
 
 def test_mismatch_metrics_in_worked_numbers():
@@ -36,7 +36,7 @@ def test_the_first_pass_mean_is_not_diluted_by_later_passes():
 
 
 def test_a_lower_precision_sampler_without_correction_is_pointed_out():
-    from grpo.behaviour import uncorrected_precision_gap
+    from grpo.wire.behaviour import uncorrected_precision_gap
     from grpo.config import load_config
 
     warned = uncorrected_precision_gap(load_config(None, ["sampling.dtype=bfloat16"]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.config import Config, LoraConfig, ModelConfig
-from grpo.models import ModelError, add_lora, embedded_gguf_path, load_model, resolve_model_path
+from grpo.model.loading import ModelError, add_lora, embedded_gguf_path, load_model, resolve_model_path
 from conftest import tiny_model
 
 
@@ -19,7 +19,7 @@ def test_embedded_model_loads_offline_with_its_chat_template(smollm2):
 
 
 def test_embedded_model_is_converted_once_to_a_cached_folder():
-    from grpo.models import convert_embedded
+    from grpo.model.loading import convert_embedded
 
     folder = convert_embedded("smollm2-135m-instruct")
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
@@ -109,7 +109,7 @@ def test_dropout_is_off_in_every_forward_even_in_train_mode(tmp_path):
     on the plain and the shared-prefix path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo.logprobs import completion_logprobs
+    from grpo.model.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -131,8 +131,12 @@ def test_dropout_is_off_in_every_forward_even_in_train_mode(tmp_path):
             assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_lora_dropout_is_refused_with_the_reason():
+def test_removed_keys_are_named_with_what_does_their_job():
+    """LoRA dropout is always off (a token's log-prob is one function of the weights in both
+    processes), and the launcher starts sampling.num_workers samplers."""
     from grpo.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="lora.dropout must be 0, got 0.1: with dropout the trainer's log-prob"):
+    with pytest.raises(ConfigError, match="config key 'lora.dropout' is gone: LoRA dropout is always off"):
         load_config(None, ["lora.dropout=0.1"])
+    with pytest.raises(ConfigError, match="config key 'launch.samplers' is gone: use sampling.num_workers"):
+        load_config(None, ["launch.samplers=2"])

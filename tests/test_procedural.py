@@ -8,7 +8,7 @@ from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task
 from data.problems import DataError, load_problems, load_split
 from data.prompts import build_prompts, solved_answer
 from grpo.config import load_config
-from grpo.config_tree import ConfigError
+from grpo.settings.tree import ConfigError
 from rewards import get_reward
 from rewards.strict import passes, reward_rows, strict_rates
 

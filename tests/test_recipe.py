@@ -11,11 +11,11 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.evaluation import TrainingEvaluator, evaluated_through_at_start
-from grpo.models import add_lora, load_model, load_tokenizer
-from grpo.rollout.hf_engine import HFEngine
-from grpo.trainer_io import MetricsLog
-from grpo.weights import WeightWatcher, publish, version_dir
+from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
+from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.trainer.outputs import MetricsLog
+from grpo.wire.weights import WeightWatcher, publish, version_dir
 from test_launch import launch
 from test_training import LEARNING, run_both
 

@@ -16,7 +16,7 @@ import torch
 from conftest import REPO
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from grpo.config import load_config
-from grpo.config_tree import ConfigError
+from grpo.settings.tree import ConfigError
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.overlong import overlong_penalty
 from rewards.sandbox import RewardSandbox
@@ -52,7 +52,7 @@ def test_gsm8k_answer_worked_examples(completion, answer, expected):
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
-    # what math-verify reads that the hand-written parser did not (scripts/compare_answer_checks.py)
+    # what math-verify reads that the hand-written parser did not (scripts/benchmarks/compare_answer_checks.py)
     ("<answer>9 * 2 = $18</answer>", "18", 1.0),  # an equation: the value after '='
     ("<answer>She makes 9 * 2 = $18 every day.</answer>", "18", 1.0),  # GSM8K's own last sentence
     ("<answer>\\frac{1}{2}</answer>", "0.5", 1.0),  # LaTeX

@@ -14,8 +14,8 @@ import zmq
 
 from conftest import PROCESS_CONFIG, REPO
 from grpo.config import load_config
-from grpo.ports import free_local_port
-from grpo.run_start import (RunFolderInUse, earlier_outputs, hold_run_folder, planned_start, prepare_run_folder,
+from grpo.run.ports import free_local_port
+from grpo.run.start import (RunFolderInUse, earlier_outputs, hold_run_folder, planned_start, prepare_run_folder,
                             resume_source)
 from helpers import free_tcp_address
 

@@ -9,13 +9,13 @@ from data.cursor import PromptCursor
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
-from grpo.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
-from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora
-from grpo.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
-from grpo.rollout.hf_engine import HFEngine
-from grpo.sampler_step import SamplerPolicy, make_batch, step_seed
-from grpo.weights import Staged
+from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.loading import add_lora
+from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
+from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.sampler.step import SamplerPolicy, make_batch, step_seed
+from grpo.wire.weights import Staged
 from conftest import tiny_model
 
 
@@ -160,7 +160,7 @@ def test_without_dynamic_sampling_one_round_and_the_step_seed():
 def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_same_prompts():
     """Step g owns stream positions [g*B*R, (g+1)*B*R): a sampler that restarts at step 3 (a new
     cursor restored from the saved state) draws exactly what the uninterrupted one drew."""
-    from grpo.sampler_step import round_prompts
+    from grpo.sampler.step import round_prompts
 
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
     prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
-from grpo.flops import ModelShape, generation_flops
-from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora, load_model
-from grpo.staleness import required_version
-from grpo.transport import BatchReceiver, TransportTimeout
-from grpo.weights import publish, version_dir
+from grpo.model.flops import ModelShape, generation_flops
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.loading import add_lora, load_model
+from grpo.wire.staleness import required_version
+from grpo.wire.transport import BatchReceiver, TransportTimeout
+from grpo.wire.weights import publish, version_dir
 from data.cursor import PromptCursor
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address

@@ -5,7 +5,7 @@ import sys
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 from simulate_scaling import predicted_step_s, simulate  # noqa: E402
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, load_config, save_config, to_dict
-from grpo.models import add_lora, load_model
-from grpo.weights import publish, version_dir
+from grpo.model.loading import add_lora, load_model
+from grpo.wire.weights import publish, version_dir
 from conftest import REPO
 
 
@@ -129,7 +129,7 @@ def test_smoothing_and_series_worked_numbers():
 
 
 def test_bench_vs_trl_summary_worked_numbers():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from bench_vs_trl import model_flops_rates, overlap_efficiency, summarize
 
     # steps end at 10, 30, 34, 40, 50 s; the first two are warm-up: timed steps 4, 6, 10 s
@@ -161,7 +161,7 @@ def test_bench_vs_trl_summary_worked_numbers():
 
 
 def test_bench_vs_trl_names_each_process_of_a_run():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from bench_vs_trl import process_label
 
     py = "/repo/.venv/bin/python"
@@ -176,7 +176,7 @@ def test_bench_vs_trl_names_each_process_of_a_run():
     assert process_label(runner, launcher) == "DeepSpeed runner"
     assert process_label(ds_launch, runner) == "DeepSpeed launcher"
     assert process_label(rank, ds_launch) == "trainer rank"
-    assert process_label([py, "scripts/bench_vs_trl.py", "--trl-worker", "gsm8k"], ["bash"]) == "TRL"
+    assert process_label([py, "scripts/benchmarks/bench_vs_trl.py", "--trl-worker", "gsm8k"], ["bash"]) == "TRL"
     assert process_label(["/bin/sh", "-c", "nvidia-smi"], launcher) == "other"
     direct_rank = [py, "-u", "/repo/training_worker.py", "--config", "c.yaml"]  # one rank, started by the launcher
     assert process_label(direct_rank, launcher) == "trainer rank"
@@ -193,12 +193,12 @@ def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
 
 def test_every_project_name_the_scripts_import_exists():
     """The scripts import inside their functions, so a renamed function breaks them only when run
-    (bench_engines imported grpo.sampler_step.generate for a while after it was gone)."""
+    (bench_engines imported grpo.sampler.step.generate for a while after it was gone)."""
     import ast
     import importlib.util
 
     missing = []
-    for path in sorted((REPO / "scripts").glob("*.py")):
+    for path in sorted((REPO / "scripts").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("grpo", "data", "rewards"):
                 module = importlib.import_module(node.module)
@@ -208,7 +208,7 @@ def test_every_project_name_the_scripts_import_exists():
 
 
 def test_bench_learn_marks_the_weights_of_the_last_update_by_each_minute():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from bench_learn import mark_minutes, minutes_to_reach, weights_at_marks
 
     assert mark_minutes(10, 3) == [0.0, 3.0, 6.0, 9.0, 10.0]
@@ -223,7 +223,7 @@ def test_bench_learn_marks_the_weights_of_the_last_update_by_each_minute():
 
 
 def test_compare_answer_checks_counts_the_verdicts_math_verify_changes():
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
     from compare_answer_checks import compare, previous_rule
 
     samples = [{"completion": "<answer>$1,234</answer>", "answer": "1234"},  # right under both

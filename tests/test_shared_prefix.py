@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig
-from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora, enable_gradient_checkpointing
-from grpo.shared_prefix import pack_groups
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.loading import add_lora, enable_gradient_checkpointing
+from grpo.model.shared_prefix import pack_groups
 from conftest import tiny_model
 
 
@@ -167,8 +167,8 @@ def mean_abs_diff(a, b):
 def test_block_sparse_kernel_equals_masked_attention_values_and_gradients(lens, dtype):
     """The CPU kernel (two flash blocks merged by log-sum-exp, hand-written backward) against
     one masked SDPA over the group's keys, with grouped-query heads (4 query, 2 key/value)."""
-    from grpo.prefix_attention import prefix_merged_attention
-    from grpo.shared_prefix import GroupSpan
+    from grpo.model.prefix_attention import prefix_merged_attention
+    from grpo.model.shared_prefix import GroupSpan
 
     g = torch.Generator().manual_seed(len(lens))
     P, Lc = 6, sum(lens)
@@ -200,8 +200,8 @@ def test_entropies_agree_between_paths_and_are_skipped_when_not_asked():
 
 
 def test_verify_shared_prefix_passes_on_a_supported_model_and_stops_a_broken_one(monkeypatch):
-    from grpo import prefix_attention, shared_prefix
-    from grpo.logprobs import SharedPrefixMismatch, verify_shared_prefix
+    from grpo.model import prefix_attention, shared_prefix
+    from grpo.model.logprobs import SharedPrefixMismatch, verify_shared_prefix
 
     model = tiny_model()
     prompts, completions = random_groups(2, [5, 8, 3], [2, 3, 2])
@@ -223,7 +223,7 @@ def test_verify_shared_prefix_passes_on_a_supported_model_and_stops_a_broken_one
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_masked_kernel_used_off_the_cpu_is_exact_too(kind, monkeypatch):
     """Other devices use SDPA with the group's completion mask; check that path here too."""
-    from grpo import prefix_attention
+    from grpo.model import prefix_attention
 
     monkeypatch.setattr(prefix_attention, "available", lambda device: False)
     model = add_lora(tiny_model(kind), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))

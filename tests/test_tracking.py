@@ -11,16 +11,16 @@ import sys
 import pytest
 
 from conftest import REPO
-from grpo.tracking import numeric, run_id, trackio_name
+from grpo.run.tracking import numeric, run_id, trackio_name
 
 WRITE_ROWS = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from grpo.config import load_config, to_dict
-from grpo.evaluation import append_metrics_row
-from grpo.tracking import open_tracker
-from grpo.trainer_io import MetricsLog
+from grpo.sampler.evaluation import append_metrics_row
+from grpo.run.tracking import open_tracker
+from grpo.trainer.outputs import MetricsLog
 
 cfg = load_config(None, ["logging.backend={backend}", "logging.tensorboard=false", "run.name=tracked"])
 run_dir = Path({run_dir!r})
@@ -113,7 +113,7 @@ def test_two_run_folders_with_one_name_are_two_trackio_runs(tmp_path):
 
 
 def test_a_raising_tracker_is_counted_and_never_stops_the_caller(caplog):
-    from grpo.tracking import Guarded
+    from grpo.run.tracking import Guarded
 
     class Broken:
         def log(self, row):
@@ -132,7 +132,7 @@ def test_a_raising_tracker_is_counted_and_never_stops_the_caller(caplog):
 
 def test_an_unknown_backend_is_a_config_error():
     from grpo.config import load_config
-    from grpo.config_tree import ConfigError
+    from grpo.settings.tree import ConfigError
 
     with pytest.raises(ConfigError, match="logging.backend must be one of none, wandb, trackio; got 'mlflow'"):
         load_config(None, ["logging.backend=mlflow"])

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from grpo.config import LoraConfig
-from grpo.models import add_lora
-from grpo.ports import free_local_port
-from grpo.tracking import run_id
-from grpo.weights import read_latest, version_dir
+from grpo.model.loading import add_lora
+from grpo.run.ports import free_local_port
+from grpo.run.tracking import run_id
+from grpo.wire.weights import read_latest, version_dir
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler

@@ -12,7 +12,7 @@ import zmq
 
 from conftest import REPO
 from grpo.config import load_config
-from grpo.transport import (BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch,
+from grpo.wire.transport import (BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch,
                             encode_batch)
 from helpers import assert_batches_equal, free_tcp_address, make_batch
 
@@ -63,7 +63,7 @@ def malformed_messages():
         "empty message": ([], "non-empty list of byte frames"),
         "not json": ([b"\x80garbage"] + good[1:], "header is not JSON"),
         "json but not an object": ([b"[1, 2]"] + good[1:], "header must be a JSON object"),
-        "unknown schema": (_with_header(good, schema="grpo.rollout/99"), "unknown schema 'grpo.rollout/99'"),
+        "unknown schema": (_with_header(good, schema="grpo.sampler.rollout/99"), "unknown schema 'grpo.sampler.rollout/99'"),
         "missing field": ([json.dumps({k: v for k, v in _header(good).items() if k != "step"}).encode()] + good[1:],
                           "missing field 'step'"),
         "wrong field type": (_with_header(good, step="7"), "field 'step' must be int"),
@@ -264,8 +264,10 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     unpicklers = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
     pickling_calls = {"recv_pyobj", "recv_serialized", "recv", "unsafe_load"}  # Connection.recv unpickles
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
-    paths = [REPO / "grpo" / "transport.py", REPO / "grpo" / "batch.py", REPO / "grpo" / "delivery.py",
-             REPO / "training_worker.py", REPO / "sampling_worker.py", REPO / "rewards" / "sandbox.py"]
+    wire = REPO / "grpo" / "wire"
+    paths = [wire / "transport.py", wire / "batch.py", wire / "delivery.py", REPO / "training_worker.py",
+             REPO / "sampling_worker.py", REPO / "rewards" / "sandbox.py", REPO / "grpo" / "child.py",
+             REPO / "grpo" / "environments" / "pool.py"]
     hits = []
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -277,7 +279,7 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
                     node.attr == "load" and isinstance(node.value, ast.Name) and node.value.id in loaders)):
                 hits.append(f"{path.name}:{node.lineno} uses .{node.attr}")
     assert hits == []
-    assert "recv_multipart" in (REPO / "grpo" / "transport.py").read_text()  # the one way bytes come in
+    assert "recv_multipart" in (wire / "transport.py").read_text()  # the one way bytes come in
 
 
 def test_the_secret_can_come_from_the_environment(monkeypatch):

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import PROCESS_CONFIG, REPO
-from grpo.ports import free_local_port
-from grpo.weights import read_latest, version_dir
+from grpo.run.ports import free_local_port
+from grpo.wire.weights import read_latest, version_dir
 from helpers import free_tcp_address
 from test_sampling_worker import start_sampler
 

@@ -11,12 +11,12 @@ import torch
 from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.logprobs import completion_logprobs
-from grpo.models import add_lora, load_model, load_tokenizer
-from grpo.rollout.hf_engine import HFEngine
-from grpo.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
-from grpo.sampler_step import SamplerPolicy, make_batch, make_engine
-from grpo.weights import WeightWatcher, into_model, publish, verify, version_dir
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
+from grpo.sampler.step import SamplerPolicy, make_batch, make_engine
+from grpo.wire.weights import WeightWatcher, into_model, publish, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
@@ -113,7 +113,7 @@ def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(serv
     from data.problems import Problem
     from data.prompts import Prompt
     from grpo.environments.pool import EnvironmentPool
-    from grpo.episodes import EpisodeRunner
+    from grpo.sampler.episodes import EpisodeRunner
 
     cfg, model, tokenizer, engine, _ = served
     questions = ("Say hello in one word.", "Name one colour.")

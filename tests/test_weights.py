@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig
-from grpo.models import add_lora
-from grpo.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
-from grpo.config_tree import get_key
-from grpo.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, Staged, WeightWatcher, WeightsDiverged,
+from grpo.model.loading import add_lora
+from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
+from grpo.settings.tree import get_key
+from grpo.wire.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, Staged, WeightWatcher, WeightsDiverged,
                           WeightsError, publish,
                           published_digests, published_versions, read_latest, verify, into_model, version_dir)
 from conftest import REPO, tiny_model
@@ -198,7 +198,7 @@ CRASH_MID_PUBLISH = """
 import os, signal, sys
 import torch
 sys.path[:0] = [{repo!r}, {tests!r}]
-import grpo.weights as weights
+import grpo.wire.weights as weights
 from test_weights import lora_model
 
 save = weights.save_weights
@@ -229,7 +229,7 @@ def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
 def test_a_sampler_with_another_lora_alpha_is_named_before_its_batch_is_trained():
     """The sampler's scoring copy scales a loaded adapter by its own lora.alpha / r: with another
     alpha it would sample and score a policy the trainer never had, and no shape check sees it."""
-    from grpo.behaviour import check_behaviour
+    from grpo.wire.behaviour import check_behaviour
     from grpo.config import load_config
 
     def settings(*overrides):

@@ -3,7 +3,7 @@
 An episode starts from a dataset row's prompt. The model speaks (one assistant message, ended by
 EOS); the environment's `step(message)` returns a `Reply`: text for the model's next turn (a tool
 result, feedback), whether the episode is over, an optional reward, and how many tool calls it
-served and how many failed. The episode runner (grpo/episodes.py) keeps the environment's tokens
+served and how many failed. The episode runner (grpo/sampler/episodes.py) keeps the environment's tokens
 in the completion as context and out of the loss.
 
 An environment is a class (or factory) `make(row: dict, **env.args)` -> an object with

@@ -1,0 +1,135 @@
+"""The config, loaded from `config.yaml` plus dotted `key=value` overrides, and validated.
+
+Both workers call `parse_cli(argv)` (or `load_config`). The tree itself (every setting, its default
+and documentation) is grpo/settings/; this package reads it from a file and overrides, and checks
+it: unknown keys, wrong types and impossible combinations are errors that name the key and say
+what to do (grpo/config/rules.py, which asks each module for the options it implements).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+
+import yaml
+
+from grpo.config.rules import option_lists, validate  # noqa: F401 (option_lists: the valid values, for importers)
+from grpo.settings import (  # noqa: F401 (the tree, for importers)
+    DEFAULT_SYSTEM_PROMPT, RunConfig, ModelConfig, LoraConfig, DataConfig,
+    SamplingConfig, RewardsConfig, TrainingConfig, EvalConfig, EnvConfig,
+    DeepSpeedConfig, TransportConfig, WeightsConfig, LoggingConfig, CheckpointConfig, LaunchConfig, Config, save_config, to_dict)
+from grpo.settings.tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
+from grpo.settings.tree import parse_override, reference_text as _reference_text, set_key
+from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
+
+
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
+           "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RewardsConfig",
+           "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys", "get_key",
+           "help_requested", "load_config", "option_lists", "parse_cli", "reference_markdown", "reference_text",
+           "run_config", "save_config", "to_dict"]
+
+
+def all_keys() -> list[str]:
+    """Every dotted leaf key of the config tree, in declaration order."""
+    return _all_keys(Config)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem (unknown
+    keys, wrong types, impossible combinations) is reported at once, in one ConfigError."""
+    cfg, problems = Config(), []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            mapping = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(mapping).__name__}")
+        problems += apply_mapping(cfg, mapping, from_cli=False)
+    for text in overrides:
+        try:
+            key, value = parse_override(text)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        problems += set_key(cfg, key.split("."), value, True, key, Config)
+    return validate(cfg, problems)
+
+
+def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml") -> Config:
+    """`[--config PATH] [key=value ...]`, as both workers take them."""
+    argv = list(argv)
+    path = default_path
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a path")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            # deepspeed's launcher appends this; the rank comes from the environment
+            i += 1 if "=" in arg else 2
+            continue
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}; use --config PATH and key=value overrides")
+        else:
+            overrides.append(arg)
+        i += 1
+    if path is not None and not Path(path).is_file() and path == default_path:
+        path = None  # no config.yaml in the working folder: defaults plus overrides
+    return load_config(path, overrides)
+
+
+def reference_markdown() -> str:
+    """The config reference table (docs/config.md), generated from the fields' help."""
+    return markdown_table(Config)
+
+
+def reference_text() -> str:
+    """Every key with its default and help, as `--help-config` prints it."""
+    return _reference_text(Config)
+
+
+CONFIG_HELP = """
+The config: --config PATH (default: config.yaml in the working folder; configs/ holds recipes),
+then key=value overrides with dotted keys, values read as YAML (training.use_gspo=true).
+Every key with its default and meaning: --help-config (or docs/config.md)."""
+
+
+def help_requested(argv: typing.Sequence[str], usage: str) -> bool:
+    """Print the entry point's `usage` (`--help`, `-h`) or every config key (`--help-config`) when
+    asked; True when it printed (the caller exits 0)."""
+    if "--help-config" in argv:
+        print(reference_text())
+        return True
+    if "--help" in argv or "-h" in argv:
+        print(usage.strip() + "\n" + CONFIG_HELP)
+        return True
+    return False
+
+
+def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
+    """The run's resolved config (run_dir/config.yaml), with `key=value` overrides on top."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunOutputsError(f"{run_dir} is not a folder; pass a run folder such as runs/<name>")
+    if not is_run_folder(run_dir):
+        raise RunOutputsError(f"{run_dir} is not a run folder: it has no {CONFIG} (the trainer writes it when a run "
+                              "starts); pass runs/<name>, or --config for weights outside a run folder")
+    try:
+        # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
+        return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides])
+    except ConfigError as e:
+        raise RunOutputsError(f"{run_dir / CONFIG}: {e}") from None

@@ -1,0 +1,268 @@
+"""The config's cross-field rules: every error of a config at once, each naming its keys and
+what to do. `grpo.config.load_config` runs `validate` on every config it builds (a
+`grpo.config.Config`; not imported here, which would make the two modules import each other)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import TYPE_CHECKING
+
+from grpo.settings.tree import ConfigError, get_key
+
+if TYPE_CHECKING:
+    from grpo.config import Config
+
+# Choices that no module of ours implements (they pick a process, DeepSpeed's backend, a log level):
+# the config owns these lists. Every other choice list belongs to the module that implements it.
+REFERENCE_SOURCES = ("sampler", "trainer")  # training.reference_on: which process computes them
+BACKENDS = ("auto", "nccl", "gloo")  # deepspeed.backend; auto: nccl on GPUs, gloo on the CPU
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def option_lists() -> dict[str, tuple]:
+    """The valid values of each choice key, from the module that implements the choice (imported
+    late: they need torch). Both workers validate, so none of these is a worker's own module."""
+    from grpo.objective import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+    from data.problems import ANSWER_FORMATS
+    from grpo.model.loading import DTYPES
+    from grpo.sampler.rollout import ENGINES
+    from grpo.model.logprobs import OLD_LOGPS_SOURCES
+    from grpo.trainer.schedule import SCHEDULES
+    from grpo.run.tracking import TRACKERS, WANDB_MODES
+    from grpo.environments.pool import NETWORK_MODES
+
+    return {
+        "model.dtype": tuple(DTYPES),
+        "data.answer_format": ANSWER_FORMATS,
+        "sampling.dtype": ("auto", *DTYPES),
+        "sampling.engine": ENGINES,
+        "sampling.old_logps": OLD_LOGPS_SOURCES,
+        "training.reference_on": REFERENCE_SOURCES,
+        "training.kl_estimator": KL_ESTIMATORS,
+        "training.importance_sampling": IS_MODES,
+        "training.aggregation": AGGREGATIONS,
+        "training.lr_schedule": SCHEDULES,
+        "training.advantage_scale": ADVANTAGE_SCALES,
+        "deepspeed.backend": BACKENDS,
+        "logging.level": LOG_LEVELS,
+        "logging.backend": TRACKERS,
+        "logging.wandb_mode": WANDB_MODES,
+        "env.network": NETWORK_MODES,
+    }
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// addresses on 127.0.0.0/8, ::1 or localhost."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(cfg: Config, problems: list[str] = ()):
+    """All cross-field rules in one place, every error reported at once (after `problems`, those
+    found while reading the file and overrides); fills the defaults that depend on other settings
+    (the clip range follows training.use_gspo: the objective's defaults, recorded in the run's config)."""
+    from grpo.objective import clip_range
+
+    t = cfg.training
+    t.clip_low, t.clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
+    errors = [*problems, *_choice_and_count_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
+        + _transport_errors(cfg) + _run_errors(cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _choice_and_count_errors(cfg: Config) -> list[str]:
+    errors = []
+    for key, options in option_lists().items():
+        if get_key(cfg, key) not in options:
+            errors.append(f"{key} must be one of {', '.join(options)}; got {get_key(cfg, key)!r}")
+    s = cfg.sampling
+    if s.group_size < 2:
+        errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
+    for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
+                "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
+                "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
+                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark", "sampling.dynamic_sampling_max_rounds",
+                "eval.num_problems", "eval.batch_size"):
+        if get_key(cfg, key) < 1:
+            errors.append(f"{key} must be >= 1; got {get_key(cfg, key)}")
+    return errors
+
+
+def _value_errors(cfg: Config) -> list[str]:
+    return (_sampling_errors(cfg.sampling, cfg.weights.publish_every) + _data_errors(cfg.data)
+            + _training_errors(cfg.training, cfg.lora.enabled) + _model_errors(cfg) + _process_errors(cfg))
+
+
+def _sampling_errors(s, publish_every: int) -> list[str]:
+    errors = []
+    if not s.temperature > 0:
+        errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
+    if s.top_k < 0:
+        errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
+    if not 0 <= s.worker_index < s.num_workers:
+        errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
+                      f"{s.worker_index} and {s.num_workers}")
+    if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
+        errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
+                      f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
+    if s.max_staleness < 0:
+        errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
+    elif s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
+        errors.append(f"sampling.max_staleness={s.max_staleness} cannot hold with weights.publish_every="
+                      f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
+                      f"{publish_every - 1} versions behind; set sampling.max_staleness >= {publish_every - 1} or "
+                      "publish more often")
+    return errors
+
+
+def _data_errors(d) -> list[str]:
+    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
+
+    errors = [f"data.few_shot must be >= 0 (0 = none); got {d.few_shot}"] if d.few_shot < 0 else []
+    if d.few_shot > 0 and d.answer_format != "gsm8k" and not is_procedural(d.path):
+        errors.append(f"data.few_shot={d.few_shot} shows solved problems (GSM8K's worked solutions, or a "
+                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
+                      "set data.few_shot=0 for your own data")
+    if is_procedural(d.path):
+        try:
+            check_task(d.path, d.task_args)
+        except TaskError as e:
+            errors.append(str(e))
+    elif d.task_args:
+        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={d.path!r} is none "
+                      "(use data.path=reasoning-gym:<task>)")
+    return errors
+
+
+def _training_errors(t, lora_enabled: bool) -> list[str]:
+    errors = []
+    if t.reference_on == "trainer" and not lora_enabled:
+        errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
+                      "off; a full fine-tune would need a second copy of the model in every rank)")
+    if t.beta < 0:
+        errors.append(f"training.beta must be >= 0; got {t.beta}")
+    if t.learning_rate <= 0:
+        errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
+    if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
+        errors.append(f"training.min_lr_ratio must be in [0, 1] and training.warmup_steps >= 0; got {t.min_lr_ratio} "
+                      f"and {t.warmup_steps}")
+    if not 0 <= t.clip_low < 1:
+        errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
+    if t.clip_high < 0:
+        errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
+    if t.max_bad_steps < 1:
+        errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
+    if t.importance_sampling != "none" and t.num_iterations != 1:
+        errors.append(f"training.importance_sampling={t.importance_sampling} needs training.num_iterations=1 (the "
+                      "proximal log-probs are the trainer's first forward of the step; keeping them for later passes "
+                      f"is not built); got {t.num_iterations}")
+    if not t.importance_sampling_cap > 0:
+        errors.append(f"training.importance_sampling_cap must be > 0; got {t.importance_sampling_cap}")
+    return errors
+
+
+def _model_errors(cfg: Config) -> list[str]:
+    errors = []
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
+    if cfg.model.dtype == "float16" and not cfg.lora.enabled:
+        errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
+    return errors
+
+
+def _process_errors(cfg: Config) -> list[str]:
+    errors = []
+    if cfg.eval.every < 0:
+        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
+    if cfg.rewards.timeout_s < 0:
+        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
+    if cfg.launch.max_minutes < 0:
+        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
+    if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
+        errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
+    if not 0 <= cfg.deepspeed.zero_stage <= 3:
+        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
+    return errors
+
+
+def _reward_errors(cfg: Config) -> list[str]:
+    errors = []
+    r = cfg.rewards
+    if not r.names:
+        errors.append("rewards.names is empty; list at least one reward function")
+    if len(r.weights) != len(r.names):
+        errors.append(f"rewards.weights has {len(r.weights)} entries but rewards.names has {len(r.names)}; "
+                      "give one weight per reward function")
+    from rewards.registry import get_reward  # late import: rewards does not depend on config
+
+    if "env_reward" in [*r.names, r.accuracy_reward, r.format_reward] and not cfg.env.name:
+        errors.append("env_reward is the reward an environment gives its episodes, and env.name is empty: set env.name "
+                      "(e.g. calculator; see docs/environments.md) or use another reward")
+    named = [("rewards.names", name) for name in r.names]
+    for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
+        try:
+            get_reward(name)  # imports a user's module now, not at the first step
+        except ValueError as e:
+            message = str(e).removeprefix("rewards.names: ")
+            errors.append(f"{key}: {message}")
+    if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
+        errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
+                      f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")
+    return errors
+
+
+def _env_errors(cfg: Config) -> list[str]:
+    e = cfg.env
+    errors = [f"{key} must be > 0; got {get_key(cfg, key)}" for key in ("env.max_turns", "env.timeout_s")
+              if not get_key(cfg, key) > 0]
+    errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
+               for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
+    if e.name:
+        from grpo.environments import environment_factory
+
+        try:
+            environment_factory(e.name, e.args)  # imports it now: a bad name fails at start, in both processes
+        except (ValueError, ImportError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def _transport_errors(cfg: Config) -> list[str]:
+    errors = []
+    tr = cfg.transport
+    if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
+        errors.append(f"transport.address must start with tcp://, ipc:// or inproc://; got {tr.address!r}")
+    elif not is_loopback_address(tr.address) and not (tr.secret or os.environ.get("GRPO_TRANSPORT_SECRET")) \
+            and not tr.allow_insecure:
+        errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
+                      "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
+    return errors
+
+
+def _run_errors(cfg: Config) -> list[str]:
+    """How a run starts and where its trainer ranks find work."""
+    from grpo.files import is_checkpoint_folder
+
+    errors = []
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not is_checkpoint_folder(resume):
+        errors.append(f"checkpoint.resume must be auto, never or a checkpoint folder (one holding DeepSpeed's "
+                      f"'latest' file, e.g. runs/<name>/checkpoints); got {resume!r}")
+    ranks, groups = cfg.launch.trainer_ranks, cfg.sampling.prompts_per_step
+    if ranks > groups:
+        errors.append(f"launch.trainer_ranks={ranks} is more than sampling.prompts_per_step={groups}: each rank "
+                      f"trains whole groups, so {ranks - groups} rank(s) would have nothing to do; raise "
+                      f"sampling.prompts_per_step to >= {ranks} or lower launch.trainer_ranks")
+    return errors

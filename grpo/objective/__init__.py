@@ -1,0 +1,226 @@
+"""The objective: what the loss optimises, decided once from the config, carried in every batch
+header, used by the sampler for the loss's tokens and denominators and by the trainer for the loss.
+
+GRPO (Shao et al. 2024): token ratio r_t = pi(y_t) / pi_old(y_t), PPO clipping, KL to the
+reference. GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of the token
+ratios, s = exp(mean_t log r_t), broadcast to the tokens with the gradient flowing to every
+token. Only how the importance weight is formed differs, so it is a switch, not a second loss.
+The decoupled objective (AReaL; training.importance_sampling) clips against the trainer's own
+pre-update log-probs and weighs each token by pi_proximal / pi_behaviour. docs/objective.md has
+the worked numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from grpo.settings import Config
+
+LEVELS = ("token", "sequence")
+AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_SCALES = ("group", "batch", "none")
+MAX_LOG_RATIO = 20.0  # keeps exp() finite when the sampler's and trainer's numbers disagree wildly
+# training.importance_sampling: how pi_proximal / pi_behaviour weighs each token's loss
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+CLIP_DEFAULTS = {"token": (0.2, 0.2),  # GRPO / PPO paper default epsilon
+                 "sequence": (3e-4, 4e-4)}  # GSPO paper: sequence ratios live much closer to 1
+
+# the loss's metrics: summed over micro-batches and ranks weighted by loss tokens, except these
+ADDITIVE = ("loss", "policy_loss")  # computed with global denominators: the pieces sum to the whole's value
+EXTREMES = {"ratio/min": "min", "ratio/max": "max"}  # reduced by min / max
+LOSS_METRICS = ("loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "ratio/mean")
+KL_METRICS = ("kl",)  # with beta > 0
+IS_METRICS = ("importance_sampling/weight_mean", "importance_sampling/zero_fraction")  # decoupled only
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Every setting of the loss, resolved (GSPO's clip defaults filled in)."""
+
+    level: str = "token"  # "token" (GRPO) or "sequence" (GSPO): how the importance ratio is formed
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    beta: float = 0.0  # KL coefficient to the reference policy
+    kl_estimator: str = "k3"
+    aggregation: str = "grpo"  # grpo, dapo or dr_grpo
+    importance_sampling: str = "none"  # the decoupled objective's weight (IS_MODES)
+    importance_sampling_cap: float = 2.0
+    mask_truncated: bool = False  # completions cut at the token budget leave the loss
+    advantage_scale: str = "group"
+    max_completion_length: int | None = None  # dr_grpo's normaliser (None: the batch's padded length)
+
+    def __post_init__(self):
+        for name, options in (("level", LEVELS), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
+                              ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {options}; got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Objective":
+        t = cfg.training
+        clip_low, clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
+        return cls(level="sequence" if t.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,
+                   beta=t.beta, kl_estimator=t.kl_estimator,
+                   aggregation=t.aggregation, importance_sampling=t.importance_sampling,
+                   importance_sampling_cap=t.importance_sampling_cap, mask_truncated=t.mask_truncated_completions,
+                   advantage_scale=t.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens)
+
+    @property
+    def decoupled(self) -> bool:
+        return self.importance_sampling != "none"
+
+    def header(self) -> dict:
+        """What a batch header records (grpo/wire/behaviour.py): the trainer trains only on its own objective."""
+        return asdict(self)
+
+    def metric_names(self) -> list[str]:
+        """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""
+        return [*LOSS_METRICS, *(KL_METRICS if self.beta > 0 else ()), *(IS_METRICS if self.decoupled else ())]
+
+
+def clip_range(use_gspo: bool, clip_low: float | None, clip_high: float | None) -> tuple[float, float]:
+    """(clip_low, clip_high), the level's defaults where not given."""
+    low, high = CLIP_DEFAULTS["sequence" if use_gspo else "token"]
+    return low if clip_low is None else clip_low, high if clip_high is None else clip_high
+
+
+class Denominators(NamedTuple):
+    """The whole batch's counts, so that micro-batches and ranks sum to the whole batch's loss."""
+
+    sequences: float  # completions the loss sees
+    tokens: float  # their loss tokens
+    completions: float  # every completion of the batch, masked ones too (dr_grpo's normaliser, as TRL's)
+
+
+def loss_counts(objective: Objective, completion_ids, truncated, model_masks=None) -> tuple[int, int]:
+    """The sampler's global denominators: (loss tokens, completions the loss sees); with episodes'
+    `model_masks`, only the model's tokens count."""
+    keep = [not (objective.mask_truncated and bool(t)) for t in truncated]
+    sizes = [int(m.sum()) for m in model_masks] if model_masks is not None else [len(c) for c in completion_ids]
+    return sum(size for size, k in zip(sizes, keep) if k), sum(keep)
+
+
+def loss_mask(objective: Objective, mask: torch.Tensor, truncated: torch.Tensor,
+              model_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens the loss sees, [N, T]: real tokens, less truncated completions when they are masked,
+    less an episode's environment tokens (context, not the policy's actions)."""
+    mask = mask & ~truncated.bool()[:, None] if objective.mask_truncated else mask  # [N, T]
+    return mask if model_mask is None else mask & model_mask  # [N, T]
+
+
+def kl_per_token(ref_logps: torch.Tensor, logps: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL(pi || pi_ref) estimates per token with d = log pi_ref - log pi (Schulman 2020)."""
+    d = ref_logps - logps  # [N, T]
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d.square() / 2
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}; got {estimator!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num_sequences: float,
+              num_tokens: float, max_completion_length: float, num_completions: float) -> torch.Tensor:
+    """Reduce [N, T] to a scalar with *global* denominators, so pieces of a batch sum to the whole.
+    num_sequences / num_tokens count what the loss sees; num_completions counts every completion
+    of the batch, masked ones too: dr_grpo's normaliser, constant like TRL's."""
+    masked = torch.where(mask, per_token, 0.0)  # [N, T]
+    if aggregation == "grpo":  # per-sequence token mean, then mean over sequences
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
+    if aggregation == "dapo":  # every token of the batch weighs the same
+        return masked.sum() / num_tokens
+    if aggregation == "dr_grpo":  # constant normaliser: no length bias, whatever the mask drops
+        return masked.sum() / (num_completions * max_completion_length)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")
+
+
+@torch.no_grad()
+def behaviour_weights(prox_logps, behaviour_logps, mask, *, mode: str, cap: float, level: str = "token"):
+    """The decoupled objective's importance weight pi_prox / pi_behaviour (AReaL), [N, T], no grad.
+
+    token_*: one weight per token; sequence_*: one per completion, the product of its token ratios
+    (GRPO, level="token") or their geometric mean (GSPO, level="sequence"), on each of its tokens.
+    *_truncate caps the weight at `cap` (TIS); *_mask zeroes it above `cap` (MIS). Off the mask: 0.
+    """
+    if mode not in IS_MODES[1:]:
+        raise ValueError(f"importance sampling mode must be one of {IS_MODES[1:]}; got {mode!r}")
+    mask = mask.bool()
+    log_w = torch.where(mask, prox_logps - behaviour_logps, 0.0)  # [N, T]
+    if mode.startswith("sequence"):
+        per_seq = log_w.sum(-1)  # [N]
+        if level == "sequence":
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)
+        log_w = per_seq[:, None].expand_as(log_w)  # [N, T]
+    w = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
+    w = w.clamp(max=cap) if mode.endswith("truncate") else torch.where(w <= cap, w, 0.0)
+    return torch.where(mask, w, 0.0)
+
+
+def policy_loss(objective: Objective, logps, behaviour_logps, advantages, mask, *, ref_logps=None,
+                denominators: Denominators | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective's loss: logps (with grad), behaviour_logps (the sampler's), ref_logps, mask: [N, T];
+    advantages: [N]. Decoupled: clipped against this forward's own log-probs (the proximal policy:
+    num_iterations is 1) and weighed by pi_proximal / pi_behaviour; else clipped against the behaviour's."""
+    proximal, weights = behaviour_logps, None
+    if objective.decoupled:
+        proximal = logps.detach()  # [N, T]
+        weights = behaviour_weights(proximal, behaviour_logps, mask, mode=objective.importance_sampling,
+                                    cap=objective.importance_sampling_cap, level=objective.level)  # [N, T]
+    return clipped_loss(objective, logps, proximal, advantages, mask, ref_logps=ref_logps,
+                        denominators=denominators, is_weights=weights)
+
+
+def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, ref_logps=None,
+                 denominators: Denominators | None = None, is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate, weighed by `is_weights` [N, T] where given, plus beta * KL; logps, old_logps,
+    ref_logps, mask: [N, T]; advantages: [N]. `denominators` default to this call's own counts."""
+    o = objective
+    if o.beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    mask = mask.bool()  # [N, T]
+    d = denominators or Denominators(mask.shape[0], mask.sum(), mask.shape[0])
+    counts = (d.sequences, d.tokens, o.max_completion_length or mask.shape[1], d.completions)
+    log_ratio = torch.where(mask, logps - old_logps, 0.0)  # [N, T]
+    if o.level == "sequence":
+        log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))[:, None].expand_as(log_ratio)  # [N, T]
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
+    adv = advantages.to(ratio.dtype)[:, None]  # [N, 1]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - o.clip_low, 1 + o.clip_high) * adv)  # [N, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights  # [N, T]
+    policy = aggregate(per_token, mask, o.aggregation, *counts)  # []
+    # zeroed off the mask before subtracting: padding may hold -inf, and inf - inf in the forward
+    # would turn into NaN gradients even where the mask drops the value
+    kl = None if ref_logps is None else \
+        kl_per_token(torch.where(mask, ref_logps, 0.0), torch.where(mask, logps, 0.0), o.kl_estimator)  # [N, T]
+    loss = policy + o.beta * aggregate(kl, mask, o.aggregation, *counts) if o.beta > 0 else policy  # []
+    return loss, loss_metrics(o, policy, ratio, adv, mask, kl, is_weights)
+
+
+@torch.no_grad()
+def loss_metrics(o: Objective, policy, ratio, adv, mask, kl, is_weights) -> dict[str, float]:
+    n = mask.sum().clamp(min=1)
+    r = ratio[mask]  # [tokens]
+    low = (ratio < 1 - o.clip_low) & (adv < 0) & mask  # [N, T] clipped from below
+    high = (ratio > 1 + o.clip_high) & (adv > 0) & mask  # [N, T] clipped from above
+    metrics = {"policy_loss": policy.item(),
+               "clip_ratio/low_mean": (low.sum() / n).item(),
+               "clip_ratio/high_mean": (high.sum() / n).item(),
+               "clip_ratio/region_mean": ((low | high).sum() / n).item(),
+               "ratio/mean": r.mean().item() if r.numel() else 1.0,
+               "ratio/min": r.min().item() if r.numel() else 1.0,
+               "ratio/max": r.max().item() if r.numel() else 1.0}
+    if kl is not None:
+        metrics["kl"] = (kl[mask].sum() / n).item()
+    if is_weights is not None:
+        w = is_weights[mask]  # [tokens]
+        metrics["importance_sampling/weight_mean"] = w.mean().item() if w.numel() else 1.0
+        metrics["importance_sampling/zero_fraction"] = (w == 0).float().mean().item() if w.numel() else 0.0
+    return metrics

@@ -1,0 +1,1 @@
+"""A run around the two processes: its folder at start, its outputs, ports, trackers, progress."""

@@ -1,0 +1,1 @@
+"""The sampler's side: one step top to bottom, rollouts, episodes, evaluation."""

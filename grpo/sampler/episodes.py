@@ -1,0 +1,250 @@
+"""Multi-turn episodes: the model's turns and an environment's replies in one completion.
+
+The prompt stays the shared prefix of its G episodes; an environment's opening message (an
+OpenEnv reset observation) is part of it (data.prompts.with_opening). An episode's completion is every token
+after the prompt: model turns (sampled, with their behaviour log-probs) and the environment's
+replies in between (rendered by the chat template in the environment's role; context only).
+`model_masks` marks the model's tokens: the trainer's loss, KL, ratio and entropy see only
+those (grpo/trainer/step.py), and the environment's tokens carry log-prob 0 as placeholders.
+
+Turn 1 is one `generate` of G samples per prompt, from one prefill of the prompt. Later turns
+generate one sample per live episode from its whole context (prompt + episode so far), each
+within what is left of `sampling.max_new_tokens`, the budget of the whole episode: vLLM's prefix
+cache serves the earlier turns' KV; the HF engine prefills the context again. An episode ends when
+the environment says so, after `env.max_turns` model turns, or truncated at the token budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from grpo.sampler.rollout import Rollouts
+from rewards.strict import reward_rows
+
+if TYPE_CHECKING:
+    from grpo.settings import Config
+
+log = logging.getLogger(__name__)
+MESSAGE, REPLY = "\ue000", "\ue001"  # private-use characters: markers no chat template holds
+
+
+class TemplateRoleError(ValueError):
+    """The chat template cannot render an environment's reply in its role."""
+
+
+def reply_parts(tokenizer, role: str, ended_with: str | None = None) -> tuple[list[int], list[int]]:
+    """The template's tokens (before, after) an environment's message in `role`, between the
+    model's message and the model's next turn. The model's message ended with an EOS token whose
+    text is `ended_with` (default: the tokenizer's eos_token): when the template's own turn end is
+    that token, it is left out (the model's token already ended the turn); another one (Phi-3 ends
+    turns with <|end|>, an EOS of its generation_config, while a model may also stop at
+    <|endoftext|>) is kept, as the template writes it. No chat template: newlines."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer("\n", add_special_tokens=False)["input_ids"], tokenizer("\n", add_special_tokens=False)["input_ids"]
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE}, {"role": role, "content": REPLY}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that refuses the role
+        raise TemplateRoleError(f"the chat template cannot render an environment message in role {role!r} ({e}); "
+                                "use a model whose template does, or have the environment reply in another "
+                                "role (env.args role, or its reply_roles)") from None
+    tail = text[text.index(MESSAGE) + 1:]
+    end = tokenizer.eos_token if ended_with is None else ended_with
+    tail = tail[len(end):] if end and tail.startswith(end) else tail
+    before, after = tail.split(REPLY)
+    return (tokenizer(before, add_special_tokens=False)["input_ids"],
+            tokenizer(after, add_special_tokens=False)["input_ids"])
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of turn `turn` (0: the step's seed itself), hashed so no two turns share a stream."""
+    if seed is None or turn == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/turn{turn}".encode()).digest()[:8], "big") >> 2
+
+
+@dataclass
+class Episode:
+    tokens: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
+    model: list[bool] = field(default_factory=list)  # True where the model drew the token
+    logps: list[float] = field(default_factory=list)  # behaviour log-probs (0 at environment tokens)
+    messages: list[str] = field(default_factory=list)  # the model's messages the environment took, in order
+    last_message: str = ""
+    turns: int = 0
+    truncated: bool = False
+    reward: float | None = None  # the environment's, summed over its replies
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0  # steps that raised or timed out (grpo/environments/pool.py)
+    open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
+
+    def add(self, ids, model: bool, logps=None) -> None:
+        ids = [int(t) for t in ids]
+        self.tokens += ids
+        self.model += [model] * len(ids)
+        self.logps += [float(x) for x in logps] if logps is not None else [0.0] * len(ids)
+
+
+@dataclass
+class Episodes:
+    """B x G episodes, prompt-major."""
+
+    prompts: list  # the prompts as the episodes saw them: with their environment's opening message
+    rollouts: Rollouts  # completion_ids: whole episodes; model_masks set
+    texts: list[str]  # each episode's last model message (data.prefill included): what the rewards score
+    rows: list[dict]  # the reward rows, each with the episode's `env_reward`
+    episodes: list[Episode]
+
+
+class EpisodeRunner:
+    """Runs episodes of the environments in `pool` (grpo/environments/pool.py) with any engine."""
+
+    def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
+                 roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None):
+        self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
+        self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
+        # the roles the environment replies in, rendered now: a template that refuses one stops the start
+        self._parts = {(role, None): reply_parts(tokenizer, role) for role in roles}
+        self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
+        self.runs = 0
+
+    def reply_tokens(self, text: str, role: str, ended_with: int | None = None) -> list[int]:
+        """An environment message as tokens: the template around it, then the next turn's prefill;
+        after the model's turn that ended with token `ended_with` (None: the eos_token). Its text
+        cannot smuggle in special tokens: they are read as plain text."""
+        if (role, ended_with) not in self._parts:
+            end = None if ended_with is None else self.tokenizer.decode([ended_with])
+            self._parts[role, ended_with] = reply_parts(self.tokenizer, role, end)
+        before, after = self._parts[role, ended_with]
+        body = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return before + body + after + self._prefill_ids
+
+    def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
+        self.runs += 1
+        rows = reward_rows([p.problem for p in prompts])
+        owner = [i for i in range(len(prompts)) for _ in range(group_size)]
+        episodes = [Episode() for _ in owner]
+        prompts = self._opened(prompts, rows, group_size, episodes)
+        out = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy)
+        live, turn = list(range(len(owner))), 0
+        while live:
+            self._add_model_turn(episodes, live, out)
+            going_on = [j for j in live if self._answer(j, episodes[j], rows[owner[j]])]
+            self.pool.forget([f"{self.runs}/{j}" for j in sorted(set(live) - set(going_on))])
+            live = going_on
+            if not live:
+                break
+            turn += 1
+            contexts = [prompts[owner[j]].token_ids + episodes[j].tokens for j in live]
+            out = engine.generate(contexts, 1, seed=turn_seed(seed, turn), greedy=greedy,
+                                  max_new_tokens=[self.max_new_tokens - len(episodes[j].tokens) for j in live])
+        return Episodes(
+            prompts=prompts,
+            rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
+                              truncated=[e.truncated for e in episodes],
+                              logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
+                              model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes]),
+            texts=[e.last_message for e in episodes],
+            rows=[{**rows[owner[j]], "env_reward": e.reward} for j, e in enumerate(episodes)], episodes=episodes)
+
+    def _opened(self, prompts: list, rows: list[dict], group_size: int, episodes: list[Episode]) -> list:
+        """Every episode's environment started; the prompts with their environment's opening message.
+        The G episodes of a prompt start from one seed, so they open alike; where they do not (a
+        reset that ignores its seed), the first one's opening is shown. An opening that would make
+        the prompt longer than data.max_prompt_tokens is cut to fit."""
+        from data.prompts import with_opening
+
+        shown = []
+        for i, prompt in enumerate(prompts):
+            openings, failures = [], []
+            for j in range(i * group_size, (i + 1) * group_size):
+                opening, failure = self.pool.open(f"{self.runs}/{j}", rows[i])
+                episodes[j].open_failed = failure is not None  # counted once: its first step opens it again
+                episodes[j].env_errors += failure is not None
+                openings += [opening] if failure is None else []
+                failures += [failure] if failure is not None else []
+            if not openings:
+                log.warning("prompt %s: no episode's environment could open (%s); shown without an opening",
+                            prompt.problem.id, failures[0])
+            if len(set(openings)) > 1:
+                log.warning("the %d episodes of prompt %s opened with different messages (does the environment's "
+                            "reset follow its seed?): all are shown the first", group_size, prompt.problem.id)
+            if openings and openings[0] is not None:
+                prompt, cut = with_opening(self.tokenizer, prompt, openings[0], self.prefill, self.max_prompt_tokens)
+                if cut:
+                    log.warning("prompt %s: its environment's opening message is cut to keep the prompt within "
+                                "data.max_prompt_tokens=%d", prompt.problem.id, self.max_prompt_tokens)
+            shown.append(prompt)
+        return shown
+
+    def _add_model_turn(self, episodes: list[Episode], live: list[int], out) -> None:
+        for k, j in enumerate(live):
+            e, ids = episodes[j], out.completion_ids[k]
+            e.add(ids, model=True, logps=out.logps[k])
+            e.turns += 1
+            e.truncated = bool(out.truncated[k])
+            e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _answer(self, j: int, e: Episode, row: dict) -> bool:
+        """The environment's reply to episode j's last message, added to it; whether it goes on."""
+        if e.truncated:  # cut at the token budget: the message is unfinished
+            return False
+        reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.last_message)
+        if failure is None:  # a message whose step failed is not replayed when the episode is rebuilt
+            e.messages.append(e.last_message)
+        e.env_errors += failure is not None and not (e.open_failed and e.turns == 1)  # that failure is counted
+        e.tool_calls, e.tool_errors = e.tool_calls + reply.tool_calls, e.tool_errors + reply.tool_errors
+        if reply.reward is not None:
+            e.reward = (e.reward or 0.0) + reply.reward
+        if reply.done or e.turns >= self.max_turns:
+            return False
+        try:
+            ids = self.reply_tokens(reply.text, reply.role, ended_with=e.tokens[-1])  # not truncated: an EOS
+        except TemplateRoleError as error:  # a role it did not declare, which the template refuses: this episode ends
+            log.warning("episode %s: %s; the episode ends here (declare the role in the environment's "
+                        "reply_roles to have it checked at start)", j, error)
+            e.env_errors += 1
+            return False
+        room = self.max_new_tokens - len(e.tokens)
+        if len(ids) >= room:  # no room left for the model to answer: the episode ends at the budget
+            e.add(ids[:room], model=False)
+            e.truncated = True
+            return False
+        e.add(ids, model=False)
+        return True
+
+
+def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
+    """With env.name: the environments in their child process, and the runner of episodes."""
+    if not cfg.env.name:
+        return None
+    from grpo.environments.pool import EnvironmentPool, Limits
+
+    from grpo.environments import reply_roles
+
+    # the runner renders the roles first: a refused one is a start-up error before the child is forked
+    runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
+                           reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens)
+    runner.pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
+    log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
+             cfg.env.max_turns, cfg.sampling.max_new_tokens)
+    return runner
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Per-step means over the batch's episodes."""
+    n = max(len(episodes), 1)
+    calls = sum(e.tool_calls for e in episodes)
+    model_tokens = sum(sum(e.model) for e in episodes)
+    return {"env/turns/mean": sum(e.turns for e in episodes) / n,
+            "env/turns/max": float(max((e.turns for e in episodes), default=0)),
+            "env/tool_calls/mean": calls / n,
+            "env/tool_errors/mean": sum(e.tool_errors for e in episodes) / n,
+            "env/tool_error_rate": sum(e.tool_errors for e in episodes) / max(calls, 1),
+            "env/env_errors": float(sum(e.env_errors for e in episodes)),
+            "env/model_token_fraction": model_tokens / max(sum(len(e.tokens) for e in episodes), 1)}

@@ -1,0 +1,68 @@
+"""Rollout engines behind one interface: `hf` (a transformers model, any device) and `vllm` (optional).
+
+`RolloutEngine` is the sampler's only view of an engine: it generates with the weights it serves
+(the HF engine with the sampler's own model, vLLM with its own copy) and says which published
+version that is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from grpo.wire.weights import Staged
+
+ENGINES = ("hf", "vllm")  # sampling.engine: grpo/sampler/rollout/hf_engine.py, grpo/sampler/rollout/vllm_engine.py
+SEED_BLOCK = 1 << 20  # seeds a prompt's samples may take: vLLM seeds sample j of a request with seed + j
+
+
+def prompt_seeds(seed: int, num_prompts: int) -> list[int]:
+    """A seed per prompt of one generate call, hashed from the call's seed and the prompt's index,
+    each the first of its own block of SEED_BLOCK seeds (below 2**63).
+
+    One seed for a whole call would give sample j of every prompt the same noise (vLLM seeds the
+    j-th sample with seed + j), and calls whose seeds differ by one would share G - 1 streams.
+    Hashed blocks of 2**20 in 2**63 make two prompts' blocks meet with chance ~ n**2 / 2**44 for n
+    prompts in a whole run."""
+    seeds = []
+    for i in range(num_prompts):
+        digest = hashlib.sha256(f"{seed}/{i}".encode()).digest()
+        seeds.append((int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK)
+    return seeds
+
+
+@dataclass
+class Rollouts:
+    """G completions per prompt, prompt-major, cut after the first EOS."""
+
+    completion_ids: list[torch.Tensor]  # N x int64 [C_j]
+    truncated: list[bool]  # [N]: hit max_new_tokens without EOS
+    logps: list[torch.Tensor]  # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
+    model_masks: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens, in episodes (grpo/sampler/episodes.py)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    version: int  # the published weights version it serves (0: the initial weights)
+    weights_digest: str  # that version's manifest sha256 (grpo.wire.weights.INITIAL_DIGEST for version 0)
+
+    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+        """`group_size` completions of each prompt (token ids), prompt-major, with their log-probs;
+        prompt i's at most `max_new_tokens[i]` long (default: sampling.max_new_tokens each)."""
+
+    def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
+        """Read and check a published version whose checksums were verified (`grpo.wire.weights.verify`,
+        which adds the manifest's "digest"), raising if it cannot be served; serve it from the
+        returned `grpo.wire.weights.Staged`'s commit on (the watcher commits once every copy staged it)."""
+
+    def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
+        """Stage and commit at once (one copy of the weights: tests, scripts)."""
+
+    def close(self) -> None:
+        """Release the engine's processes and memory."""

@@ -1,0 +1,314 @@
+"""One sampler step, top to bottom: wait for weights, evaluate when due, take the prompts,
+generate (or run episodes), score, advantages, log-probs, assemble the batch, send it.
+
+`run_step` is what the sampler's loop calls once per step; each stage is a small function
+below it, in the order they run (`make_batch`: the stages from generating to the batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo.objective.advantages import group_advantages
+from grpo.wire.batch import RolloutBatch
+from grpo.model.completions import eos_token_ids
+from grpo.wire.delivery import global_step
+from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
+from grpo.sampler.episodes import episode_metrics
+from grpo.model.flops import ModelShape, generation_flops
+from grpo.model.logprobs import completion_logprobs
+from grpo.objective import Objective, loss_counts
+from grpo.sampler.rollout import RolloutEngine, Rollouts
+from grpo.sampler.metrics import sampler_metrics
+from grpo.wire.staleness import required_version, wait_for_version
+from rewards import RewardScores, score_completions
+from rewards.overlong import NAME as OVERLONG, overlong_penalty
+from rewards.strict import checks_of, reward_rows, strict_rates
+
+if TYPE_CHECKING:
+    from grpo.settings import Config, RewardsConfig, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplerPolicy:
+    """What a step generates and scores with."""
+
+    engine: RolloutEngine  # generates, and says which weights version it serves
+    model: Any  # the scoring model: recomputed old log-probs, reference log-probs with the adapter off
+    reference: Any | None  # a frozen copy of the start, for a full fine-tune with beta > 0
+    tokenizer: Any
+    behaviour: dict  # the settings each batch records (grpo/wire/behaviour.py)
+    episodes: Any | None = None  # grpo.sampler.episodes.EpisodeRunner with env.name: multi-turn episodes
+    sandbox: Any | None = None  # rewards.sandbox.RewardSandbox the rewards run in (None: in this process)
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The scoring model's shape, for the model FLOPs of each round (read once)."""
+        return ModelShape.of(self.model)
+
+
+@dataclass
+class SamplerLoop:
+    """What every step of a sampler uses (sampling_worker.py builds it)."""
+
+    cfg: Any
+    policy: SamplerPolicy
+    prompts: list  # the training prompts, tokenised
+    cursor: Any  # data.cursor.PromptCursor
+    watcher: Any  # grpo.wire.weights.WeightWatcher
+    redelivery: Any  # grpo.wire.delivery.Redelivery
+    sender: Any  # grpo.wire.transport.BatchSender
+    spool: Any  # grpo.wire.delivery.Spool
+    state: Any  # grpo.sampler.state.SamplerState
+    evaluator: Any | None  # grpo.sampler.evaluation.TrainingEvaluator on sampler 0 with eval.every
+    start_step: int
+    previous_send_s: float = 0.0
+
+
+def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
+    """Sampler step `step`: the batch it sent."""
+    cfg, policy = loop.cfg, loop.policy
+    loop.redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
+    metrics = wait_for_weights(loop, step)
+    evaluated = evaluate_if_due(loop.evaluator, policy.engine)
+    metrics.update({"timing/previous_send_s": loop.previous_send_s,  # this batch's own send is not over when encoded
+                    "timing/eval_s": evaluated["eval/seconds"] if evaluated else 0.0})
+    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    prompts_of_round = round_prompts(cfg.sampling, loop.cursor, loop.prompts, g)
+    batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step,
+                       more_prompts=prompts_of_round)
+    if evaluated:
+        batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
+    send(loop, step, batch)
+    return batch
+
+
+def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
+    """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
+    counted in global steps); the metrics of the wait, loading included."""
+    cfg, watcher = loop.cfg, loop.watcher
+    t, loaded_before = time.perf_counter(), watcher.load_seconds
+    g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    needed = required_version(g, cfg.sampling.max_staleness, cfg.weights.publish_every)
+    wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: loop.redelivery.check(step))
+    return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
+            "sampler/weight_load_failures": float(watcher.failures)}
+
+
+def evaluate_if_due(evaluator, engine) -> dict | None:
+    if evaluator is None or not evaluator.due(engine.version):
+        return None
+    result = evaluator.run(engine, engine.version)
+    log.info("eval at version %d: answer accuracy %.3f, format rate %.3f (%d problems, %.0f s)", engine.version,
+             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"], result["eval/seconds"])
+    return result
+
+
+def round_prompts(s: SamplingConfig, cursor, prompts: list, g: int):
+    """round -> the prompts of that round of global step g: their stream positions are a function
+    of g alone (grpo/sampler/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
+    rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
+
+    def prompts_of_round(r: int) -> list:
+        cursor.seek(round_start(g, r, s.prompts_per_step, rounds))
+        return [prompts[i] for i in cursor.take(s.prompts_per_step)]
+    return prompts_of_round
+
+
+def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
+    """Spool the batch, send it, then save the data cursor: after the send, so that a restart
+    neither repeats nor skips prompts."""
+    t = time.perf_counter()
+    frames = loop.sender.encode(batch)
+    loop.spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
+    loop.sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
+    loop.previous_send_s = time.perf_counter() - t
+    loop.state.save(step + 1, loop.cursor.state_dict())
+    m = batch.meta["metrics"]
+    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version, m["reward"],
+             m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
+
+
+def make_engine(cfg: Config, model, tokenizer) -> RolloutEngine:
+    """The configured rollout engine (sampling.engine); vLLM is imported only when selected."""
+    if cfg.sampling.engine == "vllm":
+        from grpo.sampler.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg, eos_token_ids(tokenizer, model))
+    from grpo.sampler.rollout.hf_engine import HFEngine
+
+    return HFEngine(model, tokenizer, cfg.sampling)
+
+
+def step_seed(cfg: Config, step: int) -> int:
+    """The seed of global step `step`: a re-run repeats it, and N samplers draw what one would."""
+    return cfg.seed * 1_000_003 + step
+
+
+def reward_names(r: RewardsConfig) -> list[str]:
+    """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
+    return list(r.names) + ([OVERLONG] if r.overlong_buffer > 0 else [])
+
+
+@dataclass
+class Round:
+    """One round's prompts, their G completions each (prompt-major), and the scores."""
+
+    prompts: list
+    rollouts: Rollouts
+    texts: list[str]
+    rows: list[dict]  # what the rewards got per sample: the dataset row (+ env_reward in episodes)
+    scores: Any  # rewards.RewardScores, with the overlong column when it is on
+    generate_s: float = 0.0
+    rewards_s: float = 0.0
+    generation_flops: int = 0  # model FLOPs of the generation (grpo/model/flops.py)
+    episodes: list | None = None  # grpo.sampler.episodes.Episode per sample, with env.name
+
+
+def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
+    t = time.perf_counter()
+    G = cfg.sampling.group_size
+    episodes = None
+    if policy.episodes is not None:  # multi-turn: rewards score each episode's last model message
+        run = policy.episodes.run(policy.engine, prompts, G, seed=seed)
+        prompts, rollouts, texts, rows, episodes = run.prompts, run.rollouts, run.texts, run.rows, run.episodes
+    else:
+        rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed)
+    generate_s, t = time.perf_counter() - t, time.perf_counter()
+    if episodes is None:
+        texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids,
+                                                                             skip_special_tokens=True)]
+        rows = reward_rows([p.problem for p in prompts for _ in range(G)])
+    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox)
+    if cfg.rewards.overlong_buffer > 0:
+        penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
+                                                 cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
+        scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
+                              torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
+                              scores.total + penalty, {**scores.failures, OVERLONG: 0})
+    flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
+                             [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
+    return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes)
+
+
+def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
+    """The chosen (round, group) pairs as one round, in that order."""
+    samples = [(rounds[r], j * G + k) for r, j in chosen for k in range(G)]
+    scores = [rnd.scores for rnd in rounds]
+    episodic = rounds[0].episodes is not None
+    return Round(
+        prompts=[rounds[r].prompts[j] for r, j in chosen],
+        rollouts=Rollouts(completion_ids=[rnd.rollouts.completion_ids[i] for rnd, i in samples],
+                          truncated=[rnd.rollouts.truncated[i] for rnd, i in samples],
+                          logps=[rnd.rollouts.logps[i] for rnd, i in samples],
+                          model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None),
+        texts=[rnd.texts[i] for rnd, i in samples],
+        rows=[rnd.rows[i] for rnd, i in samples],
+        scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.total[i] for rnd, i in samples]),
+                            {name: sum(s.failures[name] for s in scores) for name in scores[0].failures}),
+        generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
+        generation_flops=sum(rnd.generation_flops for rnd in rounds),
+        episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None)
+
+
+def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
+    """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
+    have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that."""
+    s = cfg.sampling
+    first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox)
+    if not s.dynamic_sampling:
+        return first, {}
+    rounds, spreads = [first], [has_spread(first.scores.total, s.group_size)]
+    while sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds and more_prompts:
+        extra = generate_and_score(cfg, policy, more_prompts(len(rounds)), round_seed(step_seed(cfg, step), len(rounds)),
+                                   sandbox)
+        rounds.append(extra)
+        spreads.append(has_spread(extra.scores.total, s.group_size))
+    chosen, short = choose_groups(spreads, len(prompts))
+    if short:
+        log.warning("dynamic sampling: %d of %d groups have differing rewards after %d rounds "
+                    "(sampling.dynamic_sampling_max_rounds); filled with groups that give no gradient",
+                    sum(map(sum, spreads)), len(prompts), len(rounds))
+    generated = sum(map(len, spreads))
+    return keep_groups(rounds, chosen, s.group_size), {
+        "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
+        "sampling/dynamic_dropped_fraction": (generated - len(prompts)) / generated,  # generated, not trained
+        "sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated,  # of the generated groups
+        "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
+
+
+def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
+                    check_recorded: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, float | None]:
+    """(old log-probs, reference log-probs or None, the largest gap between the engine's recorded
+    log-probs and the recompute, or None when nothing was recomputed)."""
+    args = (prompt_ids, rollouts.completion_ids, [cfg.sampling.group_size] * len(prompt_ids))
+    kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix)
+    recorded = cfg.sampling.old_logps == "generation"
+    with torch.no_grad():
+        recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or check_recorded else None
+        ref_logps = None
+        if cfg.training.beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
+            with policy.model.disable_adapter():
+                ref_logps = completion_logprobs(policy.model, *args, **kwargs)
+        elif policy.reference is not None:
+            ref_logps = completion_logprobs(policy.reference, *args, **kwargs)
+    gap = None
+    if recomputed is not None:  # over the model's tokens: an episode's environment tokens hold placeholders
+        masks = rollouts.model_masks or [torch.ones(len(c), dtype=torch.bool) for c in rollouts.completion_ids]
+        gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)),
+                  default=0.0)
+    return (rollouts.logps if recorded else recomputed), ref_logps, gap
+
+
+def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
+               check_recorded: bool, more_prompts=None) -> RolloutBatch:
+    """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
+    rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
+    weights wait, and this function's) in `meta["metrics"]`."""
+    timings = dict(metrics_so_far)
+    version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
+    sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
+    kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
+                                          global_step(sampler, step, cfg.sampling.num_workers), sandbox)
+    timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
+    timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
+    timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
+    prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, Objective.of(cfg)
+    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale)
+    prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
+
+    t = time.perf_counter()
+    old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, check_recorded)
+    timings["timing/logprobs_s"] = time.perf_counter() - t
+
+    truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
+    num_tokens, num_sequences = loss_counts(objective, rollouts.completion_ids, truncated, rollouts.model_masks)
+    batch = RolloutBatch(
+        step=step, sampler=sampler, policy_version=version, prompt_ids=prompt_ids,
+        completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
+        old_logps=[x.float().cpu() for x in old_logps],
+        ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
+        rewards=scores.per_function, reward_names=reward_names(cfg.rewards), advantages=advantages,
+        truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
+        meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
+        weights_digest=digest, model_mask=rollouts.model_masks)
+    metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
+    metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
+    if kept.episodes is not None:
+        metrics.update(episode_metrics(kept.episodes))
+    if gap is not None:
+        metrics["sampler/engine_logp_gap_max"] = gap
+        if cfg.sampling.old_logps == "generation":
+            log.info("old log-probs read off generation differ from the recomputed ones by at most %.2e", gap)
+    batch.meta["metrics"] = metrics
+    return batch

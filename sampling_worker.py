@@ -33,7 +33,7 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.wire.behaviour import behaviour_of
-from grpo.config import Config, ConfigError, help_requested, parse_cli, save_config
+from grpo.config import Config, exit_code, help_requested, parse_cli, save_config
 from grpo.environments import environment_demonstration
 from grpo.environments.pool import IsolationError
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
@@ -167,8 +167,4 @@ def weight_stagers(cfg: Config, policy: SamplerPolicy) -> list:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_code(main, sys.argv[1:]))

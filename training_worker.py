@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
-from grpo.config import Config, ConfigError, TrainingConfig, help_requested, parse_cli, save_config, to_dict
+from grpo.config import Config, TrainingConfig, exit_code, help_requested, parse_cli, save_config, to_dict
 from grpo.wire.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.model.flops import ModelShape, batch_step_flops
@@ -333,10 +333,7 @@ def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_code(main, sys.argv[1:]))
     except WriteFailed as e:
         log.error("%s. Nothing partial is visible: weights and checkpoints are written aside and renamed into "
                   "place, so LATEST and the last checkpoint are whole. Free space or fix permissions and restart; "

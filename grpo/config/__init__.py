@@ -9,6 +9,7 @@ what to do (grpo/config/rules.py, which asks each module for the options it impl
 from __future__ import annotations
 
 import os
+import sys
 import typing
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
            "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RewardsConfig",
-           "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys", "get_key",
+           "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys", "exit_code", "get_key",
            "help_requested", "load_config", "option_lists", "parse_cli", "reference_markdown", "reference_text",
            "run_config", "save_config", "to_dict"]
 
@@ -133,3 +134,12 @@ def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ())
         return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides])
     except ConfigError as e:
         raise RunOutputsError(f"{run_dir / CONFIG}: {e}") from None
+
+
+def exit_code(main: typing.Callable[[list[str]], int], argv: list[str]) -> int:
+    """An entry point's exit code: `main(argv)`'s, or 2 with a config error printed as one line."""
+    try:
+        return main(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2

@@ -101,9 +101,8 @@ class SamplingConfig:
     dynamic_sampling_max_rounds: int = _f(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
                                              "prompts per step; short of informative groups after them, the batch is "
                                              "filled with dropped ones and sampling/dynamic_cap_hit is logged.")
-    num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
-                             "scripts/launch.py starts this many). Together they make the batches one "
-                             "sampler would: global step g is made by sampler g % N.")
+    num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; scripts/launch.py "
+                             "starts this many). Together they make the batches one sampler would: global step g is made by sampler g % N.")
     worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
     vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
                                                        "takes (weights and KV cache); leave room for a trainer on the same GPU.")

@@ -32,20 +32,21 @@ import torch
 from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
-from grpo.wire.behaviour import behaviour_of
 from grpo.config import Config, exit_code, help_requested, parse_cli, save_config
 from grpo.environments import environment_demonstration
 from grpo.environments.pool import IsolationError
-from grpo.sampler.episodes import TemplateRoleError, episode_runner
-from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
-from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.files import RunFolderError, ensure_writable
-from grpo.model.logprobs import check_supported
 from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
-from grpo.sampler.step import SamplerLoop, SamplerPolicy, make_engine, run_step
+from grpo.model.logprobs import check_supported
+from grpo.objective import Objective
+from grpo.sampler.episodes import TemplateRoleError, episode_runner
+from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.state import SamplerState
-from grpo.wire.staleness import oldest_version, wait_for_version
+from grpo.sampler.step import SamplerLoop, SamplerPolicy, make_engine, run_step
 from grpo.sources import SourceError
+from grpo.wire.behaviour import behaviour_of
+from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
+from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.wire.transport import BatchSender
 from grpo.wire.weights import WeightWatcher, into_model
 from rewards.sandbox import RewardSandbox
@@ -122,7 +123,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
-    reference = copy.deepcopy(base).eval() if cfg.training.beta > 0 and not cfg.lora.enabled else None
+    reference = copy.deepcopy(base).eval() if Objective.of(cfg).beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer),
                            episodes=episode_runner(cfg, tokenizer))

@@ -32,20 +32,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
-                            check_weights_digest, uncorrected_precision_gap)
 from grpo.config import Config, TrainingConfig, exit_code, help_requested, parse_cli, save_config, to_dict
-from grpo.wire.delivery import Inbox, TrainerState
 from grpo.files import RunFolderError, ensure_writable
 from grpo.model.flops import ModelShape, batch_step_flops
-from grpo.model.logprobs import check_supported, verify_shared_prefix
 from grpo.model.loading import load_policy, load_tokenizer
+from grpo.model.logprobs import check_supported, verify_shared_prefix
 from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
-from grpo.sources import SourceError
 from grpo.run.tracking import open_tracker
+from grpo.sources import SourceError
 from grpo.trainer.outputs import MetricsLog, WriteFailed, publish_weights, save_checkpoint
 from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
                            train_step)
+from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
+                            check_weights_digest, uncorrected_precision_gap)
+from grpo.wire.delivery import Inbox, TrainerState
 from grpo.wire.transport import AddressInUse, BatchReceiver, decode_batch
 from grpo.wire.weights import published_digests, published_versions, version_dir
 

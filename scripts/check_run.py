@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from grpo.config import load_config  # noqa: E402
-from grpo.run.rows import is_evaluation_row  # noqa: E402
 from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
+from grpo.run.rows import is_evaluation_row  # noqa: E402
 from grpo.wire.weights import read_latest, verify, version_dir  # noqa: E402
 
 

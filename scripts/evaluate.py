@@ -32,16 +32,16 @@ from tqdm import tqdm  # noqa: E402
 from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import Config, ConfigError, parse_cli, run_config  # noqa: E402
-from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
-from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.environments import environment_demonstration  # noqa: E402
 from grpo.environments.pool import IsolationError  # noqa: E402
+from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
+from grpo.run.outputs import RunOutputsError, run_of_weights, version_folder  # noqa: E402
 from grpo.sampler.episodes import TemplateRoleError, episode_runner  # noqa: E402
 from grpo.sampler.evaluation import greedy_samples, summary  # noqa: E402
-from rewards.sandbox import RewardSandbox  # noqa: E402
-from grpo.run.outputs import RunOutputsError, run_of_weights, version_folder  # noqa: E402
+from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402
 from grpo.sources import SourceError  # noqa: E402
 from grpo.wire.weights import MANIFEST, WeightsError, load_into, verify  # noqa: E402
+from rewards.sandbox import RewardSandbox  # noqa: E402
 from rewards.strict import checks_of  # noqa: E402
 
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 from data.problems import check_source  # noqa: E402
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable, write_atomically  # noqa: E402
-from grpo.run.progress import LogMilestones, StepProgress, tail  # noqa: E402
 from grpo.run.ports import free_local_port, free_loopback_address  # noqa: E402
+from grpo.run.progress import LogMilestones, StepProgress, tail  # noqa: E402
 from grpo.run.start import planned_start, prepare_run_folder  # noqa: E402
 from grpo.sources import SourceError, check_model_source  # noqa: E402
 

@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_model  # noqa: E402
-from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.config import LoraConfig, load_config  # noqa: E402
-from grpo.model.logprobs import completion_logprobs  # noqa: E402
 from grpo.model.loading import add_lora  # noqa: E402
+from grpo.model.logprobs import completion_logprobs  # noqa: E402
 from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
                            release_deepspeed_shm, train_step)
+from grpo.wire.batch import RolloutBatch  # noqa: E402
 
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
 CASES = [(level, agg, 0, "sampler") for level in ("token", "sequence") for agg in AGGREGATIONS] + \

@@ -2,8 +2,8 @@
 
 import torch
 
-from grpo.wire.batch import RolloutBatch
 from grpo.run.ports import free_loopback_address
+from grpo.wire.batch import RolloutBatch
 
 
 def free_tcp_address() -> str:

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 from grpo import objective
+from grpo.config import option_lists
 from grpo.model import loading as models, logprobs
 from grpo.sampler import rollout
-from grpo.config import option_lists
 from conftest import REPO
 
 IMPORTED_AFTER = '''

@@ -10,16 +10,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import REPO, tiny_model
 from data.problems import Problem
 from data.prompts import Prompt
-from grpo.wire.batch import RolloutBatch
 from grpo.config import load_config
 from grpo.environments import Reply
 from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
-from grpo.sampler.episodes import EpisodeRunner, reply_parts, turn_seed
 from grpo.model.logprobs import completion_logprobs
-from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.objective import Objective, loss_counts
+from grpo.sampler.episodes import EpisodeRunner, reply_parts, turn_seed
+from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.step import micro_batch_loss
+from grpo.wire.batch import RolloutBatch
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 

@@ -10,8 +10,8 @@ import yaml
 
 from conftest import REPO
 from grpo.config import load_config, save_config, to_dict
-from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.config import run_config
+from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_of_weights, version_folder
 from grpo.wire.weights import load_into, publish, verify, version_dir
 

@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import PROCESS_CONFIG, REPO
-from grpo.wire.batch import RolloutBatch
-from grpo.wire.behaviour import behaviour_of
 from grpo.config import load_config
 from grpo.model.logprobs import completion_logprobs
 from grpo.run.ports import free_local_port
+from grpo.wire.batch import RolloutBatch
+from grpo.wire.behaviour import behaviour_of
 from grpo.wire.transport import BatchSender, encode_batch
 from grpo.wire.weights import publish, read_latest, verify, version_dir
 from helpers import free_tcp_address

@@ -5,8 +5,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from grpo.config import LoraConfig, SamplingConfig
 from grpo.model.flops import ModelShape, generation_flops, logprob_pass_flops, matmul_probe, trainer_step_flops
-from grpo.model.logprobs import completion_logprobs
 from grpo.model.loading import add_lora
+from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine
 from conftest import tiny_model
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
 from data.problems import DataError, load_problems, load_split
+from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
 from data.prompts import build_prompts, solved_answer
 from grpo.config import load_config
 from grpo.settings.tree import ConfigError

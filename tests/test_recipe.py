@@ -11,8 +11,8 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.outputs import MetricsLog
 from grpo.wire.weights import WeightWatcher, publish, version_dir

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from grpo.config import load_config
 from grpo.settings.tree import ConfigError
+from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.overlong import overlong_penalty
 from rewards.sandbox import RewardSandbox

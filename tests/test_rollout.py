@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from grpo.model.completions import cut_at_eos
 from grpo.config import Config, LoraConfig, SamplingConfig
-from grpo.model.logprobs import completion_logprobs
+from grpo.model.completions import cut_at_eos
 from grpo.model.loading import add_lora, unwrap_causal_lm
+from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine, chunk_plan, prompt_blocks
 from conftest import tiny_model
 

@@ -9,9 +9,9 @@ from data.cursor import PromptCursor
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
-from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
-from grpo.model.logprobs import completion_logprobs
 from grpo.model.loading import add_lora
+from grpo.model.logprobs import completion_logprobs
+from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, make_batch, step_seed

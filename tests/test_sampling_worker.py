@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
+from data.cursor import PromptCursor
 from grpo.config import LoraConfig, ModelConfig
 from grpo.model.flops import ModelShape, generation_flops
-from grpo.model.logprobs import completion_logprobs
 from grpo.model.loading import add_lora, load_model
+from grpo.model.logprobs import completion_logprobs
 from grpo.wire.staleness import required_version
 from grpo.wire.transport import BatchReceiver, TransportTimeout
 from grpo.wire.weights import publish, version_dir
-from data.cursor import PromptCursor
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from grpo.wire.delivery import TrainerState
 from grpo.trainer.schedule import learning_rate_at
+from grpo.wire.delivery import TrainerState
 
 
 def test_warmup_then_constant():

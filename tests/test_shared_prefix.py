@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig
-from grpo.model.logprobs import completion_logprobs
 from grpo.model.loading import add_lora, enable_gradient_checkpointing
+from grpo.model.logprobs import completion_logprobs
 from grpo.model.shared_prefix import pack_groups
 from conftest import tiny_model
 

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from grpo.config import load_config, to_dict
-from grpo.sampler.evaluation import append_metrics_row
 from grpo.run.tracking import open_tracker
+from grpo.sampler.evaluation import append_metrics_row
 from grpo.trainer.outputs import MetricsLog
 
 cfg = load_config(None, ["logging.backend={backend}", "logging.tensorboard=false", "run.name=tracked"])

@@ -11,8 +11,8 @@ import torch
 from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
-from grpo.model.logprobs import completion_logprobs
 from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.step import SamplerPolicy, make_batch, make_engine

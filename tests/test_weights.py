@@ -11,8 +11,8 @@ import torch
 
 from grpo.config import LoraConfig
 from grpo.model.loading import add_lora
-from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
 from grpo.settings.tree import get_key
+from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
 from grpo.wire.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, Staged, WeightWatcher, WeightsDiverged,
                           WeightsError, publish,
                           published_digests, published_versions, read_latest, verify, into_model, version_dir)

@@ -16,13 +16,13 @@ from pathlib import Path
 import yaml
 
 from grpo.config.rules import option_lists, validate  # noqa: F401 (option_lists: the valid values, for importers)
+from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
 from grpo.settings import (  # noqa: F401 (the tree, for importers)
     DEFAULT_SYSTEM_PROMPT, RunConfig, ModelConfig, LoraConfig, DataConfig,
     SamplingConfig, RewardsConfig, TrainingConfig, EvalConfig, EnvConfig,
     DeepSpeedConfig, TransportConfig, WeightsConfig, LoggingConfig, CheckpointConfig, LaunchConfig, Config, save_config, to_dict)
 from grpo.settings.tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
 from grpo.settings.tree import parse_override, reference_text as _reference_text, set_key
-from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
 
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpo.objective.advantages import group_advantages
-from grpo.wire.batch import RolloutBatch
 from grpo.model.completions import eos_token_ids
-from grpo.wire.delivery import global_step
-from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
-from grpo.sampler.episodes import episode_metrics
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
-from grpo.sampler.rollout import RolloutEngine, Rollouts
+from grpo.objective.advantages import group_advantages
+from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
+from grpo.sampler.episodes import episode_metrics
 from grpo.sampler.metrics import sampler_metrics
+from grpo.sampler.rollout import RolloutEngine, Rollouts
+from grpo.wire.batch import RolloutBatch
+from grpo.wire.delivery import global_step
 from grpo.wire.staleness import required_version, wait_for_version
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
@@ -257,7 +257,7 @@ def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.T
     with torch.no_grad():
         recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or check_recorded else None
         ref_logps = None
-        if cfg.training.beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
+        if Objective.of(cfg).beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
             with policy.model.disable_adapter():
                 ref_logps = completion_logprobs(policy.model, *args, **kwargs)
         elif policy.reference is not None:

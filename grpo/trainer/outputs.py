@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.wire.delivery import TrainerState
-from grpo.run.rows import is_evaluation_row
 from grpo.files import write_atomically
+from grpo.run.rows import is_evaluation_row
+from grpo.wire.delivery import TrainerState
 from grpo.wire.weights import publish
 
 if TYPE_CHECKING:

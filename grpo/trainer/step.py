@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from grpo.wire.batch import RolloutBatch
 from grpo.model.logprobs import completion_logprobs, pad_right
+from grpo.model.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
 from grpo.objective import ADDITIVE, EXTREMES as LOSS_EXTREMES, Denominators, Objective, loss_mask, policy_loss
 from grpo.trainer.schedule import learning_rate_at
-from grpo.model.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
+from grpo.wire.batch import RolloutBatch
 
 if TYPE_CHECKING:
     from grpo.settings import Config, TrainingConfig

@@ -14,8 +14,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
-from grpo.settings.tree import get_key
 from grpo.objective import Objective
+from grpo.settings.tree import get_key
 from grpo.wire.staleness import too_stale
 from grpo.wire.weights import INITIAL_DIGEST
 

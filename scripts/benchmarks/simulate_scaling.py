@@ -36,12 +36,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from grpo.config import load_config  # noqa: E402
+from grpo.run.ports import free_local_port  # noqa: E402
 from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.wire.behaviour import behaviour_of  # noqa: E402
-from grpo.config import load_config  # noqa: E402
 from grpo.wire.delivery import global_step, steps_of_sampler  # noqa: E402
 from grpo.wire.staleness import required_version, wait_for_version  # noqa: E402
-from grpo.run.ports import free_local_port  # noqa: E402
 from grpo.wire.transport import BatchSender  # noqa: E402
 from grpo.wire.weights import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
 

@@ -34,7 +34,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
     rows = [row for row in rows if not is_evaluation_row(row)]
     if [row["step"] for row in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[row['step'] for row in rows]}, expected 1..{steps}")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / "config.yaml", written_by_a_run=True)
     if cfg.env.name:  # episodes: every row reports them
         missing = [row["step"] for row in rows if "env/turns/mean" not in row]
         if missing:

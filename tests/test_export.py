@@ -9,8 +9,7 @@ import torch
 import yaml
 
 from conftest import REPO
-from grpo.config import load_config, save_config, to_dict
-from grpo.config import run_config
+from grpo.config import load_config, run_config, save_config, to_dict
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_of_weights, version_folder
 from grpo.wire.weights import load_into, publish, verify, version_dir
@@ -65,6 +64,18 @@ def greedy(model, ids, tokens=8):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
+
+
+def test_a_run_folder_saved_with_keys_since_removed_still_reads(tmp_path):
+    """A run saves every key of its day: keys removed since are dropped when its folder is read,
+    while a user's own config with one is refused (tests/test_models.py)."""
+    import yaml
+
+    saved = to_dict(load_config(None, ["seed=3"]))
+    saved["lora"]["dropout"], saved["launch"]["samplers"] = 0.0, 1
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = run_config(tmp_path)
+    assert cfg.seed == 3 and not hasattr(cfg.lora, "dropout") and not hasattr(cfg.launch, "samplers")
 
 
 def chat_ids(tokenizer, question):

@@ -22,7 +22,7 @@ from grpo.settings import (  # noqa: F401 (the tree, for importers)
     SamplingConfig, RewardsConfig, TrainingConfig, EvalConfig, EnvConfig,
     DeepSpeedConfig, TransportConfig, WeightsConfig, LoggingConfig, CheckpointConfig, LaunchConfig, Config, save_config, to_dict)
 from grpo.settings.tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
-from grpo.settings.tree import parse_override, reference_text as _reference_text, set_key
+from grpo.settings.tree import REMOVED_KEYS, parse_override, reference_text as _reference_text, set_key
 
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
@@ -39,9 +39,12 @@ def all_keys() -> list[str]:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
+                written_by_a_run: bool = False) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem (unknown
-    keys, wrong types, impossible combinations) is reported at once, in one ConfigError."""
+    keys, wrong types, impossible combinations) is reported at once, in one ConfigError.
+    `written_by_a_run`: the file is the config a run saved (every key of its day), so keys removed
+    since are dropped, not refused."""
     cfg, problems = Config(), []
     if path is not None:
         path = Path(path)
@@ -53,6 +56,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(mapping, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(mapping).__name__}")
+        if written_by_a_run:
+            mapping = without_removed_keys(mapping)
         problems += apply_mapping(cfg, mapping, from_cli=False)
     for text in overrides:
         try:
@@ -62,6 +67,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             continue
         problems += set_key(cfg, key.split("."), value, True, key, Config)
     return validate(cfg, problems)
+
+
+def without_removed_keys(mapping: dict) -> dict:
+    """A saved config's sections less the keys this version no longer has (REMOVED_KEYS)."""
+    kept = {section: dict(values) if isinstance(values, dict) else values for section, values in mapping.items()}
+    for key in REMOVED_KEYS:
+        section, name = key.split(".", 1)
+        if isinstance(kept.get(section), dict):
+            kept[section].pop(name, None)
+    return kept
 
 
 def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml") -> Config:
@@ -131,7 +146,7 @@ def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ())
                               "starts); pass runs/<name>, or --config for weights outside a run folder")
     try:
         # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
-        return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides])
+        return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides], written_by_a_run=True)
     except ConfigError as e:
         raise RunOutputsError(f"{run_dir / CONFIG}: {e}") from None
 

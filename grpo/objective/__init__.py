@@ -12,6 +12,7 @@ the worked numbers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -76,8 +77,9 @@ class Objective:
         return self.importance_sampling != "none"
 
     def header(self) -> dict:
-        """What a batch header records (grpo/wire/behaviour.py): the trainer trains only on its own objective."""
-        return asdict(self)
+        """What a batch header records (grpo/wire/behaviour.py): the trainer trains only on its own
+        objective. JSON holds no infinity, so a non-finite value (an unbounded clip) is written as text."""
+        return {k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()}
 
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""

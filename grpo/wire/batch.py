@@ -15,7 +15,7 @@ import torch
 
 from grpo.wire.weights import INITIAL_DIGEST
 
-SCHEMA = "grpo.sampler.rollout/1"
+SCHEMA = "grpo.rollout/1"
 
 
 @dataclass

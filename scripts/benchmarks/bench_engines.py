@@ -80,8 +80,13 @@ def hf_engine_at(revision: str):
     """HFEngine as grpo/sampler/rollout/hf_engine.py was at a git revision (imports resolve against today's tree)."""
     import importlib.util
 
-    source = subprocess.run(["git", "show", f"{revision}:grpo/sampler/rollout/hf_engine.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    for place in ("grpo/sampler/rollout/hf_engine.py", "grpo/rollout/hf_engine.py"):  # today's, and before the move
+        shown = subprocess.run(["git", "show", f"{revision}:{place}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no hf_engine.py at revision {revision}")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / f"hf_engine_{revision}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -45,7 +45,7 @@ def default_batch(cfg: Config, model):
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)  # the shots themselves are not asked
     policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     with torch.no_grad():
-        return make_batch(cfg, policy, prompts, step=0, sampler=0, sandbox=None, metrics_so_far={},
+        return make_batch(cfg, policy, prompts, step=0, metrics_so_far={},
                           check_recorded=False)
 
 

@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))  # default_batch: bench_importance_sampling.py's
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # default_batch: bench_importance_sampling.py's
 
 # glibc malloc keeping freed memory instead of returning it (trim) and mapping it afresh, with
 # and without transparent huge pages: measured against the page faults of the trainer's step

@@ -358,3 +358,20 @@ def test_mask_truncated_completions_drops_whole_rows_only_when_asked():
     truncated = torch.tensor([False, True])
     assert loss_mask(Objective(mask_truncated=True), mask, truncated).int().tolist() == [[1, 1, 1], [0, 0, 0]]
     assert torch.equal(loss_mask(Objective(mask_truncated=False), mask, truncated), mask)
+
+
+def test_the_batch_header_holds_what_the_batch_was_made_for_not_the_loss_settings():
+    """A batch depends on which tokens the loss sees and on the advantages' scale; the loss's own
+    settings are the trainer's, so a run resumed with another clip still trains on the spooled
+    batches (and an unbounded clip needs no place in the header's JSON)."""
+    import json
+
+    from grpo.config import load_config
+
+    base = Objective.of(load_config(None, []))
+    loss_only = Objective.of(load_config(None, ["training.clip_high=.inf", "training.beta=0.1",
+                                                 "training.importance_sampling=token_truncate"]))
+    masked = Objective.of(load_config(None, ["training.mask_truncated_completions=true"]))
+    scaled = Objective.of(load_config(None, ["training.advantage_scale=batch"]))
+    assert base.header() == loss_only.header() and json.loads(json.dumps(loss_only.header(), allow_nan=False)) == base.header()
+    assert masked.header() != base.header() != scaled.header()

@@ -302,17 +302,3 @@ def test_the_secret_can_come_from_the_environment(monkeypatch):
     finally:
         for socket in (signed, unsigned, receiver):
             socket.close()
-
-
-def test_an_unbounded_clip_travels_in_the_batch_header():
-    """JSON holds no infinity: the objective writes a non-finite setting as text, the same on both
-    sides, so a batch made with training.clip_high=.inf is sent and its header checks equal."""
-    from grpo.config import load_config
-    from grpo.objective import Objective
-
-    cfg = load_config(None, ["training.clip_high=.inf", "training.importance_sampling_cap=.inf"])
-    batch = make_batch()
-    batch.behaviour = {"objective": Objective.of(cfg).header()}
-    decoded = decode_batch(encode_batch(batch))
-    assert decoded.behaviour == {"objective": Objective.of(cfg).header()}
-    assert decoded.behaviour["objective"]["clip_high"] == "inf"

@@ -12,8 +12,7 @@ the worked numbers.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -77,9 +76,11 @@ class Objective:
         return self.importance_sampling != "none"
 
     def header(self) -> dict:
-        """What a batch header records (grpo/wire/behaviour.py): the trainer trains only on its own
-        objective. JSON holds no infinity, so a non-finite value (an unbounded clip) is written as text."""
-        return {k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()}
+        """What a batch header records (grpo/wire/behaviour.py): the settings the sampler made the batch
+        for (which tokens the loss sees, so its denominators, and the advantages' scale). The loss's
+        own settings (clip, KL, aggregation, importance sampling) are the trainer's: a run resumed
+        with other ones still trains on the batches made before."""
+        return {"mask_truncated": self.mask_truncated, "advantage_scale": self.advantage_scale}
 
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""

@@ -154,7 +154,7 @@ def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
     policy = SamplerPolicy(engine, model, None, tokenizer, {})
     chosen = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])[0]
     batches = {source: make_batch(vllm_config(f"sampling.old_logps={source}", "training.beta=0"), policy, chosen,
-                                  step=4, sampler=0, sandbox=None, metrics_so_far={}, check_recorded=True)
+                                  step=4, metrics_so_far={}, check_recorded=True)
                for source in ("generation", "recompute")}
     rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
     assert all(torch.equal(a, b) for a, b in zip(batches["generation"].completion_ids, rollouts.completion_ids))

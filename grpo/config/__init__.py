@@ -15,22 +15,20 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config.rules import option_lists, validate  # noqa: F401 (option_lists: the valid values, for importers)
+from grpo.config.rules import option_lists, validate
 from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
-from grpo.settings import (  # noqa: F401 (the tree, for importers)
-    DEFAULT_SYSTEM_PROMPT, RunConfig, ModelConfig, LoraConfig, DataConfig,
-    SamplingConfig, RewardsConfig, TrainingConfig, EvalConfig, EnvConfig,
-    DeepSpeedConfig, TransportConfig, WeightsConfig, LoggingConfig, CheckpointConfig, LaunchConfig, Config, save_config, to_dict)
-from grpo.settings.tree import ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table  # noqa: F401
-from grpo.settings.tree import REMOVED_KEYS, parse_override, reference_text as _reference_text, set_key
+from grpo.settings import (DEFAULT_SYSTEM_PROMPT, CheckpointConfig, Config, DataConfig, DeepSpeedConfig, EnvConfig,
+                           EvalConfig, LaunchConfig, LoggingConfig, LoraConfig, ModelConfig, RewardsConfig, RunConfig,
+                           SamplingConfig, TrainingConfig, TransportConfig, WeightsConfig, save_config, to_dict)
+from grpo.settings.tree import REMOVED_KEYS, ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table
+from grpo.settings.tree import parse_override, reference_text as _reference_text, set_key
 
-
+# the tree's names too: importers take the whole config from here
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
            "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RewardsConfig",
-           "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys", "exit_code", "get_key",
-           "help_requested", "load_config", "option_lists", "parse_cli", "reference_markdown", "reference_text",
-           "run_config", "save_config", "to_dict"]
-
+           "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys",
+           "exit_code", "get_key", "help_requested", "load_config", "option_lists", "parse_cli",
+           "reference_markdown", "reference_text", "run_config", "save_config", "to_dict"]
 
 def all_keys() -> list[str]:
     """Every dotted leaf key of the config tree, in declaration order."""

@@ -59,7 +59,7 @@ class SamplerPolicy:
 class SamplerLoop:
     """What every step of a sampler uses (sampling_worker.py builds it)."""
 
-    cfg: Any
+    cfg: Config
     policy: SamplerPolicy
     prompts: list  # the training prompts, tokenised
     cursor: Any  # data.cursor.PromptCursor

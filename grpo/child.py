@@ -95,8 +95,6 @@ class Child:
         try:
             self._conn.send_bytes(json.dumps(request).encode())
         except OSError as e:  # a pipe to a child that just died
-            self._process.kill()
-            self._process.join()
             self.restart()
             raise ChildFailed(f"the {self.name} process could not take the call ({e})") from None
         if not self._conn.poll(timeout_s):

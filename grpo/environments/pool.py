@@ -236,8 +236,8 @@ class EnvironmentPool:
         except ChildRefused as e:
             raise IsolationError(str(e)) from None
         self.isolation = self._child.info
-        self._held: set[str] = set()  # the episodes the child holds
-        self._incarnation = 0  # the child's restarts when `_held` was last true
+        self._held: set[str] = set()  # the episodes the child holds (read through `_holding`)
+        self._incarnation = 0  # the child's restarts when `_held` was filled
         log.info("environments run in a child process: network %s", self.isolation)
 
     @property
@@ -251,10 +251,7 @@ class EnvironmentPool:
             return self._child.call([kind, key, value], self.timeout_s,
                                     f"no reply within env.timeout_s={self.timeout_s:g} s")
         except ChildFailed as e:
-            if self._child.restarts != self._incarnation:
-                self._held.clear()
-                self._incarnation = self._child.restarts
-            self._held.discard(key)  # an environment that raised was dropped by the child
+            self._holding().discard(key)  # an environment that raised was dropped by the child
             raise StepFailed(str(e)) from None
         except ChildRefused as e:  # a replacement child that could not start
             raise IsolationError(str(e)) from None
@@ -269,24 +266,28 @@ class EnvironmentPool:
     def _open(self, key: str, row: dict) -> str | None:
         self._restart_if_dead()
         opening = self._call("open", key, row)
-        self._held.add(key)
+        self._holding().add(key)
         return opening
 
     def _restart_if_dead(self) -> None:
         if not self._child.alive():  # died between calls: it holds no episode any more
-            self._held.clear()
             try:
                 self._child.restart()
             except ChildRefused as e:
                 raise IsolationError(str(e)) from None
-            self._incarnation = self._child.restarts
+
+    def _holding(self) -> set[str]:
+        """The episodes the child holds: none once it was replaced (a hang, a death, a broken pipe)."""
+        if self._child.restarts != self._incarnation:
+            self._held, self._incarnation = set(), self._child.restarts
+        return self._held
 
     def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
         on a failure, (an error message for the model, the failure)."""
         try:
             self._restart_if_dead()
-            if key not in self._held:
+            if key not in self._holding():
                 self._open(key, row)
                 for earlier in history:
                     self._call("step", key, earlier)
@@ -297,7 +298,7 @@ class EnvironmentPool:
 
     def forget(self, keys: list[str]) -> None:
         """Drop finished episodes' environments."""
-        held = [key for key in keys if key in self._held]
+        held = [key for key in keys if key in self._holding()]
         self._held.difference_update(held)
         if held:
             self._child.tell(["forget", "", held])  # lost with a child that is gone, and its environments with it

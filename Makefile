@@ -52,7 +52,7 @@ install-vllm: $(STAMP) $(VLLM_STAMP)
 
 # The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/test_vllm_engine.py $(ARGS)
+	$(VLLM_PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_judge.py $(ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-$(shell cat requirements-bench.txt requirements.txt | cksum | cut -d' ' -f1)
 

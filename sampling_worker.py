@@ -33,7 +33,7 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import Config, exit_code, help_requested, parse_cli, save_config
-from grpo.environments import environment_demonstration
+from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.files import RunFolderError, ensure_writable
 from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
@@ -120,7 +120,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
     base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
     check_supported(base, cfg)
     problems, _ = load_split(cfg.data, cfg.data.split)
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
     log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
              cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     reference = copy.deepcopy(base).eval() if Objective.of(cfg).beta > 0 and not cfg.lora.enabled else None
@@ -133,8 +133,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
 def evaluation_prompts(cfg: Config, tokenizer) -> list:
     """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
     problems, _ = load_split(cfg.data, cfg.eval.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems],
-                               environment_demonstration(cfg.env.name))
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems], **prompt_options(cfg.env))
     log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), cfg.data.path,
              cfg.eval.split)
     return prompts

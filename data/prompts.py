@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data.problems import Problem
+from grpo.sources import ModelError
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,7 @@ class Prompt:
     problem: Problem
     token_ids: list[int]  # the whole prompt, prefill included, no padding
     turns: tuple = ()  # the chat it was rendered from (before the generation prompt and prefill)
+    tools: tuple = ()  # the tools' JSON schemas the chat template offered in it (env.tools)
 
 
 def solved_answer(shot: Problem) -> str:
@@ -43,8 +45,18 @@ def prompt_turns(question: str, system_prompt: str, shots: list[Problem] = (), m
     return [*system, *solved_turns(shots, demonstrate), *conversation]
 
 
-def render(tokenizer, turns: list[dict], prefill: str) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) + prefill
+def render(tokenizer, turns: list[dict], prefill: str, tools: tuple | list = ()) -> str:
+    return tokenizer.apply_chat_template(turns, tools=list(tools) or None, tokenize=False,
+                                         add_generation_prompt=True) + prefill
+
+
+def check_template_offers_tools(tokenizer, tools: list[dict]) -> None:
+    """A chat template that ignores `tools` would train a model never told of them: ModelError."""
+    turns = [{"role": "user", "content": "q"}]
+    if not getattr(tokenizer, "chat_template", None) or render(tokenizer, turns, "", tools) == render(tokenizer, turns, ""):
+        raise ModelError("the model's chat template does not offer tools (env.tools): set model.chat_template to "
+                         "a template that does, e.g. model.chat_template=chatml-tools for a ChatML model such as "
+                         "the embedded SmolLM2 (docs/environments.md)")
 
 
 OPENING = "\ue002"  # a private-use character: a marker no chat template holds
@@ -69,13 +81,14 @@ def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str,
     if not prompt.turns or not getattr(tokenizer, "chat_template", None):
         before, after = prompt.token_ids + newline, newline
     else:
-        head, tail = render(tokenizer, list(_opened_turns(prompt.turns, OPENING)), prefill).split(OPENING)
+        head, tail = render(tokenizer, list(_opened_turns(prompt.turns, OPENING)), prefill, prompt.tools).split(OPENING)
         before, after = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in (head, tail))
     room = len(body) if max_tokens is None else max_tokens - len(before) - len(after)
     if room < 0:  # not even an empty opening fits
         return prompt, True
     shown = body[:room]
-    return Prompt(prompt.problem, before + shown + after, _opened_turns(prompt.turns, tokenizer.decode(shown))), \
+    return Prompt(prompt.problem, before + shown + after, _opened_turns(prompt.turns, tokenizer.decode(shown)),
+                  prompt.tools), \
         room < len(body)
 
 
@@ -89,20 +102,24 @@ def _opened_turns(turns: tuple, opening: str) -> tuple:
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
-                   max_prompt_tokens: int, shots: list[Problem] = (), demonstrate=None) -> tuple[list[Prompt], int]:
+                   max_prompt_tokens: int, shots: list[Problem] = (), demonstrate=None,
+                   tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
     """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`.
-    The `shots` themselves are not asked."""
+    The `shots` themselves are not asked. `tools`: JSON schemas the chat template offers."""
+    tools = tuple(tools or ())
+    if tools:
+        check_template_offers_tools(tokenizer, list(tools))
     prompts, dropped, shown = [], 0, {shot.id for shot in shots}
     for problem in problems:
         if problem.id in shown:
             continue
         turns = prompt_turns(problem.question, system_prompt, shots, problem.messages, demonstrate)
         # the chat template already holds the special tokens; do not add BOS twice
-        ids = tokenizer(render(tokenizer, turns, prefill), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render(tokenizer, turns, prefill, tools), add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        prompts.append(Prompt(problem, ids, tuple(turns)))
+        prompts.append(Prompt(problem, ids, tuple(turns), tools))
     return prompts, dropped
 
 
@@ -116,8 +133,10 @@ def few_shot_examples(data_cfg, count: int) -> list[Problem]:
     return problems[:count]
 
 
-def build_prompts(tokenizer, data_cfg, problems: list[Problem], demonstrate=None) -> tuple[list[Prompt], int]:
-    """The training / evaluation prompts as `data.*` configures them (`demonstrate`: see `solved_turns`)."""
+def build_prompts(tokenizer, data_cfg, problems: list[Problem], demonstrate=None,
+                  tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
+    """The training / evaluation prompts as `data.*` configures them (`demonstrate`: see
+    `solved_turns`; `tools`: grpo.environments.prompt_options)."""
     shots = few_shot_examples(data_cfg, data_cfg.few_shot)
     return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
-                          shots, demonstrate)
+                          shots, demonstrate, tools)

@@ -13,12 +13,26 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing
+import os
 import signal
+import stat
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 30.0
 NO_ANSWER = object()  # what a handler returns for a request that wants no answer
+
+
+def close_inherited_sockets(keep: int) -> None:
+    """The sockets the parent had open at the fork (the sampler's connection to the trainer, an
+    engine's, an OpenEnv server's): closed, so that no code run here writes to them."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd != keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:
+            pass  # the listing's own descriptor, already gone
 
 
 class ChildFailed(RuntimeError):

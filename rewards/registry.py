@@ -10,6 +10,10 @@ left out of that reward's mean. A function marked with `@batched` takes the whol
 a call that raises or times out is made again on halves of the batch, so that one bad sample
 costs only itself).
 The built-ins keep their pure `(completion, answer)` form.
+
+A reward model (`reward_model:<folder or Hub id>`), an HTTP endpoint (`http://...`) and an LLM
+judge (`judge`) are services (rewards/services.py): they also get each sample's prompt as chat
+turns, and run here in the sampler process, never in the sandbox child.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from grpo.imports import import_object, is_import_path
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.procedural import reasoning_gym_score
+from rewards.services import ServiceSettings, is_service, is_service_name, service_reward
 from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
 
 log = logging.getLogger(__name__)
@@ -58,8 +63,11 @@ def import_reward(name: str):
     return import_object(name, "rewards.names")
 
 
-def get_reward(name: str):
-    """The reward in the row form: fn(completion, row) (or its batch form, marked `batched`)."""
+def get_reward(name: str, services: ServiceSettings | None = None):
+    """The reward in the row form: fn(completion, row) (or its batch form, marked `batched`; or a
+    service, marked `service`, loaded with the settings `services`)."""
+    if is_service_name(name):  # before import paths: a URL and reward_model:<folder> hold a colon too
+        return service_reward(name, services)
     if is_import_path(name):
         return import_reward(name)
     if name in ROW_FUNCTIONS:
@@ -68,7 +76,8 @@ def get_reward(name: str):
         builtin = REWARD_FUNCTIONS[name]
     except KeyError:
         raise ValueError(f"unknown reward '{name}'; valid names: {', '.join(sorted({*REWARD_FUNCTIONS, *ROW_FUNCTIONS}))}, "
-                         "or an import path 'package.module:function'") from None
+                         "or an import path 'package.module:function'; services: reward_model:<folder or Hub id>, "
+                         "an http(s):// URL, judge") from None
     return lambda completion, row: builtin(completion, row[REFERENCE])
 
 
@@ -100,11 +109,14 @@ class WrongCount(ValueError):
     """A batched function returned another number of values than completions: its contract is broken."""
 
 
-def score_one_function(name: str, fn, call, completions, rows, fallback: float) -> tuple[list, int]:
+def score_one_function(name: str, fn, call, completions, rows, fallback: float, prompts=None) -> tuple[list, int]:
     """(values with None kept, failures). A sample the function raises on, times out on or returns
-    a bad value for gets `fallback`; the failures are logged in one line."""
+    a bad value for gets `fallback`; the failures are logged in one line. `prompts` (each sample's
+    chat turns) go to a service reward alone, which runs here whatever `call` is."""
     errors: list[str] = []
-    if is_batched(fn):
+    if is_service(fn):
+        values = _score_service(name, fn, list(completions), list(rows), prompts, errors)
+    elif is_batched(fn):
         values = _score_batch(name, fn, call, list(completions), list(rows), errors)
     else:
         values = []
@@ -119,6 +131,30 @@ def score_one_function(name: str, fn, call, completions, rows, fallback: float) 
         log.warning("reward %s failed on %d of %d samples (%s); using fallback %s", name, failures, len(values),
                     errors[0], fallback)
     return [fallback if v is FAILED else v for v in values], failures
+
+
+def _score_service(name: str, fn, completions: list, rows: list, prompts, errors: list) -> list:
+    """A service's values (FAILED where it failed): the whole batch when the call raises (it has
+    retried already), a sample alone where it returns a ServiceError or a bad value."""
+    if prompts is None or len(prompts) != len(completions):
+        raise ValueError(f"reward {name!r} needs each sample's prompt: score_completions(..., prompts=...)")
+    try:
+        values = list(fn(completions, rows, list(prompts)))
+        if len(values) != len(completions):
+            raise WrongCount(f"returned {len(values)} values for {len(completions)} completions")
+    except Exception as e:  # a dead service or a model that fails costs this batch's scores, not the run
+        errors.append(f"{type(e).__name__}: {e}")
+        return [FAILED] * len(completions)
+    checked = []
+    for value in values:
+        try:
+            if isinstance(value, Exception):
+                raise value
+            checked.append(_checked(value))
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+            checked.append(FAILED)
+    return checked
 
 
 def _batch_values(name: str, fn, call, completions: list, rows: list) -> list:
@@ -150,18 +186,22 @@ def _score_batch(name: str, fn, call, completions: list, rows: list, errors: lis
 
 
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],
-                      weights: Sequence[float], fallback: float, call: Callable | None = None) -> RewardScores:
+                      weights: Sequence[float], fallback: float, call: Callable | None = None,
+                      prompts: Sequence | None = None, services: ServiceSettings | None = None) -> RewardScores:
     """Score every completion with every reward. A function that raises, returns a non-finite
     value or times out gives `fallback` for that sample and is counted, never a crash.
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
-    the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out).
+    the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out). `prompts`
+    (each sample's chat turns, data.prompts.Prompt.turns) and `services` (their settings) are for
+    the service rewards (rewards/services.py), which run here.
     """
     scores = torch.zeros(len(completions), len(names), dtype=torch.float32)
     applies = torch.ones(len(completions), len(names), dtype=torch.bool)
     failures = {}
     for j, name in enumerate(names):
-        values, failures[name] = score_one_function(name, get_reward(name), call, completions, rows, fallback)
+        values, failures[name] = score_one_function(name, get_reward(name, services), call, completions, rows, fallback,
+                                                    prompts)
         for i, value in enumerate(values):
             if value is None:
                 applies[i, j] = False

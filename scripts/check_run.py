@@ -3,7 +3,8 @@
     python scripts/check_run.py runs/ci-smoke --steps 2 [--max-logp-difference 1e-3]
 
 Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked, every row's
-`sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch); `weights/LATEST` is N and that version's
+`sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch; a service reward, e.g. an HTTP one,
+scored some sample); `weights/LATEST` is N and that version's
 checksums verify; and, for a LoRA run, the published adapter loads with `peft.PeftModel.from_pretrained`
 on the base model (a real client, not our loader) and changes its logits. Exit 1 with the reason
 otherwise.
@@ -41,6 +42,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
             problems.append(f"env.name={cfg.env.name} but steps {missing} have no env/turns/mean")
         print("env/turns/mean, env/tool_calls/mean per step:",
               [(row.get("env/turns/mean"), row.get("env/tool_calls/mean")) for row in rows])
+    problems += service_problems(cfg, rows)
     key = "sampling/sampling_logp_difference/mean"
     if max_logp_difference is not None:
         gaps = [row.get(key) for row in rows]
@@ -67,6 +69,24 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
         problems.append(f"the adapter in {folder} loads but leaves the base model's logits unchanged")
     print(f"{folder.name}: PeftModel.from_pretrained loaded it; max |logit change| "
           f"{(adapted_logits - base_logits).abs().max().item():.3e}")
+    return problems
+
+
+def service_problems(cfg, rows: list[dict]) -> list[str]:
+    """A reward model, HTTP reward or judge that failed on every sample of every step (its server
+    was never up, say): the run trained on rewards.fallback alone, which would otherwise pass unseen."""
+    from rewards.services import is_service_name
+
+    per_round = cfg.sampling.prompts_per_step * cfg.sampling.group_size
+    problems = []
+    for name in filter(is_service_name, cfg.rewards.names):
+        failures = [row.get(f"rewards/{name}/failures") for row in rows]
+        # dynamic sampling scores several rounds a step: every one of them must have failed
+        scored = [per_round * row.get("sampling/dynamic_rounds", 1.0) for row in rows]
+        print(f"rewards/{name}/failures per step: {failures}")
+        if failures and all(f is not None and f >= n for f, n in zip(failures, scored)):
+            problems.append(f"the reward {name} failed on every sample of every step ({failures}): it trained on "
+                            f"rewards.fallback alone; see sampler.log")
     return problems
 
 

@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import Config, ConfigError, parse_cli, run_config  # noqa: E402
-from grpo.environments import environment_demonstration  # noqa: E402
+from grpo.environments import prompt_options  # noqa: E402
 from grpo.environments.pool import IsolationError  # noqa: E402
 from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device  # noqa: E402
 from grpo.run.outputs import RunOutputsError, run_of_weights, version_folder  # noqa: E402
@@ -68,7 +68,7 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     model = load_evaluated_model(cfg, weights, device)
     problems, _ = load_split(cfg.data, split)
     problems = problems[:limit] if limit else problems
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, environment_demonstration(cfg.env.name))
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
     sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None  # as in training

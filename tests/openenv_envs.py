@@ -1,7 +1,11 @@
-"""A real OpenEnv environment for the adapter's tests: env.name=openenv:tests/openenv_envs.py:GuessNumber."""
+"""Real OpenEnv environments for the adapter's tests (env.name=openenv:tests/openenv_envs.py:GuessNumber) and
+for the served ones' (tests/openenv_server.py serves SlowGuessNumber)."""
 
+import os
 import random
 import re
+import time
+from pathlib import Path
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
@@ -17,6 +21,8 @@ class GuessObservation(Observation):
 
 class GuessNumber(Environment):
     """Guess a number in [low, high]: "higher" / "lower" until right (reward 1) or out of tries (0)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True  # instances share nothing: a server may hold many sessions
 
     def __init__(self, low: int = 0, high: int = 9, tries: int = 3, closed_log: str = ""):
         super().__init__()
@@ -46,3 +52,16 @@ class GuessNumber(Environment):
     @property
     def state(self) -> State:
         return self._state
+
+
+class SlowGuessNumber(GuessNumber):
+    """GuessNumber whose step first sleeps the seconds a message asks for ("wait 2.5"; the message is then a
+    guess as usual), touching the file named by $OPENENV_TEST_WAITING as it starts to wait."""
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        wait = re.match(r"wait (\d+(?:\.\d+)?)", action.guess)
+        if wait:
+            if os.environ.get("OPENENV_TEST_WAITING"):
+                Path(os.environ["OPENENV_TEST_WAITING"]).touch()
+            time.sleep(float(wait.group(1)))
+        return super().step(action)

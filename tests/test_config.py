@@ -140,8 +140,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
     (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment gives its "
                                                               "episodes, and env.name is empty: set env.name"),
-    (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, "
-                        "openenv:package.module:Class, package.module:factory, path/to/file.py:factory"),
+    (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, tools, "
+                        "openenv:package.module:Class, openenv+http://host:port, package.module:factory, "
+                        "path/to/file.py:factory"),
     (["launch.trainer_ranks=7", "sampling.prompts_per_step=2"],
      "launch.trainer_ranks=7 is more than sampling.prompts_per_step=2: each rank trains whole groups, so 5 rank(s) "
      "would have nothing to do"),

@@ -78,7 +78,7 @@ def run_episodes(chatty, env, max_turns=4, max_new_tokens=48, timeout_s=5.0, see
 
 def test_an_environment_message_is_rendered_between_the_models_eos_and_its_next_turn(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's, with its chat template
-    before, after = reply_parts(tokenizer, "user")
+    before, after = reply_parts(tokenizer, "user")  # one message: the pieces before and after it
     assert tokenizer.decode(before) == "\n<|im_start|>user\n"
     assert tokenizer.decode(after) == "<|im_end|>\n<|im_start|>assistant\n"
     runner = EpisodeRunner(None, tokenizer, 64, 4, prefill="<think>")

@@ -267,7 +267,9 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     wire = REPO / "grpo" / "wire"
     paths = [wire / "transport.py", wire / "batch.py", wire / "delivery.py", REPO / "training_worker.py",
              REPO / "sampling_worker.py", REPO / "rewards" / "sandbox.py", REPO / "grpo" / "child.py",
-             REPO / "grpo" / "environments" / "pool.py"]
+             REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in
+                                                            ("http_json", "remote", "judge")),
+             REPO / "scripts" / "reward_server.py"]  # the HTTP rewards' client and the example server
     hits = []
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):

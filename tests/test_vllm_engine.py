@@ -352,3 +352,39 @@ def test_vllm_serves_a_merged_export_as_transformers_does(tmp_path):
                              generation_config=greedy)[0, len(p):].tolist() for p in prompts]
     print(f"merged export, vLLM greedy: {served}")
     assert served == hf
+
+
+TOOL_CALL_TEXTS = [
+    'The answer is 4.',
+    'x\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "48 / 2"}}\n</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {"n": [1, 2]}}</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {"s": "é"}}',  # unclosed at the end of the message
+    '{"name": "calculate", "parameters": {"expression": "2 + 2"}}',
+    '<|python_tag|>{"name": "a", "arguments": {"n": 1}}; {"name": "b", "arguments": {}}',
+    'I think {x} is 3',
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_our_tool_call_parsers_agree_with_vllms_of_the_same_name(parser):
+    """On every text where vLLM's parser finds calls, ours find the same names and arguments; where
+    it finds none, ours find none or report a malformed call (which vLLM takes as plain content)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    from grpo.environments.tool_calls import PARSERS
+
+    tokenizer = load_tokenizer(load_config(None, []).model)
+    tokenizer.add_tokens(["<|python_tag|>"])  # the llama3_json parser looks its start token up
+    theirs = ToolParserManager.get_tool_parser(parser)(tokenizer)
+    found = 0
+    for text in TOOL_CALL_TEXTS:
+        expected = theirs.extract_tool_calls(text, request=None)
+        ours = PARSERS[parser](text)
+        if expected.tools_called:
+            found += 1
+            assert [(c.name, c.arguments) for c in ours] == \
+                [(c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls], text
+        else:
+            assert all(c.error is not None for c in ours), text
+    assert found >= 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo.settings.tree import ConfigError, get_key
@@ -73,6 +74,8 @@ def validate(cfg: Config, problems: list[str] = ()):
 
     t = cfg.training
     t.clip_low, t.clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
+    if cfg.env.tools and not cfg.env.name:  # tools alone: the tool environment runs them
+        cfg.env.name = "tools"
     errors = [*problems, *_choice_and_count_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
         + _transport_errors(cfg) + _run_errors(cfg)
     if errors:
@@ -179,6 +182,16 @@ def _model_errors(cfg: Config) -> list[str]:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:
         errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
+    if cfg.model.chat_template:
+        from grpo.model.loading import TEMPLATES, read_chat_template
+        from grpo.sources import ModelError
+
+        try:
+            read_chat_template(cfg.model.chat_template)
+            if cfg.model.chat_template not in TEMPLATES:  # a file: recorded whole, as the run's config will be read elsewhere
+                cfg.model.chat_template = str(Path(cfg.model.chat_template).resolve())
+        except ModelError as e:
+            errors.append(str(e))
     return errors
 
 
@@ -206,20 +219,51 @@ def _reward_errors(cfg: Config) -> list[str]:
         errors.append(f"rewards.weights has {len(r.weights)} entries but rewards.names has {len(r.names)}; "
                       "give one weight per reward function")
     from rewards.registry import get_reward  # late import: rewards does not depend on config
+    from rewards.services import is_service_name
 
     if "env_reward" in [*r.names, r.accuracy_reward, r.format_reward] and not cfg.env.name:
         errors.append("env_reward is the reward an environment gives its episodes, and env.name is empty: set env.name "
                       "(e.g. calculator; see docs/environments.md) or use another reward")
     named = [("rewards.names", name) for name in r.names]
     for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
+        if is_service_name(name):
+            errors += _service_errors(cfg, key, name)
+            continue
         try:
             get_reward(name)  # imports a user's module now, not at the first step
         except ValueError as e:
             message = str(e).removeprefix("rewards.names: ")
             errors.append(f"{key}: {message}")
+    errors += _service_setting_errors(r)
     if not 0 <= r.overlong_buffer < cfg.sampling.max_new_tokens or r.overlong_penalty < 0:
         errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
                       f">= 0; got {r.overlong_buffer} and {r.overlong_penalty}")
+    return errors
+
+
+def _service_errors(cfg: Config, key: str, name: str) -> list[str]:
+    """A reward model, HTTP reward or judge: checked now (a reward model's config.json is read), not called."""
+    from rewards.services import ServiceSettings, service_problems
+
+    if key != "rewards.names":
+        return [f"{key}={name} is a service reward; the reported rates are decided by a rule function (a built-in "
+                f"or your own 'module:function' that gives >= 1 when the completion passes): name one in {key}"]
+    return service_problems(name, ServiceSettings.of(cfg))
+
+
+def _service_setting_errors(r) -> list[str]:
+    import torch
+
+    errors = []
+    if not 0 < r.remote_timeout_s <= 86400 or r.remote_retries < 0:
+        errors.append(f"rewards.remote_timeout_s must be in (0, 86400] and rewards.remote_retries >= 0; got {r.remote_timeout_s} "
+                      f"and {r.remote_retries}")
+    if r.reward_model_batch_size < 1:
+        errors.append(f"rewards.reward_model_batch_size must be >= 1; got {r.reward_model_batch_size}")
+    try:
+        torch.device(r.reward_model_device if r.reward_model_device != "auto" else "cpu")
+    except RuntimeError:
+        errors.append(f"rewards.reward_model_device must be auto, cpu, cuda or cuda:N; got {r.reward_model_device!r}")
     return errors
 
 
@@ -229,11 +273,40 @@ def _env_errors(cfg: Config) -> list[str]:
               if not get_key(cfg, key) > 0]
     errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
                for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
-    if e.name:
-        from grpo.environments import environment_factory
+    errors += _tool_errors(e)
+    if e.name and not errors:
+        from grpo.environments import environment_args, environment_factory
 
         try:
-            environment_factory(e.name, e.args)  # imports it now: a bad name fails at start, in both processes
+            environment_factory(e.name, environment_args(e))  # imports it now: a bad name fails at start, in both processes
+        except (ValueError, ImportError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def _tool_errors(e) -> list[str]:
+    """env.tools and env.tool_parser: each tool imported and its schema built now."""
+    from grpo.environments.tool_calls import PARSERS
+
+    errors = []
+    if e.tool_parser not in PARSERS:
+        errors.append(f"env.tool_parser must be one of {', '.join(PARSERS)}; got {e.tool_parser!r}")
+    if e.name == "tools" and not e.tools:
+        errors.append("env.name=tools needs env.tools: the functions the model may call ('package.module:function')")
+    elif e.tools and e.name != "tools":
+        errors.append(f"env.tools is set, and env.name is {e.name!r}: tools run in the tool environment; leave "
+                      "env.name empty (or 'tools'), or clear env.tools")
+    elif e.tools:
+        from grpo.environments.tools import SETTINGS, tool_schemas
+
+        unknown = sorted(set(e.args) - set(SETTINGS))
+        if unknown:
+            errors.append(f"env.args: {', '.join(unknown)} unknown for the tool environment; valid: {', '.join(SETTINGS)}")
+        if not (isinstance(e.args.get("max_calls", 8), int) and e.args.get("max_calls", 8) >= 0):
+            errors.append(f"env.args.max_calls must be an integer >= 0; got {e.args['max_calls']!r}")
+
+        try:
+            tool_schemas(list(e.tools))
         except (ValueError, ImportError) as error:
             errors.append(str(error))
     return errors

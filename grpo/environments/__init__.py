@@ -11,7 +11,10 @@ An environment is a class (or factory) `make(row: dict, **env.args)` -> an objec
 question before its first turn, the same for the G episodes of a prompt); one instance per episode, stepped in a child process
 (grpo/environments/pool.py) with a time limit and no network. `env.name` picks it:
   calculator                           the shipped GSM8K example (grpo/environments/calculator.py)
+  tools                                Python functions as tools, env.tools (grpo/environments/tools.py);
+                                       the name env.tools alone picks
   openenv:package.module:Class         an OpenEnv `Environment` (grpo/environments/openenv_adapter.py)
+  openenv+http://host:port             an OpenEnv server: a session per episode (grpo/environments/remote.py)
   package.module:factory               your own, importable
   path/to/file.py:factory              your own, by file
 docs/environments.md has the interface, an environment written from scratch, and how it
@@ -28,29 +31,40 @@ from typing import Callable
 class Reply:
     """The environment's answer to one model message."""
 
-    text: str = ""  # what the model reads next (ignored when done)
+    text: str | list[str] = ""  # what the model reads next (ignored when done); a list: several messages in `role`
     done: bool = False  # the episode is over: no reply is shown, no further turn
     reward: float | None = None  # adds to the episode's `env_reward` (None: gives none)
     role: str = "user"  # the chat role the text is shown in (the chat template renders it)
     tool_calls: int = 0  # tool calls this message made
     tool_errors: int = 0  # of them, the ones that failed (the error went back to the model as text)
+    malformed_calls: int = 0  # of those, the ones that could not be read or named no tool or bad arguments
 
     def to_json(self) -> list:
         """JSON values whatever the environment returned (a numpy float reward, a bool count)."""
-        return [str(self.text), bool(self.done), None if self.reward is None else float(self.reward), str(self.role),
-                int(self.tool_calls), int(self.tool_errors)]
+        text = [str(t) for t in self.text] if isinstance(self.text, (list, tuple)) else str(self.text)
+        return [text, bool(self.done), None if self.reward is None else float(self.reward), str(self.role),
+                int(self.tool_calls), int(self.tool_errors), int(self.malformed_calls)]
 
     @classmethod
     def from_json(cls, value) -> "Reply":
-        text, done, reward, role, calls, errors = value
-        return cls(str(text), bool(done), None if reward is None else float(reward), str(role), int(calls), int(errors))
+        text, done, reward, role, calls, errors, malformed = value
+        text = [str(t) for t in text] if isinstance(text, list) else str(text)
+        return cls(text, bool(done), None if reward is None else float(reward), str(role), int(calls), int(errors),
+                   int(malformed))
+
+    @property
+    def messages(self) -> list[str]:
+        """The reply's messages: one, or several (the results of several tool calls)."""
+        return list(self.text) if isinstance(self.text, (list, tuple)) else [self.text]
 
 
-BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator"}
+BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator",
+            "tools": "grpo.environments.tools:ToolEnvironment"}  # env.tools: Python functions as tools
 
 
-VALID_NAMES = ("'' (off)", *BUILT_IN, "openenv:package.module:Class", "package.module:factory",
-               "path/to/file.py:factory")
+VALID_NAMES = ("'' (off)", *BUILT_IN, "openenv:package.module:Class", "openenv+http://host:port",
+               "package.module:factory", "path/to/file.py:factory")
+OPENENV = ("openenv:", "openenv+")  # OpenEnv's environments: in-process, or served (no class of ours to read)
 
 
 def _environment_class(name: str):
@@ -62,12 +76,41 @@ def _environment_class(name: str):
     return import_object(BUILT_IN.get(name, name), "env.name")
 
 
+def environment_args(env_cfg) -> dict:
+    """The factory's keyword arguments: env.args, and for the tool environment env.tools and
+    env.tool_parser (which the environments' child needs to build it)."""
+    args = dict(env_cfg.args)
+    if env_cfg.name == "tools":
+        args.update(tools=list(env_cfg.tools), parser=env_cfg.tool_parser)
+    return args
+
+
+def prompt_options(env_cfg) -> dict:
+    """What the environment adds to every prompt (data.prompts.build_prompts): the few-shot
+    examples' `demonstrate`, and the `tools` the chat template offers (their JSON schemas)."""
+    if env_cfg.name == "tools":
+        from grpo.environments.tools import tool_schemas
+
+        demonstration = env_cfg.args.get("demonstration")
+        demonstrate = None
+        if demonstration:
+            from grpo.imports import import_object
+
+            demonstrate = import_object(demonstration, "env.args.demonstration")
+        return {"demonstrate": demonstrate, "tools": tool_schemas(list(env_cfg.tools))}
+    return {"demonstrate": environment_demonstration(env_cfg.name), "tools": None}
+
+
 def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
     """row -> a new environment instance for `env.name` / `env.args` (imports the environment)."""
     if name.startswith("openenv:"):
         from grpo.environments.openenv_adapter import openenv_factory
 
         return openenv_factory(name.removeprefix("openenv:"), args)
+    if name.startswith("openenv+"):
+        from grpo.environments.remote import remote_factory
+
+        return remote_factory(name, args)
     make = _environment_class(name)
     return lambda row: make(row, **args)
 
@@ -75,7 +118,7 @@ def environment_factory(name: str, args: dict) -> Callable[[dict], object]:
 def reply_roles(name: str, args: dict) -> tuple[str, ...]:
     """The chat roles an environment's replies come in, which the chat template must render
     (checked at start): its class's `reply_roles`, else the `role` of env.args, else user."""
-    declared = None if not name or name.startswith("openenv:") else \
+    declared = None if not name or name.startswith(OPENENV) else \
         getattr(_environment_class(name), "reply_roles", None)
     return tuple(declared) if declared else (str(args.get("role", "user")),)
 
@@ -83,6 +126,6 @@ def reply_roles(name: str, args: dict) -> tuple[str, ...]:
 def environment_demonstration(name: str):
     """The environment's `demonstration(row, answer) -> chat turns | None` for few-shot examples
     (data.prompts.solved_turns), or None when it has none (OpenEnv environments have none)."""
-    if not name or name.startswith("openenv:"):
+    if not name or name.startswith(OPENENV):
         return None
     return getattr(_environment_class(name), "demonstration", None)

@@ -121,3 +121,31 @@ class Calculator:
                 lines.append(f"{expression.strip()}: error: {e}")
                 errors += 1
         return Reply(text="\n".join(lines), tool_calls=len(calls), tool_errors=errors)
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: The expression to evaluate, for example "48 / 2" or "(3 + 4) * 12".
+    """
+    return show(evaluate(expression))  # a ValueError (not arithmetic, too big) is the tool error the model reads
+
+
+def tool_demonstration(row: dict, answer: str) -> list[dict] | None:
+    """A few-shot GSM8K problem solved with the `calculate` tool (env.tools): each calculator note
+    of its solution becomes an assistant message (the solution since the previous note) that calls
+    the tool, and the tool's result; then the whole `answer`. The chat template writes the calls
+    in the model's own form. None when the solution has no note the tool computes."""
+    solution, turns, start = row.get("answer", "").split("####")[0], [], 0
+    for note in NOTE.finditer(solution):
+        try:
+            value = calculate(note.group(1))
+        except (ValueError, ArithmeticError, TypeError):
+            return None
+        opening = NOTE.sub("", solution[start:note.start()]).strip()
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": note.group(1).strip()}}}
+        turns += [{"role": "assistant", "content": f"<think>\n{opening}", "tool_calls": [call]},
+                  {"role": "tool", "name": "calculate", "content": value}]
+        start = note.end()
+    return turns + [{"role": "assistant", "content": answer}] if turns else None

@@ -11,6 +11,9 @@ as it is, several as JSON.
 env.args: `init` (the class's keyword arguments), `action` (the Action class as an import path;
 default: the type of `step`'s action parameter), `action_field` (default: the action's one
 required str field), `observation_field` (default: every field, as above), `role` (default user).
+
+The same environment served by an OpenEnv server (env.name=openenv+http://...) is
+grpo/environments/remote.py, which makes its openings and replies with the functions below.
 """
 
 from __future__ import annotations
@@ -49,8 +52,13 @@ def openenv_factory(path: str, args: dict):
 
 def _text_field(action_cls) -> str:
     required = [name for name, f in action_cls.model_fields.items() if f.is_required() and f.annotation is str]
+    return one_text_field(required, action_cls.__name__)
+
+
+def one_text_field(required: list[str], action: str) -> str:
+    """The action's field the model's message goes in: its one required str field (ValueError otherwise)."""
     if len(required) != 1:
-        raise ValueError(f"env.args.action_field: {action_cls.__name__} has {len(required)} required str fields "
+        raise ValueError(f"env.args.action_field: {action} has {len(required)} required str fields "
                          f"({', '.join(required) or 'none'}); name the one that takes the model's message")
     return required[0]
 
@@ -77,19 +85,30 @@ class OpenEnvEpisode:
 
     def step(self, message: str) -> Reply:
         observation = self.env.step(self.action_cls(**{self.action_field: message}))
-        reward = None if observation.reward is None else float(observation.reward)
-        return Reply(text=self.text_of(observation), done=bool(observation.done), reward=reward, role=self.role)
+        return step_reply(observation.model_dump(mode="json"), observation.done, observation.reward, self.observation_field,
+                          self.role)
 
     def text_of(self, observation, skip_empty: bool = False) -> str | None:
-        """The observation as text. skip_empty (the opening): fields that are None or empty are left
-        out, and an observation with nothing left is None, not "{}" or "None"."""
-        fields = observation.model_dump()
-        if self.observation_field:
-            fields = {self.observation_field: getattr(observation, self.observation_field)}
-        shown = {k: v for k, v in fields.items() if k not in NOT_SHOWN
-                 and not (skip_empty and (v is None or (hasattr(v, "__len__") and len(v) == 0)))}
-        if skip_empty and not shown:
-            return None
-        if len(shown) == 1:
-            return str(next(iter(shown.values())))
-        return json.dumps(shown, default=str)
+        return observation_text(observation.model_dump(mode="json"), self.observation_field, skip_empty)
+
+
+def step_reply(fields: dict, done, reward, observation_field: str | None, role: str) -> Reply:
+    """A step's observation (its fields, `done`, `reward`) as the Reply the model's episode gets."""
+    return Reply(text=observation_text(fields, observation_field), done=bool(done),
+                 reward=None if reward is None else float(reward), role=role)
+
+
+def observation_text(fields: dict, observation_field: str | None = None, skip_empty: bool = False) -> str | None:
+    """An observation (its fields, as `model_dump()` gives them or an OpenEnv server sends them) as the
+    text the model reads: `observation_field` alone, else every field less done, reward and metadata; one
+    field as it is, several as JSON. skip_empty (the opening): fields that are None or empty are left
+    out, and an observation with nothing left is None, not "{}" or "None"."""
+    if observation_field:
+        fields = {observation_field: fields[observation_field]}
+    shown = {k: v for k, v in fields.items() if k not in NOT_SHOWN
+             and not (skip_empty and (v is None or (hasattr(v, "__len__") and len(v) == 0)))}
+    if skip_empty and not shown:
+        return None
+    if len(shown) == 1:
+        return str(next(iter(shown.values())))
+    return json.dumps(shown, default=str)

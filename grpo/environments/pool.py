@@ -17,10 +17,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import stat
 from dataclasses import dataclass
 
-from grpo.child import NO_ANSWER, Child, ChildFailed, ChildRefused
+from grpo.child import NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets
 from grpo.environments import Reply, environment_factory
 
 log = logging.getLogger(__name__)
@@ -118,18 +117,6 @@ def limit_resources(memory_mb: int, processes: int, cpu_s: int, own_namespace: b
     budget(resource.RLIMIT_CPU, int(sum(os.times()[:2])) + 1, cpu_s)
 
 
-def close_inherited_sockets(keep: int) -> None:
-    """The sockets the sampler had open at the fork (its connection to the trainer, an engine's):
-    closed, so that no environment writes to them."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if fd != keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.close(fd)
-        except OSError:
-            pass  # the listing's own descriptor, already gone
-
-
 class _Episodes:
     """The child's handler: one environment per live episode, by key."""
 
@@ -150,7 +137,7 @@ class _Episodes:
             if not isinstance(reply, Reply):
                 raise TypeError(f"step returned a {type(reply).__name__}, not a grpo.environments.Reply")
             answer = reply.to_json()
-            answer[0] = valid_text(answer[0])
+            answer[0] = [valid_text(t) for t in answer[0]] if isinstance(answer[0], list) else valid_text(answer[0])
             return answer
         except Exception:  # the environment's fault: reported, the episode is rebuilt from its messages
             _close(self.episodes.pop(key, None))
@@ -214,6 +201,11 @@ class Limits:
     @classmethod
     def of(cls, env_cfg) -> "Limits":
         return cls(env_cfg.network, env_cfg.memory_mb, env_cfg.max_processes, env_cfg.cpu_s)
+
+
+def failed_reply(failure: str) -> Reply:
+    """What the model reads after an environment call that failed (env/env_errors counts it)."""
+    return Reply(text=f"error: the environment failed: {failure}")
 
 
 class StepFailed(Exception):
@@ -294,7 +286,7 @@ class EnvironmentPool:
             return Reply.from_json(self._call("step", key, message)), None
         except (StepFailed, IsolationError) as e:  # IsolationError: a replacement child that could not start
             failure = str(e)
-        return Reply(text=f"error: the environment failed: {failure}"), failure
+        return failed_reply(failure), failure
 
     def forget(self, keys: list[str]) -> None:
         """Drop finished episodes' environments."""
@@ -306,3 +298,13 @@ class EnvironmentPool:
     def close(self) -> None:
         """The child closes the environments it holds when the pipe closes (given a second), then goes."""
         self._child.close(grace_s=1.0)
+
+
+def episode_pool(name: str, args: dict, timeout_s: float, limits: Limits):
+    """The pool env.name asks for: sessions on an OpenEnv server for `openenv+http://...`
+    (grpo/environments/remote.py, in this process: the network is the point), else the child."""
+    from grpo.environments.remote import RemotePool, is_served
+
+    if is_served(name):
+        return RemotePool(name, args, timeout_s)
+    return EnvironmentPool(name, args, timeout_s, limits)

@@ -74,6 +74,18 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     return model_source(name_or_path)
 
 
+TEMPLATES = {"chatml-tools": Path(__file__).parent / "templates" / "chatml_tools.jinja"}  # model.chat_template
+
+
+def read_chat_template(name: str) -> str:
+    """model.chat_template: a shipped template's name or a Jinja file; ModelError when neither."""
+    path = TEMPLATES.get(name, Path(name))
+    if not path.is_file():
+        raise ModelError(f"model.chat_template: {name!r} is neither a template file nor a shipped template "
+                         f"({', '.join(TEMPLATES)})")
+    return path.read_text()
+
+
 def load_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 
@@ -82,6 +94,8 @@ def load_tokenizer(model_cfg):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError) as e:  # ValueError: a folder without a recognisable config
         raise ModelError(f"cannot load the tokenizer of '{model_cfg.name_or_path}': {e}") from None
+    if model_cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(model_cfg.chat_template)
     if tokenizer.pad_token_id is None:
         # Padding is only a filler here: every mask is built from lengths, never from pad ids,
         # so reusing EOS as the pad token cannot hide a real EOS.

@@ -31,22 +31,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MESSAGE, REPLY = "\ue000", "\ue001"  # private-use characters: markers no chat template holds
+# what stands for an environment's message when the template is rendered: the marker between the
+# characters a template could trim, quote or escape (Llama 3.1's writes tool results through tojson)
+REPLY_PROBE = f' \n"\\{REPLY}\u00e9\n '
 
 
 class TemplateRoleError(ValueError):
     """The chat template cannot render an environment's reply in its role."""
 
 
-def reply_parts(tokenizer, role: str, ended_with: str | None = None) -> tuple[list[int], list[int]]:
-    """The template's tokens (before, after) an environment's message in `role`, between the
-    model's message and the model's next turn. The model's message ended with an EOS token whose
-    text is `ended_with` (default: the tokenizer's eos_token): when the template's own turn end is
-    that token, it is left out (the model's token already ended the turn); another one (Phi-3 ends
-    turns with <|end|>, an EOS of its generation_config, while a model may also stop at
-    <|endoftext|>) is kept, as the template writes it. No chat template: newlines."""
+def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int = 1) -> list[list[int]]:
+    """The template's tokens around `count` environment messages in `role` (the results of a
+    message's tool calls come as several), between the model's message and the model's next turn:
+    count + 1 pieces, before the first, between each two, after the last. The model's message ended
+    with an EOS token whose text is `ended_with` (default: the tokenizer's eos_token): when the
+    template's own turn end is that token, it is left out (the model's token already ended the
+    turn); another one (Phi-3 ends turns with <|end|>, an EOS of its generation_config, while a
+    model may also stop at <|endoftext|>) is kept, as the template writes it. No chat template:
+    newlines."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer("\n", add_special_tokens=False)["input_ids"], tokenizer("\n", add_special_tokens=False)["input_ids"]
-    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE}, {"role": role, "content": REPLY}]
+        return [tokenizer("\n", add_special_tokens=False)["input_ids"] for _ in range(count + 1)]
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE},
+             *[{"role": role, "content": REPLY_PROBE} for _ in range(count)]]
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that refuses the role
@@ -56,9 +62,13 @@ def reply_parts(tokenizer, role: str, ended_with: str | None = None) -> tuple[li
     tail = text[text.index(MESSAGE) + 1:]
     end = tokenizer.eos_token if ended_with is None else ended_with
     tail = tail[len(end):] if end and tail.startswith(end) else tail
-    before, after = tail.split(REPLY)
-    return (tokenizer(before, add_special_tokens=False)["input_ids"],
-            tokenizer(after, add_special_tokens=False)["input_ids"])
+    pieces = tail.split(REPLY_PROBE)
+    if len(pieces) != count + 1:  # the trainer would see other tokens than the model was shown
+        raise TemplateRoleError(f"the chat template does not show an environment message in role {role!r} as it is "
+                                "(it trims, quotes or escapes it, or leaves it out): the tokens the model reads "
+                                "could not be rendered once and kept; set model.chat_template to a template that "
+                                "shows the message's text unchanged")
+    return [tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in pieces]
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
@@ -74,12 +84,14 @@ class Episode:
     model: list[bool] = field(default_factory=list)  # True where the model drew the token
     logps: list[float] = field(default_factory=list)  # behaviour log-probs (0 at environment tokens)
     messages: list[str] = field(default_factory=list)  # the model's messages the environment took, in order
-    last_message: str = ""
+    last_message: str = ""  # the last model message as the rewards read it (data.prefill, no special tokens)
+    said: str = ""  # the last model message as the environment reads it: special tokens kept, less the EOS
     turns: int = 0
     truncated: bool = False
     reward: float | None = None  # the environment's, summed over its replies
     tool_calls: int = 0
     tool_errors: int = 0
+    malformed_calls: int = 0  # of the tool calls, the ones that could not be read or named no tool
     env_errors: int = 0  # steps that raised or timed out (grpo/environments/pool.py)
     open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
 
@@ -109,20 +121,24 @@ class EpisodeRunner:
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
         self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
-        self._parts = {(role, None): reply_parts(tokenizer, role) for role in roles}
+        self._parts = {(role, None, 1): reply_parts(tokenizer, role) for role in roles}
         self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
         self.runs = 0
 
-    def reply_tokens(self, text: str, role: str, ended_with: int | None = None) -> list[int]:
-        """An environment message as tokens: the template around it, then the next turn's prefill;
-        after the model's turn that ended with token `ended_with` (None: the eos_token). Its text
-        cannot smuggle in special tokens: they are read as plain text."""
-        if (role, ended_with) not in self._parts:
+    def reply_tokens(self, text: str | list[str], role: str, ended_with: int | None = None) -> list[int]:
+        """An environment's message (or several, in one role) as tokens: the template around them,
+        then the next turn's prefill; after the model's turn that ended with token `ended_with`
+        (None: the eos_token). Their text cannot smuggle in special tokens: read as plain text."""
+        texts = [text] if isinstance(text, str) else list(text)
+        key = (role, ended_with, len(texts))
+        if key not in self._parts:
             end = None if ended_with is None else self.tokenizer.decode([ended_with])
-            self._parts[role, ended_with] = reply_parts(self.tokenizer, role, end)
-        before, after = self._parts[role, ended_with]
-        body = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return before + body + after + self._prefill_ids
+            self._parts[key] = reply_parts(self.tokenizer, role, end, len(texts))
+        pieces = self._parts[key]
+        ids = list(pieces[0])
+        for body, piece in zip(texts, pieces[1:], strict=True):
+            ids += self.tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"] + piece
+        return ids + self._prefill_ids
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
@@ -189,16 +205,21 @@ class EpisodeRunner:
             e.turns += 1
             e.truncated = bool(out.truncated[k])
             e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
+            # the environment reads every token but the turn's EOS: a model's tool-call tags may be
+            # special tokens, which the rewards' text leaves out (vLLM's tool parsers keep them too)
+            said = ids if e.truncated else ids[:-1]
+            e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)
 
     def _answer(self, j: int, e: Episode, row: dict) -> bool:
         """The environment's reply to episode j's last message, added to it; whether it goes on."""
         if e.truncated:  # cut at the token budget: the message is unfinished
             return False
-        reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.last_message)
+        reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.said)
         if failure is None:  # a message whose step failed is not replayed when the episode is rebuilt
-            e.messages.append(e.last_message)
+            e.messages.append(e.said)
         e.env_errors += failure is not None and not (e.open_failed and e.turns == 1)  # that failure is counted
         e.tool_calls, e.tool_errors = e.tool_calls + reply.tool_calls, e.tool_errors + reply.tool_errors
+        e.malformed_calls += reply.malformed_calls
         if reply.reward is not None:
             e.reward = (e.reward or 0.0) + reply.reward
         if reply.done or e.turns >= self.max_turns:
@@ -223,14 +244,14 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     """With env.name: the environments in their child process, and the runner of episodes."""
     if not cfg.env.name:
         return None
-    from grpo.environments.pool import EnvironmentPool, Limits
+    from grpo.environments.pool import Limits, episode_pool
 
-    from grpo.environments import reply_roles
+    from grpo.environments import environment_args, reply_roles
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
     runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
                            reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens)
-    runner.pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s, Limits.of(cfg.env))
+    runner.pool = episode_pool(cfg.env.name, environment_args(cfg.env), cfg.env.timeout_s, Limits.of(cfg.env))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
              cfg.env.max_turns, cfg.sampling.max_new_tokens)
     return runner
@@ -246,5 +267,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
             "env/tool_calls/mean": calls / n,
             "env/tool_errors/mean": sum(e.tool_errors for e in episodes) / n,
             "env/tool_error_rate": sum(e.tool_errors for e in episodes) / max(calls, 1),
+            # the share of episodes with a call the environment could read, to a tool it has, with arguments that fit
+            "env/well_formed_call_rate": sum(e.tool_calls > e.malformed_calls for e in episodes) / n,
             "env/env_errors": float(sum(e.env_errors for e in episodes)),
             "env/model_token_fraction": model_tokens / max(sum(len(e.tokens) for e in episodes), 1)}

@@ -40,7 +40,7 @@ def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: i
             if episodes is not None:  # the whole episode, tool results included, and its counts
                 e = run.episodes[k]
                 samples[-1].update(episode=prefill + tokenizer.decode(ids, skip_special_tokens=True), turns=e.turns,
-                                   tool_calls=e.tool_calls, tool_errors=e.tool_errors)
+                                   tool_calls=e.tool_calls, tool_errors=e.tool_errors, malformed_calls=e.malformed_calls)
         if progress is not None:
             progress(len(chunk))
     return samples
@@ -55,7 +55,10 @@ def summary(samples: list[dict]) -> dict[str, float]:
             "mean_completion_tokens": sum(s["tokens"] for s in samples) / n,
             "truncated_rate": sum(s["truncated"] for s in samples) / n,
             **({"mean_turns": sum(s["turns"] for s in samples) / n,
-                "mean_tool_calls": sum(s["tool_calls"] for s in samples) / n} if samples and "turns" in samples[0] else {})}
+                "mean_tool_calls": sum(s["tool_calls"] for s in samples) / n,
+                # episodes with a call the environment could read, to a tool it has (env/well_formed_call_rate)
+                "well_formed_call_rate": sum(s["tool_calls"] > s["malformed_calls"] for s in samples) / n}
+               if samples and "turns" in samples[0] else {})}
 
 
 class TrainingEvaluator:

@@ -29,6 +29,7 @@ from grpo.wire.delivery import global_step
 from grpo.wire.staleness import required_version, wait_for_version
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
+from rewards.services import ServiceSettings
 from rewards.strict import checks_of, reward_rows, strict_rates
 
 if TYPE_CHECKING:
@@ -187,7 +188,9 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
         texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids,
                                                                              skip_special_tokens=True)]
         rows = reward_rows([p.problem for p in prompts for _ in range(G)])
-    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox)
+    turns = [p.turns for p in prompts for _ in range(G)]  # each sample's chat, for the service rewards
+    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox,
+                               prompts=turns, services=ServiceSettings.of(cfg))
     if cfg.rewards.overlong_buffer > 0:
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])

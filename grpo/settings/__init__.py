@@ -47,6 +47,10 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     cache_dir: Optional[str] = _f(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
     trust_remote_code: bool = _f(False, "Allow custom modelling code from the Hub.")
+    chat_template: Optional[str] = _f(None, "Replace the tokenizer's chat template: a Jinja template file, or "
+                                            "'chatml-tools' (shipped: ChatML with Hermes-style tool calls, for "
+                                            "ChatML models whose own template does not offer tools, e.g. the "
+                                            "embedded SmolLM2). Exported models keep it.")
 
 
 @dataclass
@@ -112,13 +116,43 @@ class SamplingConfig:
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
+# A judge that sees the question, the reference and the answer, and ends with a score the pattern reads.
+DEFAULT_JUDGE_PROMPT = (
+    "You are grading a student's answer to a question.\n\nQuestion:\n{question}\n\nReference answer:\n{answer}\n\n"
+    "Student's answer:\n{completion}\n\nIs the student's final answer correct and consistent with the reference? "
+    "Reply with one line, 'Score: N', N from 0 (wrong) to 10 (right)."
+)
+
+
+@dataclass
+class JudgeConfig:
+    url: str = _f("", "rewards.names=[judge]: the OpenAI-compatible endpoint's base URL, e.g. http://127.0.0.1:8000/v1 "
+                      "(vllm serve, SGLang, llama.cpp, Ollama, https://api.openai.com/v1); POSTs go to <url>/chat/completions.")
+    model: str = _f("", "The model the judge endpoint serves (the 'model' of each request).")
+    prompt: str = _f(DEFAULT_JUDGE_PROMPT, "The judge's one user message: {question} (the prompt's last user turn), "
+                                           "{completion} and {answer} (the row's reference_answer) are filled in; "
+                                           "other braces stay as they are.")
+    pattern: str = _f(r"Score:\s*(-?\d+(?:\.\d+)?)", "Regular expression with one group: the reward is the "
+                                                        "group of its last match in the reply, as a float; a reply "
+                                                        "without a match falls back (rewards.fallback) and counts "
+                                                        "as a failure.")
+    api_key_env: str = _f("", "The environment variable that holds the endpoint's API key (sent as a Bearer token), "
+                              "e.g. OPENAI_API_KEY; '' = no key. The key itself never goes in the config.")
+    max_tokens: int = _f(64, "The judge's reply length limit.")
+    temperature: float = _f(0.0, "The judge's sampling temperature (0: its most likely verdict).")
+    concurrency: int = _f(8, "Judge requests in flight at once (the server batches them).")
+
+
 @dataclass
 class RewardsConfig:
     names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"],
                           "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
                           "think_answer_format_partial, answer_format, reasoning_gym) or your own as 'package.module:function' or "
                           "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
-                          "not apply to this row); row = the dataset row plus reference_answer. docs/rewards.md: your own rewards.")
+                          "not apply to this row); row = the dataset row plus reference_answer. Services, run in "
+                          "the sampler: 'reward_model:<folder or Hub id>' (a one-logit sequence classifier), an "
+                          "'http://host:port/path' URL (one POST per batch), 'judge' (an LLM behind an "
+                          "OpenAI-compatible endpoint: rewards.judge). docs/rewards.md: which to use when.")
     weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
     accuracy_reward: str = _f("gsm8k_answer", "The reward that decides whether an answer is correct, for the reported "
                                               "accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): "
@@ -132,7 +166,17 @@ class RewardsConfig:
                                  "overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
     overlong_penalty: float = _f(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
     timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
-                                "child process that is replaced after a timeout. 0 = in the sampler, no limit.")
+                                "child process that is replaced after a timeout. 0 = in the sampler, no limit. "
+                                "(Service rewards run in the sampler: rewards.remote_timeout_s.)")
+    reward_model_device: str = _f("auto", "Device of the reward models (reward_model:...): auto (= sampling.device), "
+                                          "cpu, cuda, cuda:N. They run in model.dtype.")
+    reward_model_batch_size: int = _f(16, "Sequences per forward pass of a reward model.")
+    remote_timeout_s: float = _f(30.0, "Time limit of one request to an HTTP reward or the judge: it must connect and "
+                                       "answer whole within it.")
+    remote_retries: int = _f(2, "Retries of a request to an HTTP reward or the judge that timed out, could not "
+                                "connect or got HTTP 408/429/5xx, after 0.5 s, 1 s, 2 s, ...; then every sample it "
+                                "scores gets rewards.fallback and counts in rewards/<name>/failures.")
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -191,13 +235,24 @@ class EvalConfig:
 class EnvConfig:
     name: str = _f("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
                        "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K "
-                       "calculator tool); 'openenv:package.module:Class' (an OpenEnv Environment); "
+                       "calculator tool); 'tools' (Python functions as tools: env.tools); 'openenv:package.module:Class' (an "
+                       "OpenEnv Environment); 'openenv+http://host:port' or 'openenv+https://host[:port][/path]' (an "
+                       "OpenEnv server: one session per episode, from the sampler); "
                        "'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, **env.args)).")
-    args: dict = _f({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings).")
+    args: dict = _f({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings; tools: "
+                        "max_calls (8), demonstration (an import path of fn(row, answer) -> chat turns: few-shot "
+                        "examples solved with the tools)).")
+    tools: list[str] = _f([], "Python functions the model may call, as 'package.module:function' or "
+                              "'path/to/file.py:function' (type hints and a docstring with an 'Args:' section: "
+                              "transformers builds each one's JSON schema), offered through the chat template; "
+                              "env.name defaults to 'tools' when they are set. docs/environments.md.")
+    tool_parser: str = _f("hermes", "How the model's tool calls are read: hermes (<tool_call>{json}</tool_call>: "
+                                    "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).")
     max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
                            "model and environment tokens together.")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
-                                "network; a step that raises or runs past this is an error message to the model.")
+                                "network; a step that raises or runs past this is an error message to the model. "
+                                "openenv+http: the limit of each call to the server (connect, reset, step).")
     network: str = _f("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
                               "filter on socket(); where neither exists it refuses to start); allow: environments "
                               "that need the network (a web tool, a remote judge) get it.")

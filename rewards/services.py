@@ -1,0 +1,125 @@
+"""Rewards that are services rather than functions: a reward model (`reward_model:<folder or Hub
+id>`, rewards/reward_model.py), an HTTP endpoint (`http://...`, rewards/remote.py) and an LLM judge
+(`judge`, rewards/judge.py).
+
+A service reward is called once per batch as `fn(completions, rows, prompts)` (prompts: each
+sample's chat turns) and returns one float, None (does not apply) or ServiceError (that sample
+failed) per completion. It is marked `service = True` and runs in the sampler process itself,
+not in the rewards sandbox child (rewards/sandbox.py): a model on the GPU or an open connection
+does not belong in a forked child that is killed on a timeout, and each has its own time limit
+(the judge and the endpoint: rewards.remote_timeout_s and retries; a model does not hang).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from rewards.judge import Judge, pattern_problem
+from rewards.remote import RemoteReward, is_url, url_problem
+from rewards.reward_model import PREFIX as REWARD_MODEL
+
+JUDGE = "judge"
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """rewards.judge, as the judge reads it (grpo/settings: JudgeConfig documents each)."""
+
+    url: str = ""
+    model: str = ""
+    prompt: str = ""
+    pattern: str = ""
+    api_key_env: str = ""
+    max_tokens: int = 64
+    temperature: float = 0.0
+    concurrency: int = 8
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What the service rewards need from the config (hashable: the loaded services are cached by it)."""
+
+    device: str = "cpu"  # of the reward model
+    dtype: str = "float32"
+    batch_size: int = 16
+    timeout_s: float = 30.0  # of each HTTP request
+    retries: int = 2
+    cache_dir: str | None = None
+    trust_remote_code: bool = False
+    judge: JudgeSettings = JudgeSettings()
+
+    @classmethod
+    def of(cls, cfg) -> "ServiceSettings":
+        """From a grpo.config.Config: the reward model on rewards.reward_model_device ("auto": the
+        sampler's device) in model.dtype."""
+        r = cfg.rewards
+        device = cfg.sampling.device if r.reward_model_device == "auto" else r.reward_model_device
+        return cls(device, cfg.model.dtype, r.reward_model_batch_size, r.remote_timeout_s, r.remote_retries,
+                   cfg.model.cache_dir, cfg.model.trust_remote_code, JudgeSettings(**vars(r.judge)))
+
+
+def is_service_name(name: str) -> bool:
+    return name.startswith(REWARD_MODEL) or name == JUDGE or is_url(name)
+
+
+def is_service(fn) -> bool:
+    return getattr(fn, "service", False) is True
+
+
+def service_reward(name: str, settings: ServiceSettings | None):
+    """The service reward `name` names (loaded once per process for the same settings)."""
+    if settings is None:
+        raise ValueError(f"reward {name!r} is a service (reward model, HTTP endpoint or judge): score it with "
+                         "score_completions(..., prompts=..., services=ServiceSettings.of(cfg))")
+    if name.startswith(REWARD_MODEL):
+        from rewards.reward_model import load_reward_model
+
+        s = settings
+        return load_reward_model(name.removeprefix(REWARD_MODEL), s.device, s.dtype, s.batch_size, s.cache_dir,
+                                 s.trust_remote_code)
+    return _endpoint(name, settings.judge if name == JUDGE else None, settings.timeout_s, settings.retries)
+
+
+@functools.lru_cache(maxsize=None)
+def _endpoint(name: str, judge: JudgeSettings | None, timeout_s: float, retries: int):
+    return Judge(judge, timeout_s, retries) if name == JUDGE else RemoteReward(name, timeout_s, retries)
+
+
+def service_problems(name: str, settings: ServiceSettings) -> list[str]:
+    """What is wrong with a service reward's name (in rewards.names) and settings, each problem
+    naming its config key; found at start without loading a model or calling anything (a reward
+    model's config.json is read)."""
+    if name.startswith(REWARD_MODEL):
+        from rewards.reward_model import RewardModelError, check_classifier
+
+        try:
+            check_classifier(name.removeprefix(REWARD_MODEL), settings.cache_dir, settings.trust_remote_code)
+        except RewardModelError as e:
+            return [f"rewards.names: {e}"]
+        return []
+    if name != JUDGE:
+        return [f"rewards.names: {p}" for p in [url_problem(name)] if p]
+    return judge_problems(settings.judge)
+
+
+def judge_problems(j: JudgeSettings) -> list[str]:
+    if not j.url:
+        return ["rewards.names holds 'judge', which needs rewards.judge.url, an OpenAI-compatible endpoint (e.g. "
+                "rewards.judge.url=http://127.0.0.1:8000/v1, which serves /v1/chat/completions), and rewards.judge.model"]
+    problems = [f"rewards.judge.url: {p}" for p in [url_problem(j.url)] if p]
+    if j.url.rstrip("/").endswith("/chat/completions"):
+        problems.append(f"rewards.judge.url={j.url} names the endpoint; give its base, e.g. "
+                        f"{j.url.rstrip('/').removesuffix('/chat/completions')} (/chat/completions is added)")
+    if not j.model:
+        problems.append("rewards.judge.model is empty: name the model the endpoint serves (its /v1/models lists them)")
+    if "{completion}" not in j.prompt:
+        problems.append("rewards.judge.prompt has no {completion}: the judge would not see what it judges")
+    problems += [p for p in [pattern_problem(j.pattern)] if p]
+    if j.api_key_env and j.api_key_env not in os.environ:
+        problems.append(f"rewards.judge.api_key_env names {j.api_key_env}, which is not set in the environment")
+    if j.max_tokens < 1 or j.concurrency < 1:
+        problems.append(f"rewards.judge.max_tokens and rewards.judge.concurrency must be >= 1; got {j.max_tokens} "
+                        f"and {j.concurrency}")
+    return problems

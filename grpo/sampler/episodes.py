@@ -241,17 +241,22 @@ class EpisodeRunner:
 
 
 def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
-    """With env.name: the environments in their child process, and the runner of episodes."""
+    """With env.name: the environments (in their child process, or an OpenEnv server's sessions), and the
+    runner of episodes."""
     if not cfg.env.name:
         return None
-    from grpo.environments.pool import Limits, episode_pool
+    from grpo.environments.pool import EnvironmentPool, Limits
+    from grpo.environments.remote import RemotePool, is_served
 
     from grpo.environments import environment_args, reply_roles
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
     runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
                            reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens)
-    runner.pool = episode_pool(cfg.env.name, environment_args(cfg.env), cfg.env.timeout_s, Limits.of(cfg.env))
+    # an OpenEnv server's sessions, in this process (the network is the point), else the child
+    args = environment_args(cfg.env)
+    runner.pool = RemotePool(cfg.env.name, args, cfg.env.timeout_s) if is_served(cfg.env.name) else \
+        EnvironmentPool(cfg.env.name, args, cfg.env.timeout_s, Limits.of(cfg.env))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
              cfg.env.max_turns, cfg.sampling.max_new_tokens)
     return runner

@@ -49,7 +49,9 @@ from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, res
 from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.wire.transport import BatchSender
 from grpo.wire.weights import WeightWatcher, into_model
+from rewards.reward_model import RewardModelError
 from rewards.sandbox import RewardSandbox
+from rewards.services import ServiceSettings, ServiceStartError, start_services
 from rewards.strict import checks_of
 
 log = logging.getLogger("sampler")
@@ -66,7 +68,8 @@ def main(argv: list[str]) -> int:
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
         eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
-    except (RunFolderError, SourceError, TemplateRoleError, IsolationError) as e:
+        start_services(cfg.rewards.names, ServiceSettings.of(cfg))
+    except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
         log.error("%s", e)
         return 2
     if sampler == 0:

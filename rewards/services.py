@@ -87,6 +87,23 @@ def _endpoint(name: str, judge: JudgeSettings | None, timeout_s: float, retries:
     return Judge(judge, timeout_s, retries) if name == JUDGE else RemoteReward(name, timeout_s, retries)
 
 
+class ServiceStartError(ValueError):
+    """A service reward the sampler cannot start with (a judge's API key not in its environment)."""
+
+
+def start_services(names: list[str], settings: ServiceSettings) -> None:
+    """The service rewards of rewards.names made ready in the sampler, at its start, not at its first
+    step: a reward model loaded, a judge's API key found in the environment (only the sampler needs
+    it: the trainer, an export or an evaluation of the run load the same config without it).
+    ServiceStartError or RewardModelError naming what is missing."""
+    for name in filter(is_service_name, names):
+        key = settings.judge.api_key_env
+        if name == JUDGE and key and key not in os.environ:
+            raise ServiceStartError(f"rewards.judge.api_key_env names {key}, which is not set in the sampler's "
+                                    "environment: export it before starting")
+        service_reward(name, settings)
+
+
 def service_problems(name: str, settings: ServiceSettings) -> list[str]:
     """What is wrong with a service reward's name (in rewards.names) and settings, each problem
     naming its config key; found at start without loading a model or calling anything (a reward
@@ -117,8 +134,6 @@ def judge_problems(j: JudgeSettings) -> list[str]:
     if "{completion}" not in j.prompt:
         problems.append("rewards.judge.prompt has no {completion}: the judge would not see what it judges")
     problems += [p for p in [pattern_problem(j.pattern)] if p]
-    if j.api_key_env and j.api_key_env not in os.environ:
-        problems.append(f"rewards.judge.api_key_env names {j.api_key_env}, which is not set in the environment")
     if j.max_tokens < 1 or j.concurrency < 1:
         problems.append(f"rewards.judge.max_tokens and rewards.judge.concurrency must be >= 1; got {j.max_tokens} "
                         f"and {j.concurrency}")

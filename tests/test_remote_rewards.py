@@ -281,8 +281,6 @@ def test_a_judge_that_is_not_there_falls_back_for_every_sample_in_bounded_time()
     (["rewards.names=[judge]", "rewards.judge.url=http://127.0.0.1:8000/v1", "rewards.judge.model=m",
       "rewards.judge.pattern=Score=\\d+"], "rewards.judge.pattern 'Score=\\\\d+' has 0 groups; it needs exactly one"),
     (["rewards.names=[judge]", "rewards.judge.url=http://127.0.0.1:8000/v1", "rewards.judge.model=m",
-      "rewards.judge.api_key_env=NO_SUCH_KEY_HERE"], "rewards.judge.api_key_env names NO_SUCH_KEY_HERE, which is not set"),
-    (["rewards.names=[judge]", "rewards.judge.url=http://127.0.0.1:8000/v1", "rewards.judge.model=m",
       "rewards.judge.prompt=Grade it"], "rewards.judge.prompt has no {completion}"),
     (["rewards.names=[http://127.0.0.1:8000/score]", "rewards.accuracy_reward=http://127.0.0.1:8000/score"],
      "rewards.accuracy_reward=http://127.0.0.1:8000/score is a service reward; the reported rates are decided by a "
@@ -293,6 +291,16 @@ def test_a_judge_that_is_not_there_falls_back_for_every_sample_in_bounded_time()
 def test_a_mistyped_service_reward_is_one_config_error_at_start(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["rewards.weights=[1.0]", *overrides])
+
+
+def test_a_judges_api_key_is_looked_for_by_the_sampler_at_start_not_by_every_config_load():
+    """The trainer, an export or an evaluation of the run load its config without the key."""
+    from rewards.services import ServiceSettings, ServiceStartError, start_services
+
+    cfg = load_config(None, ["rewards.names=[judge]", "rewards.weights=[1.0]", "rewards.judge.url=http://127.0.0.1:8000/v1",
+                             "rewards.judge.model=m", "rewards.judge.api_key_env=NO_SUCH_KEY_HERE"])
+    with pytest.raises(ServiceStartError, match="rewards.judge.api_key_env names NO_SUCH_KEY_HERE, which is not set"):
+        start_services(cfg.rewards.names, ServiceSettings.of(cfg))
 
 
 def test_a_service_reward_config_loads_without_calling_anything():

@@ -274,7 +274,7 @@ def _env_errors(cfg: Config) -> list[str]:
     errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
                for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
     errors += _tool_errors(e)
-    if e.name and not errors:
+    if e.name:
         from grpo.environments import environment_args, environment_factory
 
         try:
@@ -302,8 +302,9 @@ def _tool_errors(e) -> list[str]:
         unknown = sorted(set(e.args) - set(SETTINGS))
         if unknown:
             errors.append(f"env.args: {', '.join(unknown)} unknown for the tool environment; valid: {', '.join(SETTINGS)}")
-        if not (isinstance(e.args.get("max_calls", 8), int) and e.args.get("max_calls", 8) >= 0):
-            errors.append(f"env.args.max_calls must be an integer >= 0; got {e.args['max_calls']!r}")
+        max_calls = e.args.get("max_calls", 0)  # absent: the environment's default
+        if not (isinstance(max_calls, int) and max_calls >= 0):
+            errors.append(f"env.args.max_calls must be an integer >= 0; got {max_calls!r}")
 
         try:
             tool_schemas(list(e.tools))

@@ -52,11 +52,6 @@ class Reply:
         return cls(text, bool(done), None if reward is None else float(reward), str(role), int(calls), int(errors),
                    int(malformed))
 
-    @property
-    def messages(self) -> list[str]:
-        """The reply's messages: one, or several (the results of several tool calls)."""
-        return list(self.text) if isinstance(self.text, (list, tuple)) else [self.text]
-
 
 BUILT_IN = {"calculator": "grpo.environments.calculator:Calculator",
             "tools": "grpo.environments.tools:ToolEnvironment"}  # env.tools: Python functions as tools

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from typing import Callable
 
 from grpo.environments import Reply
 from grpo.environments.tool_calls import PARSERS, ToolCall
@@ -28,21 +29,21 @@ class ToolError(ValueError):
     """A tool cannot be offered (env.tools): the message names it and what to fix."""
 
 
-def load_tools(paths: list[str]) -> list:
-    """The functions env.tools names, each checked to have a schema; ToolError naming a bad one."""
+def load_tools(paths: list[str]) -> dict[str, tuple[dict, Callable]]:
+    """The functions env.tools names, by name, each with its schema (built once: the chat template
+    offers it, the environment calls the function); ToolError naming a bad one."""
     from grpo.imports import import_object
 
-    tools, names = [], set()
+    tools = {}
     for path in paths:
         fn = import_object(path, "env.tools")
         if not callable(fn):
             raise ToolError(f"env.tools: {path!r} is not a function")
         schema = tool_schema(fn, path)
         name = schema["function"]["name"]
-        if name in names:
+        if name in tools:
             raise ToolError(f"env.tools: two tools are named {name!r}")
-        names.add(name)
-        tools.append(fn)
+        tools[name] = (schema, fn)
     return tools
 
 
@@ -58,8 +59,8 @@ def tool_schema(fn, path: str = "") -> dict:
 
 
 def tool_schemas(paths: list[str]) -> list[dict]:
-    """The schemas of env.tools, as the chat template takes them (`tools=`)."""
-    return [tool_schema(fn, path) for fn, path in zip(load_tools(paths), paths, strict=True)]
+    """The schemas of env.tools, in their order, as the chat template takes them (`tools=`)."""
+    return [schema for schema, _ in load_tools(paths).values()]
 
 
 def shown(result) -> str:
@@ -84,7 +85,7 @@ class ToolEnvironment:
                  demonstration: str | None = None):
         if parser not in PARSERS:
             raise ToolError(f"env.tool_parser: unknown parser {parser!r}; valid: {', '.join(PARSERS)}")
-        self.tools = {tool_schema(fn)["function"]["name"]: fn for fn in load_tools(tools)}
+        self.tools = {name: fn for name, (_, fn) in load_tools(tools).items()}
         self.parse, self.calls_left = PARSERS[parser], max_calls
 
     def step(self, message: str) -> Reply:

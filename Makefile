@@ -20,6 +20,7 @@ endef
 
 $(STAMP): requirements.txt
 	$(call install_env,$(VENV),requirements.txt)
+	$(VENV)/bin/python scripts/prepare.py  # the embedded model converted, DeepSpeed's CPU op built: not in a first run's time
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

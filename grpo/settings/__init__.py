@@ -112,7 +112,7 @@ class SamplingConfig:
                                                        "takes (weights and KV cache); leave room for a trainer on the same GPU.")
     vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
-    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the first step).")
+    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the second step of each start).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
 

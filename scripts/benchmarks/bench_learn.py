@@ -48,13 +48,17 @@ TRL_MAX_STEPS = 20_000  # rows prepared for TRL; the budget stops it long before
 # ---------------------------------------------------------------------------- marks
 
 
-def mark_minutes(budget: float, every: float) -> list[float]:
-    """0, every, 2 * every, ... up to and including the budget."""
-    marks, m = [], 0.0
-    while m < budget - 1e-9:
-        marks.append(round(m, 6))
-        m += every
-    return marks + [float(budget)]
+def mark_minutes(budget: float, every: float, fine_until: float = 0.0, fine_every: float = 1.0) -> list[float]:
+    """0, every, 2 * every, ... up to and including the budget; with `fine_until`, every `fine_every`
+    minutes up to it first (e.g. 15, 3, 6, 1 -> 0, 1, 2, 3, 4, 5, 6, 9, 12, 15)."""
+    def spaced(end: float, step: float) -> list[float]:
+        marks, m = [], 0.0
+        while m < end - 1e-9:
+            marks.append(round(m, 6))
+            m += step
+        return marks + [float(end)]
+    fine = spaced(min(fine_until, budget), fine_every) if fine_until > 0 else []
+    return sorted(set(fine) | {m for m in spaced(budget, every) if m > fine_until + 1e-9 or not fine})
 
 
 def weights_at_marks(updates: list[tuple[float, str]], marks: list[float]) -> dict[float, str | None]:
@@ -67,12 +71,26 @@ def weights_at_marks(updates: list[tuple[float, str]], marks: list[float]) -> di
     return chosen
 
 
-def minutes_to_reach(curve: list[dict], target: float) -> float | None:
-    """The first mark whose accuracy is at least `target`, or None."""
+def minutes_to_reach(curve: list[dict], target: float, margin: float = 0.0) -> float | None:
+    """The first mark whose accuracy is at least `target` + `margin` (a negative margin: within it
+    below the target), or None."""
     for point in curve:
-        if point["answer_accuracy"] >= target - 1e-12:
+        if point["answer_accuracy"] >= target + margin - 1e-12:
             return point["minute"]
     return None
+
+
+def crossing(curve: list[dict], final: dict) -> dict[str, float | None]:
+    """When `curve` reaches `final`'s accuracy: at the first mark at or above it ("reach"), and the
+    range its standard errors allow: the first mark not below it by more than one combined standard
+    error ("earliest") and the first mark above it by more than one ("surely")."""
+    def at(sign: float):
+        for point in curve:
+            se = (point["answer_accuracy_stderr"] ** 2 + final["answer_accuracy_stderr"] ** 2) ** 0.5
+            if point["answer_accuracy"] >= final["answer_accuracy"] + sign * se - 1e-12:
+                return point["minute"]
+        return None
+    return {"reach": minutes_to_reach(curve, final["answer_accuracy"]), "earliest": at(-1.0), "surely": at(1.0)}
 
 
 # ---------------------------------------------------------------------------- the two runs
@@ -198,8 +216,10 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
 def report(curves: dict[str, list[dict]]) -> tuple[str, dict]:
     """The table of both curves (ours may run on past TRL's budget) and the minutes each needs to
     reach TRL's final accuracy."""
-    target = curves["TRL"][-1]["answer_accuracy"]
+    final = curves["TRL"][-1]
+    target = final["answer_accuracy"]
     reach = {name: minutes_to_reach(curve, target) for name, curve in curves.items()}
+    bounds = {name: crossing(curve, final) for name, curve in curves.items()}
     cell = {name: {p["minute"]: f"{100 * p['answer_accuracy']:.1f}% ± {100 * p['answer_accuracy_stderr']:.1f}"
                    for p in curve} for name, curve in curves.items()}
     lines = ["| minute | ours accuracy | TRL accuracy |", "| --- | --- | --- |"]
@@ -208,8 +228,11 @@ def report(curves: dict[str, list[dict]]) -> tuple[str, dict]:
     ratio = (reach["ours"] / reach["TRL"]) if reach["ours"] is not None and reach["TRL"] else None
     lines.append(f"\nTRL's final accuracy {100 * target:.1f}%: reached by ours at minute "
                  f"{reach['ours'] if reach['ours'] is not None else 'never'}, by TRL at minute {reach['TRL']}"
-                 + (f" (ours / TRL time: {ratio:.2f}x)" if ratio is not None else ""))
-    return "\n".join(lines), {"target_accuracy": target, "minutes_to_target": reach, "time_ratio": ratio}
+                 + (f" (ours / TRL time: {ratio:.2f}x)" if ratio is not None else "")
+                 + f"; ours within one standard error of it from minute {bounds['ours']['earliest']}, above it by "
+                   f"more than one from minute {bounds['ours']['surely']}")
+    return "\n".join(lines), {"target_accuracy": target, "target_stderr": final["answer_accuracy_stderr"],
+                               "minutes_to_target": reach, "time_ratio": ratio, "crossing": bounds}
 
 
 def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
@@ -236,8 +259,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
     parser.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget of each system")
     parser.add_argument("--mark-every", type=float, default=3.0, help="minutes between evaluation marks")
+    parser.add_argument("--fine-until", type=float, default=0.0,
+                        help="marks every --fine-every minutes up to this minute, then every --mark-every")
+    parser.add_argument("--fine-every", type=float, default=1.0)
     parser.add_argument("--ours-minutes", type=float, default=None,
-                        help="run ours longer than TRL (one run: its first --minutes are the side-by-side)")
+                        help="ours' budget when it differs from TRL's: longer (one run: its first --minutes are the "
+                             "side-by-side; marks every --late-mark-every after them) or shorter (enough to pass "
+                             "TRL's final accuracy)")
     parser.add_argument("--late-mark-every", type=float, default=15.0, help="minutes between ours' marks after --minutes")
     parser.add_argument("--eval-problems", type=int, default=500)
     parser.add_argument("--eval-batch-size", type=int, default=64)
@@ -258,9 +286,10 @@ def main(argv: list[str]) -> int:
         print("TRL is not installed: make bench-learn (or .venv/bin/pip install -r requirements-bench.txt)", file=sys.stderr)
         return 2
     folder = args.out
-    marks = mark_minutes(args.minutes, args.mark_every)
-    ours_minutes = max(args.ours_minutes or args.minutes, args.minutes)
-    ours_marks = marks + [m for m in mark_minutes(ours_minutes, args.late_mark_every) if m > args.minutes + 1e-9]
+    marks = mark_minutes(args.minutes, args.mark_every, args.fine_until, args.fine_every)
+    ours_minutes = args.ours_minutes or args.minutes
+    ours_marks = [m for m in marks if m <= ours_minutes + 1e-9] + \
+        [m for m in mark_minutes(ours_minutes, args.late_mark_every) if m > args.minutes + 1e-9]
     if args.keep_ours:
         for path in ("trl-snapshots", "trl-output", "eval"):
             shutil.rmtree(folder / path, ignore_errors=True)

@@ -272,6 +272,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "learn")
     parser.add_argument("--keep-ours", action="store_true",
                         help="reuse our finished run in --out (its weights and start time) and run TRL only")
+    parser.add_argument("--skip-eval", action="store_true",
+                        help="run both and record their weights at the marks, evaluate later with --eval-only")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="evaluate and report the marks of finished runs in --out (same --minutes and marks)")
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--marks", default="", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -290,15 +294,22 @@ def main(argv: list[str]) -> int:
     ours_minutes = args.ours_minutes or args.minutes
     ours_marks = [m for m in marks if m <= ours_minutes + 1e-9] + \
         [m for m in mark_minutes(ours_minutes, args.late_mark_every) if m > args.minutes + 1e-9]
-    if args.keep_ours:
-        for path in ("trl-snapshots", "trl-output", "eval"):
-            shutil.rmtree(folder / path, ignore_errors=True)
+    if args.eval_only:  # the marks of runs made with --skip-eval (evaluation needs no quiet machine)
         ours = weights_at_marks(published_versions(folder), ours_marks)
+        trl = {float(k): v for k, v in json.loads((folder / "trl-marks.json").read_text()).items()}
     else:
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        ours = weights_at_marks(run_ours(args.config, ours_minutes, overrides, folder), ours_marks)
-    trl = run_trl(args.config, args.minutes, marks, overrides, folder)
+        if args.keep_ours:
+            for path in ("trl-snapshots", "trl-output", "eval"):
+                shutil.rmtree(folder / path, ignore_errors=True)
+            ours = weights_at_marks(published_versions(folder), ours_marks)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            ours = weights_at_marks(run_ours(args.config, ours_minutes, overrides, folder), ours_marks)
+        trl = run_trl(args.config, args.minutes, marks, overrides, folder)
+        if args.skip_eval:
+            print(f"both runs done; evaluate their marks with the same arguments and --eval-only (in {folder})")
+            return 0
     curves = evaluate_marks(args.config, overrides, {"ours": ours, "TRL": trl}, args.eval_problems,
                             args.eval_batch_size, folder)
     text, summary = report(curves)

@@ -8,6 +8,7 @@ per-user caches, reused by every later run, and a run still does either itself w
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,14 +26,23 @@ def main() -> int:
         path = resolve_model_path(alias)
         print(f"embedded model {alias}: {path} ({time.perf_counter() - t:.0f} s)")
     t = time.perf_counter()
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None:  # a GPU machine: NCCL, no op to build
-        print("DeepSpeed: no shared-memory op for this accelerator")
-    else:
+    # as DeepSpeed's own comm start-up decides (deepspeed/comm/torch.py: build_shm_op)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        print("DeepSpeed: no shared-memory op to build for this accelerator")
+        return 0
+    # the build finds ninja on PATH: the venv's own, when make runs .venv/bin/python without activating it
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
         builder.load(verbose=False)
-        print(f"DeepSpeed op {builder.absolute_name()} built ({time.perf_counter() - t:.0f} s)")
+    except Exception as e:  # a run builds it again (and says why it fails there); the install goes on
+        print(f"warning: DeepSpeed's {builder.NAME} op did not build ({type(e).__name__}: {e}); the first run "
+              "will try again", file=sys.stderr)
+        return 0
+    print(f"DeepSpeed op {builder.absolute_name()} built ({time.perf_counter() - t:.0f} s)")
     return 0
 
 

@@ -87,7 +87,8 @@ def crossing(curve: list[dict], final: dict) -> dict[str, float | None]:
     def at(sign: float):
         for point in curve:
             se = (point["answer_accuracy_stderr"] ** 2 + final["answer_accuracy_stderr"] ** 2) ** 0.5
-            if point["answer_accuracy"] >= final["answer_accuracy"] + sign * se - 1e-12:
+            gap = point["answer_accuracy"] - final["answer_accuracy"] - sign * se
+            if gap > 1e-12 or (sign < 0 and gap >= -1e-12):  # "surely": more than one s.e. above
                 return point["minute"]
         return None
     return {"reach": minutes_to_reach(curve, final["answer_accuracy"]), "earliest": at(-1.0), "surely": at(1.0)}
@@ -229,8 +230,9 @@ def report(curves: dict[str, list[dict]]) -> tuple[str, dict]:
     lines.append(f"\nTRL's final accuracy {100 * target:.1f}%: reached by ours at minute "
                  f"{reach['ours'] if reach['ours'] is not None else 'never'}, by TRL at minute {reach['TRL']}"
                  + (f" (ours / TRL time: {ratio:.2f}x)" if ratio is not None else "")
-                 + f"; ours within one standard error of it from minute {bounds['ours']['earliest']}, above it by "
-                   f"more than one from minute {bounds['ours']['surely']}")
+                 + f"; ours within one combined standard error of it from minute "
+                   f"{bounds['ours']['earliest'] if bounds['ours']['earliest'] is not None else 'never'}, above it by "
+                   f"more than one from minute {bounds['ours']['surely'] if bounds['ours']['surely'] is not None else 'never'}")
     return "\n".join(lines), {"target_accuracy": target, "target_stderr": final["answer_accuracy_stderr"],
                                "minutes_to_target": reach, "time_ratio": ratio, "crossing": bounds}
 
@@ -292,11 +294,16 @@ def main(argv: list[str]) -> int:
     folder = args.out
     marks = mark_minutes(args.minutes, args.mark_every, args.fine_until, args.fine_every)
     ours_minutes = args.ours_minutes or args.minutes
-    ours_marks = [m for m in marks if m <= ours_minutes + 1e-9] + \
-        [m for m in mark_minutes(ours_minutes, args.late_mark_every) if m > args.minutes + 1e-9]
+    if min(args.mark_every, args.fine_every, args.late_mark_every) <= 0:
+        parser.error("mark spacings must be positive")
+    ours_marks = sorted({m for m in marks if m <= ours_minutes + 1e-9} | {float(ours_minutes)} |
+                        {m for m in mark_minutes(ours_minutes, args.late_mark_every) if m > args.minutes + 1e-9})
     if args.eval_only:  # the marks of runs made with --skip-eval (evaluation needs no quiet machine)
         ours = weights_at_marks(published_versions(folder), ours_marks)
         trl = {float(k): v for k, v in json.loads((folder / "trl-marks.json").read_text()).items()}
+        if set(trl) != set(marks):
+            parser.error(f"the TRL run in {folder} was marked at {sorted(trl)}, these arguments mark {marks}: "
+                         "pass the --minutes and mark spacing it ran with")
     else:
         if args.keep_ours:
             for path in ("trl-snapshots", "trl-output", "eval"):

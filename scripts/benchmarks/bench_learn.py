@@ -191,6 +191,7 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
 
     from evaluate import evaluate
     from grpo.config import parse_cli
+    from grpo.sampler.evaluation import summary
 
     cfg = parse_cli(["--config", str(config), *overrides])
     done: dict[str | None, dict] = {}
@@ -199,12 +200,18 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
         curves[name] = []
         for mark, weights in sorted(at_mark.items()):
             if weights not in done:
-                torch.manual_seed(cfg.seed)
-                result, samples = evaluate(cfg, Path(weights) if weights else None, problems, batch_size, cfg.eval.split)
-                done[weights] = result
                 tag = "base" if weights is None else f"{name}-{Path(weights).name}"
-                (folder / "eval").mkdir(exist_ok=True)
-                (folder / "eval" / f"{tag}.samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+                kept = folder / "eval" / f"{tag}.samples.jsonl"
+                earlier = [json.loads(line) for line in kept.read_text().splitlines()] if kept.exists() else []
+                if len(earlier) == problems:  # evaluated by an earlier --eval-only that stopped part way
+                    result = summary(earlier)
+                else:
+                    torch.manual_seed(cfg.seed)
+                    result, samples = evaluate(cfg, Path(weights) if weights else None, problems, batch_size,
+                                               cfg.eval.split)
+                    kept.parent.mkdir(exist_ok=True)
+                    kept.write_text("".join(json.dumps(s) + "\n" for s in samples))
+                done[weights] = result
                 print(f"{name} minute {mark:g}: {tag} accuracy {result['answer_accuracy']:.3f} "
                       f"± {result['answer_accuracy_stderr']:.3f}", flush=True)
             r = done[weights]
@@ -278,6 +285,8 @@ def main(argv: list[str]) -> int:
                         help="run both and record their weights at the marks, evaluate later with --eval-only")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate and report the marks of finished runs in --out (same --minutes and marks)")
+    parser.add_argument("--trl-final-only", action="store_true",
+                        help="evaluate TRL at its final mark only (and the base model), not its curve")
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--marks", default="", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -317,6 +326,8 @@ def main(argv: list[str]) -> int:
         if args.skip_eval:
             print(f"both runs done; evaluate their marks with the same arguments and --eval-only (in {folder})")
             return 0
+    if args.trl_final_only:
+        trl = {marks[0]: trl[marks[0]], marks[-1]: trl[marks[-1]]}
     curves = evaluate_marks(args.config, overrides, {"ours": ours, "TRL": trl}, args.eval_problems,
                             args.eval_batch_size, folder)
     text, summary = report(curves)

@@ -270,8 +270,8 @@ def start_run(cfg: Config, plan: dict) -> int:
     procs = start_processes(plan, logs)
     print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(logs) - 1} sampler(s) started; "
           f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.values())}. The first step "
-          "takes a few minutes on a CPU (the first run on a machine also converts the embedded model and builds "
-          "DeepSpeed's CPU op)", flush=True)
+          "takes a minute or two on a CPU (a minute more where the install did not convert the embedded model and "
+          "build DeepSpeed's CPU op: make install does)", flush=True)
     return supervise(cfg, procs, logs, milestones, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
 
 

@@ -7,11 +7,13 @@ replies in between (rendered by the chat template in the environment's role; con
 `model_masks` marks the model's tokens: the trainer's loss, KL, ratio and entropy see only
 those (grpo/trainer/step.py), and the environment's tokens carry log-prob 0 as placeholders.
 
-Turn 1 is one `generate` of G samples per prompt, from one prefill of the prompt. Later turns
-generate one sample per live episode from its whole context (prompt + episode so far), each
-within what is left of `sampling.max_new_tokens`, the budget of the whole episode: vLLM's prefix
-cache serves the earlier turns' KV; the HF engine prefills the context again. An episode ends when
-the environment says so, after `env.max_turns` model turns, or truncated at the token budget.
+Each message is drawn within what is left of `sampling.max_new_tokens`, the budget of the whole
+episode. On the HF engine the episodes run in one decode loop (grpo/sampler/rollout/hf_episodes.py):
+each goes on to its next message from the KV it has as soon as its environment replied, and the
+group's prompt is prefilled once. On other engines (vLLM) they go turn by turn: turn 1 is one
+`generate` of G samples per prompt, each later turn one sample per live episode from its whole
+context (prompt + episode so far), vLLM's prefix cache serving the earlier turns' KV. An episode
+ends when the environment says so, after `env.max_turns` model turns, or truncated at the budget.
 """
 
 from __future__ import annotations
@@ -117,8 +119,10 @@ class EpisodeRunner:
     """Runs episodes of the environments in `pool` (grpo/environments/pool.py) with any engine."""
 
     def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
-                 roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None):
+                 roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None,
+                 continued: bool = True):
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
+        self.continued = continued  # False: turn by turn on every engine (the HF engine's reference, benchmarks)
         self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
         self._parts = {(role, None, 1): reply_parts(tokenizer, role) for role in roles}
@@ -146,19 +150,26 @@ class EpisodeRunner:
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
         prompts = self._opened(prompts, rows, group_size, episodes)
-        out = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy)
-        live, turn = list(range(len(owner))), 0
-        while live:
-            self._add_model_turn(episodes, live, out)
-            going_on = [j for j in live if self._answer(j, episodes[j], rows[owner[j]])]
-            self.pool.forget([f"{self.runs}/{j}" for j in sorted(set(live) - set(going_on))])
-            live = going_on
-            if not live:
-                break
-            turn += 1
-            contexts = [prompts[owner[j]].token_ids + episodes[j].tokens for j in live]
-            out = engine.generate(contexts, 1, seed=turn_seed(seed, turn), greedy=greedy,
-                                  max_new_tokens=[self.max_new_tokens - len(episodes[j].tokens) for j in live])
+        over = []
+
+        def on_turn(j: int, ids: torch.Tensor, logps: torch.Tensor, truncated: bool) -> list[int] | None:
+            """Episode j's message: recorded, answered; the reply's tokens, or None when the episode is over."""
+            e = episodes[j]
+            self._add_model_turn(e, ids, logps, truncated)
+            before = len(e.tokens)
+            if self._answer(j, e, rows[owner[j]]):
+                return e.tokens[before:]
+            over.append(f"{self.runs}/{j}")
+            return None
+
+        prompt_ids = [p.token_ids for p in prompts]
+        try:
+            if self.continued and getattr(engine, "continues_episodes", False):
+                engine.run_episodes(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy)
+            else:
+                self._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy)
+        finally:  # all at once: a served environment hangs up its sessions together
+            self.pool.forget(over)
         return Episodes(
             prompts=prompts,
             rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
@@ -198,17 +209,37 @@ class EpisodeRunner:
             shown.append(prompt)
         return shown
 
-    def _add_model_turn(self, episodes: list[Episode], live: list[int], out) -> None:
-        for k, j in enumerate(live):
-            e, ids = episodes[j], out.completion_ids[k]
-            e.add(ids, model=True, logps=out.logps[k])
-            e.turns += 1
-            e.truncated = bool(out.truncated[k])
-            e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
-            # the environment reads every token but the turn's EOS: a model's tool-call tags may be
-            # special tokens, which the rewards' text leaves out (vLLM's tool parsers keep them too)
-            said = ids if e.truncated else ids[:-1]
-            e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)
+    def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
+                      greedy: bool) -> None:
+        """Turn 1 for every episode, then each later turn for the live ones, each from its whole context."""
+        out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy)
+        live, turn = list(range(len(prompt_ids) * group_size)), 0
+        contexts = {j: list(prompt_ids[j // group_size]) for j in live}
+        while live:
+            going_on = []
+            for k, j in enumerate(live):
+                ids = out.completion_ids[k]
+                reply = on_turn(j, ids, out.logps[k], bool(out.truncated[k]))
+                if reply is not None:
+                    contexts[j] += ids.tolist() + reply
+                    going_on.append(j)
+            live = going_on
+            if not live:
+                break
+            turn += 1
+            budgets = [self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])) for j in live]
+            out = engine.generate([contexts[j] for j in live], 1, seed=turn_seed(seed, turn), greedy=greedy,
+                                  max_new_tokens=budgets)
+
+    def _add_model_turn(self, e: Episode, ids: torch.Tensor, logps: torch.Tensor, truncated: bool) -> None:
+        e.add(ids, model=True, logps=logps)
+        e.turns += 1
+        e.truncated = truncated
+        e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
+        # the environment reads every token but the turn's EOS: a model's tool-call tags may be
+        # special tokens, which the rewards' text leaves out (vLLM's tool parsers keep them too)
+        said = ids if e.truncated else ids[:-1]
+        e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)
 
     def _answer(self, j: int, e: Episode, row: dict) -> bool:
         """The environment's reply to episode j's last message, added to it; whether it goes on."""

@@ -86,18 +86,20 @@ class TokenSampler:
         self.temperature, self.greedy, self.logps = (1.0 if greedy else temperature), greedy, []
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
 
-    def draw(self, scores: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] logits -> [N] tokens."""
+    def draw(self, scores: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, vocab] logits -> [N] tokens; `u`: the rows' [N, 1] float64 uniforms (default: drawn
+        from torch's global generator, one per row in row order)."""
         logits = scores.float() / self.temperature
-        tokens = logits.argmax(-1) if self.greedy else self._draw(logits)
+        tokens = logits.argmax(-1) if self.greedy else self._draw(logits, u)
         self.logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
         return tokens
 
-    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         for warper in self.warpers:
             logits = warper(None, logits)  # top-k / top-p look at the scores only
-        u = torch.rand(len(logits), 1, device=logits.device, dtype=torch.float64)
-        return inverse_cdf(torch.softmax(logits.double(), dim=-1), u)
+        if u is None:
+            u = torch.rand(len(logits), 1, device=logits.device, dtype=torch.float64)
+        return inverse_cdf(torch.softmax(logits.double(), dim=-1), u.to(logits.device))
 
     def recorded(self) -> torch.Tensor:
         """[N, steps] log-probs of the drawn tokens."""
@@ -143,6 +145,27 @@ class InPlaceLayer(DynamicLayer):
             buffer = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
             buffer[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, buffer)
+
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (episodes that ended leave the batch), with GROWTH positions free."""
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            buffer = old.new_empty(len(rows), old.shape[1], self.length + self.GROWTH, old.shape[3])
+            buffer[:, :, : self.length] = old[rows, :, : self.length]
+            setattr(self, name, buffer)
+        self._expose()
+
+    def keep_columns(self, columns: torch.Tensor) -> None:
+        """Row r keeps the positions columns[r] ([rows, n], in that order), GROWTH positions free after them."""
+        rows, n = columns.shape
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            buffer = old.new_empty(rows, old.shape[1], n + self.GROWTH, old.shape[3])
+            index = columns[:, None, :, None].expand(rows, old.shape[1], n, old.shape[3])
+            buffer[:, :, :n] = old[:, :, : self.length].gather(2, index)
+            setattr(self, name, buffer)
+        self.length = n
+        self._expose()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
@@ -242,6 +265,19 @@ class HFEngine:
         prompt token's (2 x hidden x vocab FLOPs and a [tokens, vocab] float tensor each)."""
         forward = inspect.signature(unwrap_causal_lm(self.model).forward).parameters
         return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+
+    @functools.cached_property
+    def continues_episodes(self) -> bool:
+        """Whether `run_episodes` serves this model: every layer's cache is full attention (a sliding
+        window's drops old positions, which the masked columns of a continued batch would count)."""
+        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=self.model.config).layers)
+
+    def run_episodes(self, prompts: list[list[int]], group_size: int, on_turn, budget: int, *,
+                     seed: int | None = None, greedy: bool = False) -> None:
+        """Multi-turn episodes in one decode loop (grpo/sampler/rollout/hf_episodes.py)."""
+        from grpo.sampler.rollout.hf_episodes import run_episodes
+
+        run_episodes(self, prompts, group_size, on_turn, budget, seed=seed, greedy=greedy)
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:

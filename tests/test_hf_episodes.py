@@ -13,7 +13,7 @@ from grpo.config import load_config
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.rollout.hf_episodes import episode_seed
+from grpo.sampler.rollout.hf_episodes import episode_loop, episode_seed
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # not bit for bit: a message's KV comes from forwards of other shapes than the reference's one
@@ -26,8 +26,6 @@ LOGP_TOLERANCE = 1e-6  # times max(1, |logp|): ~8 ulps
 class OneAtATime:
     """The reference: each episode alone, each turn `generate` on its whole context (every earlier
     turn prefilled again), seeded with the seed the decode loop gives that episode's turn."""
-
-    continues_episodes = True
 
     def __init__(self, engine: HFEngine):
         self.engine = engine
@@ -166,8 +164,8 @@ def test_a_model_with_sliding_window_layers_goes_turn_by_turn():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
                          max_window_layers=0, eos_token_id=1, pad_token_id=0)
     model = Qwen2ForCausalLM(config).eval()
-    assert not HFEngine(model, CharTokenizer(), load_config(None, []).sampling).continues_episodes
-    assert HFEngine(tiny_model("llama"), CharTokenizer(), load_config(None, []).sampling).continues_episodes
+    assert episode_loop(HFEngine(model, CharTokenizer(), load_config(None, []).sampling)) is None
+    assert episode_loop(HFEngine(tiny_model("llama"), CharTokenizer(), load_config(None, []).sampling)) is not None
     by_turn, default = run(model, continued=False, max_new_tokens=24), run(model, max_new_tokens=24)
     for a, b in zip(by_turn.rollouts.completion_ids, default.rollouts.completion_ids, strict=True):
         assert torch.equal(a, b)  # the same path: one stream per turn, not per episode

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.sampler.rollout import Rollouts
+from grpo.sampler.rollout.hf_episodes import episode_loop
 from rewards.strict import reward_rows
 
 if TYPE_CHECKING:
@@ -163,9 +164,10 @@ class EpisodeRunner:
             return None
 
         prompt_ids = [p.token_ids for p in prompts]
+        loop = episode_loop(engine) if self.continued else None
         try:
-            if self.continued and getattr(engine, "continues_episodes", False):
-                engine.run_episodes(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy)
+            if loop is not None:
+                loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy)
             else:
                 self._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy)
         finally:  # all at once: a served environment hangs up its sessions together

@@ -266,19 +266,6 @@ class HFEngine:
         forward = inspect.signature(unwrap_causal_lm(self.model).forward).parameters
         return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
-    @functools.cached_property
-    def continues_episodes(self) -> bool:
-        """Whether `run_episodes` serves this model: every layer's cache is full attention (a sliding
-        window's drops old positions, which the masked columns of a continued batch would count)."""
-        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=self.model.config).layers)
-
-    def run_episodes(self, prompts: list[list[int]], group_size: int, on_turn, budget: int, *,
-                     seed: int | None = None, greedy: bool = False) -> None:
-        """Multi-turn episodes in one decode loop (grpo/sampler/rollout/hf_episodes.py)."""
-        from grpo.sampler.rollout.hf_episodes import run_episodes
-
-        run_episodes(self, prompts, group_size, on_turn, budget, seed=seed, greedy=greedy)
-
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
         """G completions of each prompt, decoded in chunks of at most generation_batch_size rows:

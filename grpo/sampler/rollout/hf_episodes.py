@@ -28,12 +28,16 @@ tests/test_hf_episodes.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Callable
 
 import torch
 
-from grpo.sampler.rollout.hf_engine import (InPlaceLayer, TokenSampler, chunk_plan, left_pad, prompt_blocks,
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from grpo.sampler.rollout.hf_engine import (HFEngine, InPlaceLayer, TokenSampler, chunk_plan, left_pad, prompt_blocks,
                                             repeat_in_place)
 
 # (episode, the message's tokens, their log-probs, cut at the budget) -> the environment's reply to feed
@@ -42,6 +46,19 @@ OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
 COMPACT_FRACTION = 0.25  # ended rows leave the batch, masked columns the cache, once they are this share of it
 # (each is a copy of the KV: amortised over the steps until the next one)
 MIN_SQUEEZE = 64  # masked columns worth a copy of the KV
+
+
+def episode_loop(engine) -> Callable | None:
+    """How `engine` runs a step's episodes in one loop: its own `run_episodes` where it has one, this
+    module's on the HF engine when every layer's cache is full attention (a sliding window's drops
+    old positions, which the masked columns of a continued batch would count); None: turn by turn."""
+    own = getattr(engine, "run_episodes", None)
+    if own is not None:
+        return own
+    if isinstance(engine, HFEngine) and all(type(layer) is DynamicLayer
+                                            for layer in DynamicCache(config=engine.model.config).layers):
+        return functools.partial(run_episodes, engine)
+    return None
 
 
 def episode_seed(seed: int, episode: int, turn: int) -> int:
@@ -75,8 +92,6 @@ class EpisodeBlock:
 
     def __init__(self, engine, ids, mask, cache, episodes: list[int], on_turn: OnTurn, budget: int,
                  seed: int | None, greedy: bool):
-        from transformers import DynamicCache
-
         cfg = engine.cfg
         self.engine, self.episodes, self.on_turn, self.budget, self.seed = engine, episodes, on_turn, budget, seed
         self.sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)

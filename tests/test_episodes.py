@@ -40,18 +40,22 @@ class CharTokenizer:
         return [self.decode(s) for s in sequences]
 
 
-@pytest.fixture(scope="module")
-def chatty():
-    """A tiny random Llama whose head favours EOS (a bias of 2.5: ~11% a token), so messages end
-    and episodes go on for several turns; float32, logits of order 1."""
-    model = tiny_model("llama", vocab_size=101)
+def chatty_model(kind: str = "llama"):
+    """A tiny random model (Llama or Qwen2) whose head favours EOS (a bias of 2.5: ~11% a token), so
+    messages end and episodes go on for several turns; float32, logits of order 1."""
+    model = tiny_model(kind, vocab_size=101)
     head = torch.nn.Linear(32, 101, bias=True)
     with torch.no_grad():
         head.weight.copy_(model.lm_head.weight * 10)
         head.bias.zero_()
         head.bias[1] = 2.5
     model.lm_head = head
-    return model.eval(), CharTokenizer()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def chatty():
+    return chatty_model(), CharTokenizer()
 
 
 def prompts_of(tokenizer, answers=("1", "2")):

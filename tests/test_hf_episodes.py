@@ -14,6 +14,8 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.hf_episodes import episode_loop, episode_seed
+from test_episodes import CharTokenizer
+from test_episodes import chatty_model as chatty
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # not bit for bit: a message's KV comes from forwards of other shapes than the reference's one
@@ -43,30 +45,6 @@ class OneAtATime:
                     break
                 context += ids.tolist() + reply
                 used, turn = used + len(ids) + len(reply), turn + 1
-
-
-class CharTokenizer:
-    """Characters as token ids 3..100 for the 101-token tiny models; EOS 1, pad 0, no chat template."""
-
-    pad_token_id, eos_token_id, eos_token, chat_template = 0, 1, None, None
-
-    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 98 for c in text]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(97 + (int(i) - 3) % 26) for i in ids if int(i) >= 3)
-
-
-def chatty(kind: str):
-    """A tiny random model whose head favours EOS (~11% a token), so episodes go on for several turns."""
-    model = tiny_model(kind, vocab_size=101)
-    head = torch.nn.Linear(32, 101, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight * 10)
-        head.bias.zero_()
-        head.bias[1] = 2.5
-    model.lm_head = head
-    return model.eval()
 
 
 def prompts(lengths=(5, 8)):

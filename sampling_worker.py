@@ -18,13 +18,20 @@ importance ratio is exactly 1 for on-policy data; `generation` uses the log-prob
 recorded while sampling (one forward pass fewer; they differ from the recompute by float
 rounding, ~5e-5 on the embedded model, logged on the first step). The policy may be up to
 `sampling.max_staleness` versions behind.
+
+Exit codes: 0 done; 2 a config, run folder, model, data or start-up error (one line);
+EXIT_REWARD_FAILED (8) a reward failed on every sample of rewards.max_failed_steps steps in a row;
+EXIT_ENVIRONMENT_FAILED (9) the environment failed on every episode of env.max_failed_steps steps
+in a row (each one line: what failed, its error and where it was raised, what to do).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import logging
+import signal
 import sys
 
 import torch
@@ -32,16 +39,20 @@ import torch
 from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
-from grpo.config import Config, exit_code, help_requested, parse_cli, save_config
+from grpo.config import Config, exit_code, help_requested, parse_cli
+from grpo.config.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.files import RunFolderError, ensure_writable
 from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.run.progress import log_milestone
+from grpo.run.start import trained_nothing
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
-from grpo.sampler.state import SamplerState
+from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
+from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.step import SamplerLoop, SamplerPolicy, make_engine, run_step
 from grpo.sources import SourceError
 from grpo.wire.behaviour import behaviour_of
@@ -55,6 +66,8 @@ from rewards.services import ServiceSettings, ServiceStartError, start_services
 from rewards.strict import checks_of
 
 log = logging.getLogger("sampler")
+EXIT_REWARD_FAILED = 8  # a reward failed on every sample of rewards.max_failed_steps steps in a row
+EXIT_ENVIRONMENT_FAILED = 9  # the environment failed on every episode of env.max_failed_steps steps in a row
 
 
 def main(argv: list[str]) -> int:
@@ -64,6 +77,7 @@ def main(argv: list[str]) -> int:
     sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
     name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
     try:  # a run folder, model or data that cannot be had: one line, no traceback
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
@@ -72,8 +86,19 @@ def main(argv: list[str]) -> int:
     except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
         log.error("%s", e)
         return 2
-    if sampler == 0:
-        save_config(cfg, run_dir / "config.yaml")
+    try:  # before this sampler writes anything, as the trainer does
+        changed = refuse_a_changed_resume(cfg)
+    except ResumeRefused as e:
+        log.error("%s", e)
+        return 2
+    if changed:
+        log.info("%s", changed)
+    if trained_nothing(run_dir, cfg.weights_dir):  # else the trainer has recorded the config
+        if drop_a_start_made_otherwise(run_dir, sampler, settings_a_resume_keeps(cfg)):
+            log.info("no step of this run was trained and an earlier start with other settings left a position and "
+                     "spooled batches: dropped; starting at step 0")
+        if sampler == 0:
+            save_run_config(cfg)
     spool = Spool.of_sampler(run_dir, sampler)
     state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
@@ -94,18 +119,20 @@ def main(argv: list[str]) -> int:
 
     loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step)
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
-    for step in range(start_step, end_step):
-        run_step(loop, step)
+    try:
+        for step in range(start_step, end_step):
+            run_step(loop, step)
+    except AlwaysFailing as e:  # a reward or an environment that never works: one line, not a run of hours
+        log.error("%s", e)
+        return EXIT_REWARD_FAILED if isinstance(e, RewardAlwaysFails) else EXIT_ENVIRONMENT_FAILED
 
     if sandbox is not None:
         sandbox.close()
     if policy.episodes is not None:
         policy.episodes.pool.close()
     redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
-    if evaluator is not None:  # the final weights: after the trainer's last row, so this row is the last
-        last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
-        wait_for_version(watcher, last, cfg.sampling.wait_timeout_s)
-        append_metrics_row(run_dir, evaluator.run(policy.engine, policy.engine.version), cfg.logging, cfg.run.name)
+    if evaluator is not None:
+        evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)
     sender.close()
     policy.engine.close()
     log.info("done: %d steps", end_step)
@@ -124,8 +151,8 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
     check_supported(base, cfg)
     problems, _ = load_split(cfg.data, cfg.data.split)
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
-    log.info("%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
-             cfg.data.split, dropped, cfg.data.max_prompt_tokens)
+    log_milestone(log, "%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
+                  cfg.data.split, dropped, cfg.data.max_prompt_tokens)
     reference = copy.deepcopy(base).eval() if Objective.of(cfg).beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer, behaviour_of(cfg, tokenizer),
@@ -158,6 +185,20 @@ def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts:
         log.info("resuming at step %d (global step %d)", start_step,
                  global_step(sampler, start_step, cfg.sampling.num_workers))
     return cursor, start_step
+
+
+def evaluate_to_the_end(cfg: Config, evaluator: TrainingEvaluator, watcher, engine, run_dir) -> None:
+    """After the last step, once the trainer has written its last row: the marks no step served (the
+    trainer published them after the sampler's last step), then the final weights; each row
+    appended after the trainer's."""
+    last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
+    while evaluator.next_mark < last:
+        wait_for_version(watcher, evaluator.next_mark, cfg.sampling.wait_timeout_s, prefer=evaluator.next_mark)
+        if engine.version >= last:
+            break
+        append_metrics_row(run_dir, evaluator.run(engine, engine.version), cfg.logging, cfg.run.name)
+    wait_for_version(watcher, last, cfg.sampling.wait_timeout_s)
+    append_metrics_row(run_dir, evaluator.run(engine, engine.version), cfg.logging, cfg.run.name)
 
 
 def weight_stagers(cfg: Config, policy: SamplerPolicy) -> list:

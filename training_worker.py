@@ -19,6 +19,7 @@ update is then the whole batch's gradient, however the batch was split.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
@@ -32,15 +33,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.config import Config, TrainingConfig, exit_code, help_requested, parse_cli, save_config, to_dict
+from grpo.config import Config, TrainingConfig, exit_code, help_requested, parse_cli, to_dict
+from grpo.config.history import refuse_a_changed_resume, save_run_config
 from grpo.files import RunFolderError, ensure_writable
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.model.logprobs import check_supported, verify_shared_prefix
+from grpo.run.progress import log_milestone
 from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.run.tracking import open_tracker
 from grpo.sources import SourceError
-from grpo.trainer.outputs import MetricsLog, WriteFailed, publish_weights, save_checkpoint
+from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extensions_root
+from grpo.trainer.outputs import (CheckpointMismatch, MetricsLog, WriteFailed, base_fingerprint, check_base,
+                                  check_resumable, load_trainable, publish_weights, save_checkpoint)
 from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
                            train_step)
 from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
@@ -73,7 +78,11 @@ def main(argv: list[str]) -> int:
         log.error("%s", e)
         return 2
     engine = build_engine(cfg, model, world)
-    state = resume(cfg, engine, model, rank)
+    try:  # every rank reads the same checkpoint, so all refuse it together
+        state = resume(cfg, engine, model, rank, world)
+    except CheckpointMismatch as e:
+        log.error("%s", e)
+        return 2
     io = RankZero.open(cfg, state, receiver) if rank == 0 else None
 
     try:
@@ -98,13 +107,17 @@ def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None"
     verified = not cfg.training.verify_shared_prefix
     shape = ModelShape.of(model)  # for the model FLOPs of each step (perf/ metrics)
     bad_in_row = skipped_total = 0
+    checkpointed = state.step  # a start that trains nothing leaves no checkpoint (it would be resumed from)
     known_digests: dict[int, set[str]] = {}  # rank 0: weights/digests.jsonl as last read
     while state.step < cfg.training.steps:
         t0 = time.perf_counter()
         frames = broadcast_frames(io.inbox.next(state, cfg.transport.recv_timeout_s) if rank == 0 else None, device)
-        if frames is None:  # rank 0 got SIGTERM: all ranks checkpoint and leave together
-            save_checkpoint(engine, cfg, state, rank)
-            log.info("stopped by SIGTERM at step %d (checkpoint saved)", state.step)
+        if frames is None:  # rank 0 got SIGTERM: all ranks checkpoint (if they trained since) and leave together
+            trained_since = state.step > checkpointed
+            if trained_since:
+                save_checkpoint(engine, cfg, state, rank)
+            log.info("stopped by SIGTERM at step %d (%s)", state.step, "checkpoint saved" if trained_since
+                     else f"no step trained since step {state.step}: no checkpoint written")
             return ""
         batch = decode_batch(frames)
         check_behaviour(batch.behaviour, expected, batch.sampler, batch.step)
@@ -142,6 +155,7 @@ def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None"
         too_many_bad = bad_in_row >= cfg.training.max_bad_steps
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps or too_many_bad:
             save_checkpoint(engine, cfg, state, rank)  # after the row
+            checkpointed = state.step
         if too_many_bad:
             return (f"{bad_in_row} steps in a row (up to step {state.step}) had a non-finite loss or gradient and "
                     f"were skipped (training.max_bad_steps={cfg.training.max_bad_steps}); stopped with a "
@@ -153,18 +167,26 @@ def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None"
 # ----------------------------------------------------------------------------- the steps of main
 
 def start_distributed(cfg: Config) -> tuple[int, int, torch.device]:
-    """Join the process group (nccl on GPUs, gloo on the CPU), set up logging and SIGTERM."""
+    """Set up logging, SIGTERM and stack dumps, then join the process group (nccl on GPUs, gloo on
+    the CPU). DeepSpeed loads its ops here: a build lock left by a killed build is removed first,
+    and a lock a live build holds is named in the log while this start waits on it."""
     import deepspeed
 
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=cfg.logging.level if rank == 0 else "WARNING",
+                        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
+    signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     cuda = torch.cuda.is_available()
     backend = cfg.deepspeed.backend if cfg.deepspeed.backend != "auto" else ("nccl" if cuda else "gloo")
-    deepspeed.init_distributed(dist_backend=backend)
+    extensions, first_on_node = extensions_root(), int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if first_on_node:  # one remover per machine: ranks never remove each other's fresh locks
+        clear_stale_locks(extensions)
+    with LockWaitReporter(extensions, remove_stale=first_on_node):
+        deepspeed.init_distributed(dist_backend=backend)
     release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
-    logging.basicConfig(level=cfg.logging.level if rank == 0 else "WARNING",
-                        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     return rank, world, device
 
 
@@ -177,19 +199,24 @@ def build_engine(cfg: Config, model, world: int):
     optimizer = make_optimizer(params, cfg)
     engine, _, _, _ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
                                            config=deepspeed_config(cfg, world))
-    log.info("%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, dist.get_backend(),
-             sum(p.numel() for p in params), cfg.deepspeed.zero_stage)
+    if dist.get_rank() == 0:
+        log_milestone(log, "%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, dist.get_backend(),
+                      sum(p.numel() for p in params), cfg.deepspeed.zero_stage)
     return engine
 
 
-def resume(cfg: Config, engine, model, rank: int) -> TrainerState:
+def resume(cfg: Config, engine, model, rank: int, world: int) -> TrainerState:
     """The checkpoint of checkpoint.resume, if any; its weights become the served version again and
     the versions published after it, which belong to the trajectory being redone, are removed. (A
-    fresh start finds no versions: `claim_run_on_rank_zero` refused a used run folder.)"""
+    fresh start finds no versions: `claim_run_on_rank_zero` refused a used run folder.) A checkpoint
+    this trainer cannot continue (other ZeRO ranks, another base model under a LoRA adapter) raises
+    CheckpointMismatch before anything is loaded or removed."""
     state = TrainerState()
     resume_from = resume_source(cfg.checkpoint.resume, cfg.run_dir)
     if resume_from is not None:
-        _, client = engine.load_checkpoint(str(resume_from))
+        check_resumable(resume_from, cfg, world)
+        _, client = engine.load_checkpoint(str(resume_from), custom_load_fn=load_trainable)
+        check_base(client.get("base"), base_fingerprint(engine.module), cfg)
         state = TrainerState.from_dict(client["trainer"])
         log.info("resumed from %s at step %d", resume_from, state.step)
     if rank == 0:
@@ -207,7 +234,8 @@ class StartRefused(RuntimeError):
 
 def claim_run_on_rank_zero(cfg: Config, rank: int, world: int, device) -> tuple[BatchReceiver | None, object]:
     """Before anything is loaded, rank 0 claims the run: the run's lock (held while this process
-    lives: a second trainer or launch into a live run stops), the bound socket (a taken
+    lives: a second trainer or launch into a live run stops), a resume's settings (one that changes
+    what its checkpoint depends on stops here, grpo/config/history.py), the bound socket (a taken
     transport.address stops here), then the run folder (a fresh start into a used one refuses, or
     moves it aside with run.overwrite) and the resolved config. Every rank learns whether it could
     and stops together with it; so do more ranks than groups per step. (Rank 0's receiver or None,
@@ -221,12 +249,16 @@ def claim_run_on_rank_zero(cfg: Config, rank: int, world: int, device) -> tuple[
     if rank == 0:
         try:
             lock = hold_run_folder(cfg)
+            changed = refuse_a_changed_resume(cfg)  # before anything is written
             receiver = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                                      max_bytes=int(cfg.transport.max_message_mb * 2**20), secret=cfg.transport.secret)
             moved = prepare_run_folder(cfg, held=True)
             if moved is not None:
                 log.warning("run.overwrite=true: the earlier contents of %s were moved to %s", cfg.run_dir, moved)
-            save_config(cfg, ensure_writable(cfg.run_dir) / "config.yaml")
+            ensure_writable(cfg.run_dir)
+            save_run_config(cfg)  # the config of an earlier launch is kept beside it
+            if changed:
+                log.info("%s", changed)
         except Exception as e:  # whatever it is, the other ranks must hear of it, not wait in a collective
             refusal = str(e) if isinstance(e, (RunFolderError, AddressInUse)) else f"{type(e).__name__}: {e}"
             if receiver is not None:

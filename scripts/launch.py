@@ -4,9 +4,13 @@
 The transport gets a free loopback port unless transport.address is set, so that two runs can
 share a machine; a fresh start into a used run folder is refused (grpo/run/start.py). Everything
 lands in the run folder: config, address, sampler.log (sampler0.log, ... with several),
-trainer.log, metrics.jsonl, tb/, weights/, checkpoints/. Ctrl-C or a failure of any process stops
-all (the trainer checkpoints on SIGTERM); the exit code says which failed (3: a sampler, 4: the
-trainer, 130: interrupted; 2: a mistake in the command or config) and the failing log's last lines are shown.
+trainer.log, metrics.jsonl, tb/, weights/, checkpoints/; each launch opens its part of each log with
+a header line. Everything a run needs is checked before anything starts (grpo/run/preflight.py).
+Ctrl-C, a failure of any process, or a worker silent in its start-up (launch.stall_s,
+grpo/run/watchdog.py) stops all (the trainer checkpoints on SIGTERM); the exit code says which
+failed (3: a sampler, 4: the trainer, 130: interrupted; 2: a mistake in the command or config),
+and the failing log's last lines of this launch are shown (a sampler's own exit code among them:
+8, a reward that fails on every sample; 9, an environment that fails on every episode).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.problems import check_source  # noqa: E402
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text  # noqa: E402
+from grpo.config.history import resume_changes  # noqa: E402
 from grpo.files import RunFolderError, ensure_writable, write_atomically  # noqa: E402
 from grpo.run.ports import free_local_port, free_loopback_address  # noqa: E402
-from grpo.run.progress import LogMilestones, StepProgress, tail  # noqa: E402
+from grpo.run.preflight import device_problems, planning_note, source_problems, vllm_problem  # noqa: E402
+from grpo.run.progress import StepProgress, WorkerLogs, format_duration, stop_summary  # noqa: E402
 from grpo.run.start import planned_start, prepare_run_folder  # noqa: E402
-from grpo.sources import SourceError, check_model_source  # noqa: E402
+from grpo.run.watchdog import StartupWatch  # noqa: E402
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -177,9 +182,24 @@ def rank_warning(ranks: int, cfg: Config) -> str | None:
     groups = cfg.sampling.prompts_per_step
     if groups % ranks == 0:
         return None
-    return (f"warning: sampling.prompts_per_step={groups} is not a multiple of the {ranks} trainer ranks: some "
+    return (f"sampling.prompts_per_step={groups} is not a multiple of the {ranks} trainer ranks: some "
             f"ranks train {groups // ranks + 1} groups a step, others {groups // ranks}, and each step waits for "
             "the busiest")
+
+
+def placement_problem(trainer_ranks: int, gpus: int, samplers: int, where: str) -> str | None:
+    """launch.trainer_ranks that `placement` could not give as asked (on GPUs each rank needs a GPU
+    of its own); `where` names the machine ('this machine has' or 'the plan is for')."""
+    if trainer_ranks <= 1 or gpus == 0:
+        return None
+    own = gpus - samplers if gpus > samplers else 1  # with fewer GPUs than samplers, all share GPU 0
+    if trainer_ranks <= own:
+        return None
+    shared = (f"the trainer and sampling.num_workers={samplers} sampler(s) share GPU 0" if gpus <= samplers else
+              f"sampling.num_workers={samplers} sampler(s) take {samplers} of them, one each")
+    return (f"launch.trainer_ranks={trainer_ranks} cannot be placed: {where} {gpus} GPU{'s' * (gpus != 1)} and "
+            f"{shared}, which leaves {own} for trainer ranks (one GPU each); set launch.trainer_ranks={own} "
+            f"(or 0: automatic), or use a machine with {trainer_ranks + samplers} GPUs")
 
 
 def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_given: bool) -> list[str]:
@@ -226,24 +246,55 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    gpus = gpu_count() if options["gpus"] is None else options["gpus"]
+    gpus_here = gpu_count()
+    gpus_given = options["gpus"] is not None
+    gpus = options["gpus"] if gpus_given else gpus_here
     address, address_picked = run_address(cfg)
     plan = make_plan(cfg, argv, gpus, os.cpu_count() or 1, address, free_master_port(address))
-    problem, warning = rank_problem(plan["ranks"], gpus, cfg), rank_warning(plan["ranks"], cfg)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    problems, warnings, changes = preflight(cfg, plan, gpus_here, gpus_given)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if problems:  # every one of them, before anything starts
+        print("\n".join(f"error: {line}" for line in problems), file=sys.stderr)
         return EXIT_USAGE
-    if warning:
-        print(warning, file=sys.stderr)
     if options["dry_run"]:
-        return report_plan(cfg, plan, address_picked, options["gpus"] is not None)
+        return report_plan(cfg, plan, address_picked, gpus_given, changes)
+    if changes:
+        print(changes, flush=True)
     return start_run(cfg, plan)
 
 
-def report_plan(cfg: Config, plan: dict, address_picked: bool, gpus_given: bool) -> int:
-    """--dry-run: print the plan; exit 2 where a real start would refuse the run folder."""
+def preflight(cfg: Config, plan: dict, gpus_here: int, gpus_given: bool) -> tuple[list[str], list[str], str | None]:
+    """(problems, warnings, the settings a resume changes): everything that would stop this run after
+    it started, found now. A plan for another machine (--gpus) reports what this machine lacks
+    (model, data, vLLM) as warnings."""
+    gpus, samplers = plan["gpus"], cfg.sampling.num_workers
+    where = "the plan is for" if gpus_given else "this machine has"
+    problems = [p for p in (rank_problem(plan["ranks"], gpus, cfg),
+                            placement_problem(cfg.launch.trainer_ranks, gpus, samplers, where)) if p]
+    problems += device_problems(cfg, gpus)
+    warnings = [w for w in (None if problems else rank_warning(plan["ranks"], cfg),
+                            planning_note(gpus, gpus_here) if gpus_given else None) if w]
+    refusal, changes = resume_changes(cfg)  # a resume that changes what its checkpoint depends on
+    problems += [refusal] if refusal else []
+    found, notes = source_problems(cfg)
+    vllm = vllm_problem(cfg, plan["processes"][sampler_names(samplers)[0]]["command"][0])
+    found += [vllm] if vllm else []
+    if gpus_given:
+        warnings += [f"on this machine: {line}" for line in found]
+    else:
+        problems += found
+    return problems, warnings + notes, changes
+
+
+def report_plan(cfg: Config, plan: dict, address_picked: bool, gpus_given: bool, changes: str | None = None) -> int:
+    """--dry-run: print the plan (with the settings a resume changes); exit 2 where a real start
+    would refuse the run folder."""
     state, words = planned_start(cfg)
-    print("\n".join(plan_lines(cfg, plan, words, address_picked, gpus_given)))
+    lines = plan_lines(cfg, plan, words, address_picked, gpus_given)
+    if changes:
+        lines.insert(3, f"changes     {changes}")
+    print("\n".join(lines))
     if state in ("refuse", "in use"):  # as a real start would: one line
         print(f"error: {words}", file=sys.stderr)
         return EXIT_USAGE
@@ -253,72 +304,82 @@ def report_plan(cfg: Config, plan: dict, address_picked: bool, gpus_given: bool)
 def start_run(cfg: Config, plan: dict) -> int:
     """Check what the run needs, claim its folder, start the processes and supervise them."""
     try:
-        # before anything starts: a model or data the machine cannot have is one line, not two
-        # half-started processes (a Hub id offline answers within seconds)
-        check_model_source(cfg.model.name_or_path)
-        check_source(cfg.data.path, cfg.data.split, cfg.data.task_args)
         run_dir = ensure_writable(cfg.run_dir)
         moved = prepare_run_folder(cfg)  # refuses a fresh start into a used folder (nothing changed)
-    except (SourceError, RunFolderError) as e:  # grpo.run.start.RunFolderInUse is one
+    except RunFolderError as e:  # grpo.run.start.RunFolderInUse is one
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if moved:
         print(f"run.overwrite=true: the old contents of {run_dir} were moved to {moved}", flush=True)
     write_atomically(run_dir / "address", plan["address"] + "\n")  # for whoever attaches to this run
-    logs = {name: run_dir / f"{name}.log" for name in plan["processes"]}
-    milestones = LogMilestones(logs)  # before the processes start: only their lines are shown
-    procs = start_processes(plan, logs)
-    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(logs) - 1} sampler(s) started; "
-          f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.values())}. The first step "
-          "takes a minute or two on a CPU (a minute more where the install did not convert the embedded model and "
-          "build DeepSpeed's CPU op: make install does)", flush=True)
-    return supervise(cfg, procs, logs, milestones, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
+    logs = WorkerLogs({name: run_dir / f"{name}.log" for name in plan["processes"]})  # this launch's part of each
+    procs = start_processes(plan, logs.logs)
+    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(procs) - 1} sampler(s) started; "
+          f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.logs.values())}", flush=True)
+    return supervise(cfg, procs, logs, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
 
 
 def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.Popen]:
-    """The processes of `make_plan`, each writing to its log."""
-    procs = {}
+    """The processes of `make_plan`, each writing to its log after a header line of this launch,
+    with its own Python's bin folder first on PATH (the venv's tools, not the shell's)."""
+    procs, now = {}, time.strftime("%Y-%m-%d %H:%M:%S %Z")
     for name, process in plan["processes"].items():
+        bin_dir = str(Path(process["command"][0]).parent)
+        env = {**os.environ, **process["env"], "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
         with open(logs[name], "ab") as log:
+            log.write(f"===== launch {now}: {shlex.join(process['command'])}\n".encode())
+            log.flush()
             # their own session: Ctrl-C reaches only this launcher, which stops them in order
             procs[name] = subprocess.Popen(process["command"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **process["env"]}, start_new_session=True)
+                                           env=env, start_new_session=True)
     return procs
 
 
-def supervise(cfg: Config, procs: dict, logs: dict[str, Path], milestones: LogMilestones, progress: StepProgress) -> int:
-    """Show progress until the trainer finishes, either process fails, Ctrl-C or the time limit;
-    stop both in each case. The exit code says which."""
+def supervise(cfg: Config, procs: dict, logs: WorkerLogs, progress: StepProgress) -> int:
+    """Show progress until the trainer finishes, a process fails or stalls in its start-up, Ctrl-C
+    or the time limit; stop all in each case, and say what the run left. The exit code says which."""
     interrupted = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
     deadline = time.monotonic() + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
     samplers = [name for name in procs if name != "trainer"]
+    watch = StartupWatch(logs, procs, cfg.launch.stall_s)
 
     def stop_all(names):
         for name in names:
             stop(procs[name])
 
+    def stopped() -> None:
+        stop_all([*samplers, "trainer"])
+        print(f"stopped: {stop_summary(cfg.run_dir, cfg.weights_dir, cfg.training.steps)}", flush=True)
+
     while True:
-        milestones.print_new()
+        logs.print_new()
         progress.print_new()
         codes = {name: proc.poll() for name, proc in procs.items()}
         if interrupted["flag"]:
             print("interrupted: stopping the sampler(s) and the trainer (the trainer saves a checkpoint)", flush=True)
-            stop_all([*samplers, "trainer"])
+            stopped()
             return EXIT_INTERRUPTED
         if time.monotonic() >= deadline:
-            print(f"time limit: {cfg.launch.max_minutes:g} min reached after {progress.seen} steps; stopping all "
-                  f"(the trainer saves a checkpoint); weights in {cfg.weights_dir}", flush=True)
-            stop_all([*samplers, "trainer"])
+            print(f"time limit: launch.max_minutes={cfg.launch.max_minutes:g} reached after "
+                  f"{format_duration(time.monotonic() - progress.started)}; stopping all (the trainer saves a "
+                  "checkpoint)", flush=True)
+            stopped()
             return 0
         for name, code in codes.items():
             if code not in (None, 0):
                 others = [other for other in procs if other != name]
                 print(f"the {name} failed (exit code {code}); stopping the {', '.join(others)}. Last lines of "
-                      f"{logs[name]}:\n{tail(logs[name])}", file=sys.stderr, flush=True)
+                      f"{logs.logs[name]} (this launch):\n{logs.tail(name)}", file=sys.stderr, flush=True)
                 stop_all(others)
                 return EXIT_TRAINER_FAILED if name == "trainer" else EXIT_SAMPLER_FAILED
+        stuck = watch.check()
+        if stuck is not None:
+            name, message = stuck
+            print(f"error: {message}; stopping all", file=sys.stderr, flush=True)
+            stop_all([*samplers, "trainer"])
+            return EXIT_TRAINER_FAILED if name == "trainer" else EXIT_SAMPLER_FAILED
         if codes["trainer"] == 0 and not (cfg.eval.every and codes[samplers[0]] is None):
             stop_all(samplers)  # the trainer is done; a sampler may be waiting on weights (with eval.every,
             # sampler 0 first evaluates the final weights and exits by itself)

@@ -1,14 +1,19 @@
 """What a first run would otherwise do before its first step, done once at install time (`make install`):
-the embedded model converted from GGUF into its cached safetensors folder (~20 s), and DeepSpeed's
-shared-memory communication op for CPU ranks compiled into torch's extension cache (~45 s). Both are
-per-user caches, reused by every later run, and a run still does either itself when it is missing.
+the embedded model converted from GGUF into its cached safetensors folder (~20 s), a per-user cache
+that every later run reuses (a run still converts it itself when it is missing).
 
-    .venv/bin/python scripts/prepare.py            # what `make install` runs
+    .venv/bin/python scripts/prepare.py                # what `make install` runs
+    .venv/bin/python scripts/prepare.py --has-shm-op   # exit 0 when DeepSpeed's CPU op is compiled into this venv
+
+`make install` compiles DeepSpeed's shared-memory op for CPU ranks into the venv itself
+(DS_BUILD_SHM_COMM=1, see the Makefile), so that no run builds it; `--has-shm-op` tells the
+Makefile whether that is done, reading DeepSpeed's build record without importing DeepSpeed.
 """
 
 from __future__ import annotations
 
-import os
+import ast
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -16,8 +21,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SHM_OP = "deepspeed_shm_comm"
 
-def main() -> int:
+
+def installed_deepspeed_ops() -> dict:
+    """DeepSpeed's record of the ops compiled into its install (git_version_info_installed.py), or {}."""
+    spec = importlib.util.find_spec("deepspeed")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    record = Path(list(spec.submodule_search_locations)[0]) / "git_version_info_installed.py"
+    if not record.is_file():
+        return {}
+    for node in ast.parse(record.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "installed_ops":
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--has-shm-op"]:
+        return 0 if installed_deepspeed_ops().get(SHM_OP) else 1
     from grpo.model.loading import resolve_model_path
     from grpo.sources import EMBEDDED_MODELS
 
@@ -25,26 +48,8 @@ def main() -> int:
         t = time.perf_counter()
         path = resolve_model_path(alias)
         print(f"embedded model {alias}: {path} ({time.perf_counter() - t:.0f} s)")
-    t = time.perf_counter()
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    # as DeepSpeed's own comm start-up decides (deepspeed/comm/torch.py: build_shm_op)
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        print("DeepSpeed: no shared-memory op to build for this accelerator")
-        return 0
-    # the build finds ninja on PATH: the venv's own, when make runs .venv/bin/python without activating it
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    try:
-        builder.load(verbose=False)
-    except Exception as e:  # a run builds it again (and says why it fails there); the install goes on
-        print(f"warning: DeepSpeed's {builder.NAME} op did not build ({type(e).__name__}: {e}); the first run "
-              "will try again", file=sys.stderr)
-        return 0
-    print(f"DeepSpeed op {builder.absolute_name()} built ({time.perf_counter() - t:.0f} s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

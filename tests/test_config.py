@@ -1,10 +1,13 @@
 """The typed config: YAML + overrides, coercion, and errors that name the problem."""
 
+import re
+
 import pytest
 import yaml
 
 from grpo.config import (Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config,
                          to_dict, validate)
+from grpo.settings.tree import FOREIGN_KEYS, FOREIGN_NAMES
 from conftest import REPO
 
 REQUIRED_KEYS = [
@@ -135,6 +138,8 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["transport.address=http://x"], "transport.address must start with tcp://, ipc:// or inproc://"),
     (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1, got 0"),
     (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit), got -1.0"),
+    (["rewards.max_failed_steps=-1"], "rewards.max_failed_steps must be >= 0 (0 = never stop); got -1"),
+    (["env.max_failed_steps=-1"], "env.max_failed_steps must be >= 0 (0 = never stop); got -1"),
     (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit), got -5.0"),
     (["checkpoint.resume=true"], "checkpoint.resume must be auto, never or a checkpoint folder"),
     (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
@@ -151,6 +156,43 @@ def test_cross_field_rules_say_what_to_do(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert message in str(e.value)
+
+
+MY_ENV = """\
+from grpo.environments import Reply
+
+
+class MyEnv:
+    def __init__(self, row, tries: int = 3, size: int = 4):
+        self.tries, self.size = tries, size
+
+    def step(self, message):
+        return Reply(done=True)
+
+
+def anything(row, **settings):
+    return MyEnv(row)
+"""
+
+
+def test_an_env_args_key_the_environment_does_not_take_is_a_config_error_naming_what_it_takes(tmp_path):
+    """Read off the factory's signature at start: a user's class, the calculator, an OpenEnv class's init;
+    a factory with **kwargs takes any key."""
+    (tmp_path / "my_env.py").write_text(MY_ENV)
+    my_env = f"{tmp_path}/my_env.py"
+    openenv = f"{REPO}/tests/openenv_envs.py:GuessNumber"
+    cases = [([f"env.name={my_env}:MyEnv", "env.args={trys: 4, size: 2}"],
+              f"env.args key 'trys' is not a parameter of {my_env}:MyEnv (it takes: tries, size)"),
+             (["env.name=calculator", "env.args={max_call: 2}"],
+              "env.args key 'max_call' is not a parameter of the calculator environment (it takes: max_calls)"),
+             ([f"env.name=openenv:{openenv}", "env.args={init: {trys: 5}}"],
+              f"env.args.init key 'trys' is not a parameter of {openenv} (it takes: low, high, tries, closed_log)")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        assert str(e.value) == f"invalid config:\n  {message}"
+    assert load_config(None, [f"env.name={my_env}:anything", "env.args={trys: 4}"]).env.args == {"trys": 4}
+    assert load_config(None, [f"env.name={my_env}:MyEnv", "env.args={tries: 4}"]).env.args == {"tries": 4}
 
 
 def test_all_errors_are_reported_at_once():
@@ -190,6 +232,54 @@ def test_names_users_bring_from_trl_openrlhf_and_verl_are_mapped_to_ours(theirs,
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"{theirs}=1"])
     assert f"unknown config key '{theirs}'; did you mean {ours}?" in str(e.value)
+
+
+@pytest.mark.parametrize("theirs, message", [
+    # veRL (verl/trainer/config/ppo_trainer.yaml)
+    ("actor_rollout_ref.model.path", "did you mean 'model.name_or_path'?"),
+    ("trainer.save_freq", "did you mean 'checkpoint.every'?"),
+    ("trainer.n_gpus_per_node", "scripts/launch.py places the processes on the GPUs it sees (CUDA_VISIBLE_DEVICES); "
+                                "launch.trainer_ranks sets how many of them train, the rest sample"),
+    ("actor_rollout_ref.actor.optim.lr", "did you mean 'training.learning_rate'?"),
+    ("actor_rollout_ref.actor.clip_ratio_high", "did you mean 'training.clip_high'?"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "did you mean training.aggregation (token-mean: dapo, "
+                                              "seq-mean-token-mean: grpo, seq-mean-token-sum-norm: dr_grpo)?"),
+    ("actor_rollout_ref.rollout.response_length", "did you mean 'sampling.max_new_tokens'?"),
+    ("trainer.test_freq", "did you mean 'eval.every'?"),
+    ("trainer.experiment_name", "did you mean 'run.name'?"),
+    ("data.train_files", "did you mean data.path (a Hub dataset id, or a folder with train.jsonl and test.jsonl "
+                         "or parquet files)?"),
+    ("data.max_prompt_length", "did you mean 'data.max_prompt_tokens'?"),
+    ("data.prompt_key", "did you mean 'data.prompt_column'?"),
+    ("reward_model.model.path", "did you mean rewards.names=[reward_model:<folder or Hub id>]?"),
+    # OpenRLHF (openrlhf/cli/train_ppo_ray.py), flat and dotted flags
+    ("pretrain", "did you mean 'model.name_or_path'?"),
+    ("n_samples_per_prompt", "did you mean 'sampling.group_size'?"),
+    ("eps_clip", "did you mean training.clip_low and training.clip_high (set separately)?"),
+    ("ckpt.save_steps", "did you mean 'checkpoint.every'?"),
+    ("rollout.batch_size", "did you mean 'sampling.prompts_per_step'?"),
+    ("use_wandb", "did you mean 'logging.backend=wandb'?"),
+])
+def test_verl_and_openrlhf_names_get_the_key_that_does_their_job(theirs, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{theirs}=1"])
+    assert str(e.value).splitlines()[1] == f"  unknown config key '{theirs}'; {message}"
+
+
+@pytest.mark.parametrize("theirs", [
+    "actor_rollout_ref.model.use_remove_padding", "trainer.balance_batch", "critic.optim.lr",
+    "algorithm.kl_ctrl.kl_coef", "reward_model.micro_batch_size", "data.custom_cls.path", "actor_init_on_gpu",
+])
+def test_foreign_names_without_a_counterpart_get_no_guess(theirs):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{theirs}=1"])
+    assert str(e.value).splitlines()[1] == \
+        f"  unknown config key '{theirs}'; see --help-config or docs/config.md for every key"
+
+
+def test_every_suggested_key_exists():
+    named = {re.match(r"[a-z_.]*", hint).group() for hint in [*FOREIGN_KEYS.values(), *FOREIGN_NAMES.values()]}
+    assert sorted(k for k in named if "." in k and k not in all_keys()) == []
 
 
 def test_non_loopback_address_is_allowed_with_a_secret_or_explicit_opt_in():

@@ -16,7 +16,7 @@ from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
-from grpo.sampler.episodes import EpisodeRunner, reply_parts, turn_seed
+from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_parts, turn_seed
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.step import micro_batch_loss
 from grpo.wire.batch import RolloutBatch
@@ -203,7 +203,9 @@ def test_a_new_child_rebuilds_the_other_episodes_by_replaying_their_messages(tmp
         assert pool.restarts == 1
         assert pool.step("a", {}, ["x"], "y")[0].text == "count 2"  # rebuilt: one message replayed, then this one
         reply, failure = pool.step("a", {}, ["x", "y"], "raise")
-        assert failure == "RuntimeError: the tool broke" and pool.restarts == 1
+        # the failure names the environment's line that raised (the model reads the error alone)
+        assert failure == "RuntimeError: the tool broke (tests/scripted_envs.py:49, in step)" and pool.restarts == 1
+        assert reply.text == "error: the environment failed: RuntimeError: the tool broke"
         assert pool.step("a", {}, ["x", "y"], "z")[0].text == "count 3"
     finally:
         pool.close()
@@ -311,7 +313,8 @@ def test_the_child_has_a_memory_budget():
     try:
         assert pool.step("a", {}, [], "64")[0].text == "allocated 64 MB"
         reply, failure = pool.step("b", {}, [], "1024")
-        assert failure == "MemoryError: " and pool.restarts == 0  # the environment's error, the child lives on
+        # the environment's error, the child lives on
+        assert failure == "MemoryError:  (tests/scripted_envs.py:103, in step)" and pool.restarts == 0
     finally:
         pool.close()
 
@@ -684,3 +687,101 @@ def test_an_empty_reset_observation_opens_with_nothing():
     assert episode.text_of(Board(prompt="p")) == '{"prompt": "p", "legal": [], "hint": null}'
     episode.observation_field = "hint"
     assert episode.text_of(Board(prompt="p"), skip_empty=True) is None
+
+
+# ----------------------------------------------------------------------------- what never works stops the run
+
+BOARD_ENV = '''\
+"""An environment that needs a column the data does not have (with only_one: on the problems whose answer is "1")."""
+from grpo.environments import Reply
+
+
+class Board:
+    def __init__(self, row, only_one: bool = False):
+        if not only_one or row.get("reference_answer") == "1":
+            self.board = row["board"]
+
+    def step(self, message):
+        return Reply(done=True)
+'''
+
+
+def board_steps(chatty, tmp_path, count, *overrides):
+    """`count` sampler steps of 2 prompts x 4 episodes of the Board environment, counted in one FailureStreaks."""
+    from grpo.sampler.failures import FailureStreaks
+    from grpo.sampler.step import SamplerPolicy, make_batch
+
+    model, tokenizer = chatty
+    (tmp_path / "board.py").write_text(BOARD_ENV)
+    cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=12", "training.beta=0",
+                             "lora.enabled=false", "training.reference_on=sampler",
+                             f"env.name={tmp_path}/board.py:Board", "rewards.names=[env_reward]",
+                             "rewards.weights=[1.0]", "rewards.accuracy_reward=env_reward",
+                             "rewards.format_reward=env_reward", "data.prefill=", *overrides])
+    pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
+        policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        streaks = FailureStreaks()
+        return [make_batch(cfg, policy, prompts_of(tokenizer), step=k, metrics_so_far={}, check_recorded=False,
+                           streaks=streaks) for k in range(count)]
+    finally:
+        pool.close()
+
+
+def test_an_environment_that_fails_on_every_episode_stops_the_sampler_with_its_error(chatty, tmp_path):
+    from grpo.sampler.failures import EnvironmentAlwaysFails
+
+    with pytest.raises(EnvironmentAlwaysFails) as stopped:
+        board_steps(chatty, tmp_path, 2, "env.max_failed_steps=2")
+    env = f"{tmp_path}/board.py"
+    assert str(stopped.value) == (
+        f"environment {env}:Board failed on all 8 episodes in each of the last 2 steps: KeyError: 'board' "
+        f"({env}:8, in __init__); stopped. Fix the environment, or set env.max_failed_steps=0 to train on with its "
+        "errors shown to the model")
+    assert len(board_steps(chatty, tmp_path, 2, "env.max_failed_steps=0")) == 2  # 0: the model reads the errors
+
+
+def test_an_environment_that_fails_on_some_episodes_only_goes_on(chatty, tmp_path):
+    """Prompt 0's 4 episodes cannot open, prompt 1's can: those are the episodes' errors, not a stop."""
+    batch, = board_steps(chatty, tmp_path, 1, "env.max_failed_steps=1", "env.args={only_one: true}")
+    assert batch.step == 0
+    model, tokenizer = chatty
+    pool = EnvironmentPool(f"{tmp_path}/board.py:Board", {"only_one": True}, 5.0)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 12, 4).run(HFEngine(model, tokenizer, sampling_cfg(12)),
+                                                        prompts_of(tokenizer), 4, seed=3)
+    finally:
+        pool.close()
+    assert [e.environment_failed for e in run.episodes] == [True] * 4 + [False] * 4
+    assert [e.env_error for e in run.episodes] == [f"KeyError: 'board' ({tmp_path}/board.py:8, in __init__)"] * 4 + [""] * 4
+
+
+def test_the_well_formed_rate_counts_the_model_messages_that_made_a_tool_call(tiny_model_dir):
+    """Worked episodes: 2 call messages, both well-formed; 2, of which the first is unreadable; 1 holding a good
+    and an unreadable call (not well-formed); none (an answer at once): 3 of 5. Per episode (any call that
+    could be read) it is 3 of 4."""
+    from data.prompts import build_prompts
+    from grpo.environments import environment_args, prompt_options
+    from grpo.model.loading import read_chat_template
+    from test_tools import CALCULATE, CALL, ScriptedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = read_chat_template("chatml-tools")
+    cfg = load_config(None, [f"env.tools=[{CALCULATE}]", "data.few_shot=0"])
+    problem = Problem("train-0", "Natalia sold 48 clips in April and half as many in May. How many in all?", "72")
+    prompts, _ = build_prompts(tokenizer, cfg.data, [problem], **prompt_options(cfg.env))
+    scripts = [["ep0 half\n" + CALL.format("48 / 2"), "ep0 sum\n" + CALL.format("48 + 24"), "<answer>72</answer>"],
+               ["ep1 <tool_call>{oops}</tool_call>", "ep1 again\n" + CALL.format("48 / 2"), "<answer>24</answer>"],
+               ["ep2 " + CALL.format("48 / 0") + " and <tool_call>{oops}</tool_call>", "<answer>0</answer>"],
+               ["ep3 <answer>72</answer>"]]
+    pool = EnvironmentPool(cfg.env.name, environment_args(cfg.env), 5.0)
+    try:
+        run = EpisodeRunner(pool, tokenizer, 400, 4, prefill="<think>\n", roles=("tool",)).run(
+            ScriptedModel(tokenizer, scripts), prompts, 4)
+    finally:
+        pool.close()
+    assert [(e.call_messages, e.well_formed_messages) for e in run.episodes] == [(2, 2), (2, 1), (1, 0), (0, 0)]
+    metrics = episode_metrics(run.episodes)
+    assert (metrics["env/tool_messages/well_formed_rate"], metrics["env/well_formed_call_rate"]) == (3 / 5, 3 / 4)
+    assert "env/tool_messages/well_formed_rate" not in episode_metrics(run.episodes[3:])  # no message made a call

@@ -242,3 +242,44 @@ def test_a_full_fine_tune_exports_its_model_folder_as_published(tmp_path, tiny_m
     card = (tmp_path / "out" / "README.md").read_text()
     assert "library_name: transformers" in card and "a fully fine-tuned model" in card
     assert "metrics.jsonl holds no evaluation" in card
+
+
+def modes(folder):
+    """{path relative to folder ("." for itself): permission bits} of everything under folder."""
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+
+
+def test_every_exported_file_is_0644_and_every_folder_0755(lora_run, tmp_path, tiny_model_dir):
+    run, _ = lora_run
+    export(run, None, tmp_path / "adapter")
+    export(run, None, tmp_path / "merged", merge=True)  # transformers writes model.safetensors 0600
+    full = tmp_path / "full"
+    cfg = make_run(full, f"model.name_or_path={tiny_model_dir}", "lora.enabled=false", "training.reference_on=sampler")
+    publish(load_model(cfg.model), full / "weights", version=1, step=1)
+    export(full, None, tmp_path / "full-out")
+    tokenizer = {"chat_template.jinja": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644}
+    card = {"README.md": 0o644, "training_config.yaml": 0o644}
+    assert modes(tmp_path / "adapter") == {".": 0o755, "adapter_config.json": 0o644,
+                                           "adapter_model.safetensors": 0o644, **tokenizer, **card}
+    model = {"config.json": 0o644, "generation_config.json": 0o644, "model.safetensors": 0o644}
+    assert modes(tmp_path / "merged") == {".": 0o755, **model, **tokenizer, **card}
+    assert modes(tmp_path / "full-out") == {".": 0o755, **model, **tokenizer, **card}
+
+
+def test_an_export_of_the_embedded_model_names_its_public_base_not_a_cache_folder(tmp_path):
+    from grpo.model.loading import resolve_model_path
+
+    run = tmp_path / "embedded"
+    cfg = make_run(run, "model.name_or_path=smollm2-135m-instruct")
+    publish(trained_adapter(cfg, seed=1), run / "weights", version=1, step=1)
+    export(run, None, tmp_path / "out")
+    out = tmp_path / "out"
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = (out / "README.md").read_text()
+    assert yaml.safe_load(card.split("---\n")[1]) == {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                      "library_name": "peft",
+                                                      "tags": ["grpo", "reinforcement-learning"]}
+    assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
+    cache = resolve_model_path("smollm2-135m-instruct")
+    assert [p.name for p in out.iterdir() if cache in p.read_bytes().decode("utf-8", "replace")] == []

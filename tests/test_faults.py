@@ -231,14 +231,15 @@ def test_the_learning_rate_clock_counts_optimizer_updates_with_several_passes(tm
 
 
 def limit_file_size():
-    """In the trainer's processes: any write past 1 MiB fails (EFBIG), as on a full disk (ENOSPC)."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    """In the trainer's processes: any write past 32 KiB fails (EFBIG), as on a full disk (ENOSPC)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
 
 
 def test_a_failed_write_stops_the_trainer_clearly_and_leaves_nothing_partial(tmp_path, digit_model_dir, tiny_gsm8k):
     address = free_tcp_address()
-    # adapters (9 KB) and metrics fit under the limit; the 12 MB checkpoint of step 2 does not
+    # adapters (9 KB), metrics and TensorBoard events fit under the limit; the 52 KB checkpoint of step 2
+    # (the adapter and its optimizer state) does not
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2",
                             "sampling.max_staleness=10", preexec_fn=limit_file_size)
     code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)

@@ -1,5 +1,5 @@
 """The recipes in configs/: each loads and validates offline, and the GPU ones plan as their
-comments say (scripts/launch.py --dry-run with faked GPU counts; no GPU run is recorded yet)."""
+comments say (scripts/launch.py --dry-run with faked GPU counts)."""
 
 import sys
 
@@ -16,6 +16,10 @@ GPU_RECIPES = {"qwen2.5-0.5b-gsm8k-1gpu.yaml": (1, "1 rank, CUDA_VISIBLE_DEVICES
                "qwen2.5-1.5b-gsm8k-2gpu.yaml": (2, "1 rank, CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1"),
                "qwen2.5-1.5b-gsm8k-8gpu.yaml": (8, "7 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6",
                                                 "CUDA_VISIBLE_DEVICES=7")}
+# what each GPU recipe's first lines say it needs: the GPU count (as GPU_RECIPES plans it) and memory
+GPU_NEEDS = {"qwen2.5-0.5b-gsm8k-1gpu.yaml": ("on ONE CUDA GPU", "Sized for a GPU with 24 GB or more"),
+             "qwen2.5-1.5b-gsm8k-2gpu.yaml": ("on TWO CUDA GPUs", "Sized for GPUs with 24 GB or more each"),
+             "qwen2.5-1.5b-gsm8k-8gpu.yaml": ("on EIGHT CUDA GPUs", "Sized for 80 GB GPUs")}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
@@ -29,7 +33,9 @@ def test_the_gpu_recipes_say_what_they_are():
     for name in GPU_RECIPES:
         text = (REPO / "configs" / name).read_text()
         assert text.startswith("# ") and f"make install-vllm && make train CONFIG=configs/{name}" in text
-        assert "GPU paths are tested on CPU only until a GPU run is recorded" in text
+        header = " ".join(line.removeprefix("# ") for line in text.splitlines() if line.startswith("# "))
+        count, memory = GPU_NEEDS[name]
+        assert count in header and memory in header and "see docs/limits.md" in header
         cfg = load_config(REPO / "configs" / name)
         assert cfg.run.name == name.removesuffix(".yaml")  # each its own run folder
         assert (cfg.sampling.engine, cfg.model.dtype, cfg.data.path, cfg.data.few_shot, cfg.data.prefill) == \
@@ -44,7 +50,8 @@ def test_a_gpu_recipe_plans_its_gpus_and_gives_every_rank_work(tmp_path, capsys,
     code = main(["--config", str(REPO / "configs" / name), "--dry-run", "--gpus", str(gpus),
                  f"run.dir={tmp_path / 'run'}"])
     out, err = capsys.readouterr()
-    assert code == 0 and err == "", err
+    # planned here for another machine: what this one lacks (GPUs, the Hub model, vLLM) is only noted
+    assert code == 0 and all(line.startswith("warning: ") for line in err.splitlines()), err
     lines = out.splitlines()
     assert f"trainer     {trainer}" in lines and f"sampler     engine vllm, {sampler}" in lines
     assert list(tmp_path.iterdir()) == []
@@ -55,6 +62,7 @@ def test_the_8gpu_recipe_with_too_few_groups_is_refused_naming_both_keys(tmp_pat
                  "sampling.prompts_per_step=2", f"run.dir={tmp_path / 'run'}"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
-    assert err == ("error: 8 GPUs give 7 trainer ranks but sampling.prompts_per_step=2 gives only 2 groups a step: "
+    errors = "".join(line + "\n" for line in err.splitlines() if not line.startswith("warning: "))
+    assert errors == ("error: 8 GPUs give 7 trainer ranks but sampling.prompts_per_step=2 gives only 2 groups a step: "
                    "raise sampling.prompts_per_step to >= 7 (a multiple of 7 balances the ranks) or set "
                    "launch.trainer_ranks=2\n")

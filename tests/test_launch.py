@@ -20,9 +20,10 @@ from grpo.wire.weights import read_latest
 from helpers import free_tcp_address
 
 sys.path.insert(0, str(REPO / "scripts"))
-from grpo.run.progress import format_duration, progress_line  # noqa: E402
-from launch import EXIT_SAMPLER_FAILED, main, placement, rank_problem  # noqa: E402
-from launch import trainer_command  # noqa: E402
+from grpo.run.progress import StepProgress, format_duration, progress_line, stop_summary  # noqa: E402
+from launch import EXIT_SAMPLER_FAILED, main, placement, placement_problem, rank_problem  # noqa: E402
+from launch import gpu_count, trainer_command  # noqa: E402
+from grpo.run.preflight import planning_note  # noqa: E402
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [
@@ -72,9 +73,11 @@ def test_help_says_how_to_start_and_where_the_keys_are():
         assert text in proc.stdout, text
 
 
-def dry_run(capsys, *args, gpus: int):
-    """The launcher's --dry-run, in this process, planning for `gpus` GPUs: (exit code, stdout, stderr)."""
-    code = main(["--config", str(PROCESS_CONFIG), "--dry-run", "--gpus", str(gpus), *args])
+def dry_run(capsys, *args, gpus: int | None):
+    """The launcher's --dry-run, in this process, planning for `gpus` GPUs (None: this machine's):
+    (exit code, stdout, stderr)."""
+    code = main(["--config", str(PROCESS_CONFIG), "--dry-run", *(["--gpus", str(gpus)] if gpus is not None else []),
+                 *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -118,7 +121,8 @@ CPU3 = "OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 CUDA_VISIBLE_DEVICES="
 def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys, gpus, extra, trainer, trainer_env, samplers):
     run_dir = tmp_path / "run"
     code, out, err = dry_run(capsys, f"run.dir={run_dir}", *extra, gpus=gpus)
-    assert code == 0 and err == "", err
+    note = planning_note(gpus, gpu_count())  # a plan for GPUs this machine lacks says so
+    assert code == 0 and err == (f"warning: {note}\n" if note else ""), err
     assert list(tmp_path.iterdir()) == []  # no run folder, no lock file
     facts, processes = read_plan(out)
     address, port = facts["transport"].split()[0], facts["deepspeed"].split()[2]
@@ -172,12 +176,15 @@ def test_dry_run_says_whether_it_would_start_fresh_resume_or_refuse(tmp_path, ca
 
 def test_more_trainer_ranks_than_groups_a_step_is_refused_in_one_line(tmp_path, capsys):
     code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", gpus=8)  # the process config: 2 prompts a step
+    note = planning_note(8, gpu_count())
+    err = err.replace(f"warning: {note}\n" if note else "", "")
     assert code == 2 and out == ""
     assert err == ("error: 8 GPUs give 7 trainer ranks but sampling.prompts_per_step=2 gives only 2 groups a step: "
                    "raise sampling.prompts_per_step to >= 7 (a multiple of 7 balances the ranks) or set "
                    "launch.trainer_ranks=2\n")
     code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "sampling.prompts_per_step=10", gpus=8)
     assert code == 0 and read_plan(out)[1]["trainer"]["what"] == "7 ranks, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6"
+    err = err.replace(f"warning: {note}\n" if note else "", "")
     assert err == ("warning: sampling.prompts_per_step=10 is not a multiple of the 7 trainer ranks: some ranks train 2 "
                    "groups a step, others 1, and each step waits for the busiest\n")
     assert list(tmp_path.iterdir()) == []
@@ -214,10 +221,10 @@ def launch_command(run_dir, model_dir, data_dir, *extra, own_address=True):
             "launch.cpu_threads=1", *extra]
 
 
-def launch(run_dir, model_dir, data_dir, *extra, own_address=True):
+def launch(run_dir, model_dir, data_dir, *extra, own_address=True, env=None):
     return subprocess.Popen(launch_command(run_dir, model_dir, data_dir, *extra, own_address=own_address), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
 def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_model_dir, tiny_gsm8k):
@@ -318,6 +325,8 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
         children = psutil.Process(proc.pid).children(recursive=True)
         sampler = next(p for p in children if "sampling_worker.py" in " ".join(p.cmdline()))
         trainers = [p for p in children if "training_worker.py" in " ".join(p.cmdline())]
+        for worker in (sampler, *trainers):  # the venv's tools first, whatever the shell's PATH holds
+            assert worker.environ()["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
         os.kill(sampler.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -333,19 +342,148 @@ def test_time_limit_stops_both_cleanly_with_a_checkpoint(tmp_path, digit_model_d
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     steps = len((tmp_path / "metrics.jsonl").read_text().splitlines())
-    reported = re.search(r"time limit: 0.75 min reached after (\d+) steps", out)
-    assert reported and 0 < int(reported[1]) <= steps < 500, out  # a step may finish while it stops
+    assert re.search(r"time limit: launch.max_minutes=0.75 reached after 0:00:4\d; stopping all", out), out
+    assert 0 < steps < 500, out
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     assert state["step"] == steps and (tmp_path / "checkpoints" / f"step{state['step']:06d}").is_dir()
     assert read_latest(tmp_path / "weights") == state["step"]  # the result is the last trained version
+    # the last line says what was trained and saved, read off the run folder after the stop
+    assert out.rstrip().splitlines()[-1] == (
+        f"stopped: the last step trained was {steps} of 500 (weights in {tmp_path / 'weights'}); the checkpoint of "
+        f"step {steps} is saved; the same command resumes from it")
 
 
 def test_progress_line_and_eta_past_a_day():
     assert format_duration(3723) == "1:02:03" and format_duration(90_000) == "25:00:00"
     row = {"step": 4, "reward": -0.4375, "strict/answer_accuracy": 0.0625, "strict/format_rate": 0.125, "kl": 0.0019}
-    line = progress_line(row, 1000, [77.7])
-    assert line == ("step 4/1000 | reward -0.438 | answer   6.2% | format  12.5% | kl 0.0019 |   77.7 s/step | "
-                    "ETA 21:29:49")
+    line = progress_line(row, 1000, 80.1, 77.7, 312.4)
+    assert line == ("step 4/1000 | reward -0.438 | answer   6.2% | format  12.5% | kl 0.0019 |   80.1 s/step | "
+                    "elapsed 0:05:12 | ETA 21:29:49")
+    episodes = {**row, "env/tool_messages/well_formed_rate": 0.75}
+    assert "| format  12.5% | calls ok  75.0% | kl" in progress_line(episodes, 1000, 80.1, 77.7, 312.4)
+
+
+def test_step_time_is_the_steps_own_and_start_up_is_not_in_it(tmp_path, capsys):
+    """The first step of a launch waited for the sampler's start-up (timing/wait_s): its own time is
+    its training and publishing; later steps' are the time between rows; the ETA is their mean."""
+    metrics, now = tmp_path / "metrics.jsonl", time.time()
+    metrics.write_text(json.dumps({"step": 1, "wall_time": now - 50}) + "\n")  # an earlier launch's: not shown again
+    clock = iter([0.0, 400.0, 460.0, 525.0]).__next__
+    progress = StepProgress(metrics, 10, clock=clock)
+    rows = [{"step": 2, "wall_time": now + 100, "timing/wait_s": 200.0, "timing/train_s": 20.0, "timing/publish_s": 1.5},
+            {"step": 3, "wall_time": now + 130, "timing/wait_s": 5.0, "timing/train_s": 20.0, "timing/publish_s": 1.5},
+            {"step": 4, "wall_time": now + 170, "timing/wait_s": 15.0, "timing/train_s": 20.0, "timing/publish_s": 1.5}]
+    with metrics.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    progress.print_new()
+    times = re.findall(r"\|\s+([\d.]+) s/step \| elapsed (\S+) \| ETA (\S+)", capsys.readouterr().out)
+    # own 21.5 (train + publish), then 30 and 40 s; ETA: 8 x 21.5, 7 x 30, 6 x mean(30, 40)
+    assert times == [("21.5", "0:06:40", "0:02:52"), ("30.0", "0:07:40", "0:03:30"), ("40.0", "0:08:45", "0:03:30")]
+
+
+def test_a_resumed_trainers_rows_are_shown_though_it_rewrote_the_file_shorter(tmp_path, capsys):
+    """A resume from the checkpoint of step 10 of 12 trained steps: the trainer rewrites metrics.jsonl
+    with rows 1-10, then appends 11, 12 again; each is shown, no earlier row is."""
+    from grpo.files import write_atomically
+
+    metrics, now = tmp_path / "metrics.jsonl", time.time()
+    old = [json.dumps({"step": i, "wall_time": now - 100 + i}) for i in range(1, 13)]
+    metrics.write_text("\n".join(old) + "\n")
+    progress = StepProgress(metrics, 20)
+    write_atomically(metrics, "\n".join(old[:10]) + "\n")
+    with metrics.open("a") as f:
+        f.write("".join(json.dumps({"step": i, "wall_time": now + i}) + "\n" for i in (11, 12)))
+    progress.print_new()
+    assert re.findall(r"^step (\d+)/20 ", capsys.readouterr().out, re.M) == ["11", "12"]
+
+
+def test_steps_with_nothing_to_learn_from_give_one_warning(tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    progress = StepProgress(metrics, 10)
+    spreads = [1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    now = time.time()
+    metrics.write_text("".join(json.dumps({"step": i + 1, "wall_time": now + i, "sampling/zero_spread_fraction": z})
+                               + "\n" for i, z in enumerate(spreads)))
+    progress.print_new()
+    lines = capsys.readouterr().out.splitlines()
+    warnings = [i for i, line in enumerate(lines) if line.startswith("warning: nothing to learn from")]
+    assert warnings == [6]  # once, after steps 4, 5 and 6 (the third alike in a row); not again at 7 and 8
+    assert "every group scored alike in the last 3 steps" in lines[6] and "sampling.temperature" in lines[6]
+
+
+def test_the_stop_summary_says_what_was_trained_and_saved(tmp_path):
+    weights = tmp_path / "weights"
+    assert stop_summary(tmp_path, weights, 200) == "no step was trained; the same command starts the run afresh"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/answer_accuracy": 0.1}\n{"step": 1}\n{"step": 2}\n')
+    assert stop_summary(tmp_path, weights, 200) == (
+        f"the last step trained was 2 of 200 (weights in {weights}); no checkpoint was saved, so the same command "
+        "would be refused as a fresh start into a used run folder: add checkpoint.resume=never run.overwrite=true to "
+        "start over (the old outputs are moved aside)")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step000002")
+    assert "; the checkpoint of step 2 is saved;" in stop_summary(tmp_path, weights, 200)
+
+
+@pytest.mark.parametrize("ranks, gpus, samplers, message", [
+    (2, 0, 1, None),  # CPU ranks share the cores
+    (2, 3, 1, None),
+    (2, 1, 1, "launch.trainer_ranks=2 cannot be placed: the plan is for 1 GPU and the trainer and "
+              "sampling.num_workers=1 sampler(s) share GPU 0, which leaves 1 for trainer ranks (one GPU each); set "
+              "launch.trainer_ranks=1 (or 0: automatic), or use a machine with 3 GPUs"),
+    (2, 2, 1, "launch.trainer_ranks=2 cannot be placed: the plan is for 2 GPUs and sampling.num_workers=1 "
+              "sampler(s) take 1 of them, one each, which leaves 1 for trainer ranks (one GPU each); set "
+              "launch.trainer_ranks=1 (or 0: automatic), or use a machine with 3 GPUs"),
+])
+def test_trainer_ranks_that_cannot_be_placed_are_an_error_never_cut(ranks, gpus, samplers, message):
+    assert placement_problem(ranks, gpus, samplers, "the plan is for") == message
+
+
+@pytest.mark.parametrize("extra, gpus, lines", [
+    (["launch.trainer_ranks=2", "sampling.prompts_per_step=4"], 2,
+     ["warning: this plan is for 2 GPUs (--gpus 2); this machine has no GPU, and a start here is planned for what "
+      "it has",
+      "error: launch.trainer_ranks=2 cannot be placed: the plan is for 2 GPUs and sampling.num_workers=1 sampler(s) "
+      "take 1 of them, one each, which leaves 1 for trainer ranks (one GPU each); set launch.trainer_ranks=1 (or 0: "
+      "automatic), or use a machine with 3 GPUs"]),
+    (["sampling.device=cuda"], 0, ["error: sampling.device=cuda needs a CUDA GPU and this machine has none (torch "
+                                   "sees no GPU): set it to auto, or run on a machine with a GPU"]),
+    (["data.path=/data/nonexistent"], None,
+     ["error: data.path='/data/nonexistent' is not a folder, a Hub dataset id (org/name) or gsm8k-embedded"]),
+])
+def test_every_check_runs_before_anything_starts_in_the_dry_run_too(tmp_path, capsys, extra, gpus, lines):
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", *extra, gpus=gpus)
+    assert code == 2 and out == "" and err.splitlines() == lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_columns_and_answer_format_are_checked_before_anything_starts(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"problem": f"Capital {i}?", "solution": "Paris"}) + "\n"
+                                              for i in range(30)))
+    code, _, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", f"data.path={data}", gpus=None)
+    assert code == 2 and err == (f"error: {data} split 'train' has no column 'question' or 'answer' (data.prompt_column="
+                                 "'question', data.answer_column='answer'); its columns: problem, solution; set "
+                                 "data.prompt_column=problem data.answer_column=solution\n")
+    columns = [f"data.path={data}", "data.prompt_column=problem", "data.answer_column=solution", "data.few_shot=0"]
+    code, _, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", *columns, gpus=None)
+    assert code == 2 and err == (f"error: {data} split 'train': none of its first 30 rows is usable (skipped: "
+                                 "{'non-numeric answer': 30}); 30 of 30 rows have no number after '####' in column "
+                                 "'solution' (data.answer_format=gsm8k reads GSM8K's '#### 42'): data.answer_format=text "
+                                 "takes the column as it is\n")
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", *columns, "data.answer_format=text", gpus=None)
+    assert code == 0 and err == "" and read_plan(out)[0]["start"] == "fresh start"
+
+
+def test_a_missing_vllm_is_an_error_with_the_install_command(tmp_path, capsys):
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "sampling.engine=vllm",
+                             f"launch.vllm_python={tmp_path / 'no-venv' / 'python'}", gpus=None)
+    if code == 0:
+        pytest.skip("this Python has vLLM")
+    assert code == 2 and out == "" and err == (
+        f"error: sampling.engine=vllm needs vLLM, and neither launch.vllm_python={tmp_path / 'no-venv' / 'python'} "
+        f"exists nor does {sys.executable} have it: run `make install-vllm` (the CUDA build where nvidia-smi sees a "
+        "GPU, the CPU build elsewhere), or set sampling.engine=hf\n")
 
 
 def test_a_run_with_truncated_importance_sampling(tmp_path, penalised_digit_model_dir, tiny_gsm8k):

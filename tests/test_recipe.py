@@ -43,9 +43,10 @@ def own_dataset(folder):
 
 
 def test_own_data_and_reward_module_train_end_to_end_with_evaluation(tmp_path, digit_model_dir, monkeypatch):
-    """Two steps through the launcher on a JSONL dataset with renamed columns and a reward from a
-    package the test writes (found on PYTHONPATH), the overlong penalty on; evaluation at versions
-    0, 1 and (after the last step) 2 in metrics.jsonl."""
+    """Three steps through the launcher on a JSONL dataset with renamed columns and a reward from a
+    package the test writes (found on PYTHONPATH), the overlong penalty on; evaluation at every
+    version, 0 to 3 (the last after the last step), in metrics.jsonl, though at staleness 1 the
+    sampler could move on to a newer version than the one it has to evaluate."""
     package = tmp_path / "lib" / "my_rewards_pkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -53,7 +54,7 @@ def test_own_data_and_reward_module_train_end_to_end_with_evaluation(tmp_path, d
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
     data, run = own_dataset(tmp_path / "digits"), tmp_path / "run"
     run.mkdir()
-    proc = launch(run, digit_model_dir, data, "training.steps=2", "sampling.max_staleness=0",
+    proc = launch(run, digit_model_dir, data, "training.steps=3", "sampling.max_staleness=1",
                   "data.prompt_column=prompt", "data.answer_column=target", "data.answer_format=text",
                   "data.few_shot=0", "data.prefill=", "rewards.names=[my_rewards_pkg.scoring:digit_match]",
                   "rewards.weights=[1.0]", "sampling.max_new_tokens=4", "rewards.overlong_buffer=2",
@@ -63,9 +64,9 @@ def test_own_data_and_reward_module_train_end_to_end_with_evaluation(tmp_path, d
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/answer_accuracy" in r]
-    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3] and [r["step"] for r in evals] == [0, 1, 2, 3]
     assert all(r["eval/problems"] == 3 and r["eval/mean_completion_tokens"] == 4 for r in evals)
-    assert all(f"eval at step {v} | answer" in out for v in (0, 1, 2)) and "done: 2 steps" in out
+    assert all(f"eval at step {v} | answer" in out for v in (0, 1, 2, 3)) and "done: 3 steps" in out
     name = "my_rewards_pkg.scoring:digit_match"
     for row in steps:  # the reward saw the row's own columns: it applied to the even-index prompts only
         cursor = PromptCursor(12, seed=0)

@@ -338,3 +338,40 @@ def test_overlong_penalty_is_dapos_linear_ramp_over_the_buffer(length, expected)
     assert overlong_penalty(length, 200, 40) == expected
     assert overlong_penalty(length, 200, 40, factor=0.5) == expected / 2
     assert overlong_penalty(length, 200, 0) == 0.0
+
+
+LOCATED = '''\
+"""A reward that reads a column the data does not have, through a helper."""
+import json
+
+
+def solution_of(row):
+    return json.loads(row["solution"])
+
+
+def exact_match(completion, row):
+    return float(completion.strip() == solution_of(row))
+
+
+def bad_json(completion, row):
+    return float(json.loads(completion))
+'''
+
+
+def test_a_rewards_failure_names_the_line_of_the_users_code_that_raised(tmp_path):
+    """In the sandbox and in the sampler alike: the last line of the user's file (the helper's), and
+    for an error raised inside a library (json), the user's line that called it."""
+    path = tmp_path / "located.py"
+    path.write_text(LOCATED)
+    names = [f"{path}:exact_match", f"{path}:bad_json"]
+    sandbox = RewardSandbox(timeout_s=5)
+    try:
+        there = score_completions(["7", "x"], rows("7", "7"), names, [1.0, 1.0], fallback=-1.0, call=sandbox)
+    finally:
+        sandbox.close()
+    here = score_completions(["7", "x"], rows("7", "7"), names, [1.0, 1.0], fallback=-1.0)
+    for scores in (there, here):
+        assert scores.failures == {names[0]: 2, names[1]: 1}  # "7" is JSON
+        assert scores.errors == {
+            names[0]: f"KeyError: 'solution' ({path}:6, in solution_of)",
+            names[1]: f"JSONDecodeError: Expecting value: line 1 column 1 (char 0) ({path}:14, in bad_json)"}

@@ -4,12 +4,15 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 import zmq
 
 from conftest import PROCESS_CONFIG, REPO
@@ -17,6 +20,7 @@ from grpo.config import load_config
 from grpo.run.ports import free_local_port
 from grpo.run.start import (RunFolderInUse, earlier_outputs, hold_run_folder, planned_start, prepare_run_folder,
                             resume_source)
+from grpo.wire.delivery import Spool
 from helpers import free_tcp_address
 
 
@@ -151,14 +155,27 @@ def test_resume_sources(tmp_path):
     assert earlier_outputs(tmp_path / "empty", tmp_path / "empty" / "weights") == []
 
 
-def start_one_rank_trainer(run_dir: Path, model_dir, data_dir, address: str, *extra: str):
+def one_rank_trainer(run_dir: Path, model_dir, data_dir, address: str, *extra: str) -> tuple[list[str], dict]:
+    """The command and environment of a one-rank trainer (as the launcher starts it)."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, str(REPO / "training_worker.py"), "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}",
             "run.name=my-run", f"model.name_or_path={model_dir}", f"data.path={data_dir}",
             f"transport.address={address}", "lora.r=4", *extra]
+    return args, env
+
+
+def start_one_rank_trainer(run_dir: Path, model_dir, data_dir, address: str, *extra: str):
+    args, env = one_rank_trainer(run_dir, model_dir, data_dir, address, *extra)
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def launch_one_rank_trainer(run_dir: Path, model_dir, data_dir, address: str, *extra: str) -> subprocess.Popen:
+    """A one-rank trainer in the background, its output in run_dir/trainer.log."""
+    args, env = one_rank_trainer(run_dir, model_dir, data_dir, address, *extra)
+    with open(run_dir / "trainer.log", "ab") as log:
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def error_lines(proc) -> list[str]:
@@ -218,3 +235,112 @@ def test_a_config_error_is_one_message_without_a_traceback():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "unknown config key 'training.lr'; did you mean 'training.learning_rate'?" in proc.stderr
     assert "unknown config key 'num_generations'; did you mean 'sampling.group_size'?" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- resumes with other settings
+# and starts that trained nothing
+
+def process_settings(steps: int, rank: int) -> list[str]:
+    """What both workers of these runs take (the sampler needs run.name too: the same config)."""
+    from test_faults import COMMON
+
+    return [*COMMON, f"training.steps={steps}", f"lora.r={rank}", "run.name=my-run"]
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        assert proc.poll() is None, f"exited with {proc.returncode} before {path.name} was written"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+def train_together(run_dir: Path, model_dir, data_dir, steps: int, rank: int, *extra: str) -> str:
+    """A one-rank trainer and a sampler for `steps` steps; both exit 0. Their logs."""
+    from test_sampling_worker import start_sampler
+
+    address = free_tcp_address()
+    trainer = launch_one_rank_trainer(run_dir, model_dir, data_dir, address, *process_settings(steps, rank), *extra)
+    sampler = start_sampler(run_dir, model_dir, data_dir, address, *process_settings(steps, rank), *extra)
+    try:
+        trainer_code = trainer.wait(timeout=300)
+        sampler_code = sampler.wait(timeout=120) if trainer_code == 0 else None  # else it would wait for nobody
+    finally:
+        for proc in (trainer, sampler):
+            if proc.poll() is None:
+                proc.kill()
+    logs = (run_dir / "trainer.log").read_text() + (run_dir / "sampler.log").read_text()
+    assert (trainer_code, sampler_code) == (0, 0), logs[-6000:]
+    return logs
+
+
+def test_a_resume_with_another_lora_rank_is_refused_before_anything_is_written(tmp_path, tiny_model_dir, tiny_gsm8k):
+    """Trained one step with lora.r=4 (a checkpoint at step 1); the same run with lora.r=8 would load
+    an adapter of another shape. The trainer and a sampler started by hand each refuse in one line
+    (exit 2), and no file of the run folder changes. With lora.r=4 again it resumes, and the
+    trainer lists the settings that did change."""
+    from test_sampling_worker import start_sampler
+
+    run_dir = tmp_path / "my-run"
+    run_dir.mkdir()
+    train_together(run_dir, tiny_model_dir, tiny_gsm8k, steps=1, rank=4)
+    shutil.copy(run_dir / "config.yaml", tmp_path / "first-config.yaml")
+    before = contents(run_dir)
+    expected = (f"run folder {run_dir} (run.name=my-run) resumes from its checkpoint of step 1, which depends on "
+                "settings this start changes: lora.r 4 -> 8 (the checkpoint's LoRA adapter); nothing was changed. "
+                "Run the same command with lora.r=4, or start a new run: a new run.name, or "
+                "checkpoint.resume=never run.overwrite=true to move this one aside")
+
+    trainer = start_one_rank_trainer(run_dir, tiny_model_dir, tiny_gsm8k, free_tcp_address(),
+                                     *process_settings(2, 8))
+    assert trainer.returncode == 2, trainer.stdout + trainer.stderr
+    assert [line.split(" ERROR ", 1)[1] for line in error_lines(trainer)] == [expected]
+    sampler = start_sampler(run_dir, tiny_model_dir, tiny_gsm8k, free_tcp_address(), *process_settings(2, 8),
+                            log_name="../refused-sampler.log")  # beside the run folder: it must not change
+    assert sampler.wait(timeout=300) == 2
+    log = (tmp_path / "refused-sampler.log").read_text()
+    assert [line.split(" ERROR ", 1)[1] for line in log.splitlines() if " ERROR " in line] == [expected], log
+    assert contents(run_dir) == before
+
+    logs = train_together(run_dir, tiny_model_dir, tiny_gsm8k, 2, 4, "training.learning_rate=0.01")
+    assert ("trainer[0] INFO resuming with changed settings: training.steps 1 -> 2, training.learning_rate 0.05 -> "
+            "0.01 (the schedule continues from where it stands, with the new peak)\n") in logs
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run_dir / "config.001.yaml").read_bytes() == (tmp_path / "first-config.yaml").read_bytes()
+
+
+def test_a_first_start_stopped_before_its_first_step_does_not_hold_back_a_retry_with_other_settings(
+        tmp_path, tiny_model_dir, tiny_gsm8k):
+    """The first start (lora.r=4): its sampler spools two steps that no trainer takes and is
+    killed; its trainer is stopped (SIGTERM) before its first step. The retry with lora.r=8 is a
+    fresh start: no step-0 checkpoint is resumed (a size mismatch), the sampler does not re-send
+    the spooled lora.r=4 batches (exit 7), and it trains. The first start's config is kept."""
+    from test_sampling_worker import start_sampler
+
+    run_dir = tmp_path / "my-run"
+    run_dir.mkdir()
+    sampler = start_sampler(run_dir, tiny_model_dir, tiny_gsm8k, free_tcp_address(), *process_settings(2, 4))
+    try:
+        wait_for_file(run_dir / "sampler_state.json", sampler)  # step 0 spooled and queued for a trainer
+    finally:
+        sampler.kill()
+        sampler.wait()
+    trainer = launch_one_rank_trainer(run_dir, tiny_model_dir, tiny_gsm8k, free_tcp_address(), *process_settings(2, 4))
+    try:
+        wait_for_file(run_dir / "trainer_state.json", trainer)  # bound and waiting for its first batch
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert "no step trained since step 0: no checkpoint written" in (run_dir / "trainer.log").read_text()
+    assert not (run_dir / "checkpoints").exists() and Spool.of_sampler(run_dir, 0).steps() != []
+
+    logs = train_together(run_dir, tiny_model_dir, tiny_gsm8k, steps=1, rank=8)
+    assert "resumed from" not in logs
+    assert "an earlier start with other settings left a position and spooled batches: dropped; starting at step 0" \
+        in logs
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["lora"]["r"] == 8
+    assert yaml.safe_load((run_dir / "config.001.yaml").read_text())["lora"]["r"] == 4
+    assert sorted(p.name for p in run_dir.glob("config*.yaml")) == ["config.001.yaml", "config.yaml"]

@@ -3,6 +3,7 @@
 
 import hashlib
 
+import pytest
 import torch
 
 from data.cursor import PromptCursor
@@ -14,6 +15,8 @@ from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.run.ports import free_local_port
+from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.step import SamplerPolicy, make_batch, step_seed
 from grpo.wire.weights import Staged
 from conftest import tiny_model
@@ -186,3 +189,88 @@ def test_every_prompt_of_every_step_gets_its_own_block_of_seeds():
     assert prompt_seeds(calls[0], 16) == prompt_seeds(calls[0], 16)  # a re-run draws the same
     digest = hashlib.sha256(b"7/1").digest()  # worked value: the hash of "seed/index", 63 bits, rounded down
     assert prompt_seeds(7, 2)[1] == (int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK
+
+
+# ----------------------------------------------------------------------------- what never works stops the run
+
+USER_REWARDS = '''\
+"""Rewards for the stop tests: one reads a column the data does not have, one fails on "8"."""
+
+
+def exact_match(completion, row):
+    return float(completion.strip() == row["solution"])
+
+
+def picky(completion, row):
+    if completion.strip() == "8":
+        raise ValueError("cannot read 8")
+    return 1.0
+'''
+
+
+def fake_policy(cfg):
+    return SamplerPolicy(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+
+
+def steps(cfg, count, streaks):
+    """`count` steps of the fake engine's batches ("7" and "8" for answers 7 and 8), counted in `streaks`."""
+    policy = fake_policy(cfg)
+    return [make_batch(cfg, policy, prompts(), step=k, metrics_so_far={}, check_recorded=False, streaks=streaks)
+            for k in range(count)]
+
+
+def test_a_reward_that_fails_on_every_sample_stops_the_sampler_after_max_failed_steps(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    name = f"{tmp_path}/my_rewards.py:exact_match"
+    cfg = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=2")
+    streaks = FailureStreaks()
+    first, = steps(cfg, 1, streaks)
+    assert first.rewards[:, 0].tolist() == [-1.0] * 4 and first.meta["metrics"][f"rewards/{name}/failures"] == 4.0
+    with pytest.raises(RewardAlwaysFails) as stopped:
+        steps(cfg, 1, streaks)
+    assert str(stopped.value) == (
+        f"reward {name} failed on all 4 samples in each of the last 2 steps: KeyError: 'solution' "
+        f"({tmp_path}/my_rewards.py:5, in exact_match); stopped. Fix the function, or set rewards.max_failed_steps=0 "
+        "to train on with rewards.fallback")
+    off = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=0")
+    assert [b.step for b in steps(off, 3, FailureStreaks())] == [0, 1, 2]  # 0: trains on with the fallback
+
+
+def test_a_reward_that_fails_on_some_samples_falls_back_on_those_and_goes_on(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    name = f"{tmp_path}/my_rewards.py:picky"
+    batches = steps(config(f"rewards.names=[{name}]", "rewards.max_failed_steps=1"), 3, FailureStreaks())
+    assert [b.rewards[:, 0].tolist() for b in batches] == [[1.0, -1.0, 1.0, -1.0]] * 3  # "8" falls back to -1
+    assert [b.meta["metrics"][f"rewards/{name}/failures"] for b in batches] == [2.0] * 3
+
+
+def test_a_service_reward_that_fails_on_every_sample_stops_the_sampler_too():
+    url = f"http://127.0.0.1:{free_local_port()}/score"  # nothing listens there
+    cfg = config(f"rewards.names=[{url}]", "rewards.remote_retries=0", "rewards.max_failed_steps=2")
+    with pytest.raises(RewardAlwaysFails) as stopped:
+        steps(cfg, 2, FailureStreaks())
+    assert str(stopped.value) == (
+        f"reward {url} failed on all 4 samples in each of the last 2 steps: ServiceError: {url} cannot be reached: "
+        "[Errno 111] Connection refused (1 attempt); stopped. Fix the service, or set rewards.max_failed_steps=0 to "
+        "train on with rewards.fallback")
+
+
+def test_a_step_where_the_reward_works_again_starts_the_count_over():
+    cfg = config("rewards.max_failed_steps=2")
+    streaks, broken, working = FailureStreaks(), FailedOnAll(4, {"r": "KeyError: 'x'"}), FailedOnAll(4, {})
+    for failed in (broken, working, broken, working, broken):
+        streaks.observe(cfg, failed)
+    with pytest.raises(RewardAlwaysFails, match="reward r failed on all 4 samples in each of the last 2 steps"):
+        streaks.observe(cfg, broken)
+
+
+def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
+    """G = 3 at weight 0.45: prompt 10's completions are all "7" (0.45 each: no spread; their float32
+    std is 3.7e-8, not 0), prompt 11's "7", "8", "9" (0.45, -0.45, -0.45). Without dynamic sampling
+    the generated groups are the trained ones: both shares are 1 / 2."""
+    cfg = config("sampling.group_size=3", "rewards.weights=[0.45]")
+    policy = SamplerPolicy(ScriptedEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, numbered_prompts(10, 11), step=0, metrics_so_far={}, check_recorded=False)
+    assert batch.rewards[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
+    m = batch.meta["metrics"]
+    assert (m["sampling/zero_spread_fraction"], m["frac_reward_zero_std"]) == (0.5, 0.5)

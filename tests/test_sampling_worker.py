@@ -180,3 +180,43 @@ def test_embedded_model_streams_real_gsm8k_batches(tmp_path, gsm8k_data):
     assert all(len(c) <= 24 for c in batch.completion_ids)
     assert batch.rewards.shape == (2, 2) and batch.num_tokens == sum(len(c) for c in batch.completion_ids)
     assert all(bool((x <= 0).all()) for x in batch.old_logps)
+
+
+UNREADABLE_REWARD = '''\
+"""A reward that reads a column the dataset does not have: it raises on every sample."""
+
+
+def exact_match(completion, row):
+    return float(completion.strip() == row["solution"])
+'''
+
+
+def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_and_line(tmp_path, tiny_model_dir,
+                                                                                          tiny_gsm8k):
+    """rewards.max_failed_steps=2: step 0 is sent (on the fallback), step 1 is not; exit code 8, one
+    error line naming the reward, the error and the line of the user's file that raised it (the
+    reward runs in the sandbox child)."""
+    from sampling_worker import EXIT_REWARD_FAILED
+
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(UNREADABLE_REWARD)
+    address = free_tcp_address()
+    receiver = BatchReceiver(address)
+    proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
+                         "training.steps=4", f"rewards.names=[{rewards}:exact_match]", "rewards.weights=[1.0]",
+                         "rewards.max_failed_steps=2")
+    try:
+        first = receiver.receive_frames(timeout_s=120)[1]
+        assert proc.wait(timeout=120) == EXIT_REWARD_FAILED == 8
+        with pytest.raises(TransportTimeout):
+            receiver.receive_frames(timeout_s=1)
+    finally:
+        proc.kill()
+        receiver.close()
+    assert first.step == 0 and first.rewards[:, 0].tolist() == [-1.0] * 6
+    assert first.meta["metrics"][f"rewards/{rewards}:exact_match/failures"] == 6.0
+    errors = [line.split(" sampler ERROR ", 1)[1] for line in (tmp_path / "sampler.log").read_text().splitlines()
+              if " sampler ERROR " in line]
+    assert errors == [f"reward {rewards}:exact_match failed on all 6 samples in each of the last 2 steps: KeyError: "
+                      f"'solution' ({rewards}:5, in exact_match); stopped. Fix the function, or set "
+                      "rewards.max_failed_steps=0 to train on with rewards.fallback"]

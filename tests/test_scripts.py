@@ -95,26 +95,69 @@ def test_evaluate_a_run_uses_the_runs_config_and_lists_the_versions_on_disk(tmp_
     assert exit_.value.code == 0 and "--run RUN" in capsys.readouterr().out
 
 
+def step_rows(offset, rewards=("gsm8k_answer_lenient", "think_answer_format_partial"), kl=True):
+    """metrics.jsonl rows of steps 1-10 with the keys the trainer writes (training_worker.step_row with
+    the sampler's metrics: strict rates, the total reward, rewards/<name>/... per reward)."""
+    rows = []
+    for s in range(1, 11):
+        row = {"step": s, "loss": 0.1, "entropy": 1.0, "strict/answer_accuracy": 0.1 + offset,
+               "strict/format_rate": s / 10, "reward": -1 + s / 5, "completions/mean_length": 100 - s,
+               "timing/wait_s": 1.0, "timing/train_s": 2.0, **({"kl": 0.01 * s} if kl else {})}
+        for name in rewards:
+            row.update({f"rewards/{name}/mean": s / 20, f"rewards/{name}/std": 0.1,
+                        f"rewards/{name}/failures": 0.0, f"rewards/{name}/applies": 1.0})
+        rows.append(row)
+    return rows
+
+
+EVAL_ROWS = [{"step": 0, "eval/problems": 12.0, "eval/answer_accuracy": 0.1, "eval/answer_accuracy_stderr": 0.04,
+              "eval/format_rate": 0.3},
+             {"step": 5, "eval/problems": 12.0, "eval/answer_accuracy": 0.2, "eval/answer_accuracy_stderr": 0.05,
+              "eval/format_rate": 0.5}]
+
+
 def test_plot_metrics_overlays_runs_into_pngs(tmp_path):
     for run, offset in (("grpo", 0.0), ("gspo", 0.1)):
         (tmp_path / run).mkdir()
-        rows = [{"step": s, "strict/answer_accuracy": 0.1 + offset, "strict/format_rate": s / 10, "reward": -1 + s / 5,
-                 "entropy": 1.0, "kl": 0.01 * s, "completions/mean_length": 100 - s, "timing/wait_s": 1.0,
-                 "timing/train_s": 2.0} for s in range(1, 11)]
-        rows.insert(6, {"step": 5, "eval/answer_accuracy": 0.2, "eval/answer_accuracy_stderr": 0.05,
-                        "eval/format_rate": 0.5})  # written when its batch arrived, after step 6's row
-        rows.insert(0, {"step": 0, "eval/answer_accuracy": 0.1, "eval/answer_accuracy_stderr": 0.04,
-                        "eval/format_rate": 0.3})
+        rows = step_rows(offset)
+        rows.insert(6, EVAL_ROWS[1])  # written when its batch arrived, after step 6's row
+        rows.insert(0, EVAL_ROWS[0])
         (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 11, "rew')
     out = run_script("plot_metrics.py", str(tmp_path / "grpo"), str(tmp_path / "gspo"), "--labels", "GRPO,GSPO",
                      "--out", str(tmp_path / "figures"), "--smooth", "3")
-    assert "wrote 10 figures" in out
+    panels = ["answer_accuracy", "format_rate", "reward", "reward_gsm8k_answer_lenient",
+              "reward_think_answer_format_partial", "entropy", "kl", "completion_length", "step_time",
+              "eval_answer_accuracy", "eval_format_rate"]
+    assert out == f"wrote 12 figures to {tmp_path / 'figures'}: {', '.join(panels)}\n"
     names = sorted(p.name for p in (tmp_path / "figures").iterdir())
-    assert names == sorted(["metrics.png", "answer_accuracy.png", "format_rate.png", "reward.png", "entropy.png",
-                            "kl.png", "completion_length.png", "step_time.png", "eval_answer_accuracy.png",
-                            "eval_format_rate.png"])
+    assert names == sorted(["metrics.png", *(f"{name}.png" for name in panels)])
     for name in names:
         assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_panels_follow_the_runs_reward_names_and_leave_out_what_no_run_has():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from plot_metrics import panels
+
+    # a run of your own rewards, no KL (beta 0) and no evaluation; beside it one with a file reward and evaluations
+    own = step_rows(0.0, rewards=("my_rewards.py:exact_match",), kl=False)
+    other = step_rows(0.0, rewards=("my_rewards.py:exact_match", "http://127.0.0.1:8000/score"), kl=False)
+    assert [(p.name, p.title) for p in panels([own])] == [
+        ("answer_accuracy", "Answer accuracy (accuracy reward >= 1)"),
+        ("format_rate", "Format rate (format reward >= 1)"),
+        ("reward", "Total reward (weighted sum)"),
+        ("reward_my_rewards.py_exact_match", "Reward: my_rewards.py:exact_match"),
+        ("entropy", "Entropy"),
+        ("completion_length", "Completion length"),
+        ("step_time", "Step time (trainer wait + train)"),
+    ]
+    assert [p.title for p in panels([own, [*other, *EVAL_ROWS]])] == [
+        "Answer accuracy (accuracy reward >= 1)", "Format rate (format reward >= 1)", "Total reward (weighted sum)",
+        "Reward: my_rewards.py:exact_match", "Reward: http://127.0.0.1:8000/score", "Entropy", "Completion length",
+        "Step time (trainer wait + train)", "Held-out answer accuracy (greedy; ±1 s.e.)",
+        "Held-out format rate (greedy)",
+    ]
+    assert panels([[{"step": 1, "loss": 0.5}]]) == []
 
 
 def test_smoothing_and_series_worked_numbers():

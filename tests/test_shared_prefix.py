@@ -150,10 +150,11 @@ def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm
     assert max_abs_diff(shared64, plain64) <= 1e-10
     truth = [x.double() for x in plain64]
     float32_noise = max_abs_diff(plain, truth)  # ~1e-5 to 2e-5: the plain path against exact arithmetic
-    # Two float32 paths, each within the rounding noise of the truth, are within twice it of each
-    # other (triangle inequality). On an AVX-512 MKL build: shared-truth 9.1e-6, plain-truth 1.02e-5,
-    # shared-plain 1.14e-5, so "shared-plain <= plain-truth" was not an invariant.
-    assert max_abs_diff(shared, truth) <= 1.1 * float32_noise
+    # Each float32 path is within a small multiple of the rounding noise of the truth, and the two are
+    # within about twice it of each other. The ratio between the paths' own errors depends on the
+    # CPU's kernels: on one AVX-512 MKL build shared-truth 9.1e-6 against plain-truth 1.02e-5, on
+    # another 2.08e-5 against 1.22e-5; so neither path is always the closer one.
+    assert max_abs_diff(shared, truth) <= 2 * float32_noise
     assert max_abs_diff(shared, plain) <= 2 * float32_noise
     assert mean_abs_diff(shared, truth) <= 1.1 * mean_abs_diff(plain, truth)
 

@@ -84,6 +84,29 @@ def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
     assert watcher.poll() is None  # nothing newer
 
 
+def test_an_evaluation_mark_is_served_on_the_way_to_latest_so_eval_every_1_sees_every_version(tmp_path):
+    """Versions 1..3 published while the sampler evaluated: preferring the next mark (2), the
+    watcher loads v2, not LATEST (v3); then v3. Without a preference, or with a mark not yet
+    published, it loads LATEST as before."""
+    models = {v: lora_model(seed=10 + v) for v in (1, 2, 3)}
+    live = lora_model(seed=2)
+    watcher = WeightWatcher(tmp_path, [into_model(live)])
+    for v, model in models.items():
+        publish(model, tmp_path, version=v, step=v)
+    watcher.version = 1
+    assert watcher.poll(prefer=2).version == 2 and watcher.version == 2
+    assert all(torch.equal(lora_state(live)[k], v) for k, v in lora_state(models[2]).items())
+    assert watcher.poll(prefer=3).version == 3
+    watcher.version = 1
+    assert watcher.poll(prefer=5).version == 3  # the mark is not published yet: LATEST
+    watcher.version = 1
+    assert watcher.poll().version == 3
+    watcher.version = 1  # a mark that cannot be loaded does not hold the sampler back: on to LATEST
+    (version_dir(tmp_path, 2) / "adapter_model.safetensors").write_bytes(b"damaged")
+    assert not watcher.poll(prefer=2).loaded and watcher.version == 1
+    assert watcher.poll(prefer=2).version == 3
+
+
 def test_a_version_one_copy_refuses_is_served_by_neither(tmp_path):
     """The scoring copy and an engine's own copy take a version together. Here the first copy (rank
     8) could take the published rank-8 adapter and the second (rank 4) cannot, so neither does:

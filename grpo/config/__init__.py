@@ -38,11 +38,12 @@ def all_keys() -> list[str]:
 # ----------------------------------------------------------------------------- loading
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
-                written_by_a_run: bool = False) -> Config:
+                written_by_a_run: bool = False, validated: bool = True) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem (unknown
     keys, wrong types, impossible combinations) is reported at once, in one ConfigError.
     `written_by_a_run`: the file is the config a run saved (every key of its day), so keys removed
-    since are dropped, not refused."""
+    since are dropped, not refused. `validated=False` reads the values only (keys and types): a
+    saved config compared with a new one need not import its rewards again."""
     cfg, problems = Config(), []
     if path is not None:
         path = Path(path)
@@ -64,6 +65,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             problems.append(str(e))
             continue
         problems += set_key(cfg, key.split("."), value, True, key, Config)
+    if not validated:
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        return cfg
     return validate(cfg, problems)
 
 

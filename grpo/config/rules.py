@@ -201,8 +201,10 @@ def _process_errors(cfg: Config) -> list[str]:
         errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
     if cfg.rewards.timeout_s < 0:
         errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
-    if cfg.launch.max_minutes < 0:
-        errors.append(f"launch.max_minutes must be >= 0 (0 = no limit), got {cfg.launch.max_minutes}")
+    if cfg.rewards.max_failed_steps < 0:
+        errors.append(f"rewards.max_failed_steps must be >= 0 (0 = never stop); got {cfg.rewards.max_failed_steps}")
+    errors += [f"{key} must be >= 0 (0 = no limit), got {get_key(cfg, key)}"
+               for key in ("launch.max_minutes", "launch.stall_s") if get_key(cfg, key) < 0]
     if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
         errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
     if not 0 <= cfg.deepspeed.zero_stage <= 3:
@@ -275,12 +277,15 @@ def _env_errors(cfg: Config) -> list[str]:
                for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
     errors += _tool_errors(e)
     if e.name:
-        from grpo.environments import environment_args, environment_factory
+        from grpo.environments import args_problems, environment_args, environment_factory
 
         try:
             environment_factory(e.name, environment_args(e))  # imports it now: a bad name fails at start, in both processes
+            errors += args_problems(e.name, e.args)  # a mistyped env.args key, named with the keys it takes
         except (ValueError, ImportError) as error:
             errors.append(str(error))
+    if e.max_failed_steps < 0:
+        errors.append(f"env.max_failed_steps must be >= 0 (0 = never stop); got {e.max_failed_steps}")
     return errors
 
 

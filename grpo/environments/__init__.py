@@ -23,6 +23,7 @@ compares with OpenEnv and verifiers.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +70,45 @@ def _environment_class(name: str):
     if name not in BUILT_IN and ":" not in name:
         raise ValueError(f"env.name: unknown environment {name!r}; valid: {', '.join(VALID_NAMES)}")
     return import_object(BUILT_IN.get(name, name), "env.name")
+
+
+def args_problems(name: str, args: dict) -> list[str]:
+    """env.args keys the environment's factory does not take, one config error each, found at start
+    (the factory is imported by then: environment_factory). OpenEnv's: its class's keyword arguments
+    (env.args.init; the adapter's settings are checked by the adapter); the tool environment's and a
+    served one's: checked with their settings (grpo/config/rules.py, remote.py)."""
+    if name == "tools" or name.startswith("openenv+"):
+        return []
+    if name.startswith("openenv:"):
+        return unknown_keyword_problems(_openenv_class(name), dict(args.get("init") or {}), "env.args.init",
+                                        name.removeprefix("openenv:"), takes_row=False)
+    label = f"the {name} environment" if name in BUILT_IN else name
+    return unknown_keyword_problems(_environment_class(name), args, "env.args", label, takes_row=True)
+
+
+def _openenv_class(name: str):
+    from grpo.imports import import_object
+
+    return import_object(name.removeprefix("openenv:"), "env.name")
+
+
+KIND = inspect.Parameter  # the kinds of a parameter
+
+
+def unknown_keyword_problems(factory, given: dict, key: str, label: str, takes_row: bool) -> list[str]:
+    """`key`'s entries that `factory` has no keyword parameter for (its first one is the row when
+    `takes_row`); none when it takes **kwargs or its signature cannot be read (a C callable)."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is KIND.VAR_KEYWORD for p in parameters):
+        return []
+    if takes_row and parameters and parameters[0].kind in (KIND.POSITIONAL_ONLY, KIND.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]
+    takes = [p.name for p in parameters if p.kind in (KIND.POSITIONAL_OR_KEYWORD, KIND.KEYWORD_ONLY)]
+    return [f"{key} key {unknown!r} is not a parameter of {label} (it takes: {', '.join(takes) or 'nothing'})"
+            for unknown in given if unknown not in takes]
 
 
 def environment_args(env_cfg) -> dict:

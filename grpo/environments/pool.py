@@ -208,8 +208,15 @@ def failed_reply(failure: str) -> Reply:
     return Reply(text=f"error: the environment failed: {failure}")
 
 
-class StepFailed(Exception):
-    """An environment call that raised, hung or lost its process."""
+class StepFailed(ChildFailed):
+    """An environment call that raised (`where`: the line of the environment's code), hung or lost its process."""
+
+
+def described(error: Exception) -> str:
+    """A failed call as the episode records it: the error, and where in the environment's code it was
+    raised (the model reads the error alone: failed_reply)."""
+    where = getattr(error, "where", None)
+    return f"{error} ({where})" if where else str(error)
 
 
 class EnvironmentPool:
@@ -244,7 +251,7 @@ class EnvironmentPool:
                                     f"no reply within env.timeout_s={self.timeout_s:g} s")
         except ChildFailed as e:
             self._holding().discard(key)  # an environment that raised was dropped by the child
-            raise StepFailed(str(e)) from None
+            raise StepFailed(str(e), e.where) from None
         except ChildRefused as e:  # a replacement child that could not start
             raise IsolationError(str(e)) from None
 
@@ -253,7 +260,7 @@ class EnvironmentPool:
         try:
             return self._open(key, row), None
         except (StepFailed, IsolationError) as e:
-            return None, str(e)
+            return None, described(e)
 
     def _open(self, key: str, row: dict) -> str | None:
         self._restart_if_dead()
@@ -276,7 +283,7 @@ class EnvironmentPool:
 
     def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
-        on a failure, (an error message for the model, the failure)."""
+        on a failure, (an error message for the model, the failure and where it was raised)."""
         try:
             self._restart_if_dead()
             if key not in self._holding():
@@ -285,8 +292,7 @@ class EnvironmentPool:
                     self._call("step", key, earlier)
             return Reply.from_json(self._call("step", key, message)), None
         except (StepFailed, IsolationError) as e:  # IsolationError: a replacement child that could not start
-            failure = str(e)
-        return failed_reply(failure), failure
+            return failed_reply(str(e)), described(e)
 
     def forget(self, keys: list[str]) -> None:
         """Drop finished episodes' environments."""

@@ -8,6 +8,12 @@ until this run has one of its own); into a folder that already holds published w
 checkpoints or metrics it refuses, unless `run.overwrite=true`, which moves the old contents
 aside into a dated folder beside it (nothing is deleted).
 
+A start that trained no step leaves nothing that counts: its config files, logs, address,
+`trainer_state.json` at step 0, spool, metrics rows of step 0 (the evaluation of the starting
+weights) and a checkpoint of step 0 (which earlier versions wrote on SIGTERM) neither make the
+folder used nor are resumed from; the next start is a fresh one (its metrics file is moved aside;
+a sampler drops what a start with other settings left: grpo/sampler/state.py).
+
 A run folder is in use while its trainer runs: rank 0 holds an exclusive lock on
 `.<name>.lock` beside the folder (`hold_run_folder`; the kernel drops it when the process ends), so
 a second launch or trainer into a live run stops instead of resuming or moving it under the first.
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+UNTRAINED_TAG = "step000000"  # the checkpoint of a start stopped before its first step (written until this version)
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside a ZeRO checkpoint
 
 
 class RunFolderInUse(RunFolderError):
@@ -43,8 +51,8 @@ def resume_source(resume: str, run_dir: Path) -> Path | None:
     own = Path(run_dir) / CHECKPOINTS
     if resume == "never":
         return None
-    if is_checkpoint_folder(own):  # auto, or a folder elsewhere this run has moved on from
-        return own
+    if is_checkpoint_folder(own) and latest_tag(own) != UNTRAINED_TAG:  # auto, or a folder elsewhere
+        return own  # that this run has moved on from
     return Path(resume) if resume != "auto" and is_checkpoint_folder(resume) else None
 
 
@@ -64,13 +72,44 @@ def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
         found.append(f"published weights v{versions[0]}..v{versions[-1]}" if len(versions) > 1
                      else f"published weights v{versions[0]}")
     checkpoints = Path(run_dir) / CHECKPOINTS
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if checkpoints.is_dir() and not all(untrained_checkpoint_file(p) for p in checkpoints.iterdir()):
         found.append("checkpoints")
-    metrics = Path(run_dir) / METRICS
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        rows = sum(1 for line in metrics.read_text(errors="replace").splitlines() if line.strip())
-        found.append(f"{METRICS} ({rows} rows)")
+    rows = metrics_rows(Path(run_dir) / METRICS)
+    if any(row.get("step") != 0 for row in rows):
+        found.append(f"{METRICS} ({len(rows)} rows)")
     return found
+
+
+def trained_nothing(run_dir: Path, weights_dir: Path) -> bool:
+    """No step of the run folder's run was trained: what earlier starts left there does not count."""
+    return not earlier_outputs(run_dir, weights_dir)
+
+
+def latest_tag(checkpoints: Path) -> str:
+    """The checkpoint DeepSpeed's `latest` names ('' without one)."""
+    mark = Path(checkpoints) / CHECKPOINT_MARK
+    return mark.read_text().strip() if mark.is_file() else ""
+
+
+def untrained_checkpoint_file(path: Path) -> bool:
+    """Part of a checkpoint of step 0 (a start stopped before its first step), or DeepSpeed's scripts."""
+    return path.name in (UNTRAINED_TAG, *DEEPSPEED_SCRIPTS) or \
+        (path.name == CHECKPOINT_MARK and latest_tag(path.parent) == UNTRAINED_TAG)
+
+
+def metrics_rows(path: Path) -> list[dict]:
+    """The rows of a metrics file; a line that is not a JSON object (cut short by a crash) is `{}`."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = {}
+            rows.append(row if isinstance(row, dict) else {})
+    return rows
 
 
 def refusal(cfg: Config, found: list[str]) -> str:
@@ -106,7 +145,8 @@ def planned_start(cfg: Config) -> tuple[str, str]:
 
 def prepare_run_folder(cfg: Config, held: bool = False) -> Path | None:
     """Refuse a fresh start into a used run folder, or move its contents aside with run.overwrite;
-    returns the folder they were moved to (None when nothing was moved). A resume changes nothing.
+    returns the folder they were moved to (None when nothing was moved). A resume changes nothing;
+    a fresh start over one that trained nothing moves only its metrics.jsonl aside.
     `held`: the caller holds the run's lock (`hold_run_folder`); else it is taken for the check."""
     run_dir, weights_dir = Path(cfg.run_dir), Path(cfg.weights_dir)
     with contextlib.nullcontext() if held else _exclusive(run_dir, cfg):
@@ -114,6 +154,7 @@ def prepare_run_folder(cfg: Config, held: bool = False) -> Path | None:
             return None
         found = earlier_outputs(run_dir, weights_dir)
         if not found:
+            _move_untrained_metrics_aside(run_dir)
             return None
         if not cfg.run.overwrite:
             raise RunFolderInUse(refusal(cfg, found))
@@ -177,6 +218,15 @@ def _exclusive(run_dir: Path, cfg: Config):
         yield
     finally:
         f.close()
+
+
+def _move_untrained_metrics_aside(run_dir: Path) -> None:
+    """A fresh start over a start that trained nothing: its rows (evaluations of its starting
+    weights, maybe of another model) go to metrics.jsonl.replaced-<date>, so that this start
+    evaluates its own (the trainer writes one evaluation row per version)."""
+    metrics = Path(run_dir) / METRICS
+    if metrics_rows(metrics):
+        os.rename(metrics, aside_name(metrics, time.strftime("%Y%m%d-%H%M%S")))
 
 
 def _move_aside(run_dir: Path, weights_dir: Path) -> Path:

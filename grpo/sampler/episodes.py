@@ -95,8 +95,23 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     malformed_calls: int = 0  # of the tool calls, the ones that could not be read or named no tool
+    call_messages: int = 0  # model messages that made a tool call (well-formed or not)
+    well_formed_messages: int = 0  # of them, the ones whose every call was well-formed
     env_errors: int = 0  # steps that raised or timed out (grpo/environments/pool.py)
     open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
+    replies: int = 0  # the environment's steps that answered (did not fail)
+    env_error: str = ""  # its environment's first failure: the error, and where in its code it was raised
+
+    @property
+    def environment_failed(self) -> bool:
+        """Its environment failed and never answered: it could not open, and no step replied."""
+        return self.env_errors > 0 and self.replies == 0
+
+    def count_failure(self, failure: str | None) -> None:
+        """Count a failed environment call (None: it answered); the first one is kept."""
+        if failure is not None:
+            self.env_errors += 1
+            self.env_error = self.env_error or failure
 
     def add(self, ids, model: bool, logps=None) -> None:
         ids = [int(t) for t in ids]
@@ -194,7 +209,7 @@ class EpisodeRunner:
             for j in range(i * group_size, (i + 1) * group_size):
                 opening, failure = self.pool.open(f"{self.runs}/{j}", rows[i])
                 episodes[j].open_failed = failure is not None  # counted once: its first step opens it again
-                episodes[j].env_errors += failure is not None
+                episodes[j].count_failure(failure)
                 openings += [opening] if failure is None else []
                 failures += [failure] if failure is not None else []
             if not openings:
@@ -250,9 +265,13 @@ class EpisodeRunner:
         reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.said)
         if failure is None:  # a message whose step failed is not replayed when the episode is rebuilt
             e.messages.append(e.said)
-        e.env_errors += failure is not None and not (e.open_failed and e.turns == 1)  # that failure is counted
+            e.replies += 1
+        elif not (e.open_failed and e.turns == 1):  # that failure is counted already
+            e.count_failure(failure)
         e.tool_calls, e.tool_errors = e.tool_calls + reply.tool_calls, e.tool_errors + reply.tool_errors
         e.malformed_calls += reply.malformed_calls
+        e.call_messages += reply.tool_calls > 0
+        e.well_formed_messages += reply.tool_calls > 0 and reply.malformed_calls == 0
         if reply.reward is not None:
             e.reward = (e.reward or 0.0) + reply.reward
         if reply.done or e.turns >= self.max_turns:
@@ -296,11 +315,16 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Per-step means over the batch's episodes."""
+    """Per-step means over the batch's episodes. env/tool_messages/well_formed_rate: of the model's
+    messages that made a tool call, the share whose every call was well-formed (readable, to a tool
+    the environment has, with arguments that fit); absent when no message made one."""
     n = max(len(episodes), 1)
     calls = sum(e.tool_calls for e in episodes)
+    call_messages = sum(e.call_messages for e in episodes)
     model_tokens = sum(sum(e.model) for e in episodes)
-    return {"env/turns/mean": sum(e.turns for e in episodes) / n,
+    well_formed = sum(e.well_formed_messages for e in episodes)
+    return {**({"env/tool_messages/well_formed_rate": well_formed / call_messages} if call_messages else {}),
+            "env/turns/mean": sum(e.turns for e in episodes) / n,
             "env/turns/max": float(max((e.turns for e in episodes), default=0)),
             "env/tool_calls/mean": calls / n,
             "env/tool_errors/mean": sum(e.tool_errors for e in episodes) / n,

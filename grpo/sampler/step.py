@@ -2,7 +2,9 @@
 generate (or run episodes), score, advantages, log-probs, assemble the batch, send it.
 
 `run_step` is what the sampler's loop calls once per step; each stage is a small function
-below it, in the order they run (`make_batch`: the stages from generating to the batch).
+below it, in the order they run (`make_batch`: the stages from generating to the batch). A reward
+or an environment that fails on every sample of several steps in a row stops the loop
+(grpo/sampler/failures.py): a run on rewards.fallback alone learns nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +24,7 @@ from grpo.objective import Objective, loss_counts
 from grpo.objective.advantages import group_advantages
 from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
 from grpo.sampler.episodes import episode_metrics
+from grpo.sampler.failures import FailedOnAll, FailureStreaks
 from grpo.sampler.metrics import sampler_metrics
 from grpo.sampler.rollout import RolloutEngine, Rollouts
 from grpo.wire.batch import RolloutBatch
@@ -72,6 +75,7 @@ class SamplerLoop:
     evaluator: Any | None  # grpo.sampler.evaluation.TrainingEvaluator on sampler 0 with eval.every
     start_step: int
     previous_send_s: float = 0.0
+    streaks: FailureStreaks = field(default_factory=FailureStreaks)
 
 
 def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
@@ -87,7 +91,7 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
     # the recorded log-probs are checked against a recompute once per start, on its second step: the
     # first batch, which the trainer waits for, goes out without the extra forward (~5 s on 2 CPU cores)
     batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step + 1,
-                       more_prompts=prompts_of_round)
+                       more_prompts=prompts_of_round, streaks=loop.streaks)
     if evaluated:
         batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
     send(loop, step, batch)
@@ -101,7 +105,9 @@ def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
     t, loaded_before = time.perf_counter(), watcher.load_seconds
     g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
     needed = required_version(g, cfg.sampling.max_staleness, cfg.weights.publish_every)
-    wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: loop.redelivery.check(step))
+    mark = loop.evaluator.next_mark if loop.evaluator is not None else None  # served on its way, to be evaluated
+    wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: loop.redelivery.check(step),
+                     prefer=mark if mark is not None and mark >= needed else None)
     return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
             "sampler/weight_load_failures": float(watcher.failures)}
 
@@ -174,6 +180,7 @@ class Round:
     rewards_s: float = 0.0
     generation_flops: int = 0  # model FLOPs of the generation (grpo/model/flops.py)
     episodes: list | None = None  # grpo.sampler.episodes.Episode per sample, with env.name
+    failed_on_all: FailedOnAll | None = None  # set by generate_and_score
 
 
 def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
@@ -198,10 +205,11 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
         scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
                               torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
-                              scores.total + penalty, {**scores.failures, OVERLONG: 0})
+                              scores.total + penalty, {**scores.failures, OVERLONG: 0}, scores.errors)
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
-    return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes)
+    return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
+                 FailedOnAll.of(scores, episodes))
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
@@ -220,35 +228,39 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
-                            {name: sum(s.failures[name] for s in scores) for name in scores[0].failures}),
+                            {name: sum(s.failures[name] for s in scores) for name in scores[0].failures},
+                            dict(error for s in reversed(scores) for error in s.errors.items())),  # earliest round's wins
         generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
         generation_flops=sum(rnd.generation_flops for rnd in rounds),
-        episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None)
+        episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None,
+        failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
 
 
 def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
     """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
-    have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that."""
+    have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that, and always the
+    share of the generated groups whose rewards are all equal (no learning signal)."""
     s = cfg.sampling
     first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox)
-    if not s.dynamic_sampling:
-        return first, {}
     rounds, spreads = [first], [has_spread(first.scores.total, s.group_size)]
-    while sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds and more_prompts:
+    while s.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds \
+            and more_prompts:
         extra = generate_and_score(cfg, policy, more_prompts(len(rounds)), round_seed(step_seed(cfg, step), len(rounds)),
                                    sandbox)
         rounds.append(extra)
         spreads.append(has_spread(extra.scores.total, s.group_size))
+    generated = sum(map(len, spreads))
+    flat = {"sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated}  # of the generated groups
+    if not s.dynamic_sampling:
+        return first, flat
     chosen, short = choose_groups(spreads, len(prompts))
     if short:
         log.warning("dynamic sampling: %d of %d groups have differing rewards after %d rounds "
                     "(sampling.dynamic_sampling_max_rounds); filled with groups that give no gradient",
                     sum(map(sum, spreads)), len(prompts), len(rounds))
-    generated = sum(map(len, spreads))
     return keep_groups(rounds, chosen, s.group_size), {
-        "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
+        **flat, "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
         "sampling/dynamic_dropped_fraction": (generated - len(prompts)) / generated,  # generated, not trained
-        "sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated,  # of the generated groups
         "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
 
 
@@ -276,15 +288,18 @@ def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.T
 
 
 def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
-               check_recorded: bool, more_prompts=None) -> RolloutBatch:
+               check_recorded: bool, more_prompts=None, streaks: FailureStreaks | None = None) -> RolloutBatch:
     """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
     rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
-    weights wait, and this function's) in `meta["metrics"]`."""
+    weights wait, and this function's) in `meta["metrics"]`. With `streaks`, AlwaysFailing once a
+    reward or the environment has failed on every sample for its max_failed_steps steps."""
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
                                           global_step(sampler, step, cfg.sampling.num_workers), sandbox)
+    if streaks is not None:  # before the log-probs: a step that stops the run costs no forward pass
+        streaks.observe(cfg, kept.failed_on_all)
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)

@@ -161,6 +161,11 @@ class RewardsConfig:
                                                    "strict/format_rate and eval/format_rate: met when it gives >= 1.")
     fallback: float = _f(-1.0, "Reward given when a reward function raises, returns NaN/inf or times out on a "
                                "sample (counted in metrics as rewards/<name>/failures).")
+    max_failed_steps: int = _f(2, "A reward that fails on every sample of this many sampler steps in a row (a "
+                                  "service too) stops the sampler (exit code 8) with its error and the line that "
+                                  "raised it; failing on some samples only is the fallback and a warning. Raise it "
+                                  "for a service that may be down for a while. 0 = never stop: train on with "
+                                  "rewards.fallback.")
     overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before sampling.max_new_tokens a "
                                  "completion's reward falls linearly to -rewards.overlong_penalty (logged as the reward "
                                  "overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
@@ -223,7 +228,9 @@ class TrainingConfig:
 class EvalConfig:
     every: int = _f(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
                        "answers to eval.num_problems held-out problems with the weights the sampler serves, logged "
-                       "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step.")
+                       "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step. "
+                       "Sampler 0 loads each mark's version on its way to newer ones, so every mark is evaluated "
+                       "(its batches may then be up to sampling.max_staleness versions old).")
     num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).")
     split: str = _f("test", "Held-out split of data.path.")
     batch_size: int = _f(16, "Prompts generated at once during evaluation.")
@@ -261,6 +268,9 @@ class EnvConfig:
                                 "enforce it for root).")
     cpu_s: int = _f(3600, "CPU seconds of the environments' child over its life, and of each process it starts "
                           "(0 = no limit); past it the child is replaced like after a hang.")
+    max_failed_steps: int = _f(2, "An environment that fails on every episode of this many sampler steps in a row "
+                                  "(none could open or answer a step) stops the sampler (exit code 9) with its "
+                                  "error. 0 = never stop: the model reads the errors.")
 
 
 @dataclass
@@ -318,6 +328,10 @@ class LaunchConfig:
                                                    "the project). When it does not exist, the launcher's own Python.")
     max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both processes "
                                  "cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.")
+    stall_s: float = _f(180.0, "A worker that writes nothing to its log for this long during its start-up (before the "
+                               "sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks "
+                               "written to its log, and the console says where it is; still silent after twice this, "
+                               "scripts/launch.py stops the run. 0 = never.")
 
 
 @dataclass

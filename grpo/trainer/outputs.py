@@ -8,12 +8,13 @@ and checkpoints are written aside and renamed into place.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.files import write_atomically
+from grpo.files import CHECKPOINT_MARK, write_atomically
 from grpo.run.rows import is_evaluation_row
 from grpo.wire.delivery import TrainerState
 from grpo.wire.weights import publish
@@ -107,10 +108,21 @@ def publish_weights(model, cfg: Config, version: int, rank: int) -> None:
 
 def save_checkpoint(engine, cfg: Config, state: TrainerState, rank: int) -> None:
     """DeepSpeed checkpoint (every rank) plus the trainer state the samplers resume from.
-    DeepSpeed names a checkpoint in `latest` only once it is written whole."""
+    DeepSpeed names a checkpoint in `latest` only once it is written whole. A LoRA run's holds what
+    trains (the adapter, its optimizer state), not the frozen base: a resume loads the base from the
+    model again (`load_trainable`)."""
     ckpt_dir = cfg.run_dir / "checkpoints"
-    with reported_write(f"the checkpoint of step {state.step}", ckpt_dir):
-        engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}", client_state={"trainer": vars(state)})
+    # DeepSpeed's exclude_frozen_parameters drops a frozen parameter under its first name only: a tied
+    # embedding would stay in as lm_head.weight (113 MB of the embedded model's 535)
+    hook = engine.module.register_state_dict_post_hook(_without_frozen) if cfg.lora.enabled else None
+    try:
+        with reported_write(f"the checkpoint of step {state.step}", ckpt_dir):
+            engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}",
+                                   client_state={"trainer": vars(state), "base": base_fingerprint(engine.module)},
+                                   exclude_frozen_parameters=cfg.lora.enabled)
+    finally:
+        if hook is not None:
+            hook.remove()
     if rank == 0:
         state_path = cfg.run_dir / "trainer_state.json"
         with reported_write("the trainer state", state_path):
@@ -118,3 +130,66 @@ def save_checkpoint(engine, cfg: Config, state: TrainerState, rank: int) -> None
         tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step"))
         for old in tags[:-cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint whose trained weights are not this model's (another LoRA shape or targets)."""
+
+
+def frozen_names(module) -> set[str]:
+    """Every name of every frozen parameter of `module`, a tied one's second name too."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _without_frozen(module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A state_dict post-hook: the frozen parameters left out, under all their names."""
+    for name in frozen_names(module):
+        state_dict.pop(prefix + name, None)
+
+
+def load_trainable(src: dict, dst) -> None:
+    """DeepSpeed's `custom_load_fn`: the checkpoint's module state into `dst`, which may leave out
+    the frozen parameters (a LoRA run's checkpoint); anything else missing or unexpected is refused."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = frozen_names(dst)
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise CheckpointMismatch(f"the checkpoint does not hold this model's trained weights: {len(missing)} missing "
+                                 f"(e.g. {missing[:2]}), {len(result.unexpected_keys)} unexpected (e.g. "
+                                 f"{sorted(result.unexpected_keys)[:2]}); it was made with another model or LoRA setting")
+
+
+def base_fingerprint(module) -> str:
+    """What a LoRA adapter was trained on top of: sha256 of the frozen parameters' names, shapes and
+    first values (a checkpoint that leaves the base out records it; '' for a full fine-tune)."""
+    digest, found = hashlib.sha256(), False
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            continue
+        found = True
+        digest.update(f"{name}{tuple(getattr(p, 'ds_shape', p.shape))}".encode())
+        if p.numel():  # under ZeRO-3 a rank holds an empty placeholder: names and shapes only
+            digest.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return digest.hexdigest() if found else ""
+
+
+def check_base(saved: str | None, current: str, cfg: Config) -> None:
+    """Refuse to continue a LoRA checkpoint on another base model than the one it was trained on
+    (a model folder changed in place, another run's checkpoint); checkpoints without a record pass."""
+    if saved and current and saved != current:
+        raise CheckpointMismatch(f"the checkpoint's LoRA adapter was trained on another base model than "
+                                 f"model.name_or_path={cfg.model.name_or_path} loads now (its frozen weights "
+                                 "differ); resume with the model it was trained on, or start a new run (a new "
+                                 "run.name, or checkpoint.resume=never run.overwrite=true)")
+
+
+def check_resumable(checkpoints: Path, cfg: Config, world: int) -> None:
+    """Refuse a ZeRO checkpoint written by another number of ranks: DeepSpeed cannot split its
+    optimizer state otherwise, and would fail halfway through loading it."""
+    tag = (Path(checkpoints) / CHECKPOINT_MARK).read_text().strip()
+    ranks = len(list((Path(checkpoints) / tag).glob("*zero_pp_rank_*_optim_states.pt")))
+    if ranks and ranks != world:
+        raise CheckpointMismatch(f"the checkpoint {Path(checkpoints) / tag} was written by {ranks} trainer ranks "
+                                 f"(deepspeed.zero_stage={cfg.deepspeed.zero_stage} splits its optimizer state "
+                                 f"by rank) and this trainer has {world}: start it with {ranks} ranks "
+                                 f"(launch.trainer_ranks={ranks}), or start a new run")

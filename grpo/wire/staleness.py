@@ -34,15 +34,18 @@ class StalenessTimeout(TimeoutError):
     """The trainer did not publish the weights the next step needs in time."""
 
 
-def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None) -> None:
+def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2, on_poll=None,
+                     prefer: int | None = None) -> None:
     """Poll the weights folder, loading new versions, until `watcher.version >= needed`;
-    `on_poll()` runs at each poll (the sampler re-sends spooled batches to a restarted trainer)."""
+    `on_poll()` runs at each poll (the sampler re-sends spooled batches to a restarted trainer).
+    `prefer` (>= needed): a version to load rather than a newer LATEST (the next evaluation mark,
+    so that eval.every=1 evaluates every version)."""
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:
         if on_poll is not None:
             on_poll()
-        watcher.poll()
+        watcher.poll(prefer)
         if watcher.version >= needed:
             return
         if not announced:

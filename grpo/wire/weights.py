@@ -274,12 +274,18 @@ class WeightWatcher:
             log.warning("cannot read %s/LATEST: %s", self.root, e)
             return None
 
-    def poll(self) -> LoadResult | None:
-        """Load the version LATEST names when it is not ours; None when nothing changed.
+    def poll(self, prefer: int | None = None) -> LoadResult | None:
+        """Load the version LATEST names when it is not ours; None when nothing changed. `prefer`:
+        a version wanted on its way there (an evaluation mark): when it is newer than ours and
+        published, the oldest version on disk at or past it is loaded instead of LATEST.
 
         LATEST moves back only when a trainer restarts from an older checkpoint: the versions
         after it belong to a trajectory being redone, so the sampler follows it back."""
         latest = self.latest()
+        if latest is not None and prefer is not None and self.version < prefer <= latest:
+            wanted = min((v for v in published_versions(self.root) if prefer <= v <= latest), default=latest)
+            if self._refused.get(wanted) != _identity(version_dir(self.root, wanted)):  # else on to LATEST
+                latest = wanted
         if latest is None or latest == self.version:
             return None
         folder = version_dir(self.root, latest)

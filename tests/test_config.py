@@ -7,7 +7,7 @@ import yaml
 
 from grpo.config import (Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config,
                          to_dict, validate)
-from grpo.settings.tree import FOREIGN_KEYS, FOREIGN_NAMES
+from grpo.settings.foreign import FOREIGN_KEYS, FOREIGN_NAMES
 from conftest import REPO
 
 REQUIRED_KEYS = [

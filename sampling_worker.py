@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
-    sandbox = policy.sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None
+    sandbox = policy.sandbox = (RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0
+                                else None)
     evaluator = None
     if eval_prompts is not None:
         # resumed: the step before start_step served at least version g - 1 - max_staleness and

@@ -74,8 +74,10 @@ def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str,
     observation) after the question: in the question's own user turn, so that templates which
     require alternating roles take it, else in a user turn of its own; and whether the opening was
     cut to keep the prompt within `max_tokens`. The opening is read as plain text: special tokens
-    in it cannot end the turn. A prompt not rendered from chat turns (made by hand) gets it after
-    its tokens between newlines."""
+    in it cannot end the turn. Whole, it is tokenized with the template around it in one piece, as
+    the whole conversation is (with Qwen2's pre-tokenizer a `.` and the newline after it are one
+    token); cut, or holding a special token's text, the pieces are tokenized apart. A prompt not
+    rendered from chat turns (made by hand) gets it after its tokens between newlines."""
     body = tokenizer(opening, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
     if not prompt.turns or not getattr(tokenizer, "chat_template", None):
@@ -83,6 +85,10 @@ def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str,
     else:
         head, tail = render(tokenizer, list(_opened_turns(prompt.turns, OPENING)), prefill, prompt.tools).split(OPENING)
         before, after = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in (head, tail))
+        whole = tokenizer(head + opening + tail, add_special_tokens=False)["input_ids"]
+        if not any(special in opening for special in special_texts(tokenizer)) and \
+                (max_tokens is None or len(whole) <= max_tokens):  # as serving tokenizes the conversation
+            return Prompt(prompt.problem, whole, _opened_turns(prompt.turns, opening), prompt.tools), False
     room = len(body) if max_tokens is None else max_tokens - len(before) - len(after)
     if room < 0:  # not even an empty opening fits
         return prompt, True
@@ -90,6 +96,12 @@ def with_opening(tokenizer, prompt: Prompt, opening: str, prefill: str,
     return Prompt(prompt.problem, before + shown + after, _opened_turns(prompt.turns, tokenizer.decode(shown)),
                   prompt.tools), \
         room < len(body)
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (<|im_end|>, ...): what an environment's message may not
+    turn into control tokens."""
+    return tuple(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
 
 
 def _opened_turns(turns: tuple, opening: str) -> tuple:

@@ -6,18 +6,33 @@ GIL, so the caller itself would hang. The child is forked, so it has every funct
 user module the parent had (a test's too). Requests and answers cross the pipe as JSON, never
 pickle. A call that does not answer in time, or a child that died, gets the child killed and a
 fresh one forked; the caller sees `ChildFailed`, which says where in the user's code an error was
-raised (`raised_at`). The child dies with its parent (Linux).
+raised (`raised_at`).
+
+The child is a session of its own: a keeper process, which runs no served code, and under it the
+server, which does; every process the served code starts stays in that session (a seccomp filter
+refuses setsid() where libseccomp is present; a new process group inside it is fine). A call that
+times out, a child that is replaced or closed, a server that dies and a parent that dies (the
+keeper's parent-death signal) each end the whole session, SIGKILL to each of its processes
+(end_session): no process a tool started outlives its child. The
+child sees only an allow-list of the parent's environment variables (PATH, HOME, LANG, LC_*, and the
+names the caller passes), its own temporary folder as TMPDIR (removed with it), and not the block
+of variables the parent was started with (/proc/self/environ reads zeros).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import stat
+import sys
 import sysconfig
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -28,6 +43,7 @@ NO_ANSWER = object()  # what a handler returns for a request that wants no answe
 ROOT = Path(__file__).resolve().parents[1]
 OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data"))
 LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
+PASSED_ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR")  # and every LC_* name; the rest only by name (env.pass_env)
 
 
 def close_inherited_sockets(keep: int) -> None:
@@ -40,6 +56,112 @@ def close_inherited_sockets(keep: int) -> None:
                 os.close(fd)
         except OSError:
             pass  # the listing's own descriptor, already gone
+
+
+def passed_environment(environ, names=()) -> dict[str, str]:
+    """The variables of `environ` a child sees: PATH, HOME, LANG, LC_*, TMPDIR and `names`."""
+    allowed = set(PASSED_ENVIRONMENT) | set(names)
+    return {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
+
+
+def _replace_environment(environment: dict[str, str]) -> None:
+    """os.environ, and the C library's environment a subprocess inherits (a library may have set
+    variables there that os.environ does not show), becomes `environment`; the block this process
+    was started with, which /proc/self/environ reads (a forked child has its parent's), is zeroed."""
+    os.environ.clear()
+    ctypes.CDLL(None).clearenv()
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # fields 3.. of proc(5): env_start and env_end are 50, 51
+        start, end = int(fields[47]), int(fields[48])
+        if 0 < start < end:
+            ctypes.memset(start, 0, end - start)
+    except (OSError, IndexError, ValueError):
+        pass  # no /proc: nothing reads the block either
+    os.environ.update(environment)
+    tempfile.tempdir = None  # tempfile reads TMPDIR again
+
+
+SCMP_ACT_ALLOW, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 7
+INT_MASK = 0xFFFFFFFF  # the kernel reads these arguments as ints: compare the low 32 bits only
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+
+def seccomp_deny(rules: list[tuple[str, int, dict]]) -> bool:
+    """A seccomp filter on this process and every process it starts: each (system call, errno,
+    {argument index: int value, or (mask, value) for `argument & mask == value`}) rule makes that
+    call, with those arguments (all of them; none: any), fail with that errno, at the system call,
+    below Python and any C library. A call the architecture lacks is skipped. False when
+    libseccomp is missing or the filter cannot load."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        return False
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
+    if not ctx:
+        return False
+    try:
+        for name, error, args in rules:
+            number = lib.seccomp_syscall_resolve_name(name.encode())
+            if number < 0:
+                continue
+            masked = {i: v if isinstance(v, tuple) else (INT_MASK, v & INT_MASK) for i, v in args.items()}
+            compare = (_ArgCmp * max(1, len(args)))(*[_ArgCmp(i, SCMP_CMP_MASKED_EQ, mask, value)
+                                                       for i, (mask, value) in masked.items()])
+            if lib.seccomp_rule_add_array(ctx, 0x00050000 | error, number, len(args), compare) != 0:
+                return False
+        return lib.seccomp_load(ctx) == 0
+    finally:
+        lib.seccomp_release(ctx)
+
+
+# no process of a child leaves its session, which ends as one; a new process group inside it is fine
+# (coreutils' `timeout` makes one, then signals it whole)
+STAY_IN_SESSION = [("setsid", errno.EPERM, {})]
+
+LANDLOCK_CREATE_RULESET, LANDLOCK_RESTRICT_SELF, LANDLOCK_ABI_VERSION = 444, 446, 1  # every architecture's numbers
+MAKE_DEVICES_AND_SOCKETS = (1 << 6) | (1 << 9) | (1 << 11)  # LANDLOCK_ACCESS_FS_MAKE_CHAR, _MAKE_SOCK, _MAKE_BLOCK
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # Landlock ABI 6 (Linux 6.12)
+PR_SET_NO_NEW_PRIVS = 38
+
+
+class _LandlockRuleset(ctypes.Structure):  # struct landlock_ruleset_attr
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where it has none (or a filter refuses the call)."""
+    return max(0, ctypes.CDLL(None, use_errno=True).syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_ABI_VERSION))
+
+
+def landlock_scope() -> int:
+    """A Landlock domain for this process and every process it starts: none of them may ptrace a
+    process outside it (nor open its /proc/<pid>/mem) or make a device node or a socket file; from
+    ABI 6 (Linux 6.12) none may signal a process outside it or connect to an abstract Unix socket
+    made outside it. Root is bound too. The ABI applied; 0 where the kernel has no Landlock."""
+    abi = landlock_abi()
+    if abi < 1:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
+    ruleset = _LandlockRuleset(MAKE_DEVICES_AND_SOCKETS, 0, scoped)
+    fd = libc.syscall(LANDLOCK_CREATE_RULESET, ctypes.byref(ruleset), ctypes.sizeof(ruleset), 0)
+    if fd < 0:
+        return 0
+    try:
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
+            return 0
+    finally:
+        os.close(fd)
+    return abi
 
 
 class ChildFailed(RuntimeError):
@@ -76,12 +198,59 @@ def failure_text(error: BaseException) -> str:
     return f"{text} ({where})" if where else text
 
 
-def _serve(conn, parent_end, setup: Callable) -> None:
-    parent_end.close()  # else this copy of the parent's end keeps the pipe open after the parent dies
-    try:  # a child busy in a hang dies with its parent too
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(sig: int) -> None:
+    """`sig` to this process when the thread that forked it ends (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
+
+
+def _end_session(*_) -> None:
+    end_session(os.getpid())  # the keeper leads the session: every other process of it, then itself
+    shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)  # the child's folder, also after a killed parent
+    os._exit(0)
+
+
+def _keep(server: int, parent: int) -> None:
+    """The keeper: waits for the server; when it ends, or the parent dies (a parent-death SIGTERM,
+    which the keeper, running no served code, always takes), it ends the whole session and removes
+    the child's folder. Never returns."""
+    signal.signal(signal.SIGTERM, _end_session)
+    _die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        _end_session()
+    try:
+        os.waitpid(server, 0)
+    except ChildProcessError:
+        pass
+    _end_session()
+
+
+def _serve(conn, parent_end, setup: Callable, environment: dict[str, str]) -> None:
+    parent_end.close()  # else this copy of the parent's end keeps the pipe open after the parent dies
+    parent = os.getppid()
+    os.setsid()  # a session of its own: the parent ends it, and everything in it (end_session)
+    _replace_environment(environment)
+    keeper = os.getpid()
+    server = os.fork()
+    if server:
+        conn.close()  # the server's death must reach the parent as the pipe's end
+        close_inherited_sockets(keep=-1)  # the sampler's connections are not held open by a copy here
+        _keep(server, parent)
+    _die_with_parent(signal.SIGKILL)  # a server busy in a hang dies with the keeper
+    if os.getppid() != keeper:
+        os._exit(0)
+    seccomp_deny(STAY_IN_SESSION)  # where libseccomp is missing, a process may still leave with setsid()
+    try:
+        _handle(conn, setup)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _handle(conn, setup: Callable) -> None:
     try:
         handler, info = setup(conn.fileno())
     except Exception as e:  # ChildRefused, or a setup that broke: the parent is told, not left waiting
@@ -104,28 +273,89 @@ def _serve(conn, parent_end, setup: Callable) -> None:
         conn.send_bytes(json.dumps(reply).encode())
 
 
+def session_members(session: int) -> list[int]:
+    """The live processes of `session` (by /proc: its id is field 6 of a process's stat), but this one."""
+    found, own = [], os.getpid()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != own and _session_of(int(name)) == session:
+            found.append(int(name))
+    return found
+
+
+def _session_of(pid: int) -> int | None:
+    """The session of live process `pid`; None when it is gone, or a zombie (which needs no signal)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
+    except (OSError, ValueError):
+        return None
+    return None if state in "ZX" else int(session)
+
+
+def end_session(session: int | None) -> None:
+    """SIGKILL to every process of `session` (a child: its keeper, its server and all they started,
+    whatever process group each is in), until none is left. Each is signalled through a pidfd taken
+    before its session is read again, so a number reused by another process is never signalled."""
+    for attempt in range(1000):  # killed processes fork no more: a few rounds at most
+        if attempt:
+            time.sleep(0.01)  # a process SIGKILLed an instant ago may still be listed
+        members = session_members(session) if session else []
+        if not members:
+            return
+        for pid in members:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError as e:  # gone; or a kernel before 5.3, without pidfds
+                if e.errno == errno.ENOSYS and _session_of(pid) == session:
+                    _kill(pid)
+                continue
+            try:
+                if _session_of(pid) == session:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass  # gone meanwhile
+            finally:
+                os.close(fd)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass  # gone
+
+
 class Child:
     """The parent's side. `setup(pipe_fd) -> (handler, info)` runs in the child after the fork:
     `handler(request) -> answer` serves each request (an optional `handler.close()` runs when the
-    pipe closes), `info` is reported back as `self.info`; setup raises ChildRefused to refuse."""
+    pipe closes), `info` is reported back as `self.info`; setup raises ChildRefused to refuse.
+    `pass_env`: environment variables the child sees besides PATH, HOME, LANG, LC_* and TMPDIR."""
 
-    def __init__(self, name: str, setup: Callable):
-        self.name, self.setup, self.restarts = name, setup, 0
+    def __init__(self, name: str, setup: Callable, pass_env=()):
+        self.name, self.setup, self.restarts, self.pass_env = name, setup, 0, tuple(pass_env)
         self._context = multiprocessing.get_context("fork")
+        self._session = None
         self._start()
 
     def _start(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix=f"grpo-{self.name}-")  # its TMPDIR, removed with it
+        environment = {**passed_environment(os.environ, self.pass_env), "TMPDIR": self.tmp}
         self._conn, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child, self._conn, self.setup), daemon=True,
-                                              name=self.name)
+        self._process = self._context.Process(target=_serve, args=(child, self._conn, self.setup, environment),
+                                              daemon=True, name=self.name)
         self._process.start()
+        self._session = self._process.pid  # the keeper leads the session
         child.close()
         if not self._conn.poll(START_TIMEOUT_S):
             self._stop(grace_s=0.0)
             raise ChildRefused(f"the {self.name} process did not start within {START_TIMEOUT_S:g} s")
-        status, self.info = json.loads(self._conn.recv_bytes())
+        try:
+            status, self.info = json.loads(self._conn.recv_bytes())
+        except EOFError:
+            self._stop(grace_s=0.0)
+            raise ChildRefused(f"the {self.name} process died as it started") from None
         if status != "ready":
-            self._process.join()
+            self._stop(grace_s=0.0)
             raise ChildRefused(self.info)
 
     def alive(self) -> bool:
@@ -169,8 +399,12 @@ class Child:
         self._stop(grace_s)
 
     def _stop(self, grace_s: float) -> None:
+        """Its whole session ended (every process the served code started), its folder removed."""
         self._conn.close()
         if grace_s:
             self._process.join(timeout=grace_s)
+        end_session(self._session)
+        self._session = None  # once: the number may lead another session after the keeper is reaped
         self._process.kill()
         self._process.join()
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,5 +1,11 @@
 """POST JSON, get JSON: the one HTTP path of the remote rewards (rewards/remote.py) and the judge
-(rewards/judge.py), with a time limit, retries with exponential backoff, and an error that says why.
+(rewards/judge.py), with a time limit, retries with exponential backoff (or the wait a 429/503's
+Retry-After asks for, up to the time limit), a circuit breaker, and an error that says why.
+
+The breaker is what bounds a dead service: a judge scores each sample with its own request, so
+retries alone would let a hung judge cost each sample its time limit (512 samples, 8 at a time,
+3 attempts of 30 s: 98 minutes a step). After enough failures in a row (each request in flight
+failing twice) it opens: every call fails at once for BREAKER_COOLDOWN_S, then the next calls try again.
 
 stdlib urllib (it honours http_proxy / https_proxy / no_proxy as requests does). The answer is
 parsed as JSON, nothing else: a service can send numbers, never code.
@@ -7,9 +13,11 @@ parsed as JSON, nothing else: a service can send numbers, never code.
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -21,6 +29,8 @@ log = logging.getLogger(__name__)
 BACKOFF_S = 0.5  # the first retry waits this long, each later one twice as long as the one before
 MAX_ANSWER_BYTES = 16 * 2**20  # 16 MiB: far more than a batch of scores or a judge's verdict
 RETRIED_STATUSES = {408, 425, 429, 500, 502, 503, 504}  # the server may answer next time; other 4xx will not
+RATE_LIMITED = 429  # the server is up and asks us to slow down: honoured, but not a failure for the breaker
+BREAKER_COOLDOWN_S = 30.0  # an open breaker fails calls at once this long: the rest of a batch, not the next step
 
 
 class ServiceError(RuntimeError):
@@ -28,24 +38,76 @@ class ServiceError(RuntimeError):
 
 
 class _Transient(ServiceError):
-    """A failure that a retry may cure: no connection, no answer in time, a 5xx or 429."""
+    """A failure that a retry may cure: no connection, no answer in time, a 5xx or 429 (with the
+    seconds its Retry-After header asked to wait, if any)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None, status: int | None = None):
+        super().__init__(message)
+        self.retry_after_s, self.status = retry_after_s, status
 
 
-def post_json(url: str, payload, timeout_s: float, retries: int, headers: dict | None = None):
+class Breaker:
+    """A circuit breaker over one service's calls, shared by the threads that call it: after
+    `failures_to_open` failed attempts in a row (no answer in time, no connection, a 5xx) it is open
+    for `cooldown_s`, and calls fail at once; then it lets calls through again, and one more failure
+    opens it again. Any answer closes it."""
+
+    def __init__(self, failures_to_open: int, cooldown_s: float = BREAKER_COOLDOWN_S):
+        self.failures_to_open, self.cooldown_s = failures_to_open, cooldown_s
+        self._lock = threading.Lock()
+        self._failures, self._open_until, self._why = 0, 0.0, ""
+
+    def check(self, url: str) -> None:
+        """ServiceError, at once, while the breaker is open."""
+        with self._lock:
+            wait = self._open_until - time.monotonic()
+            if wait > 0:
+                raise ServiceError(f"{url} failed {self._failures} times in a row ({self._why}); not called again "
+                                   f"for {wait:.0f} s")
+
+    def failed(self, why: str) -> None:
+        with self._lock:
+            self._failures += 1
+            self._why = why
+            if self._failures >= self.failures_to_open:
+                self._open_until = time.monotonic() + self.cooldown_s
+
+    def answered(self) -> None:
+        with self._lock:
+            self._failures, self._open_until = 0, 0.0
+
+
+def post_json(url: str, payload, timeout_s: float, retries: int, headers: dict | None = None,
+              breaker: Breaker | None = None):
     """The JSON answer to POSTing `payload` to `url`. Each attempt must connect and answer whole
     within `timeout_s` (a server that trickles its answer is cut off);
     a transient failure is tried again `retries` times, waiting BACKOFF_S, 2 x BACKOFF_S, ...
-    between attempts. ServiceError when no attempt gave a JSON answer."""
+    between attempts, or what a Retry-After header asks for when longer (up to `timeout_s`: a
+    server that wants a longer pause is down for this batch). With `breaker`, no attempt is made
+    while it is open. ServiceError when no attempt gave a JSON answer."""
     body = json.dumps(payload).encode()
+    breaker = breaker or Breaker(math.inf)  # a breaker of its own never opens: only this call's retries
+    wait_s = 0.0
     for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+        time.sleep(wait_s)
+        breaker.check(url)
         try:
-            return _within(timeout_s, _post_once, url, body, timeout_s, headers or {})
+            answer = _within(timeout_s, _post_once, url, body, timeout_s, headers or {})
         except _Transient as e:
+            if e.status == RATE_LIMITED:  # it answered: up, and busy
+                breaker.answered()
+            else:
+                breaker.failed(str(e))
             if attempt == retries:
                 raise ServiceError(f"{e} ({retries + 1} attempt{'s' if retries else ''})") from None
-            log.info("%s; retrying", e)
+            wait_s = max(BACKOFF_S * 2 ** attempt, min(e.retry_after_s or 0.0, timeout_s))
+            log.info("%s; retrying in %.1f s", e, wait_s)
+            continue
+        except ServiceError:  # it answered, wrongly: the service is there
+            breaker.answered()
+            raise
+        breaker.answered()
+        return answer
 
 
 def _within(timeout_s: float, fn, *args):
@@ -80,7 +142,9 @@ def _post_once(url: str, body: bytes, timeout_s: float, headers: dict):
             raw = _read_until(response, deadline, url, timeout_s)
     except urllib.error.HTTPError as e:
         error = f"{url} answered HTTP {e.code}: {_excerpt(e)}"
-        raise (_Transient if e.code in RETRIED_STATUSES else ServiceError)(error) from None
+        if e.code in RETRIED_STATUSES:
+            raise _Transient(error, retry_after(e.headers.get("Retry-After")), e.code) from None
+        raise ServiceError(error) from None
     except urllib.error.URLError as e:  # refused, unknown host, a timeout while connecting
         raise _Transient(f"{url} cannot be reached: {e.reason}") from None
     except (OSError, http.client.HTTPException) as e:  # a timeout, a reset, a TLS error while reading
@@ -101,6 +165,21 @@ def _read_until(response, deadline: float, url: str, timeout_s: float) -> bytes:
         if time.monotonic() > deadline:
             raise _Transient(f"{url} gave no whole answer within {timeout_s:g} s")
     return b"".join(chunks)
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """The seconds a Retry-After header asks to wait: a number of seconds or an HTTP date (None: no
+    header, or one that is neither)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _excerpt(error: urllib.error.HTTPError) -> str:

@@ -4,21 +4,50 @@ server, Ollama, OpenAI itself): `rewards.names: [judge]` with the `rewards.judge
 Each completion is one request to `<rewards.judge.url>/chat/completions`: a single user message,
 `rewards.judge.prompt` with {question} (the prompt's last user turn), {completion} and {answer}
 (the row's reference_answer) filled in. The reward is the last match of `rewards.judge.pattern`'s
-one group in the judge's reply, as a float. A request that fails after its retries
-(rewards/http_json.py), or a reply the pattern does not find a number in, fails that sample alone:
-it gets rewards.fallback and is counted in rewards/judge/failures.
+one group in the judge's reply, as a float.
+
+The completion is the policy's own text, and a policy under RL learns whatever raises its reward,
+talking the judge into a score included. So it is filled in inside a fence it cannot close, a tag
+keyed by a secret drawn at start (<completion-N> ... </completion-N>: `fenced`),
+and a verdict is only believed when the reply ended on its own (finish_reason "stop": a reply cut at
+max_tokens may end in a quoted "Score: 1" meant as 10) and lies within rewards.judge.range.
+Anything else fails that sample alone (rewards.on_failure), counted in rewards/judge/failures: a
+request that fails after its retries (rewards/http_json.py), a reply the pattern finds no number
+in, one cut short, a verdict out of range. The judge's breaker fails the rest of a batch at once
+when every request in flight failed twice in a row.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from rewards.http_json import ServiceError, post_json
+from rewards.http_json import Breaker, ServiceError, post_json
 
 PLACEHOLDERS = ("question", "completion", "answer")
 _PLACEHOLDER_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
+NONCE_BYTES = 8  # 64 unguessable bits: a completion cannot write its fence's closing tag
+FAILURES_PER_REQUEST = 2  # the breaker opens once each request in flight failed this many times in a row
+
+
+FENCE_KEY = secrets.token_bytes(16)  # drawn when the sampler starts: the model never sees it
+
+
+def fenced(completion: str) -> str:
+    """The completion between a tag pair it cannot close: the tag is a keyed hash of the completion
+    under a key drawn at start, which the model never sees, so it cannot be guessed; the same
+    completion gets the same request within a run (a greedy judge answers it alike). In the 2^-64
+    case that the completion holds its tag, the next one is taken."""
+    counter = 0
+    while True:
+        nonce = hmac.new(FENCE_KEY, f"{counter}:{completion}".encode(), hashlib.sha256).hexdigest()[:2 * NONCE_BYTES]
+        if nonce not in completion:
+            return f"<completion-{nonce}>\n{completion}\n</completion-{nonce}>"
+        counter += 1
 
 
 def fill(template: str, values: dict[str, str]) -> str:
@@ -54,6 +83,7 @@ class Judge:
         self.settings, self.timeout_s, self.retries = settings, timeout_s, retries  # services.JudgeSettings
         self.endpoint = settings.url.rstrip("/") + "/chat/completions"
         self.pattern = re.compile(settings.pattern)
+        self.breaker = Breaker(FAILURES_PER_REQUEST * settings.concurrency)  # a dead judge costs a batch ~2 time limits
 
     def __call__(self, completions: list[str], rows: list[dict], prompts: list) -> list:
         with ThreadPoolExecutor(self.settings.concurrency) as pool:  # the server batches concurrent requests
@@ -62,7 +92,7 @@ class Judge:
     def request(self, completion: str, row: dict, turns) -> dict:
         """The chat completions request that judges one completion."""
         s = self.settings
-        text = fill(s.prompt, {"question": question_of(turns), "completion": completion,
+        text = fill(s.prompt, {"question": question_of(turns), "completion": fenced(completion),
                                "answer": str(row.get("reference_answer") or "")})
         return {"model": s.model, "messages": [{"role": "user", "content": text}], "max_tokens": s.max_tokens,
                 "temperature": s.temperature}
@@ -72,30 +102,44 @@ class Judge:
         raised: the other samples of the batch keep theirs)."""
         try:
             answer = post_json(self.endpoint, self.request(completion, row, turns), self.timeout_s, self.retries,
-                               self._headers())
+                               self._headers(), self.breaker)
         except ServiceError as e:
             return e
         except Exception as e:  # anything else of one request is that sample's failure, not the batch's
             return ServiceError(f"{type(e).__name__}: {e}")
-        reply = _reply(answer)
+        return self.verdict(answer)
+
+    def verdict(self, answer) -> float | ServiceError:
+        """The score a chat completion gives, or why it gives none: not a chat completion, cut short,
+        no number where the pattern looks, or a number outside rewards.judge.range."""
+        reply, finish = _reply(answer)
         if reply is None:
             return ServiceError(f"{self.endpoint} answered {str(answer)[:120]!r}, not a chat completion")
+        if finish != "stop":
+            hint = " (rewards.judge.max_tokens is too few for its verdict)" if finish == "length" else ""
+            return ServiceError(f"the judge's reply ended with finish_reason {finish!r}, not 'stop'{hint}: "
+                                f"{reply[-120:]!r}")
         found = self.pattern.findall(reply)
         try:
-            return float(found[-1])
+            score = float(found[-1])
         except (IndexError, ValueError):
-            return ServiceError(f"the judge's reply {reply[:120]!r} has no number where rewards.judge.pattern "
+            return ServiceError(f"the judge's reply {reply[-120:]!r} has no number where rewards.judge.pattern "
                                 f"{self.settings.pattern!r} looks")
+        low, high = self.settings.range
+        if not low <= score <= high:
+            return ServiceError(f"the judge's verdict {score:g} is outside rewards.judge.range [{low:g}, {high:g}]")
+        return score
 
     def _headers(self) -> dict:
         key = os.environ.get(self.settings.api_key_env, "") if self.settings.api_key_env else ""
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _reply(answer) -> str | None:
-    """The text of a chat completion's first choice (None: not that shape)."""
+def _reply(answer) -> tuple[str | None, object]:
+    """(the text of a chat completion's first choice, its finish_reason); (None, None): not that shape."""
     try:
-        content = answer["choices"][0]["message"]["content"]
+        choice = answer["choices"][0]
+        content = choice["message"]["content"]
     except (KeyError, IndexError, TypeError):
-        return None
-    return content if isinstance(content, str) else None
+        return None, None
+    return (content, choice.get("finish_reason")) if isinstance(content, str) else (None, None)

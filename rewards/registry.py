@@ -1,4 +1,5 @@
-"""Reward functions by name or import path, and scoring a batch of completions with a fallback.
+"""Reward functions by name or import path, and scoring a batch of completions; a sample a reward
+fails on is left out of the advantages (or, with rewards.on_failure=fallback, given rewards.fallback).
 
 A reward is named in `rewards.names` either by its built-in name (REWARD_FUNCTIONS) or by an
 import path `package.module:function` (or `path/to/file.py:function`). A user's function takes
@@ -35,6 +36,8 @@ from rewards.think_format import answer_format, think_answer_format, think_answe
 log = logging.getLogger(__name__)
 
 REFERENCE = "reference_answer"  # the row key that holds the parsed reference answer
+ENV_REWARD = "env_reward"  # the environment's own reward: it fails where the environment failed
+ON_FAILURE = ("exclude", "fallback")  # rewards.on_failure: what a sample a reward failed on trains with
 
 REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (completion, reference answer)
     "gsm8k_answer": gsm8k_answer,
@@ -45,7 +48,7 @@ REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (comp
 }
 ROW_FUNCTIONS: dict[str, Callable[[str, dict], float | None]] = {  # built-ins that read the whole row
     "reasoning_gym": reasoning_gym_score,  # a reasoning-gym task's own scorer
-    "env_reward": lambda completion, row: row.get("env_reward"),  # the environment's own (grpo/environments)
+    ENV_REWARD: lambda completion, row: row.get(ENV_REWARD),  # the environment's own (grpo/environments)
 }
 
 
@@ -84,11 +87,20 @@ def get_reward(name: str, services: ServiceSettings | None = None):
 
 @dataclass
 class RewardScores:
-    per_function: torch.Tensor  # float32 [N, R], before weighting; 0 where the reward does not apply
+    per_function: torch.Tensor  # float32 [N, R], before weighting; 0 where the reward does not apply or failed
+    #                             (with a fallback: the fallback where it failed)
     applies: torch.Tensor  # bool [N, R]: False where the reward returned None
-    total: torch.Tensor  # float32 [N], weighted sum of the rewards that apply
-    failures: dict[str, int]  # reward name -> samples that fell back
+    total: torch.Tensor  # float32 [N], weighted sum of the rewards that apply (a failed one: its fallback, or nothing)
+    failures: dict[str, int]  # reward name -> samples it failed on
     errors: dict[str, str] = field(default_factory=dict)  # reward name -> its first failure: what, and where
+    failed: torch.Tensor | None = None  # bool [N, R]: where the reward failed (None: nowhere)
+    scored: torch.Tensor | None = None  # bool [N]: the samples whose total counts in the advantages (None: all);
+    #                                     without a fallback, those that no reward failed on
+
+    def __post_init__(self):
+        n, r = self.per_function.shape
+        self.failed = torch.zeros(n, r, dtype=torch.bool) if self.failed is None else self.failed
+        self.scored = torch.ones(n, dtype=torch.bool) if self.scored is None else self.scored
 
 
 def _checked(value) -> float | None:
@@ -101,7 +113,10 @@ def _checked(value) -> float | None:
 
 
 class _Failed:
-    """A sample's place while its reward failed (it becomes the fallback)."""
+    """A sample's place where its reward failed (left out, or given the fallback)."""
+
+    def __repr__(self) -> str:
+        return "FAILED"
 
 
 FAILED = _Failed()
@@ -111,30 +126,49 @@ class WrongCount(ValueError):
     """A batched function returned another number of values than completions: its contract is broken."""
 
 
-def score_one_function(name: str, fn, call, completions, rows, fallback: float, prompts=None,
+def score_one_function(name: str, fn, call, completions, rows, fallback: float | None, prompts=None,
                        errors: list[str] | None = None) -> tuple[list, int]:
     """(values with None kept, failures). A sample the function raises on, times out on or returns
-    a bad value for gets `fallback`; the failures are logged in one line, and each one's description
-    (the error, and where in the user's code it was raised) added to `errors` when given. `prompts`
-    (each sample's chat turns) go to a service reward alone, which runs here whatever `call` is."""
+    a bad value for gets `fallback` (None: FAILED, for the caller to leave out); the failures are
+    logged in one line, and each one's description (the error, and where in the user's code it was
+    raised) added to `errors` when given. `prompts` (each sample's chat turns) go to a service
+    reward alone, which runs here whatever `call` is."""
     errors = [] if errors is None else errors
+    values = reward_values(name, fn, call, completions, rows, prompts, errors)
+    failures = report_failures(name, values, errors, fallback)
+    return [fallback if v is FAILED and fallback is not None else v for v in values], failures
+
+
+def reward_values(name: str, fn, call, completions, rows, prompts, errors: list[str]) -> list:
+    """Each sample's value: a float, None (does not apply) or FAILED (its description added to `errors`)."""
     if is_service(fn):
-        values = _score_service(name, fn, list(completions), list(rows), prompts, errors)
-    elif is_batched(fn):
-        values = _score_batch(name, fn, call, list(completions), list(rows), errors)
-    else:
-        values = []
-        for completion, row in zip(completions, rows, strict=True):
-            try:
-                values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
-            except Exception as e:  # a reward bug must not end a run of hours
-                values.append(FAILED)
-                errors.append(failure_text(e))
+        return _score_service(name, fn, list(completions), list(rows), prompts, errors)
+    if is_batched(fn):
+        return _score_batch(name, fn, call, list(completions), list(rows), errors)
+    values = []
+    for completion, row in zip(completions, rows, strict=True):
+        try:
+            values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
+        except Exception as e:  # a reward bug must not end a run of hours
+            values.append(FAILED)
+            errors.append(failure_text(e))
+    return values
+
+
+def report_failures(name: str, values: list, errors: list[str], fallback: float | None) -> int:
+    """How many values are FAILED, logged in one line with the first failure."""
     failures = sum(v is FAILED for v in values)
     if failures:
-        log.warning("reward %s failed on %d of %d samples (%s); using fallback %s", name, failures, len(values),
-                    errors[0], fallback)
-    return [fallback if v is FAILED else v for v in values], failures
+        then = "left out of the advantages" if fallback is None else f"using fallback {fallback}"
+        log.warning("reward %s failed on %d of %d samples (%s); %s", name, failures, len(values), errors[0], then)
+    return failures
+
+
+def with_environment_failures(values: list, environment_failures: Sequence[str | None], errors: list[str]) -> list:
+    """env_reward's values with FAILED where the sample's environment failed (its failure; None where
+    it answered): such an episode has no reward of the environment's to give, not a reward of 0."""
+    errors += [f"the environment failed: {failure}" for failure in environment_failures if failure is not None]
+    return [FAILED if failure is not None else v for v, failure in zip(values, environment_failures, strict=True)]
 
 
 def _score_service(name: str, fn, completions: list, rows: list, prompts, errors: list) -> list:
@@ -190,30 +224,42 @@ def _score_batch(name: str, fn, call, completions: list, rows: list, errors: lis
 
 
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],
-                      weights: Sequence[float], fallback: float, call: Callable | None = None,
-                      prompts: Sequence | None = None, services: ServiceSettings | None = None) -> RewardScores:
+                      weights: Sequence[float], fallback: float | None, call: Callable | None = None,
+                      prompts: Sequence | None = None, services: ServiceSettings | None = None,
+                      environment_failures: Sequence[str | None] | None = None) -> RewardScores:
     """Score every completion with every reward. A function that raises, returns a non-finite
-    value or times out gives `fallback` for that sample and is counted (its first failure kept in
-    `errors`), never a crash.
+    value or times out on a sample fails there, counted (its first failure kept in `errors`) and
+    marked in `failed`, never a crash: the sample gets `fallback`, or with `fallback` None it is left
+    out (`scored` False: no advantage from a score nobody gave it).
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out). `prompts`
     (each sample's chat turns, data.prompts.Prompt.turns) and `services` (their settings) are for
-    the service rewards (rewards/services.py), which run here.
+    the service rewards (rewards/services.py), which run here. `environment_failures`: in
+    multi-turn episodes, each sample's environment failure (None where it answered); env_reward
+    fails where there is one.
     """
-    scores = torch.zeros(len(completions), len(names), dtype=torch.float32)
-    applies = torch.ones(len(completions), len(names), dtype=torch.bool)
+    n = len(completions)
+    scores = torch.zeros(n, len(names), dtype=torch.float32)
+    applies = torch.ones(n, len(names), dtype=torch.bool)
+    failed = torch.zeros(n, len(names), dtype=torch.bool)
     failures, errors = {}, {}
     for j, name in enumerate(names):
         found: list[str] = []
-        values, failures[name] = score_one_function(name, get_reward(name, services), call, completions, rows, fallback,
-                                                    prompts, found)
+        values = reward_values(name, get_reward(name, services), call, completions, rows, prompts, found)
+        if name == ENV_REWARD and environment_failures is not None:
+            values = with_environment_failures(values, environment_failures, found)
+        failures[name] = report_failures(name, values, found, fallback)
         if found:
             errors[name] = found[0]
         for i, value in enumerate(values):
-            if value is None:
+            if value is FAILED:
+                failed[i, j] = True
+                scores[i, j] = 0.0 if fallback is None else fallback
+            elif value is None:
                 applies[i, j] = False
             else:
                 scores[i, j] = value
-    total = (scores * applies) @ torch.tensor(list(weights), dtype=torch.float32)
-    return RewardScores(scores, applies, total, failures, errors)
+    total = (scores * applies) @ torch.tensor(list(weights), dtype=torch.float32)  # [N]
+    scored = ~failed.any(1) if fallback is None else torch.ones(n, dtype=torch.bool)  # [N]
+    return RewardScores(scores, applies, total, failures, errors, failed, scored)

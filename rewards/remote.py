@@ -8,15 +8,19 @@ One POST per batch (all B x G completions of a round), as JSON:
 
 and the answer is a JSON list with one number (or null: does not apply) per completion, or an
 object holding that list under "rewards" (OpenRLHF's `remote_rm_url` answer). Failures are
-rewards/http_json.py's: a time limit, retries with backoff; then the whole batch falls back.
-scripts/reward_server.py is an example server.
+rewards/http_json.py's: a time limit, retries with backoff, a breaker; then the whole batch fails
+(rewards.on_failure). A service that answers null for every sample of a batch gives no signal:
+that is warned of once. scripts/reward_server.py is an example server.
 """
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit
 
-from rewards.http_json import ServiceError, post_json
+from rewards.http_json import Breaker, ServiceError, post_json
+
+log = logging.getLogger(__name__)
 
 SCHEMES = ("http://", "https://")
 
@@ -47,10 +51,13 @@ class RemoteReward:
 
     def __init__(self, url: str, timeout_s: float, retries: int):
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        # one request per batch: once every attempt of one failed (twice at least), it rests
+        self.breaker = Breaker(max(2, retries + 1))
+        self.warned_all_null = False
 
     def __call__(self, completions: list[str], rows: list[dict], prompts: list) -> list[float | None]:
         answer = post_json(self.url, {"prompts": [list(p) for p in prompts], "completions": list(completions),
-                                      "rows": list(rows)}, self.timeout_s, self.retries)
+                                      "rows": list(rows)}, self.timeout_s, self.retries, breaker=self.breaker)
         values = answer.get("rewards") if isinstance(answer, dict) else answer
         if not isinstance(values, list):
             raise ServiceError(f"{self.url} answered {_shown(answer)}; expected a JSON list of numbers, one per completion")
@@ -59,7 +66,17 @@ class RemoteReward:
         wrong = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
         if wrong:
             raise ServiceError(f"{self.url} answered {_shown(wrong[0])} among its values; expected numbers or null")
+        if values and all(v is None for v in values):
+            self.warn_all_null(len(values))
         return values
+
+    def warn_all_null(self, count: int) -> None:
+        """Once per run: a service that says "does not apply" to every sample trains nothing."""
+        if not self.warned_all_null:
+            self.warned_all_null = True
+            log.warning("reward %s answered null (does not apply) for all %d samples of a batch: it gives no "
+                        "signal. Check that it reads the request's fields (prompts, completions, rows) and that "
+                        "its rows are the ones it scores (said once per run)", self.url, count)
 
 
 def _shown(value) -> str:

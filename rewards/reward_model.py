@@ -4,15 +4,22 @@ logit (AutoModelForSequenceClassification, num_labels=1; e.g. one trained with T
 It scores the prompt and the completion as its own tokenizer renders them: the prompt's chat
 turns plus {"role": "assistant", "content": completion} through its chat template (as TRL does),
 or, for a tokenizer without one, the turns' contents and the completion joined by newlines. The
-score is the logit at the last token of that text; batches are right-padded with an id that no
-sequence ends with, so the classifier's own pooling (the last token that is not padding) reads
-exactly there, and a padded batch gives what each text gives alone. Loaded once per process.
+score is the classifier's own pooling of that text: a decoder's logit at the last token, an
+encoder's (BERT, DeBERTa) at its [CLS] head token. Batches are right-padded with an id that no
+sequence ends with, so a decoder's pooling (the last token that is not padding) reads exactly
+there, and a padded batch gives what each text gives alone. Loaded once per process.
+
+A text longer than the model reads is cut where it matters least: the model's special head tokens
+([CLS], BOS), the system turn and the whole completion's turn stay, and the prompt's middle goes,
+its oldest turns (few-shot examples, earlier exchanges) first. Cutting from the left would drop
+[CLS], which an encoder pools on, and a decoder's BOS and system prompt.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +30,16 @@ from grpo.sources import EMBEDDED_MODELS, HUB_ID_RE, cached_hub_snapshot, hub_un
 log = logging.getLogger(__name__)
 
 PREFIX = "reward_model:"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A text's token ids and the parts a cut keeps (token indices)."""
+
+    ids: list[int]
+    specials: int  # the model's special head tokens ([CLS], BOS, <|im_start|>): ids[:specials], always kept
+    head: int  # they and the system turn: ids[:head], kept while the completion's turn fits beside them
+    tail: int  # where the completion's turn starts: ids[tail:] is kept whole while it fits
 
 
 class RewardModelError(ValueError):
@@ -100,9 +117,45 @@ class RewardModel:
             return self.tokenizer.apply_chat_template(without_system_turn(chat), tokenize=False)
 
     def token_ids(self, completion: str, turns) -> list[int]:
-        # a chat template writes its own special tokens (BOS included); plain text gets the tokenizer's
+        return self.encoded(completion, turns).ids
+
+    def encoded(self, completion: str, turns) -> Encoded:
+        """The text's ids, with where its head (special tokens, system turn) ends and its completion's
+        turn starts. A chat template writes its own special tokens (BOS included); plain text gets the
+        tokenizer's. Without a fast tokenizer (no offsets) only the special head tokens are known."""
         templated = bool(getattr(self.tokenizer, "chat_template", None))
-        return self.tokenizer(self.text(completion, turns), add_special_tokens=not templated)["input_ids"]
+        text = self.text(completion, turns)
+        if not self.tokenizer.is_fast:
+            ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+            specials = leading_specials(ids, self.tokenizer)
+            return Encoded(ids, specials, specials, len(ids))
+        tokens = self.tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
+        ids, offsets = tokens["input_ids"], tokens["offset_mapping"]
+        system_end, completion_start = self.spans(text, completion, turns, templated)
+        specials = leading_specials(ids, self.tokenizer)
+        return Encoded(ids, specials, max(specials, token_at(offsets, system_end)), token_at(offsets, completion_start))
+
+    def spans(self, text: str, completion: str, turns, templated: bool) -> tuple[int, int]:
+        """(where the system turn ends, where the completion's turn starts), as character positions in `text`."""
+        has_system = bool(turns) and turns[0].get("role") == "system"
+        system = (turns[0].get("content") or "") if has_system else ""
+        if not templated:  # "system\n...\ncompletion" + EOS
+            return len(system) + 1 if system else 0, len(text) - len(self.tokenizer.eos_token or "") - len(completion)
+        system_end = self._rendered_prefix(text, list(turns[:1])) if system else 0
+        if system_end is None:  # a template that renders it elsewhere (in the first user turn): its text
+            found = text.find(system)
+            system_end = found + len(system) if found >= 0 else 0
+        start = self._rendered_prefix(text, list(turns))
+        return system_end, start if start is not None else max(text.rfind(completion), 0)
+
+    def _rendered_prefix(self, text: str, chat: list[dict]) -> int | None:
+        """The length of `chat` rendered alone when `text` starts with it (None: the template renders
+        it otherwise, or refuses it)."""
+        try:
+            rendered = self.tokenizer.apply_chat_template(chat, tokenize=False)
+        except Exception:  # jinja2's TemplateError: a template that wants a user turn, no system turn, ...
+            return None
+        return len(rendered) if rendered and text.startswith(rendered) else None
 
     @torch.no_grad()
     def __call__(self, completions: list[str], rows: list[dict], prompts: list) -> list:
@@ -112,23 +165,23 @@ class RewardModel:
         for i in range(0, len(completions), self.batch_size):
             chunk = list(zip(completions[i:i + self.batch_size], prompts[i:i + self.batch_size], strict=True))
             try:
-                values += self.scores([self.fitted(self.token_ids(c, turns)) for c, turns in chunk])
+                values += self.scores([self.fitted(self.encoded(c, turns)) for c, turns in chunk])
             except Exception as e:
                 values += [e] * len(chunk)
         return values
 
-    def fitted(self, ids: list[int]) -> list[int]:
-        """A sequence longer than the model reads, cut from the left: the score is read at the last token."""
-        if len(ids) <= self.max_length:
-            return ids
-        if not self.warned_long:
-            log.warning("reward model: a text of %d tokens is cut to its last %d (the model's length)", len(ids),
-                        self.max_length)
+    def fitted(self, text: Encoded) -> list[int]:
+        """The text's ids cut to the model's length (fit_ids), with a warning the first time."""
+        if len(text.ids) > self.max_length and not self.warned_long:
+            log.warning("reward model: a text of %d tokens is longer than the %d the model reads; it is cut in the "
+                        "prompt's middle, its oldest turns first (the head tokens, the system turn and the completion "
+                        "are kept). Said once", len(text.ids), self.max_length)
             self.warned_long = True
-        return ids[-self.max_length:]
+        return fit_ids(text.ids, self.max_length, text.specials, text.head, text.tail)
 
     def scores(self, ids: list[list[int]]) -> list[float]:
-        """The logit at the last token of each sequence, in one right-padded forward."""
+        """Each sequence's score as the classifier pools it (a decoder: the logit at its last token; an
+        encoder: at its [CLS] head token), in one right-padded forward."""
         pad = padding_id(ids, self.tokenizer)
         width = max(map(len, ids))
         input_ids = torch.full((len(ids), width), pad, dtype=torch.long)  # [B, T]
@@ -139,6 +192,31 @@ class RewardModel:
         self.model.config.get_text_config().pad_token_id = pad
         logits = self.model(input_ids=input_ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
         return logits[:, 0].float().cpu().tolist()  # [B]
+
+
+def fit_ids(ids: list[int], limit: int, specials: int, head: int, tail: int) -> list[int]:
+    """`ids` cut to `limit` tokens from the middle: ids[:head] (special head tokens, system turn) and
+    ids[tail:] (the completion's turn) stay, with as many of the prompt's latest tokens between them
+    as fit; the oldest go first. When the completion's turn does not fit beside the head, the system
+    turn is cut from its end, down to the special tokens ids[:specials]; when it does not fit beside
+    those either, it loses its beginning (a decoder reads the score at its end)."""
+    if len(ids) <= limit:
+        return ids
+    completion = len(ids) - tail  # the completion's turn, its closing tokens included
+    kept_head = min(head if head + completion <= limit else max(specials, limit - completion), limit)
+    return ids[:kept_head] + ids[len(ids) - (limit - kept_head):]
+
+
+def token_at(offsets: list[tuple[int, int]], char: int) -> int:
+    """The index of the first token that ends after character `char` (the one holding it); tokens the
+    tokenizer added itself ([CLS], [SEP]: empty spans) are skipped. len(offsets) when none does."""
+    return next((i for i, (start, end) in enumerate(offsets) if start < end and end > char), len(offsets))
+
+
+def leading_specials(ids: list[int], tokenizer) -> int:
+    """How many of the first ids are special tokens ([CLS], BOS, a chat template's opening token)."""
+    special = set(tokenizer.all_special_ids)
+    return next((i for i, token in enumerate(ids) if token not in special), len(ids))
 
 
 def max_length(model, tokenizer) -> int:

@@ -1,10 +1,12 @@
 """Reward functions in a child process (grpo/child.py), so that one that hangs on a sample can be
-stopped: a hang costs that sample's score (the fallback), never the run.
+stopped: a hang costs that sample's score (it fails there: rewards.on_failure), never the run.
 
 The child is forked, so it has every function in `REWARD_FUNCTIONS` and every imported user module
 as the parent had them (a test's too); a row must be JSON (the data loader keeps only JSON values).
-On a timeout the child is killed and a fresh one forked for the next call; a batched reward gets
-`rewards.timeout_s` per completion.
+On a timeout the child is killed, with every process the reward started (the child is a session
+of its own, ended as one), and a fresh one forked for the next call; a batched reward gets
+`rewards.timeout_s` per completion. The child sees the environment variables every child does
+(grpo/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones named in `pass_env`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ def _number(value) -> float | None:
 
 
 class RewardSandbox:
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, pass_env=()):
         self.timeout_s = timeout_s
-        self._child = Child("rewards", _rewards)
+        self._child = Child("rewards", _rewards, pass_env=pass_env)
 
     def __call__(self, name: str, completion: str | list[str], row: dict | list[dict]):
         """One sample's reward, or a batched reward's list (completion and row are then lists)."""

@@ -7,7 +7,8 @@ sample's chat turns) and returns one float, None (does not apply) or ServiceErro
 failed) per completion. It is marked `service = True` and runs in the sampler process itself,
 not in the rewards sandbox child (rewards/sandbox.py): a model on the GPU or an open connection
 does not belong in a forked child that is killed on a timeout, and each has its own time limit
-(the judge and the endpoint: rewards.remote_timeout_s and retries; a model does not hang).
+(the judge and the endpoint: rewards.remote_timeout_s, retries and a circuit breaker,
+rewards/http_json.py; a model does not hang).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class JudgeSettings:
     max_tokens: int = 64
     temperature: float = 0.0
     concurrency: int = 8
+    range: tuple[float, float] = (0.0, 10.0)  # the verdicts it may give; one outside is a failure
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ class ServiceSettings:
         sampler's device) in model.dtype."""
         r = cfg.rewards
         device = cfg.sampling.device if r.reward_model_device == "auto" else r.reward_model_device
+        judge = JudgeSettings(**{**vars(r.judge), "range": tuple(r.judge.range)})  # hashable: the judge is cached by it
         return cls(device, cfg.model.dtype, r.reward_model_batch_size, r.remote_timeout_s, r.remote_retries,
-                   cfg.model.cache_dir, cfg.model.trust_remote_code, JudgeSettings(**vars(r.judge)))
+                   cfg.model.cache_dir, cfg.model.trust_remote_code, judge)
 
 
 def is_service_name(name: str) -> bool:
@@ -137,4 +140,7 @@ def judge_problems(j: JudgeSettings) -> list[str]:
     if j.max_tokens < 1 or j.concurrency < 1:
         problems.append(f"rewards.judge.max_tokens and rewards.judge.concurrency must be >= 1; got {j.max_tokens} "
                         f"and {j.concurrency}")
+    if len(j.range) != 2 or not j.range[0] < j.range[1]:
+        problems.append(f"rewards.judge.range must be [low, high] with low < high (the verdicts the judge may give, "
+                        f"e.g. [0, 10]); got {list(j.range)}")
     return problems

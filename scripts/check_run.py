@@ -74,7 +74,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
 
 def service_problems(cfg, rows: list[dict]) -> list[str]:
     """A reward model, HTTP reward or judge that failed on every sample of every step (its server
-    was never up, say): the run trained on rewards.fallback alone, which would otherwise pass unseen."""
+    was never up, say): the run learned nothing from it, which would otherwise pass unseen."""
     from rewards.services import is_service_name
 
     per_round = cfg.sampling.prompts_per_step * cfg.sampling.group_size
@@ -85,8 +85,8 @@ def service_problems(cfg, rows: list[dict]) -> list[str]:
         scored = [per_round * row.get("sampling/dynamic_rounds", 1.0) for row in rows]
         print(f"rewards/{name}/failures per step: {failures}")
         if failures and all(f is not None and f >= n for f, n in zip(failures, scored)):
-            problems.append(f"the reward {name} failed on every sample of every step ({failures}): it trained on "
-                            f"rewards.fallback alone; see sampler.log")
+            problems.append(f"the reward {name} failed on every sample of every step ({failures}): the run learned "
+                            "nothing from it; see sampler.log")
     return problems
 
 

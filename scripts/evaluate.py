@@ -71,7 +71,8 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
-    sandbox = RewardSandbox(cfg.rewards.timeout_s) if cfg.rewards.timeout_s > 0 else None  # as in training
+    # as in training
+    sandbox = RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0 else None
     start = time.perf_counter()
     try:
         with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:

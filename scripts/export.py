@@ -6,8 +6,9 @@ LoRA runs: the PEFT adapter (adapter_config.json's base_model_name_or_path set t
 load: a Hub id, the embedded model's public Hub id, or a local folder), or with --merge the base model
 with the adapter merged in by PEFT's merge_and_unload(). Full fine-tunes: the model folder as
 published. Every export also holds the tokenizer with its chat template, a README.md model card
-(training settings, the last evaluation, the prompt format, how to load and upload it) and the
-resolved config as training_config.yaml.
+(training settings, the last evaluation, the prompt format, how to load and upload it; for a run
+with env.tools, how to offer the tools and read the model's calls) and the resolved config as
+training_config.yaml.
 
 The version's checksums are verified first. DIR must be new or empty unless --force, which moves
 its contents aside to DIR.replaced-<date> (nothing is deleted). --merge merges in float32 and
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pprint
 import shutil
 import sys
 import time
@@ -131,25 +133,64 @@ def settings_table(cfg: Config, step: int) -> str:
             ("data", f"{cfg.data.path} (split {cfg.data.split})"), ("dtype", cfg.model.dtype)]
     if lora.enabled:
         rows.append(("LoRA", f"r {lora.r}, alpha {lora.alpha}, on {', '.join(lora.target_modules)}"))
+    if cfg.env.tools:
+        rows.append(("tools", f"{', '.join(f'`{t}`' for t in cfg.env.tools)} (calls read by {cfg.env.tool_parser})"))
     return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+# how each env.tool_parser's calls are read from the model's message (grpo/environments/tool_calls.py), in
+# a few lines a user can paste: (how to decode the message, the lines that read its calls)
+READ_CALLS = {
+    "hermes": ("skip_special_tokens=False",  # the tags may be special tokens
+               ['calls = [json.loads(call)',
+                '         for call in re.findall(r"<tool_call>(.*?)</tool_call>", message, re.DOTALL)]']),
+    "llama3_json": ("skip_special_tokens=True",  # <|python_tag|> and the turn's end dropped
+                    ['calls = [json.loads(part) for part in message.split(";") if part.strip().startswith("{")]']),
+}
+
+
 def usage_code(cfg: Config, library: str) -> list[str]:
-    """A Python snippet that loads the export and answers one question in the training prompt format."""
+    """A Python snippet that loads the export and answers one question in the training prompt format;
+    for a tool run, offering the tools as training did and reading the calls as env.tool_parser does."""
     load = ([f'base = AutoModelForCausalLM.from_pretrained("{base_reference(cfg.model)[0]}")',
              'model = PeftModel.from_pretrained(base, "DIR")'] if library == "peft"
             else ['model = AutoModelForCausalLM.from_pretrained("DIR")'])
-    return ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    tools, decode = bool(cfg.env.tools), "skip_special_tokens=True"
+    offered, read = [], []
+    if tools:
+        from grpo.environments.tools import tool_schemas
+
+        decode, read_lines = READ_CALLS[cfg.env.tool_parser]
+        schemas = pprint.pformat(tool_schemas(list(cfg.env.tools)), width=100, sort_dicts=False).splitlines()
+        offered = [f"# the tools it was trained with (env.tools: {', '.join(cfg.env.tools)}), as JSON schemas",
+                   f"tools = {schemas[0]}", *(f"        {line}" for line in schemas[1:])]
+        read = [f"# its tool calls, read as in training (env.tool_parser={cfg.env.tool_parser}; vLLM: "
+                f"--tool-call-parser {cfg.env.tool_parser})", *read_lines, "print(calls)"]
+    return ["```python", *(["import json", "import re", ""] if tools else []),
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
             *(["from peft import PeftModel"] if library == "peft" else []), "",
-            'tokenizer = AutoTokenizer.from_pretrained("DIR")', *load,
+            'tokenizer = AutoTokenizer.from_pretrained("DIR")', *load, *offered,
             f'messages = [{{"role": "system", "content": {json.dumps(cfg.data.system_prompt)}}},',
             '            {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. '
             'How many in all?"}]',
-            "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "
-            f"{json.dumps(cfg.data.prefill)}",
+            f"text = tokenizer.apply_chat_template(messages, {'tools=tools, ' if tools else ''}tokenize=False, "
+            f"add_generation_prompt=True) + {json.dumps(cfg.data.prefill)}",
             'ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)',
             "out = model.generate(**ids, max_new_tokens=256, do_sample=False)",
-            "print(tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True))", "```"]
+            f"message = tokenizer.decode(out[0, ids.input_ids.shape[1]:], {decode})", "print(message)", *read,
+            "```"]
+
+
+def tools_text(cfg: Config) -> list[str]:
+    """For a tool run: the loop around the snippet, and serving it with vLLM."""
+    if not cfg.env.tools:
+        return []
+    return ["Run each call's function with its arguments, then append the model's message "
+            '(`{"role": "assistant", "content": message}`) and one `{"role": "tool", "content": result}` message '
+            "per call, and generate again: the chat template renders them as in training. A message without a call "
+            f"is the answer (at most {cfg.env.max_turns} messages an episode in training). Served by vLLM: "
+            f"`vllm serve DIR --enable-auto-tool-choice --tool-call-parser {cfg.env.tool_parser}`, with the "
+            "same `tools` in each request.", ""]
 
 
 def model_card(cfg: Config, run_dir: Path, manifest: dict, library: str) -> str:
@@ -173,7 +214,8 @@ def model_card(cfg: Config, run_dir: Path, manifest: dict, library: str) -> str:
         f"{cfg.data.few_shot} solved train problems as earlier chat turns (data.few_shot), and the question; the "
         f"assistant turn was opened with the prefill {json.dumps(cfg.data.prefill)}. System prompt:", "",
         "```text", cfg.data.system_prompt, "```", "",
-        "## Use", "", *usage_code(cfg, library), "", "DIR is this folder (or its Hub repo id once uploaded).", "",
+        "## Use", "", *usage_code(cfg, library), "", *tools_text(cfg),
+        "DIR is this folder (or its Hub repo id once uploaded).", "",
         "## Upload", "", "```bash", "hf upload <user>/<repo> DIR", "```", "",
         'or `HfApi().upload_folder(folder_path="DIR", repo_id="<user>/<repo>", repo_type="model")` '
         "(huggingface_hub).", ""])

@@ -146,3 +146,67 @@ class PausesOnce:
             open(self.pause_file + ".hit", "w").close()
             time.sleep(3600)
         return self.env.step(message)
+
+
+class Secret:
+    """Draws a secret number when it is made and shows it in every reply ("secret=<n>, message <k>"); a
+    message holding "hang" hangs. Unseeded (the default) it draws from the operating system, as an
+    environment that ignores its seed does: made again, it holds another secret. seeded: drawn from the
+    row's question, the same every time."""
+
+    def __init__(self, row, seeded: bool = False):
+        import random
+
+        draw = random.Random(str(row.get("question"))) if seeded else random.SystemRandom()
+        self.secret, self.seen = draw.randrange(10**9), 0
+
+    def step(self, message: str) -> Reply:
+        if "hang" in message:
+            time.sleep(3600)
+        self.seen += 1
+        return Reply(text=f"secret={self.secret}, message {self.seen}")
+
+
+class WinOrLose:
+    """A game scored +1 or -1: a message holding "win" wins, one holding "lose" loses (either ends the
+    episode); any other is answered "go on", with no reward."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, message: str) -> Reply:
+        if "win" in message:
+            return Reply(done=True, reward=1.0)
+        if "lose" in message:
+            return Reply(done=True, reward=-1.0)
+        return Reply(text="go on")
+
+
+class LongReplies:
+    """Replies `words` words ("w0 w1 ...": about 2 tokens a word on a byte-level BPE, 3 characters
+    each on the tests' character tokenizer) to each message; done at message `length`, with no reward.
+    `only`: the long reply goes to the problems with this reference answer, the others get "ok"."""
+
+    def __init__(self, row, words: int = 50, length: int = 3, only: str | None = None):
+        self.words, self.length, self.seen = words, length, 0
+        self.long = only is None or str(row.get("reference_answer")) == only
+
+    def step(self, message: str) -> Reply:
+        self.seen += 1
+        if self.seen >= self.length:
+            return Reply(done=True)
+        return Reply(text=" ".join(f"w{k % 10}" for k in range(self.words)) if self.long else "ok")
+
+
+class Results:
+    """Replies message k with `results[k - 1]` (a text, or a list of texts: several messages, as a
+    message's tool calls get) in `role`; done at the message after the last result."""
+
+    def __init__(self, row, results: list, role: str = "tool"):
+        self.results, self.role, self.seen = results, role, 0
+
+    def step(self, message: str) -> Reply:
+        self.seen += 1
+        if self.seen > len(self.results):
+            return Reply(done=True)
+        return Reply(text=self.results[self.seen - 1], role=self.role)

@@ -63,3 +63,67 @@ def test_bad_group_sizes_are_rejected(sizes, message):
 def test_unknown_scale_is_rejected():
     with pytest.raises(ValueError, match="scale must be one of"):
         group_advantages(torch.zeros(4), 2, scale="rank")
+
+
+# ----------------------------------------------------------------------------- samples a reward failed on
+
+def reference_advantages(rewards: list[float], sizes: list[int], scored: list[bool], scale: str,
+                         eps: float = 1e-4) -> list[float]:
+    """The slow loop, sample by sample in Python floats: each group's mean and unbiased std over its
+    scored samples; 0 for an unscored sample and for a group whose scored rewards do not differ."""
+    kept = [r for r, s in zip(rewards, scored) if s]
+    batch_mean = sum(kept) / len(kept) if kept else 0.0
+    batch_std = (sum((r - batch_mean) ** 2 for r in kept) / (len(kept) - 1)) ** 0.5 if len(kept) > 1 else 0.0
+    out, start = [], 0
+    for size in sizes:
+        group = [(rewards[i], scored[i]) for i in range(start, start + size)]
+        values = [r for r, s in group if s]
+        mean = sum(values) / len(values) if values else 0.0
+        std = (sum((r - mean) ** 2 for r in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+        spread = len(values) > 1 and max(values) != min(values)
+        for r, s in group:
+            a = r - mean if s and spread else 0.0
+            out.append(a / (std + eps) if scale == "group" else a / (batch_std + eps) if scale == "batch" else a)
+        start += size
+    return out
+
+
+def test_a_failed_sample_leaves_its_groups_mean_and_std_and_gets_zero():
+    # group [2, (failed 100), 4, 6]: mean of the scored 4, unbiased std sqrt((4 + 0 + 4) / 2) = 2
+    #   -> [-2 / 2.0001, 0, 0, 2 / 2.0001]; the failed 100 would have dragged the mean to 28
+    # group [1, 3, 5]: all scored, mean 3, std 2 -> [-1, 0, 1] / 1.00005
+    rewards = torch.tensor([2.0, 100.0, 4.0, 6.0, 1.0, 3.0, 5.0])
+    scored = torch.tensor([True, False, True, True, True, True, True])
+    adv = group_advantages(rewards, [4, 3], scored=scored)
+    expected = torch.tensor([-2 / 2.0001, 0.0, 0.0, 2 / 2.0001, -2 / 2.0001, 0.0, 2 / 2.0001])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-7)
+
+
+def test_a_group_whose_samples_all_failed_or_all_but_one_gets_exactly_zero():
+    rewards = torch.tensor([5.0, -3.0, 7.0, 1.0, 9.0, 2.0, 4.0])
+    scored = torch.tensor([False, False, False, True, False, True, True])
+    adv = group_advantages(rewards, [3, 2, 2], scored=scored, scale="none")
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 1.0]  # a lone scored sample has no baseline
+
+
+def test_batch_scale_divides_by_the_std_of_the_scored_samples_only():
+    # scored [1, 3, 10, 30]: unbiased std of the four = 13.0384; the failed -50 does not widen it
+    rewards = torch.tensor([1.0, 3.0, -50.0, 10.0, 30.0])
+    scored = torch.tensor([True, True, False, True, True])
+    adv = group_advantages(rewards, [3, 2], scored=scored, scale="batch")
+    std = torch.tensor([1.0, 3.0, 10.0, 30.0]).std()
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, -10.0, 10.0]) / (std + 1e-4))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_masked_advantages_equal_the_slow_loop_over_groups_of_different_sizes(scale):
+    torch.manual_seed(1)
+    sizes = [4, 1, 6, 3, 2, 5]
+    rewards = torch.randn(21).round(decimals=1)  # ties: some groups' scored rewards are all equal
+    rewards[4:11] = 0.5
+    scored = torch.rand(21) > 0.3
+    adv = group_advantages(rewards, sizes, scale=scale, scored=scored)
+    expected = reference_advantages(rewards.tolist(), sizes, scored.tolist(), scale)
+    torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert adv[~scored].eq(0).all() and adv[4:11].eq(0).all()
+

@@ -1,6 +1,7 @@
 """Multi-turn episodes (grpo/sampler/episodes.py, grpo/environments/): scripted environments in the real
 child-process pool, the HF engine on a tiny model, and the trainer's loss on the result."""
 
+import re
 import time
 
 import pytest
@@ -549,7 +550,8 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     from grpo.wire.transport import decode_batch, encode_batch
     from helpers import assert_batches_equal
 
-    cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true")
+    # the cut episodes stay in the loss (scored 0): most of the tiny model's episodes run out of tokens
+    cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true", "env.truncated_reward=0")
     masks = batch.model_mask
     assert [len(m) for m in masks] == [len(c) for c in batch.completion_ids]
     assert batch.num_tokens == sum(int(m.sum()) for m in masks) < sum(len(c) for c in batch.completion_ids)
@@ -785,3 +787,229 @@ def test_the_well_formed_rate_counts_the_model_messages_that_made_a_tool_call(ti
     metrics = episode_metrics(run.episodes)
     assert (metrics["env/tool_messages/well_formed_rate"], metrics["env/well_formed_call_rate"]) == (3 / 5, 3 / 4)
     assert "env/tool_messages/well_formed_rate" not in episode_metrics(run.episodes[3:])  # no message made a call
+
+
+# ----------------------------------------------------------------------------- rebuilt episodes are checked
+
+SECRET_SCRIPTS = [["ep0 hello", "ep0 hang", "ep0 bye"], ["ep1 hello", "ep1 again", "ep1 bye"],
+                  ["ep2 hello", "ep2 again", "ep2 bye"], ["ep3 hello", "ep3 again", "ep3 bye"]]
+
+
+def secret_episodes(tiny_model_dir, seeded: bool):
+    """2 prompts x 2 episodes of the Secret environment, 3 scripted messages each (a turn limit of 3);
+    at turn 2 episode 0 hangs: the child is replaced, every other episode is rebuilt in the new one."""
+    from test_tools import ScriptedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pool = EnvironmentPool(f"{ENVS}:Secret", {"seeded": seeded}, timeout_s=1.0)
+    try:
+        runner = EpisodeRunner(pool, tokenizer, 400, 3)
+        run = runner.run(ScriptedModel(tokenizer, SECRET_SCRIPTS), prompts_of(tokenizer), 2)
+        assert pool.restarts == 1
+    finally:
+        pool.close()
+    return tokenizer, run
+
+
+def secrets_shown(tokenizer, episode) -> list[str]:
+    return re.findall(r"secret=(\d+)", tokenizer.decode(episode.tokens))
+
+
+def test_an_unseeded_environment_rebuilt_after_another_episode_hung_fails_its_live_episodes(tiny_model_dir):
+    """Turn 2: episode 0 hangs; episodes 1-3, rebuilt in the new child, replay their first message and
+    are told another secret: each ends there, failed. Episode 0's own third message is rebuilt too, and
+    fails alike. No episode is ever shown a second secret."""
+    tokenizer, run = secret_episodes(tiny_model_dir, seeded=False)
+    episodes = run.episodes
+    mismatch = ("its environment, rebuilt after it was lost, replied to message 1 otherwise than the episode was "
+                "shown: the environment is not deterministic given its seed and messages (docs/environments.md)")
+    assert [e.replay_mismatch for e in episodes] == [True] * 4
+    assert [e.environment_failed for e in episodes] == [True] * 4  # the step's accounting: failed
+    assert [e.turns for e in episodes] == [3, 2, 2, 2] and [e.env_errors for e in episodes] == [2, 1, 1, 1]
+    assert episodes[0].env_error == "no reply within env.timeout_s=1 s" and episodes[1].env_error == mismatch
+    assert [e.messages for e in episodes] == [["ep0 hello"], ["ep1 hello"], ["ep2 hello"], ["ep3 hello"]]
+    assert [len(secrets_shown(tokenizer, e)) for e in episodes] == [1, 1, 1, 1]  # the first reply only
+    assert all(e.model[-1] for e in episodes)  # each ended on its own message: nothing shown after it
+    metrics = episode_metrics(episodes)
+    assert {k: metrics[k] for k in ("env/child_restarts", "env/rebuilds", "env/replayed_steps",
+                                    "env/replay_mismatches", "env/env_errors")} == {
+        "env/child_restarts": 1.0, "env/rebuilds": 4.0, "env/replayed_steps": 4.0, "env/replay_mismatches": 4.0,
+        "env/env_errors": 5.0}
+    assert [(e.child_restarts, e.rebuilds, e.replayed_steps) for e in episodes] == [(1, 1, 1)] + [(0, 1, 1)] * 3
+
+
+def test_a_deterministic_environment_rebuilt_after_another_episode_hung_replays_exactly_and_goes_on(tiny_model_dir):
+    """The same episodes with the secret drawn from the row: the rebuilt episodes replay their first
+    message to the same reply and go on to their turn limit, each shown one secret throughout."""
+    tokenizer, run = secret_episodes(tiny_model_dir, seeded=True)
+    episodes = run.episodes
+    assert [e.replay_mismatch for e in episodes] == [False] * 4 and [e.turns for e in episodes] == [3] * 4
+    assert [e.env_errors for e in episodes] == [1, 0, 0, 0] and not any(e.environment_failed for e in episodes)
+    assert [e.messages for e in episodes] == [["ep0 hello", "ep0 bye"], *(s for s in SECRET_SCRIPTS[1:])]
+    shown = [secrets_shown(tokenizer, e) for e in episodes]
+    # episode 0 read an error at turn 2; the reply to each third message is not shown (the turn limit)
+    assert [len(s) for s in shown] == [1, 2, 2, 2] and all(len(set(s)) == 1 for s in shown)
+    assert "secret=" + shown[1][0] + ", message 2" in tokenizer.decode(episodes[1].tokens)  # went on where it was
+    metrics = episode_metrics(episodes)
+    assert {k: metrics[k] for k in ("env/child_restarts", "env/rebuilds", "env/replayed_steps",
+                                    "env/replay_mismatches", "env/env_errors")} == {
+        "env/child_restarts": 1.0, "env/rebuilds": 4.0, "env/replayed_steps": 4.0, "env/replay_mismatches": 0.0,
+        "env/env_errors": 1.0}
+
+
+def test_a_rebuilt_episode_checks_its_opening_and_each_replayed_reply_against_what_it_was_shown():
+    """The pool alone: a digest per reply, recorded as the episode goes; a rebuild that opens or replies
+    otherwise raises ReplayMismatch and drops the environment; without digests nothing is checked."""
+    from grpo.environments.pool import ReplayMismatch, shown_digest
+
+    pool = EnvironmentPool(f"{ENVS}:Counter", {}, timeout_s=1.0)
+    try:
+        opening = pool.open("a", {})[0]
+        first = pool.step("a", {}, [], "x")[0]
+        shown = [shown_digest(opening), shown_digest(first)]
+        assert first.text == "count 1" and shown[0] == shown_digest(None)
+        assert pool.step("b", {}, [], "hang")[1] == "no reply within env.timeout_s=1 s"  # a's environment is lost
+        assert pool.step("a", {}, ["x"], "y", shown) == (Reply(text="count 2"), None)  # replayed exactly
+        assert (pool.rebuilds, pool.replayed_steps, pool.replay_mismatches) == (2, 1, 0)  # b was made at its step
+        pool.forget(["a"])
+        with pytest.raises(ReplayMismatch, match="replied to message 1 otherwise than the episode was shown"):
+            pool.step("a", {}, ["x"], "y", [shown[0], shown_digest(Reply(text="count 9"))])
+        with pytest.raises(ReplayMismatch, match="opened with another message than it first did"):
+            pool.step("a", {}, ["x"], "y", [shown_digest("a board"), shown[1]])
+        assert (pool.rebuilds, pool.replayed_steps, pool.replay_mismatches) == (4, 2, 2)
+        assert pool.step("a", {}, ["x"], "y") == (Reply(text="count 2"), None)  # no digests: not checked
+    finally:
+        pool.close()
+
+
+# ----------------------------------------------------------------------------- an episode cut at the token budget
+
+class Budgeted:
+    """test_tools.ScriptedModel's messages, each cut at what is left of its episode's token budget
+    (then truncated, without its EOS), as an engine cuts them."""
+
+    version, weights_digest = 0, ""
+
+    def __init__(self, tokenizer, scripts, budget: int):
+        from test_tools import ScriptedModel
+
+        self.scripted, self.budget = ScriptedModel(tokenizer, scripts), budget
+
+    def generate(self, contexts, group_size, *, seed=None, greedy=False, max_new_tokens=None):
+        from grpo.sampler.rollout import Rollouts
+
+        out = self.scripted.generate(contexts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
+        budgets = max_new_tokens or [self.budget] * len(out.completion_ids)
+        cut = [ids[:b] for ids, b in zip(out.completion_ids, budgets)]
+        return Rollouts(completion_ids=cut, truncated=[len(c) < len(ids) for c, ids in zip(cut, out.completion_ids)],
+                        logps=[torch.zeros(len(c)) for c in cut])
+
+
+# a +-1 game, one prompt's 4 episodes: a win, a loss, a loss after a turn, and one that talks past the budget
+GAME_SCRIPTS = [["e0 I win"], ["e1 I lose"], ["e2 first", "e2 I lose"], ["e3 first", "e3 " + "on and on " * 20]]
+
+
+def game_batch(tiny_model_dir, *overrides):
+    """One sampler step of the WinOrLose game (rewarded by env_reward alone, 40 tokens an episode)."""
+    from grpo.sampler.episodes import episode_runner
+    from grpo.sampler.step import SamplerPolicy, make_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = load_config(None, ["sampling.group_size=4", "sampling.prompts_per_step=1", "sampling.max_new_tokens=40",
+                             "training.beta=0", "lora.enabled=false", "training.reference_on=sampler",
+                             f"env.name={ENVS}:WinOrLose", "rewards.names=[env_reward]", "rewards.weights=[1.0]",
+                             "rewards.accuracy_reward=env_reward", "rewards.format_reward=env_reward", "data.prefill=",
+                             *overrides])
+    runner = episode_runner(cfg, tokenizer)
+    try:
+        engine = Budgeted(tokenizer, GAME_SCRIPTS, cfg.sampling.max_new_tokens)
+        policy = SamplerPolicy(engine, AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tokenizer, {},
+                               episodes=runner)
+        batch = make_batch(cfg, policy, prompts_of(tokenizer, answers=("1",)), step=0, metrics_so_far={},
+                           check_recorded=False)
+    finally:
+        runner.pool.close()
+    return cfg, batch
+
+
+def test_an_episode_cut_at_the_budget_leaves_the_loss_by_default(tiny_model_dir):
+    """Rewards [1, -1, -1, none]: the cut episode's env_reward is None (a total of 0), so it sits in
+    the group's mean -0.25 (unbiased std sqrt(2.75 / 3) = 0.9574) as the others' baseline, but it is
+    truncated and masked: 3 sequences and only their model tokens in the loss, whatever its advantage."""
+    from grpo.objective import loss_mask
+
+    cfg, batch = game_batch(tiny_model_dir)
+    assert cfg.training.mask_truncated_completions and Objective.of(cfg).mask_truncated  # on: env_reward trains
+    assert batch.truncated.tolist() == [False, False, False, True]
+    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -1.0, 0.0]
+    std = (2.75 / 3) ** 0.5
+    expected = torch.tensor([1.25, -0.75, -0.75, 0.25]) / (std + 1e-4)
+    assert torch.allclose(batch.advantages, expected, atol=1e-6)
+    model_tokens = [int(m.sum()) for m in batch.model_mask]
+    assert (batch.num_sequences, batch.num_tokens) == (3, sum(model_tokens[:3]))
+    padded = torch.nn.utils.rnn.pad_sequence(batch.model_mask, batch_first=True)
+    seen = loss_mask(Objective.of(cfg), torch.ones_like(padded), batch.truncated, padded)
+    assert seen.sum(1).tolist() == model_tokens[:3] + [0]  # the trainer's loss sees none of the cut episode
+    assert batch.meta["metrics"]["completions/clipped_ratio"] == 0.25
+
+
+def test_an_episode_run_scored_by_its_text_scores_a_cut_episode_as_any_cut_completion():
+    """Without env_reward among the rewards (the calculator example scores the answer it writes), a cut
+    episode is a cut completion: scored by the rewards (no answer: no credit), not masked."""
+    cfg = load_config(None, ["env.name=calculator"])
+    assert cfg.rewards.names == ["gsm8k_answer_lenient", "think_answer_format_partial"]
+    assert not cfg.training.mask_truncated_completions
+    assert load_config(None, ["env.name=calculator", "rewards.names=[env_reward]", "rewards.weights=[1.0]"]
+                       ).training.mask_truncated_completions
+
+
+def test_an_episode_cut_at_the_budget_scores_env_truncated_reward_when_it_is_set(tiny_model_dir):
+    """env.truncated_reward=-1: running out of tokens scores as losing. Rewards [1, -1, -1, -1]: mean
+    -0.5, unbiased std 1, advantages [1.5, -0.5, -0.5, -0.5] / (1 + 1e-4); all 4 in the loss."""
+    cfg, batch = game_batch(tiny_model_dir, "env.truncated_reward=-1")
+    assert not cfg.training.mask_truncated_completions
+    assert batch.truncated.tolist() == [False, False, False, True]
+    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -1.0, -1.0]
+    assert torch.allclose(batch.advantages, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-4), atol=1e-6)
+    assert (batch.num_sequences, batch.num_tokens) == (4, sum(int(m.sum()) for m in batch.model_mask))
+
+
+def test_a_reply_that_leaves_no_room_to_answer_is_cut_and_scored_alike(tiny_model_dir):
+    """An episode whose environment replies past the budget ends there, truncated: its earlier
+    rewards give way to env.truncated_reward."""
+    from test_tools import ScriptedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pool = EnvironmentPool(f"{ENVS}:Scripted", {"length": 9}, 5.0)  # no reward before its ninth message
+    try:
+        scripts = [["a one"], ["b one"]]
+        runner = EpisodeRunner(pool, tokenizer, 8, 4, truncated_reward=-1.0)
+        run = runner.run(ScriptedModel(tokenizer, scripts), prompts_of(tokenizer, answers=("1",)), 2)
+    finally:
+        pool.close()
+    assert [(e.truncated, e.turns, e.reward, e.model[-1]) for e in run.episodes] == [(True, 1, -1.0, False)] * 2
+    assert [row["env_reward"] for row in run.rows] == [-1.0, -1.0] and [len(e.tokens) for e in run.episodes] == [8, 8]
+
+
+def test_an_environments_reward_that_nothing_trains_on_is_said_once(tiny_model_dir, caplog):
+    """env_reward is not among rewards.names: the first reward an environment gives is a warning line;
+    env.truncated_reward without env_reward to score is a config error."""
+    from grpo.sampler.episodes import episode_runner
+    from grpo.settings.tree import ConfigError
+    from test_tools import ScriptedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = load_config(None, [f"env.name={ENVS}:WinOrLose", "data.prefill="])
+    runner = episode_runner(cfg, tokenizer)
+    try:
+        for _ in range(2):
+            runner.run(ScriptedModel(tokenizer, GAME_SCRIPTS[:2]), prompts_of(tokenizer, answers=("1",)), 2)
+    finally:
+        runner.pool.close()
+    said = [r.getMessage() for r in caplog.records if "env_reward" in r.getMessage()]
+    assert said == ["the environment gives rewards, and rewards.names does not hold env_reward: they are not trained "
+                    "on; add env_reward to rewards.names (and its weight to rewards.weights)"]
+    with pytest.raises(ConfigError, match=r"env.truncated_reward=-1 is the env_reward of an episode cut at "
+                                          r"sampling.max_new_tokens, and rewards.names \(gsm8k_answer_lenient, "
+                                          r"think_answer_format_partial\) does not hold env_reward"):
+        load_config(None, [f"env.name={ENVS}:WinOrLose", "env.truncated_reward=-1"])

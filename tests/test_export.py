@@ -283,3 +283,41 @@ def test_an_export_of_the_embedded_model_names_its_public_base_not_a_cache_folde
     assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
     cache = resolve_model_path("smollm2-135m-instruct")
     assert [p.name for p in out.iterdir() if cache in p.read_bytes().decode("utf-8", "replace")] == []
+
+
+@pytest.mark.parametrize("parser, message", [
+    ("hermes", 'Half of 48:\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "48 / 2"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "calculate", "parameters": {"expression": "48 / 2"}}; '
+                    '{"name": "calculate", "parameters": {"expression": "48 + 24"}}')])
+def test_the_model_card_of_a_tool_run_offers_its_tools_and_reads_calls_as_training_did(tmp_path, tiny_model_dir,
+                                                                                       parser, message):
+    """The card's snippet, run as written on the export: the chat template is given the tools' schemas
+    (the ones training offered), and its lines that read a message's calls read them as
+    env.tool_parser does; the card names the parser and vLLM's --tool-call-parser."""
+    import re
+
+    from grpo.environments.tool_calls import PARSERS
+    from grpo.environments.tools import tool_schemas
+
+    tool = "grpo.environments.calculator:calculate"
+    run = tmp_path / "tools"
+    cfg = make_run(run, f"model.name_or_path={tiny_model_dir}", "model.chat_template=chatml-tools",
+                   f"env.tools=[{tool}]", f"env.tool_parser={parser}", "data.few_shot=0")
+    publish(trained_adapter(cfg, seed=1), run / "weights", version=1, step=1)
+    export(run, None, tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| tools | `{tool}` (calls read by {parser}) |" in card
+    assert f"vllm serve DIR --enable-auto-tool-choice --tool-call-parser {parser}" in card
+    code = re.search(r"## Use\n\n```python\n(.*?)```", card, re.DOTALL).group(1)
+    assert "apply_chat_template(messages, tools=tools, tokenize=False" in code
+    assert f"read as in training (env.tool_parser={parser}; vLLM: --tool-call-parser {parser})" in code
+    ran = {}
+    exec(code.replace('"DIR"', f'"{tmp_path / "out"}"').replace("max_new_tokens=256", "max_new_tokens=8"), ran)
+    assert ran["tools"] == tool_schemas([tool])
+    assert '"name": "calculate"' in ran["text"] and cfg.data.system_prompt in ran["text"]  # the template offered it
+    reading = code[code.index("# its tool calls"):code.index("print(calls)")]
+    read = {"message": message}
+    exec(reading, {"json": json, "re": re}, read)
+    expected = [{"name": c.name, ("arguments" if parser == "hermes" else "parameters"): c.arguments}
+                for c in PARSERS[parser](message)]
+    assert read["calls"] == expected and len(expected) == (1 if parser == "hermes" else 2)

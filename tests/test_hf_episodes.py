@@ -1,7 +1,10 @@
 """Episodes in one decode loop on the HF engine (grpo/sampler/rollout/hf_episodes.py) against a slow
 reference: each episode alone, each turn `generate` on its whole context (re-prefilled), torch's
 generator seeded with the turn's seed. Scripted environments in the real child-process pool, tiny
-random Llama and Qwen2 models, episodes that end at different turns and lengths."""
+random Llama, Qwen2, DeepSeek-V3 (MLA) and MPT (ALiBi) models, episodes that end at different turns
+and lengths, in float32 and in float64 (where the loop's log-probs are the reference's to the bit)."""
+
+import functools
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from grpo.config import load_config
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.rollout.hf_episodes import episode_loop, episode_seed
+from grpo.sampler.rollout.hf_episodes import episode_loop, episode_seed, masked_gap, run_episodes
 from test_episodes import CharTokenizer
 from test_episodes import chatty_model as chatty
 
@@ -23,6 +26,12 @@ ENVS = str(REPO / "tests" / "scripted_envs.py")
 # CPU matmul kernels block by their row count: the same token's keys ~1 ulp apart, the log-probs a
 # few float32 ulps of their size. Relative, as float32 is: at |logp| >= 8 one ulp is already 9.5e-7.
 LOGP_TOLERANCE = 1e-6  # times max(1, |logp|): ~8 ulps
+# float64: the same shapes' differences sit ~1e-16 below the float32 the log-probs are recorded in: none left
+TOLERANCE = {torch.float32: LOGP_TOLERANCE, torch.float64: 0.0}
+
+
+def chatty_in(kind: str, dtype: torch.dtype):
+    return chatty(kind).to(dtype)
 
 
 class OneAtATime:
@@ -54,11 +63,13 @@ def prompts(lengths=(5, 8)):
 
 
 def run(model, engine_of=lambda engine: engine, *, greedy=False, batch=64, max_new_tokens=80, lengths=(5, 8),
-        length=4, continued=True):
-    """Prompts of `lengths` x 4 episodes of the Scripted environment (done at message `length`, at most 4 turns)."""
+        length=4, continued=True, feed=16, env="Scripted", **env_args):
+    """Prompts of `lengths` x 4 episodes of the Scripted environment (done at message `length`, at most 4 turns),
+    replies fed at most `feed` tokens a step (0: at once)."""
     cfg = load_config(None, [f"sampling.max_new_tokens={max_new_tokens}", "sampling.temperature=1.0",
-                             f"sampling.generation_batch_size={batch}"]).sampling
-    pool = EnvironmentPool(f"{ENVS}:Scripted", {"length": length}, 5.0)
+                             f"sampling.generation_batch_size={batch}",
+                             f"sampling.episode_feed_tokens={feed}"]).sampling
+    pool = EnvironmentPool(f"{ENVS}:{env}", {"length": length, **env_args}, 5.0)
     try:
         runner = EpisodeRunner(pool, CharTokenizer(), max_new_tokens, 4, continued=continued)
         engine = engine_of(HFEngine(model, CharTokenizer(), cfg))
@@ -67,7 +78,8 @@ def run(model, engine_of=lambda engine: engine, *, greedy=False, batch=64, max_n
         pool.close()
 
 
-def assert_same_episodes(kept, again):
+def assert_same_episodes(kept, again, tolerance=LOGP_TOLERANCE):
+    """The same tokens, masks, turns and cuts; log-probs within `tolerance` x max(1, |logp|)."""
     gap = 0.0
     for a, b in zip(kept.rollouts.completion_ids, again.rollouts.completion_ids, strict=True):
         assert torch.equal(a, b)
@@ -75,7 +87,7 @@ def assert_same_episodes(kept, again):
         assert torch.equal(a, b)
     for a, b in zip(kept.rollouts.logps, again.rollouts.logps, strict=True):
         gap = max(gap, ((a - b).abs() / b.abs().clamp(min=1)).max().item() if len(a) else 0.0)
-    assert gap <= LOGP_TOLERANCE, gap
+    assert gap <= tolerance, gap
     assert [e.turns for e in kept.episodes] == [e.turns for e in again.episodes]
     assert [e.truncated for e in kept.episodes] == [e.truncated for e in again.episodes]
     return gap
@@ -85,19 +97,22 @@ def assert_same_episodes(kept, again):
 # all episodes in one batch; chunks of 3 rows; one prompt a block, one row a chunk; a one-token prompt beside a
 # 4-token one; only one-token prompts (nothing prefilled: the cache grows from empty)
 @pytest.mark.parametrize("batch, lengths", [(64, (5, 8)), (3, (5, 8, 6)), (1, (5, 8)), (3, (1, 4)), (64, (1, 1))])
-def test_episodes_in_one_loop_draw_the_tokens_and_log_probs_of_each_alone_re_prefilled(kind, batch, lengths):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_episodes_in_one_loop_draw_the_tokens_and_log_probs_of_each_alone_re_prefilled(kind, batch, lengths, dtype):
     """Under a seed, turn for turn, the episodes ending at different turns (done, at the turn limit, at the budget)."""
-    model = chatty(kind)
+    model = chatty_in(kind, dtype)
     continued, alone = run(model, batch=batch, lengths=lengths), run(model, OneAtATime, batch=batch, lengths=lengths)
-    assert_same_episodes(continued, alone)
+    assert_same_episodes(continued, alone, TOLERANCE[dtype])
     turns = {e.turns for e in continued.episodes}
     assert len(turns) >= 2 and max(turns) >= 3, turns  # ragged: some episodes went on after others ended
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_episodes_in_one_loop_equal_each_alone(kind):
-    model = chatty(kind)
-    assert_same_episodes(run(model, greedy=True, batch=5), run(model, OneAtATime, greedy=True, batch=5))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_greedy_episodes_in_one_loop_equal_each_alone(kind, dtype):
+    model = chatty_in(kind, dtype)
+    assert_same_episodes(run(model, greedy=True, batch=5), run(model, OneAtATime, greedy=True, batch=5),
+                         TOLERANCE[dtype])
 
 
 def test_the_seed_of_each_episodes_turn_is_its_own():
@@ -106,7 +121,8 @@ def test_the_seed_of_each_episodes_turn_is_its_own():
 
 
 def forward_widths(model, lengths, **kwargs) -> list[tuple[int, int]]:
-    """(rows, tokens fed) of each forward of a run of episodes."""
+    """(rows, tokens fed) of each forward of a run of episodes (after the model's masked-gap probe)."""
+    assert episode_loop(HFEngine(model, CharTokenizer(), load_config(None, []).sampling)) is not None
     shapes = []
     handle = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                              with_kwargs=True)
@@ -149,7 +165,8 @@ def test_a_model_with_sliding_window_layers_goes_turn_by_turn():
         assert torch.equal(a, b)  # the same path: one stream per turn, not per episode
 
 
-def test_masked_columns_are_squeezed_out_without_changing_a_token(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_masked_columns_are_squeezed_out_without_changing_a_token(monkeypatch, dtype):
     """With the squeeze at every masked column (MIN_SQUEEZE 1, any share), the cache never holds a column
     masked in every row's view beyond its own, and the episodes are the reference's."""
     import grpo.sampler.rollout.hf_episodes as loop
@@ -164,6 +181,224 @@ def test_masked_columns_are_squeezed_out_without_changing_a_token(monkeypatch):
     monkeypatch.setattr(loop, "MIN_SQUEEZE", 1)
     monkeypatch.setattr(loop, "COMPACT_FRACTION", 0.0)
     monkeypatch.setattr(loop.EpisodeBlock, "_squeeze", watched)
-    model = chatty("llama")
-    assert_same_episodes(run(model), run(model, OneAtATime))
+    model = chatty_in("llama", dtype)
+    assert_same_episodes(run(model), run(model, OneAtATime), TOLERANCE[dtype])
     assert all(width == needed for width, needed in widths if needed), widths  # squeezed to the widest row
+
+
+# ----------------------------------------------------------------------------- long replies, a few tokens a step
+
+@pytest.mark.parametrize("feed", [1, 8, 0], ids=["feed1", "feed8", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_long_replies_fed_a_few_tokens_a_step_give_each_episodes_tokens_alone(feed, dtype):
+    """Replies of 91 tokens fed 1 or 8 a step, or at once: the episodes are the reference's."""
+    model = chatty_in("llama", dtype)
+    long = dict(env="LongReplies", words=30, max_new_tokens=400)
+    assert_same_episodes(run(model, feed=feed, **long), run(model, OneAtATime, **long), TOLERANCE[dtype])
+
+
+def fed_per_forward(model, **kwargs) -> list[tuple[int, list[int]]]:
+    """Each forward of a run of episodes after the prefill: its width and the tokens each row fed (the
+    last columns of its attention mask that are set)."""
+    assert episode_loop(HFEngine(model, CharTokenizer(), load_config(None, []).sampling)) is not None
+    steps = []
+
+    def record(_, args, kwargs):
+        width = kwargs["input_ids"].shape[1]
+        steps.append((width, kwargs["attention_mask"][:, -width:].sum(-1).tolist()))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        run(model, **kwargs)
+    finally:
+        handle.remove()
+    return steps[1:]
+
+
+def test_a_long_reply_no_longer_widens_the_step_of_every_other_episode():
+    """Prompt 0's episodes get replies of 91 tokens, prompt 1's "ok". Fed at once, a row decoding one token
+    runs in a step 92 wide (the message's last token and the reply); fed at most 8 a step, no such step is
+    wider than 8, and a wider one masks no live row's column: every row in it feeds its whole width."""
+    model = chatty("llama")
+    long = dict(env="LongReplies", words=30, only="0", max_new_tokens=400)
+    at_once, capped = fed_per_forward(model, feed=0, **long), fed_per_forward(model, feed=8, **long)
+    assert max(width for width, fed in at_once if 1 in fed) == 92
+    assert max(width for width, fed in capped if 1 in fed) == 8
+    assert all(set(fed) <= {0, width} for width, fed in capped if width > 8)  # 0: a row that waits to leave
+    computed = [sum(width * len(fed) for width, fed in steps) for steps in (at_once, capped)]
+    assert computed[1] < computed[0] / 2, computed  # token-rows of the forwards, masked ones included
+
+
+# ----------------------------------------------------------------------------- which models continue
+
+def with_chatty_head(model):
+    """The head of `chatty_model`: logits of order 1 that favour EOS (~11% a token)."""
+    head = torch.nn.Linear(32, 101, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight * 10)
+        head.bias.zero_()
+        head.bias[1] = 2.5
+    model.lm_head = head
+    return model.eval()
+
+
+def tiny_mpt():
+    """A random 2-layer MPT: ALiBi, attention biased by the distance between columns."""
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    config = MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=101, max_seq_len=512, pad_token_id=0,
+                       eos_token_id=1)
+    return with_chatty_head(MptForCausalLM(config))
+
+
+def tiny_mla(dtype=torch.float32):
+    """A random 2-layer DeepSeek-V3 (dense): multi-head latent attention, whose cached keys and values
+    differ in head size."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                              max_position_embeddings=512, eos_token_id=1, pad_token_id=0, bos_token_id=2,
+                              tie_word_embeddings=False, attn_implementation="sdpa")
+    return with_chatty_head(DeepseekV3ForCausalLM(config)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_the_probe_tells_alibi_from_rotary_positions(dtype):
+    """Masked columns between cached ones move MPT's log-probs by 0.51 on this tiny random model (ALiBi; in
+    float64 its padded forward is NaN: inf), and Llama's, Qwen2's and DeepSeek-V3's not at all: the probe's
+    two layouts have the same shapes."""
+    assert masked_gap(tiny_mpt().to(dtype)) > 0.5
+    for model in (tiny_model("llama", dtype=dtype), tiny_model("qwen2", dtype=dtype), tiny_mla(dtype)):
+        assert masked_gap(model) == 0.0
+
+
+class ForcedLoop:
+    """The one-loop path on any model, the probe skipped."""
+
+    def __init__(self, engine: HFEngine):
+        self.run_episodes = functools.partial(run_episodes, engine)
+
+
+def test_a_model_whose_attention_depends_on_a_columns_place_goes_turn_by_turn():
+    """On MPT the loop's episodes are not the ones each generates alone (ALiBi counts the masked columns
+    as distance): its episodes go turn by turn, the path that is right for it."""
+    model = tiny_mpt()
+    assert episode_loop(HFEngine(model, CharTokenizer(), load_config(None, []).sampling)) is None
+    assert_same_episodes(run(model), run(model, continued=False), 0.0)
+    forced, alone = run(model, ForcedLoop), run(model, OneAtATime)
+    same = sum(torch.equal(a, b) for a, b in zip(forced.rollouts.completion_ids, alone.rollouts.completion_ids))
+    gaps = [(a[:len(b)] - b[:len(a)]).abs().max().item() for a, b in zip(forced.rollouts.logps, alone.rollouts.logps)]
+    assert same < 8 and max(gaps) > 1e-2, (same, gaps)
+
+
+def test_the_probe_runs_once_per_model(monkeypatch):
+    import grpo.sampler.rollout.hf_episodes as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "masked_gap", lambda model: calls.append(model) or 0.0)
+    model, cfg = tiny_model("llama"), load_config(None, []).sampling
+    assert all(episode_loop(HFEngine(model, CharTokenizer(), cfg)) is not None for _ in range(3))
+    assert calls == [model]
+
+
+@pytest.mark.parametrize("batch, lengths", [(64, (5, 8)), (64, (1, 1))], ids=["prefilled", "one-token-prompts"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_episodes_of_a_model_whose_keys_and_values_differ_in_size(monkeypatch, batch, lengths, dtype):
+    """DeepSeek-V3's multi-head latent attention caches keys of 16 and values of 8 per position: repeated
+    to the rows after the prefill (in place) or grown from one-token prompts, and squeezed at every masked
+    column, the episodes are the reference's."""
+    import grpo.sampler.rollout.hf_episodes as loop
+    from transformers import DynamicCache
+
+    model = tiny_mla(dtype)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+    assert (cache.layers[0].keys.shape[-1], cache.layers[0].values.shape[-1]) == (16, 8)
+    monkeypatch.setattr(loop, "MIN_SQUEEZE", 1)
+    monkeypatch.setattr(loop, "COMPACT_FRACTION", 0.0)
+    continued = run(model, batch=batch, lengths=lengths)
+    assert_same_episodes(continued, run(model, OneAtATime, batch=batch, lengths=lengths), TOLERANCE[dtype])
+    assert max(e.turns for e in continued.episodes) >= 3
+
+
+# ----------------------------------------------------------------------------- the cache, the budget
+
+def test_a_long_reply_grows_the_cache_once_with_room_after_it():
+    """After 200 positions at once, the buffer holds GROWTH (64) free positions: the next token is written
+    in place, not into a buffer copied again."""
+    from transformers.cache_utils import DynamicLayer
+
+    from grpo.sampler.rollout.hf_engine import InPlaceLayer
+
+    prefill = DynamicLayer()
+    keys, values = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 16)
+    prefill.update(keys, values)
+    layer = InPlaceLayer.repeated(prefill, 2)
+    assert layer.key_buffer.shape == layer.value_buffer.shape == (4, 1, 67, 16)
+    reply = torch.randn(4, 1, 200, 16), torch.randn(4, 1, 200, 16)
+    layer.update(*reply)
+    buffer = layer.key_buffer
+    assert buffer.shape[2] == 203 + 64
+    token = torch.randn(4, 1, 1, 16), torch.randn(4, 1, 1, 16)
+    layer.update(*token)
+    assert layer.key_buffer is buffer and layer.keys.shape[2] == 204
+    assert torch.equal(layer.keys, torch.cat([keys.repeat_interleave(2, 0), reply[0], token[0]], dim=2))
+    assert torch.equal(layer.values, torch.cat([values.repeat_interleave(2, 0), reply[1], token[1]], dim=2))
+
+
+def test_the_loop_refuses_a_reply_that_leaves_no_room_in_the_budget():
+    """The budget of 30 tokens is the loop's own to keep: a reply that fills what the message left is an
+    error, never a message drawn past it; a budget below one token too."""
+    engine = HFEngine(chatty("llama"), CharTokenizer(), load_config(None, ["sampling.temperature=1.0"]).sampling)
+    seen = []
+
+    def fills(j, ids, logps, truncated):  # the whole budget, then the episode ends (at its 4th message)
+        seen.append(len(ids))
+        return [5] * (30 - len(ids)) if len(seen) < 4 else None
+
+    with pytest.raises(ValueError, match=r"leaves no room for another message within the episode's budget of 30 "
+                                         r"tokens \(30 used with it\)"):
+        run_episodes(engine, [[5, 6, 7]], 2, fills, 30, seed=3)
+    assert seen and seen[0] < 30
+    with pytest.raises(ValueError, match="budget must be at least 1; got 0"):
+        run_episodes(engine, [[5, 6, 7]], 2, fills, 0, seed=3)
+
+
+# ----------------------------------------------------------------------------- an EOS drawn at the message limit
+
+def messages_of(engine, budget: int) -> dict:
+    """episode -> its messages (tokens, cut) under `budget`: a 3-token reply after the first (when it
+    fits), none after the second. On the loop and on the reference alike."""
+    out = {}
+
+    def on_turn(j, ids, logps, truncated):
+        out.setdefault(j, []).append((ids.tolist(), truncated, logps.tolist()))
+        used = sum(len(m[0]) for m in out[j]) + 3 * (len(out[j]) - 1)
+        return [5, 6, 7] if len(out[j]) == 1 and not truncated and used + 3 < budget else None
+
+    engine.run_episodes([[5, 6, 7], [8, 9]], 2, on_turn, budget, seed=3)
+    return out
+
+
+def test_an_eos_drawn_at_the_message_limit_ends_the_message_uncut():
+    """With room for 60 tokens, episode 0 writes messages of L1 = 7 and L2 = 12 tokens, each ended by EOS. With a
+    budget of exactly L1 (then L1 + 3 + L2), its first (then second) message draws EOS as the last token it
+    may: a whole message, not a cut one; one token less and it is cut before its EOS. The loop and the
+    reference agree on every message of every episode (float64: log-probs to the bit)."""
+    model = chatty_in("llama", torch.float64)
+    engine = HFEngine(model, CharTokenizer(), load_config(None, ["sampling.temperature=1.0"]).sampling)
+    loop, alone = ForcedLoop(engine), OneAtATime(engine)
+    free = messages_of(loop, 60)[0]
+    (first, cut1, _), (second, cut2, _) = free
+    assert (len(first), len(second)) == (7, 12) and first[-1] == second[-1] == 1 and not cut1 and not cut2
+    for budget, turn in ((len(first), 0), (len(first) + 3 + len(second), 1)):
+        for room, cut in ((budget, False), (budget - 1, True)):
+            got = messages_of(loop, room)
+            assert got == messages_of(alone, room)
+            ids, truncated, _ = got[0][turn]
+            assert truncated is cut and ids == free[turn][0][:room - budget + len(free[turn][0])]

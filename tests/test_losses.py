@@ -375,3 +375,31 @@ def test_the_batch_header_holds_what_the_batch_was_made_for_not_the_loss_setting
     scaled = Objective.of(load_config(None, ["training.advantage_scale=batch"]))
     assert base.header() == loss_only.header() and json.loads(json.dumps(loss_only.header(), allow_nan=False)) == base.header()
     assert masked.header() != base.header() != scaled.header()
+
+
+def test_a_sample_left_out_of_the_advantages_adds_nothing_and_still_counts_in_the_denominators():
+    """A sample a reward failed on reaches the loss with advantage 0, as every sample of a group whose
+    rewards are all equal does: its tokens add 0 to the policy term and count in the denominators (TRL's
+    normaliser, DAPO's token mean), so the loss is exactly the worked batch's sum over one more sequence.
+    The worked batch (sums -2.7 over 3 tokens, 4.6 over 2) plus a left-out sequence of 2 tokens:
+    grpo (-0.9 + 2.3 + 0) / 3 = 0.4666667; dapo (-2.7 + 4.6 + 0) / 7 = 0.2714286."""
+    logps, old, adv, mask = worked_batch()
+    logps = torch.cat([logps, torch.tensor([[LN(3.0), LN(0.1), 0.0]])])  # far from 1: it still adds 0
+    old, adv = torch.zeros(3, 3), torch.cat([adv, torch.zeros(1)])
+    mask = torch.cat([mask, torch.tensor([[1, 1, 0]])])
+    for aggregation, expected in (("grpo", 1.4 / 3), ("dapo", 1.9 / 7)):
+        loss, _ = policy_loss(logps, old, adv, mask, aggregation=aggregation)
+        assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo"])
+def test_a_batch_whose_every_completion_is_masked_has_a_zero_loss_not_nan(aggregation):
+    """Every completion truncated and masked (training.mask_truncated_completions): the loss sees no
+    sequence and no token; it is 0 with a zero gradient, never 0/0, which would skip the step."""
+    from grpo.objective import aggregate
+
+    per_token = torch.tensor([[0.5, -1.0], [2.0, 3.0]], requires_grad=True)  # [N=2, T=2]
+    loss = aggregate(per_token, torch.zeros(2, 2, dtype=torch.bool), aggregation, num_sequences=0, num_tokens=0,
+                     max_completion_length=2, num_completions=2)
+    loss.backward()
+    assert loss.item() == 0.0 and per_token.grad.abs().sum().item() == 0.0

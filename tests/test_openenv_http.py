@@ -33,16 +33,16 @@ START_S = 90.0  # a server's start at most (it imports OpenEnv's web stack: seco
 class Server:
     """The OpenEnv server in a subprocess, on one loopback port for its life (restarts included)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, app: str = "openenv_server:app"):
         self.port, self.waiting, self.log = free_local_port(), folder / "waiting", folder / "server.log"
         self.name = f"openenv+http://127.0.0.1:{self.port}"
-        self.process = None
+        self.process, self.serve = None, [*SERVE[:3], app, *SERVE[4:]]
 
     def start(self) -> None:
         env = {**os.environ, "OPENENV_TEST_WAITING": str(self.waiting)}
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", *SERVE, str(self.port), "--log-level", "warning"],
-                                            cwd=REPO, env=env, stdout=log, stderr=log)
+            command = [sys.executable, "-m", *self.serve, str(self.port), "--log-level", "warning"]
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
         wait_until_healthy(self.process, f"http://127.0.0.1:{self.port}/health", START_S, 0.1, self.log.read_text)
 
     def kill(self) -> None:
@@ -256,3 +256,86 @@ def test_a_server_that_hangs_costs_a_turn_two_time_limits_not_one_per_episode(ru
         assert pool.step("c", row, [], "no idea") == (Reply(text="say a number", reward=0.0), None)
     finally:
         pool.close()
+
+
+# ----------------------------------------------------------------------------- rebuilt sessions are checked
+
+@pytest.fixture(scope="module")
+def secret_server(tmp_path_factory):
+    """tests/openenv_secret_server.py: an environment whose reset ignores its seed."""
+    server = Server(tmp_path_factory.mktemp("openenv-secret-server"), app="openenv_secret_server:app")
+    server.start()
+    yield server
+    if server.process.poll() is None:
+        server.process.terminate()
+        server.process.wait(timeout=10)
+
+
+class RestartsTheServer:
+    """test_tools.ScriptedModel's messages; before turn 2 the server is killed and started again on its
+    port, so every live episode's session is lost between two calls."""
+
+    version, weights_digest = 0, ""
+
+    def __init__(self, tokenizer, scripts, server):
+        from test_tools import ScriptedModel
+
+        self.scripted, self.server, self.turn = ScriptedModel(tokenizer, scripts), server, 0
+
+    def generate(self, contexts, group_size, **kwargs):
+        self.turn += 1
+        if self.turn == 2:
+            self.server.kill()
+            self.server.start()
+        return self.scripted.generate(contexts, group_size, **kwargs)
+
+
+NO_GUESS = [["alpha hmm", "alpha well", "alpha so"], ["beta hmm", "beta well", "beta so"]]  # no digit: no guess
+
+
+def episodes_across_a_restart(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    server.ensure_running()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    runner = episode_runner(load_config(None, [f"env.name={server.name}", "env.max_turns=3", "data.prefill=",
+                                               "rewards.names=[env_reward]", "rewards.weights=[1.0]"]), tokenizer)
+    try:
+        return runner.run(RestartsTheServer(tokenizer, NO_GUESS, server), prompts_of(tokenizer, answers=("1",)), 2)
+    finally:
+        runner.pool.close()
+
+
+REBUILD_METRICS = ("env/child_restarts", "env/rebuilds", "env/replayed_steps", "env/replay_mismatches",
+                   "env/env_errors")
+
+
+def test_a_session_lost_on_an_unseeded_server_fails_its_episodes_when_the_replay_differs(secret_server, tiny_model_dir):
+    """Both sessions are lost between turns 1 and 2; each new session replays the first message and is
+    told another secret: both episodes end there, failed, having been shown one secret."""
+    from grpo.sampler.episodes import episode_metrics
+
+    run = episodes_across_a_restart(secret_server, tiny_model_dir)
+    mismatch = ("its environment, rebuilt after it was lost, replied to message 1 otherwise than the episode was "
+                "shown: the environment is not deterministic given its seed and messages (docs/environments.md)")
+    assert [(e.turns, e.replay_mismatch, e.environment_failed, e.env_error) for e in run.episodes] == \
+        [(2, True, True, mismatch)] * 2
+    assert [e.messages for e in run.episodes] == [["alpha hmm"], ["beta hmm"]]
+    metrics = episode_metrics(run.episodes)
+    assert {k: metrics[k] for k in REBUILD_METRICS} == {"env/child_restarts": 0.0, "env/rebuilds": 2.0,
+                                                         "env/replayed_steps": 2.0, "env/replay_mismatches": 2.0,
+                                                         "env/env_errors": 2.0}
+
+
+def test_a_session_lost_on_a_deterministic_server_replays_exactly_and_goes_on(running, tiny_model_dir):
+    """The guessing game resets from the row's seed: the rebuilt sessions replay the first message to the
+    same reply, and both episodes play their three tries out (reward 0: no number was said)."""
+    from grpo.sampler.episodes import episode_metrics
+
+    run = episodes_across_a_restart(running, tiny_model_dir)
+    assert [(e.turns, e.replay_mismatch, e.env_errors, e.reward) for e in run.episodes] == [(3, False, 0, 0.0)] * 2
+    assert [e.messages for e in run.episodes] == NO_GUESS
+    metrics = episode_metrics(run.episodes)
+    assert {k: metrics[k] for k in REBUILD_METRICS} == {"env/child_restarts": 0.0, "env/rebuilds": 2.0,
+                                                         "env/replayed_steps": 2.0, "env/replay_mismatches": 0.0,
+                                                         "env/env_errors": 0.0}

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Llam
 from grpo.config import load_config
 from grpo.settings.tree import ConfigError
 from rewards import score_completions
-from rewards.reward_model import load_reward_model, padding_id
+from rewards.reward_model import fit_ids, load_reward_model, padding_id
 from rewards.sandbox import RewardSandbox
 from rewards.services import ServiceSettings, service_reward
 
@@ -22,12 +22,12 @@ PROMPTS = [(SYSTEM, {"role": "user", "content": "What is 3 + 4?"}),
 COMPLETIONS = ["7", "<think>\n3 + 4 = 7\n</think>\n<answer>7</answer>", "Eleven: no number but 1 and 11 divides it."]
 
 
-def save_classifier(folder, tokenizer_dir, num_labels: int = 1, chat_template: bool = True):
+def save_classifier(folder, tokenizer_dir, num_labels: int = 1, chat_template: bool = True, positions: int = 1024):
     """A random 2-layer Llama classifier with a head large enough that scores differ by O(1)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          num_labels=num_labels, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     model = LlamaForSequenceClassification(config)
@@ -93,11 +93,92 @@ def test_a_template_that_refuses_a_system_turn_gets_its_text_in_the_first_user_t
     assert "<|im_start|>system\nAnswer in tags." not in text and "<|im_start|>user\nAnswer in tags.\n\nWhat is 3 + 4?" in text
 
 
-def test_a_text_longer_than_the_model_reads_is_cut_from_the_left_and_one_bad_chunk_fails_alone(reward_model_dir):
+def test_one_bad_chunk_fails_alone(reward_model_dir):
     model = load_reward_model(str(reward_model_dir), "cpu", "float32", 1)
-    assert model.fitted(list(range(model.max_length + 5))) == list(range(5, model.max_length + 5))
     scores = model(["ok", "ok"], [{}, {}], [PROMPTS[0], [{"role": "user", "content": 5}]])  # the second cannot render
     assert isinstance(scores[0], float) and isinstance(scores[1], Exception)
+
+
+# ----------------------------------------------------------------------------- texts longer than the model reads
+
+@pytest.mark.parametrize("limit, kept", [
+    (25, list(range(20))),  # fits: nothing cut
+    (12, [0, 1, 2, 3] + list(range(12, 20))),  # head 0-3 and completion 15-19 stay; the prompt's oldest 4-11 go
+    (7, [0, 1] + list(range(15, 20))),  # the completion does not fit beside the system turn: that is cut from its end
+    (4, [0, 17, 18, 19]),  # nor beside the special token 0: the completion loses its beginning, not its end
+])
+def test_fit_ids_keeps_the_head_tokens_the_system_turn_and_the_completion(limit, kept):
+    """20 ids: 0 the special head token, 1-3 the system turn, 4-14 the other prompt turns, 15-19 the completion's."""
+    assert fit_ids(list(range(20)), limit, specials=1, head=4, tail=15) == kept
+
+
+WORDS = "answer in tags what is one plus two three four seven because".split()
+CHAT = [{"role": "system", "content": "answer in tags"}, {"role": "user", "content": "what is one plus one"},
+        {"role": "assistant", "content": "two"}, {"role": "user", "content": "what is three plus four"}]
+COMPLETION = "seven because three plus four is seven"
+
+
+def save_encoder(folder, positions: int = 16):
+    """A random 2-layer BertForSequenceClassification (one logit) and a WordPiece tokenizer of a dozen
+    whole words, made here: nothing loads from the Hub."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
+    tokenizer = BertTokenizerFast(vocab=vocab)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=positions, num_labels=1,
+                        pad_token_id=tokenizer.pad_token_id)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def test_an_encoder_reward_model_keeps_its_cls_token_the_system_prompt_and_the_completion(tmp_path, caplog):
+    """No chat template: "answer in tags\nwhat is one plus one\ntwo\nwhat is three plus four\nseven because
+    three plus four is seven", 23 tokens with [CLS] and [SEP], for a BERT that reads 16. Kept: [CLS], the
+    system prompt (3), the question's last 4 words and the completion with [SEP] (8); cut from the left, [CLS],
+    which BERT pools on, and the system prompt were lost."""
+    folder, tokenizer = save_encoder(tmp_path / "bert")
+    model = load_reward_model(str(folder), "cpu", "float32", 4)
+    ids = tokenizer.convert_tokens_to_ids
+    kept = ids(["[CLS]", "answer", "in", "tags", "is", "three", "plus", "four", "seven", "because", "three", "plus",
+                "four", "is", "seven", "[SEP]"])
+    assert model.max_length == 16 and len(model.token_ids(COMPLETION, CHAT)) == 23
+    assert model.fitted(model.encoded(COMPLETION, CHAT)) == kept
+    short = [CHAT[0], CHAT[3]]  # with the answer "seven": 11 tokens, not cut
+    assert model.fitted(model.encoded("seven", short)) == model.token_ids("seven", short) == ids(
+        ["[CLS]", "answer", "in", "tags", "what", "is", "three", "plus", "four", "seven", "[SEP]"])
+    fresh = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        alone = [fresh(torch.tensor([seq])).logits[0, 0].item() for seq in (kept, model.token_ids("seven", short))]
+    assert model([COMPLETION, "seven"], [{}, {}], [CHAT, short]) == pytest.approx(alone, abs=1e-5)  # one padded batch
+    assert [r.getMessage() for r in caplog.records if "longer than" in r.getMessage()] == [
+        "reward model: a text of 23 tokens is longer than the 16 the model reads; it is cut in the prompt's middle, its "
+        "oldest turns first (the head tokens, the system turn and the completion are kept). Said once"]
+
+
+def test_a_decoder_reward_model_keeps_the_system_turn_and_the_completions_turn_whole(tiny_model_dir, tmp_path):
+    """The SmolLM2 chat template, 48 tokens, for a classifier that reads 32: the system turn (8 tokens, from
+    the BOS <|im_start|>) and the assistant turn (13: header, completion, <|im_end|>) stay, with the 11 tokens
+    before it, the question's turn; the few-shot exchange (16) goes."""
+    folder = save_classifier(tmp_path / "short-llama", tiny_model_dir, positions=32)
+    model = load_reward_model(str(folder), "cpu", "float32", 4)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    render = lambda chat: tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+    full = render([*CHAT, {"role": "assistant", "content": COMPLETION}])
+    system, prompt = render(CHAT[:1]), render(CHAT)
+    completion_turn = full[len(prompt):]
+    assert (len(full), len(system), len(prompt)) == (48, 8, 35) and full[:35] == prompt and full[:8] == system
+    kept = model.fitted(model.encoded(COMPLETION, CHAT))
+    assert kept == system + full[24:] and kept[-13:] == completion_turn and kept[0] == tokenizer.bos_token_id
+    assert model.tokenizer.decode(kept[len(system):len(kept) - len(completion_turn)]).endswith(
+        "<|im_start|>user\nwhat is three plus four<|im_end|>\n")  # the question stays; the older turns went
+    fresh = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    fresh.config.pad_token_id = None
+    with torch.no_grad():
+        alone = fresh(torch.tensor([kept])).logits[0, 0].item()
+    assert model([COMPLETION], [{}], [CHAT]) == pytest.approx([alone], abs=1e-5)
 
 
 def test_the_score_is_read_at_the_last_token_even_when_that_is_the_pad_token(reward_model_dir):

@@ -20,6 +20,7 @@ from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.overlong import overlong_penalty
 from rewards.sandbox import RewardSandbox
+from rewards.strict import passes, strict_rates
 from rewards.think_format import think_answer_format, think_answer_format_partial
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
@@ -166,6 +167,37 @@ def test_a_reward_that_raises_gets_the_fallback_and_is_counted(monkeypatch):
     scores = score_completions(["ok", "boom", "nan"], rows("1", "1", "1"), ["flaky"], [1.0], fallback=-3.0)
     assert torch.equal(scores.per_function[:, 0], torch.tensor([2.0, -3.0, -3.0]))
     assert scores.failures == {"flaky": 2}
+
+
+def test_without_a_fallback_a_sample_a_reward_failed_on_is_marked_and_left_out(monkeypatch):
+    """rewards.on_failure=exclude: no value is made up. "boom" fails flaky (weight 1) but not gsm8k_answer
+    (weight 0.5): the sample is left out whole (its total would mix a real score with a missing one)."""
+    def flaky(completion, answer):
+        if "boom" in completion:
+            raise RuntimeError("bug in reward")
+        return 2.0
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "flaky", flaky)
+    scores = score_completions(["<answer>1</answer>", "boom <answer>1</answer>", "x"], rows("1", "1", "1"),
+                               ["flaky", "gsm8k_answer"], [1.0, 0.5], fallback=None)
+    assert scores.per_function.tolist() == [[2.0, 1.0], [0.0, 1.0], [2.0, -1.0]]
+    assert scores.failed.tolist() == [[False, False], [True, False], [False, False]]
+    assert scores.scored.tolist() == [True, False, True] and scores.total[scores.scored].tolist() == [2.5, 1.5]
+    assert scores.failures == {"flaky": 1, "gsm8k_answer": 0} and scores.applies.all()
+
+
+def test_the_reported_rates_leave_out_the_samples_their_reward_failed_on(monkeypatch):
+    """strict/answer_accuracy of ["7" right, "8" wrong, "boom" failed]: 1 of the 2 judged, not 1 of 3."""
+    def accuracy(completion, answer):
+        if "boom" in completion:
+            raise RuntimeError("bug in reward")
+        return float(completion == answer)
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "accuracy", accuracy)
+    assert strict_rates(["7", "8", "boom"], rows("7", "7", "7"), ("accuracy", "accuracy")) == {
+        "strict/answer_accuracy": 0.5, "strict/format_rate": 0.5}
+    assert strict_rates(["boom"], rows("7"), ("accuracy", "accuracy"))["strict/answer_accuracy"] == 0.0  # none judged
+    assert passes("accuracy", ["7", "8", "boom"], rows("7", "7", "7")) == [True, False, False]
 
 
 def troublesome(completion, answer):

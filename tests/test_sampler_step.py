@@ -12,13 +12,15 @@ from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
-from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, round_seed
+from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
+from grpo.sampler.episodes import Episode
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.run.ports import free_local_port
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
-from grpo.sampler.step import SamplerPolicy, make_batch, step_seed
+from grpo.sampler.step import SamplerPolicy, environment_failures, make_batch, step_seed
 from grpo.wire.weights import Staged
+from rewards import score_completions
 from conftest import tiny_model
 
 
@@ -204,7 +206,7 @@ def exact_match(completion, row):
 def picky(completion, row):
     if completion.strip() == "8":
         raise ValueError("cannot read 8")
-    return 1.0
+    return float(completion)
 '''
 
 
@@ -219,29 +221,92 @@ def steps(cfg, count, streaks):
             for k in range(count)]
 
 
-def test_a_reward_that_fails_on_every_sample_stops_the_sampler_after_max_failed_steps(tmp_path):
+@pytest.mark.parametrize("on_failure, value, going_on", [
+    ("exclude", 0.0, "without it (the samples it fails on are left out: no gradient from them)"),
+    ("fallback", -1.0, "with rewards.fallback"),
+])
+def test_a_reward_that_fails_on_every_sample_stops_the_sampler_after_max_failed_steps(tmp_path, on_failure, value,
+                                                                                     going_on):
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     name = f"{tmp_path}/my_rewards.py:exact_match"
-    cfg = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=2")
+    cfg = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=2", f"rewards.on_failure={on_failure}")
     streaks = FailureStreaks()
     first, = steps(cfg, 1, streaks)
-    assert first.rewards[:, 0].tolist() == [-1.0] * 4 and first.meta["metrics"][f"rewards/{name}/failures"] == 4.0
+    assert first.rewards[:, 0].tolist() == [value] * 4 and first.meta["metrics"][f"rewards/{name}/failures"] == 4.0
+    assert first.advantages.tolist() == [0.0] * 4  # all equal: no gradient either way
     with pytest.raises(RewardAlwaysFails) as stopped:
         steps(cfg, 1, streaks)
     assert str(stopped.value) == (
         f"reward {name} failed on all 4 samples in each of the last 2 steps: KeyError: 'solution' "
         f"({tmp_path}/my_rewards.py:5, in exact_match); stopped. Fix the function, or set rewards.max_failed_steps=0 "
-        "to train on with rewards.fallback")
-    off = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=0")
-    assert [b.step for b in steps(off, 3, FailureStreaks())] == [0, 1, 2]  # 0: trains on with the fallback
+        f"to train on {going_on}")
+    off = config(f"rewards.names=[{name}]", "rewards.max_failed_steps=0", f"rewards.on_failure={on_failure}")
+    assert [b.step for b in steps(off, 3, FailureStreaks())] == [0, 1, 2]  # 0: trains on
 
 
-def test_a_reward_that_fails_on_some_samples_falls_back_on_those_and_goes_on(tmp_path):
+def four_per_prompt_steps(tmp_path, *overrides):
+    """One step of 2 prompts x G=4 completions "7", "8", "9", "10" scored by `picky` (its value; it raises on "8")."""
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     name = f"{tmp_path}/my_rewards.py:picky"
-    batches = steps(config(f"rewards.names=[{name}]", "rewards.max_failed_steps=1"), 3, FailureStreaks())
-    assert [b.rewards[:, 0].tolist() for b in batches] == [[1.0, -1.0, 1.0, -1.0]] * 3  # "8" falls back to -1
-    assert [b.meta["metrics"][f"rewards/{name}/failures"] for b in batches] == [2.0] * 3
+    batch, = steps(config(f"rewards.names=[{name}]", "sampling.group_size=4", "rewards.max_failed_steps=1", *overrides),
+                   1, FailureStreaks())
+    return name, batch
+
+
+def test_a_sample_a_reward_failed_on_is_left_out_of_its_groups_baseline_and_gets_no_gradient(tmp_path):
+    """Per group: 7, (failed), 9, 10. The scored three: mean 26/3 = 8.666667, deviations -5/3, 1/3, 4/3,
+    unbiased std sqrt((25 + 1 + 16) / 9 / 2) = sqrt(7/3) = 1.527525; the failed sample's advantage is 0."""
+    name, batch = four_per_prompt_steps(tmp_path)
+    std = (7 / 3) ** 0.5
+    expected = [(-5 / 3) / (std + 1e-4), 0.0, (1 / 3) / (std + 1e-4), (4 / 3) / (std + 1e-4)] * 2
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-6)
+    assert batch.rewards[:, 0].tolist() == [7.0, 0.0, 9.0, 10.0] * 2  # 0 on the wire where it failed
+    m = batch.meta["metrics"]
+    assert (m[f"rewards/{name}/failures"], m[f"rewards/{name}/applies"], m["rewards/left_out_fraction"]) == (2.0, 0.75, 0.25)
+    assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3) and m["reward"] == pytest.approx(26 / 3)  # not 19/3
+    assert m["reward_std"] == pytest.approx(std) and m["frac_reward_zero_std"] == 0.0
+    # it stays in the batch and in the loss's denominators, with advantage 0 (as a group whose rewards are equal)
+    assert (batch.num_sequences, batch.num_tokens) == (8, 16)
+
+
+def test_with_on_failure_fallback_a_failed_sample_is_scored_as_the_fallback(tmp_path):
+    """Per group: 7, -1 (the fallback), 9, 10: mean 25/4 = 6.25, deviations 0.75, -7.25, 2.75, 3.75,
+    unbiased std sqrt((0.5625 + 52.5625 + 7.5625 + 14.0625) / 3) = sqrt(24.916667) = 4.991660."""
+    name, batch = four_per_prompt_steps(tmp_path, "rewards.on_failure=fallback")
+    std = (74.75 / 3) ** 0.5
+    expected = [0.75 / (std + 1e-4), -7.25 / (std + 1e-4), 2.75 / (std + 1e-4), 3.75 / (std + 1e-4)] * 2
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-6)
+    assert batch.rewards[:, 0].tolist() == [7.0, -1.0, 9.0, 10.0] * 2
+    m = batch.meta["metrics"]
+    assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3)  # the reward's own values: a fallback is not one
+    assert m["reward"] == pytest.approx(6.25) and m["rewards/left_out_fraction"] == 0.0  # what trains
+
+
+def test_groups_spread_only_over_their_scored_samples():
+    """Dynamic sampling keeps a group for the spread of its scored samples: [1, (0 failed)] has none."""
+    totals = torch.tensor([1.0, 0.0, 2.0, 2.0, 5.0, 3.0, 4.0, 4.0])
+    scored = torch.tensor([True, False, True, True, True, True, False, False])
+    assert has_spread(totals, 2) == [True, False, True, False]
+    assert has_spread(totals, 2, scored) == [False, False, True, False]
+
+
+def test_env_reward_fails_where_the_environment_failed_and_the_environment_alone_stops_the_run():
+    """An episode whose environment never answered has no env_reward to give (not a reward of 0): that
+    reward fails there. When the environment failed on every episode, env.max_failed_steps decides."""
+    failed = Episode(env_errors=1, env_error="KeyError: 'board' (board.py:8, in __init__)")
+    answered = Episode(env_errors=1, replies=1, env_error="TimeoutError")  # it answered later: not failed
+    assert environment_failures([failed, answered]) == ["KeyError: 'board' (board.py:8, in __init__)", None]
+    assert environment_failures(None) is None
+    scores = score_completions(["a", "b"], [{"env_reward": None, "reference_answer": "7"}, {"env_reward": 2.0, "reference_answer": "7"}],
+                               ["env_reward", "answer_format"],
+                               [1.0, 1.0], fallback=None, environment_failures=environment_failures([failed, answered]))
+    assert scores.failed.tolist() == [[True, False], [False, False]] and scores.scored.tolist() == [False, True]
+    assert scores.failures == {"env_reward": 1, "answer_format": 0}
+    assert scores.errors["env_reward"] == "the environment failed: KeyError: 'board' (board.py:8, in __init__)"
+    everywhere = score_completions(["a", "b"], [{"env_reward": None}] * 2, ["env_reward"], [1.0], fallback=None,
+                                   environment_failures=environment_failures([failed, failed]))
+    assert FailedOnAll.of(everywhere, [failed, failed]) == FailedOnAll(2, {}, failed.env_error)
+    assert FailedOnAll.of(everywhere, None).rewards == {"env_reward": everywhere.errors["env_reward"]}
 
 
 def test_a_service_reward_that_fails_on_every_sample_stops_the_sampler_too():
@@ -252,7 +317,7 @@ def test_a_service_reward_that_fails_on_every_sample_stops_the_sampler_too():
     assert str(stopped.value) == (
         f"reward {url} failed on all 4 samples in each of the last 2 steps: ServiceError: {url} cannot be reached: "
         "[Errno 111] Connection refused (1 attempt); stopped. Fix the service, or set rewards.max_failed_steps=0 to "
-        "train on with rewards.fallback")
+        "train on without it (the samples it fails on are left out: no gradient from them)")
 
 
 def test_a_step_where_the_reward_works_again_starts_the_count_over():

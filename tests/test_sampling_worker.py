@@ -193,9 +193,9 @@ def exact_match(completion, row):
 
 def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_and_line(tmp_path, tiny_model_dir,
                                                                                           tiny_gsm8k):
-    """rewards.max_failed_steps=2: step 0 is sent (on the fallback), step 1 is not; exit code 8, one
-    error line naming the reward, the error and the line of the user's file that raised it (the
-    reward runs in the sandbox child)."""
+    """rewards.max_failed_steps=2: step 0 is sent (its samples left out: no score, advantage 0), step 1
+    is not; exit code 8, one error line naming the reward, the error and the line of the user's file
+    that raised it (the reward runs in the sandbox child)."""
     from sampling_worker import EXIT_REWARD_FAILED
 
     rewards = tmp_path / "my_rewards.py"
@@ -213,10 +213,11 @@ def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_a
     finally:
         proc.kill()
         receiver.close()
-    assert first.step == 0 and first.rewards[:, 0].tolist() == [-1.0] * 6
+    assert first.step == 0 and first.rewards[:, 0].tolist() == [0.0] * 6 and first.advantages.tolist() == [0.0] * 6
     assert first.meta["metrics"][f"rewards/{rewards}:exact_match/failures"] == 6.0
     errors = [line.split(" sampler ERROR ", 1)[1] for line in (tmp_path / "sampler.log").read_text().splitlines()
               if " sampler ERROR " in line]
     assert errors == [f"reward {rewards}:exact_match failed on all 6 samples in each of the last 2 steps: KeyError: "
                       f"'solution' ({rewards}:5, in exact_match); stopped. Fix the function, or set "
-                      "rewards.max_failed_steps=0 to train on with rewards.fallback"]
+                      "rewards.max_failed_steps=0 to train on without it (the samples it fails on are left out: no "
+                      "gradient from them)"]

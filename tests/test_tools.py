@@ -224,3 +224,82 @@ def test_the_gsm8k_tool_example_offers_the_tool_and_shows_solved_calls(tiny_mode
     assert '<tools>\n{"type": "function", "function": {"name": "calculate"' in text
     assert ('<think>\n48/2 =\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "48/2"}}\n</tool_call>'
             '<|im_end|>\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>') in text
+
+
+# ----------------------------------------------------------------------------- calls checked, errors cut
+
+PROBES = str(REPO / "tests" / "sandbox_probes.py")
+
+
+def hermes(name: str, arguments) -> str:
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+@pytest.mark.parametrize("tool, arguments, text", [
+    ("calculate", {"expression": 48}, "error: bad arguments for calculate: 'expression' must be a string"),
+    ("scale", {"values": [1, "2"], "factor": 2}, "error: bad arguments for scale: 'values'[1] must be an integer"),
+    ("scale", {"values": [1], "factor": True}, "error: bad arguments for scale: 'factor' must be a number"),
+    ("scale", {"values": [1], "factor": 2, "exact": 1}, "error: bad arguments for scale: 'exact' must be true or false"),
+    ("scale", {"values": 3, "factor": 2}, "error: bad arguments for scale: 'values' must be an array"),
+])
+def test_arguments_that_do_not_fit_the_tools_schema_are_a_malformed_call_the_tool_never_sees(tool, arguments, text):
+    env = ToolEnvironment({}, [CALCULATE, f"{PROBES}:scale"], max_calls=8)
+    assert env.step(hermes(tool, arguments)) == Reply(text=[text], role="tool", tool_calls=1, tool_errors=1,
+                                                      malformed_calls=1)
+    assert env.calls_left == 8  # not run: no call spent
+    assert env.step(hermes("scale", {"values": [1, 2], "factor": 2})) == Reply(text=["[2, 4]"], role="tool",
+                                                                               tool_calls=1)  # an int is a number
+
+
+def test_a_tools_error_is_cut_like_its_result():
+    from grpo.environments import MAX_RESULT_CHARS
+
+    env = ToolEnvironment({}, [f"{PROBES}:shout"])
+    reply = env.step(hermes("shout", {"size": 1_000_000}))
+    head = "error: ValueError: "
+    assert reply.text == [head + "x" * (MAX_RESULT_CHARS - len(head)) + " ... (cut)"] and reply.tool_errors == 1
+    reply = env.step(hermes("y" * 1_000_000, {}))  # an error that repeats what the model wrote
+    assert len(reply.text[0]) == MAX_RESULT_CHARS + len(" ... (cut)") and reply.malformed_calls == 1
+
+
+@pytest.mark.parametrize("message, calls", [
+    ('The record is {"name": "Alice", "age": 31}.', []),  # data, not a call: vLLM requires arguments/parameters
+    ('The record is {"name": "Alice"} and I call {"name": "a", "parameters": {"n": 1}}', [ToolCall("a", {"n": 1})]),
+    ('{"name": "Alice", "age": 31}', [ToolCall("Alice", {}, 'a tool call holds its arguments in "arguments" (or '
+                                                            '"parameters"): a JSON object')]),  # opens as a call
+    ('<think>\n{"name": "a", "parameters": {"n": 1}', [ToolCall("", {}, "the tool call is not valid JSON (Expecting "
+                                                                          "',' delimiter at character 36)")]),
+])
+def test_llama3_json_reads_an_object_as_a_call_only_with_its_arguments(message, calls):
+    assert parse_llama3_json(message) == calls
+
+
+NAMED_TOOL_TURN = ("{% for m in messages %}{% if m['role'] == 'tool' %}<|tool name={{ m['name'] }}|>{{ m['content'] }}"
+                   "<|end|>{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_the_template_probe_renders_tool_messages_with_their_tools_name(tiny_model_dir):
+    """A template that shows each tool message's name (as the few-shot examples carry it): rendered
+    with the name, never an empty one; refused at start where the name is not known."""
+    from grpo.sampler.episodes import TemplateRoleError, reply_parts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = NAMED_TOOL_TURN
+    before, after = reply_parts(tokenizer, "tool", names=["calculate"])
+    assert tokenizer.decode(before).endswith("<|tool name=calculate|>")
+    with pytest.raises(TemplateRoleError, match="shows each tool message's tool name"):
+        EpisodeRunner(None, tokenizer, 64, 4, roles=("tool",))
+    tokenizer.chat_template = read_chat_template("chatml-tools")  # shows the content alone: the name changes nothing
+    assert reply_parts(tokenizer, "tool") == reply_parts(tokenizer, "tool", names=["calculate"])
+
+
+def test_an_environments_error_is_cut_like_a_tools():
+    """An environment's exception text reaches the model within MAX_RESULT_CHARS, as a tool's does."""
+    from grpo.environments import MAX_RESULT_CHARS
+    from grpo.environments.pool import failed_reply
+
+    text = failed_reply("x" * 1_000_000).text
+    assert text == "error: the environment failed: " + "x" * (MAX_RESULT_CHARS - 31) + " ... (cut)"

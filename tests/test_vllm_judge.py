@@ -58,9 +58,10 @@ def vllm_server(tmp_path_factory):
 
 def test_the_judge_scores_completions_through_vllms_chat_completions(vllm_server):
     """Each completion's reward is the last number in the server's greedy reply to the judge's
-    request, or the fallback (counted) where the reply holds none: asked again directly, the server
-    says the same, so this holds whichever a 135M model writes."""
-    judge = JudgeSettings(url=f"{vllm_server}/v1", model=SERVED_NAME, pattern=PATTERN, max_tokens=8, concurrency=1,
+    request when the reply ended by itself (finish_reason "stop") and the number lies in
+    rewards.judge.range; otherwise the sample fails (here: the fallback, counted). Asked again
+    directly, the server says the same, so this holds whichever a 135M model writes."""
+    judge = JudgeSettings(url=f"{vllm_server}/v1", model=SERVED_NAME, pattern=PATTERN, max_tokens=16, concurrency=1,
                           prompt="Question: {question}\nCorrect answer: {answer}\nStudent answer: {completion}\n"
                                  "Give the student a grade from 0 to 10. Reply with the number only.")
     settings = ServiceSettings(timeout_s=120, retries=0, judge=judge)
@@ -68,10 +69,15 @@ def test_the_judge_scores_completions_through_vllms_chat_completions(vllm_server
     scores = score_completions(completions, rows, ["judge"], [1.0], fallback=-5.0, prompts=[TURNS] * 2, services=settings)
 
     asker = Judge(judge, 120, 0)
-    replies = [post_json(asker.endpoint, asker.request(c, r, TURNS), 120, 0)["choices"][0]["message"]["content"]
+    choices = [post_json(asker.endpoint, asker.request(c, r, TURNS), 120, 0)["choices"][0]
                for c, r in zip(completions, rows)]
-    numbers = [re.findall(PATTERN, reply) for reply in replies]
-    print("judge replies:", replies)
-    assert scores.per_function[:, 0].tolist() == [float(found[-1]) if found else -5.0 for found in numbers]
-    assert scores.failures == {"judge": sum(not found for found in numbers)}
-    assert scores.applies.all()
+    print("judge replies:", choices)
+
+    def verdict(choice) -> float:
+        found = re.findall(PATTERN, choice["message"]["content"])
+        ok = choice["finish_reason"] == "stop" and found and 0 <= float(found[-1]) <= 10
+        return float(found[-1]) if ok else -5.0
+
+    expected = [verdict(choice) for choice in choices]
+    assert scores.per_function[:, 0].tolist() == expected
+    assert scores.failures == {"judge": sum(value == -5.0 for value in expected)}

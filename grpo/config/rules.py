@@ -32,6 +32,7 @@ def option_lists() -> dict[str, tuple]:
     from grpo.trainer.schedule import SCHEDULES
     from grpo.run.tracking import TRACKERS, WANDB_MODES
     from grpo.environments.pool import NETWORK_MODES
+    from rewards.registry import ON_FAILURE
 
     return {
         "model.dtype": tuple(DTYPES),
@@ -50,6 +51,7 @@ def option_lists() -> dict[str, tuple]:
         "logging.backend": TRACKERS,
         "logging.wandb_mode": WANDB_MODES,
         "env.network": NETWORK_MODES,
+        "rewards.on_failure": ON_FAILURE,
     }
 
 
@@ -114,6 +116,8 @@ def _sampling_errors(s, publish_every: int) -> list[str]:
         errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
+    if s.episode_feed_tokens < 0:
+        errors.append(f"sampling.episode_feed_tokens must be >= 0 (0 = a reply in one step); got {s.episode_feed_tokens}")
     if not 0 <= s.worker_index < s.num_workers:
         errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
                       f"{s.worker_index} and {s.num_workers}")
@@ -275,6 +279,11 @@ def _env_errors(cfg: Config) -> list[str]:
               if not get_key(cfg, key) > 0]
     errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
                for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
+    import re
+
+    errors += [f"env.pass_env: {name!r} is not an environment variable's name (letters, digits and _, not "
+               "starting with a digit)" for name in e.pass_env
+               if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name))]
     errors += _tool_errors(e)
     if e.name:
         from grpo.environments import args_problems, environment_args, environment_factory
@@ -286,6 +295,25 @@ def _env_errors(cfg: Config) -> list[str]:
             errors.append(str(error))
     if e.max_failed_steps < 0:
         errors.append(f"env.max_failed_steps must be >= 0 (0 = never stop); got {e.max_failed_steps}")
+    # an episode cut at sampling.max_new_tokens is scored on purpose, never a free 0 above losing: its
+    # env_reward does not apply (None: 0 in the total, above a lost game's -1), so with env_reward among
+    # the rewards it scores env.truncated_reward, or (the default) it leaves the loss; rewards that read
+    # the episode's text score it as they score any cut completion
+    if e.truncated_reward is not None:
+        import math
+
+        if not math.isfinite(e.truncated_reward):
+            errors.append(f"env.truncated_reward must be a finite number; got {e.truncated_reward}")
+        if "env_reward" not in cfg.rewards.names:
+            errors.append(f"env.truncated_reward={e.truncated_reward:g} is the env_reward of an episode cut at "
+                          f"sampling.max_new_tokens, and rewards.names ({', '.join(cfg.rewards.names)}) does not "
+                          "hold env_reward: add env_reward to rewards.names (its weight to rewards.weights), or "
+                          "unset env.truncated_reward")
+        if cfg.training.mask_truncated_completions:
+            errors.append("env.truncated_reward scores an episode cut at sampling.max_new_tokens, and "
+                          "training.mask_truncated_completions=true leaves it out of the loss: set one of them")
+    elif e.name and "env_reward" in cfg.rewards.names:  # a default that depends on them, recorded in the run's config
+        cfg.training.mask_truncated_completions = True
     return errors
 
 

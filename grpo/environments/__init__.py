@@ -28,6 +28,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+MAX_RESULT_CHARS = 4000  # a tool's result or error, an environment's error, beyond this is cut: context the model reads
+
+
+def cut(text: str) -> str:
+    """A message for the model within MAX_RESULT_CHARS (a tool's result, or an error: the tool's, the
+    environment's, or one that repeats what the model wrote)."""
+    return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " ... (cut)"
+
+
 @dataclass
 class Reply:
     """The environment's answer to one model message."""

@@ -2,28 +2,41 @@
 never the run.
 
 The child is the reward sandbox's kind (grpo/child.py: forked, JSON over a pipe, never pickle, a
-time limit per call, replaced when it hangs or dies). It is cut off from the network at start (a network namespace of its own where the kernel
-allows unprivileged ones, else a seccomp filter on socket(); where neither can be had it refuses
-to start unless env.network=allow), gets budgets of memory, processes and CPU (env.memory_mb,
-env.max_processes, env.cpu_s), and holds one environment per live episode. A step that raises
+time limit per call, replaced when it hangs or dies, a session of its own ended as one, an
+allow-list of environment variables: PATH, HOME, LANG, LC_*, its own TMPDIR, env.pass_env). It is
+cut off from the network at start (a network namespace of its own where the kernel allows
+unprivileged ones, else a seccomp filter on socket(); where neither can be had it refuses to start
+unless env.network=allow), confined (`confine`: no Unix socket of the host, no signal or
+ptrace out of its own processes, the other processes' environments hidden where it has its own
+namespaces), gets budgets of memory, processes and CPU (env.memory_mb, env.max_processes,
+env.cpu_s), and holds one environment per live episode. docs/environments.md, "What the sandbox
+allows", has what it can and cannot do. A step that raises
 becomes an error message to the model; one that does not answer within `env.timeout_s` gets the
 child killed and a new one forked. The parent keeps each episode's
 earlier messages, so a new child rebuilds an episode it does not hold by replaying them, one call
-at a time with its own time limit: the other episodes of the turn go on where they were.
+at a time with its own time limit: the other episodes of the turn go on where they were. Each
+replayed reply is checked against a digest of what the episode was shown (`shown_digest`); one
+that differs (an environment that is not deterministic given its seed and messages) ends that
+episode as failed (ReplayMismatch), never shows it another world.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
 
-from grpo.child import NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets
-from grpo.environments import Reply, environment_factory
+from grpo.child import (NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets, landlock_scope,
+                        seccomp_deny)
+from grpo.environments import Reply, cut, environment_factory
 
 log = logging.getLogger(__name__)
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 
 
 class IsolationError(RuntimeError):
@@ -42,10 +55,12 @@ def deny_network() -> str:
 
 
 def unshare_network() -> bool:
-    """A user and network namespace of its own: only a loopback that is down, nothing reachable."""
+    """A user, network and mount namespace of its own: only a loopback that is down, nothing
+    reachable (abstract Unix sockets, which belong to a network namespace, included); in its mount
+    namespace the other processes' environment variables are hidden (hide_other_environments)."""
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
         return False
     try:  # the same user inside, so files are created as before (unmapped, creating one fails)
         for name, value in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
@@ -57,12 +72,7 @@ def unshare_network() -> bool:
 
 
 NETWORK_FAMILIES = (2, 10, 17, 40)  # AF_INET, AF_INET6, AF_PACKET, AF_VSOCK
-SCMP_ACT_ALLOW, SCMP_ACT_ERRNO_EACCES, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 0x00050000 | 13, 7
-INT_MASK = 0xFFFFFFFF  # the kernel reads socket()'s family as an int: compare the low 32 bits only
-
-
-class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+AF_UNIX = 1
 
 
 def seccomp_deny_sockets() -> bool:
@@ -70,29 +80,77 @@ def seccomp_deny_sockets() -> bool:
     socket() of an internet, packet or vsock family fails with EACCES, at the system call, below
     Python's `socket` and `_socket`, and io_uring (which makes sockets without socket()) is off.
     False when libseccomp is missing or the filter cannot load."""
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
-    except OSError:
-        return False
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
-                                           ctypes.POINTER(_ArgCmp)]
-    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
-    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
-    if not ctx:
-        return False
-    try:
-        number = lib.seccomp_syscall_resolve_name(b"socket")
-        for family in NETWORK_FAMILIES:
-            rule = _ArgCmp(0, SCMP_CMP_MASKED_EQ, INT_MASK, family)
-            if lib.seccomp_rule_add_array(ctx, SCMP_ACT_ERRNO_EACCES, number, 1, ctypes.byref(rule)) != 0:
-                return False
-        uring = lib.seccomp_syscall_resolve_name(b"io_uring_setup")
-        if uring >= 0 and lib.seccomp_rule_add_array(ctx, SCMP_ACT_ERRNO_EACCES, uring, 0, None) != 0:
-            return False
-        return lib.seccomp_load(ctx) == 0
-    finally:
-        lib.seccomp_release(ctx)
+    return seccomp_deny([("socket", errno.EACCES, {0: family}) for family in NETWORK_FAMILIES]
+                        + [("io_uring_setup", errno.EACCES, {})])
+
+
+def hide_other_environments() -> int:
+    """In this process's own mount namespace (unshare_network), /dev/null over the environ file of
+    every other process and thread running now (/proc/<pid>/environ: the variables a process was
+    started with, the sampler's API keys among them), for it and all it starts; how many."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # nothing of it reaches the sampler's mounts
+        return 0
+    hidden, own = 0, str(os.getpid())
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and p != own):
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone
+        for path in {f"/proc/{pid}/environ", *(f"/proc/{pid}/task/{t}/environ" for t in tasks),
+                     *(f"/proc/{t}/environ" for t in tasks)}:  # a thread's id reads its process's too
+            hidden += libc.mount(b"/dev/null", path.encode(), None, MS_BIND, None) == 0
+    return hidden
+
+
+def _ancestors() -> list[tuple[int, int]]:
+    """(pid, process group) of this process's parent (the keeper), its parent (the sampler) and
+    theirs, up to init."""
+    found, pid = [], os.getppid()
+    while pid > 0:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid, pgid = (int(x) for x in f.read().rsplit(")", 1)[1].split()[1:3])
+        except (OSError, ValueError):
+            break
+        found.append((pid, pgid))
+        pid = ppid
+    return found
+
+
+def signal_rules(protected: list[tuple[int, int]]) -> list[tuple[str, int, dict]]:
+    """seccomp rules for where Landlock cannot scope signals: no signal to the processes in
+    `protected` (pid, group) or their groups, none to every process (kill(-1)), and no pidfd or
+    bare-thread signal (whose target a filter cannot read)."""
+    targets = {-1} | {p for pid, pgid in protected for p in (pid, -pid, -pgid)}
+    return ([("kill", errno.EPERM, {0: p}) for p in sorted(targets)]
+            + [(call, errno.EPERM, {0: pid}) for pid, _ in protected
+               for call in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")]
+            + [("tkill", errno.EPERM, {}), ("pidfd_send_signal", errno.EPERM, {})])
+
+
+# what no process of the child may do, whatever else confines it: reach a Unix socket (a host
+# service's, the sampler's, the trainer's; socketpair(), which the pipe to the sampler and a tool's
+# own multiprocessing use, stays), inspect or write another process's memory, or undo the mounts
+# that hide the other processes' environments (a namespace, a mount; clone3 gets ENOSYS, which
+# makes the C library fall back to clone(), whose flags a filter can read)
+CONFINED_CALLS = ([("socket", errno.EACCES, {0: AF_UNIX}), ("io_uring_setup", errno.EACCES, {}),
+                   ("clone3", errno.ENOSYS, {})]
+                  + [(call, errno.EPERM, {}) for call in ("ptrace", "process_vm_readv", "process_vm_writev",
+                                                          "pidfd_getfd", "mount", "umount2", "unshare", "setns")]
+                  + [("clone", errno.EPERM, {0: (flag, flag)}) for flag in (CLONE_NEWUSER, CLONE_NEWNS)])
+
+
+def confine() -> dict:
+    """The child's confinement beyond the network: a Landlock domain (landlock_scope: signals and
+    abstract Unix sockets scoped to the child's own processes from Linux 6.12, no ptrace out of it),
+    and a seccomp filter (CONFINED_CALLS; where Landlock cannot scope signals, signal_rules for the
+    keeper, the sampler and their parents). What applied, for the log and the pool's `confinement`."""
+    abi = landlock_scope()
+    signals = "landlock" if abi >= 6 else "seccomp"
+    filtered = seccomp_deny(CONFINED_CALLS + (signal_rules(_ancestors()) if signals == "seccomp" else []))
+    return {"landlock_abi": abi, "seccomp": filtered,
+            "signals": signals if signals == "landlock" or filtered else "not confined"}
 
 
 def limit_resources(memory_mb: int, processes: int, cpu_s: int, own_namespace: bool) -> None:
@@ -149,16 +207,20 @@ class _Episodes:
 
 
 def _isolated_episodes(name: str, args: dict, limits: "Limits"):
-    """The child's setup: cut off from the network, within its budgets, holding no socket of the
-    sampler's; then the handler of its episodes. ChildRefused where it cannot be isolated."""
+    """The child's setup: cut off from the network, the other processes' environments hidden (in
+    its namespace), within its budgets, holding no socket of the sampler's, confined (confine);
+    then the handler of its episodes. ChildRefused where it cannot be isolated. Its info: [how the
+    network is cut off, what confines it]."""
     def setup(pipe_fd: int):
         close_inherited_sockets(keep=pipe_fd)
         try:
             how = deny_network() if limits.network == "deny" else "allowed"
+            hidden = hide_other_environments() if how == "namespace" else 0
             limit_resources(limits.memory_mb, limits.processes, limits.cpu_s, own_namespace=how == "namespace")
         except (IsolationError, OSError, ValueError) as e:
             raise ChildRefused(str(e)) from None
-        return _Episodes(environment_factory(name, args)), how
+        make = environment_factory(name, args)
+        return _Episodes(make), [how, {**confine(), "environments_hidden": hidden > 0}]
     return setup
 
 
@@ -191,21 +253,23 @@ NETWORK_MODES = ("deny", "allow")  # env.network
 
 @dataclass(frozen=True)
 class Limits:
-    """What the environments' child may use (env.network, env.memory_mb, env.max_processes, env.cpu_s)."""
+    """What the environments' child may use (env.network, env.memory_mb, env.max_processes, env.cpu_s,
+    env.pass_env)."""
 
     network: str = "deny"
     memory_mb: int = 4096
     processes: int = 64
     cpu_s: int = 3600
+    pass_env: tuple[str, ...] = ()  # environment variables the child sees besides grpo.child.PASSED_ENVIRONMENT
 
     @classmethod
     def of(cls, env_cfg) -> "Limits":
-        return cls(env_cfg.network, env_cfg.memory_mb, env_cfg.max_processes, env_cfg.cpu_s)
+        return cls(env_cfg.network, env_cfg.memory_mb, env_cfg.max_processes, env_cfg.cpu_s, tuple(env_cfg.pass_env))
 
 
 def failed_reply(failure: str) -> Reply:
     """What the model reads after an environment call that failed (env/env_errors counts it)."""
-    return Reply(text=f"error: the environment failed: {failure}")
+    return Reply(text=cut(f"error: the environment failed: {failure}"))
 
 
 class StepFailed(ChildFailed):
@@ -219,25 +283,79 @@ def described(error: Exception) -> str:
     return f"{error} ({where})" if where else str(error)
 
 
-class EnvironmentPool:
+class ReplayMismatch(Exception):
+    """A rebuilt episode's environment answered a replayed message (or opened) otherwise than the
+    episode was shown: the episode cannot go on in the world it saw. Its environment is dropped."""
+
+
+def shown_digest(shown: Reply | str | None) -> str:
+    """A digest of what an episode was shown: a reply (its text, role, reward, done, counts) or its
+    opening message (None: it had none). A rebuild's replay is checked against it."""
+    value = shown.to_json() if isinstance(shown, Reply) else shown
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+
+def check_replayed(shown: list[str | None] | None, index: int, replayed: Reply | str | None) -> None:
+    """ReplayMismatch where a rebuild's `replayed` value (index 0: the opening its environment made; n:
+    the reply to message n) differs from what was recorded (`shown`: digests; None where none was)."""
+    if shown is None or index >= len(shown) or shown[index] is None or shown_digest(replayed) == shown[index]:
+        return
+    what = "opened with another message than it first did" if index == 0 else \
+        f"replied to message {index} otherwise than the episode was shown"
+    raise ReplayMismatch(f"its environment, rebuilt after it was lost, {what}: the environment is not "
+                         "deterministic given its seed and messages (docs/environments.md)")
+
+
+class Replays:
+    """The rebuilds of lost episodes a pool made, and how their replays went (env/ metrics): episodes
+    rebuilt, earlier messages replayed on them, rebuilds whose opening or a replayed reply differed."""
+
+    rebuilds = replayed_steps = replay_mismatches = 0  # counted per pool (instance attributes once counted)
+
+    def replay(self, shown: list[str | None] | None, opening, history: list[str], step, forget) -> None:
+        """A rebuilt episode's `opening`, then its earlier messages `history` through `step(message) ->
+        reply`, each checked against `shown` (check_replayed); on a mismatch `forget()` drops it and
+        ReplayMismatch is raised."""
+        self.rebuilds += 1
+        try:
+            check_replayed(shown, 0, opening)
+            for n, earlier in enumerate(history, start=1):
+                replayed = step(earlier)
+                self.replayed_steps += 1
+                check_replayed(shown, n, replayed)
+        except ReplayMismatch:
+            self.replay_mismatches += 1
+            forget()
+            raise
+
+
+class EnvironmentPool(Replays):
     """Steps episodes' environments (env.name, env.args) in a child with a time limit per call.
 
     The parent knows which episodes the child holds. One it does not hold (new, or lost with a
     killed child) is rebuilt first: made from its row, then its earlier messages replayed one call
     at a time, each with its own env.timeout_s, so a rebuild after another episode's hang does
-    not run out of time and fail the episodes that did nothing wrong."""
+    not run out of time and fail the episodes that did nothing wrong. Each replayed reply is
+    checked against what the episode was shown (ReplayMismatch when it differs)."""
 
     def __init__(self, name: str, args: dict, timeout_s: float, limits: "Limits | None" = None):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
         self.timeout_s, self.limits = timeout_s, limits or Limits()
         try:  # fails closed: no environment runs with a network it should not have
-            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits))
+            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits),
+                                pass_env=self.limits.pass_env)
         except ChildRefused as e:
             raise IsolationError(str(e)) from None
-        self.isolation = self._child.info
+        self.isolation, self.confinement = self._child.info  # the network's ("namespace", ...), and the rest's
         self._held: set[str] = set()  # the episodes the child holds (read through `_holding`)
         self._incarnation = 0  # the child's restarts when `_held` was filled
-        log.info("environments run in a child process: network %s", self.isolation)
+        log.info("environments run in a child process: network %s, signals %s, Landlock ABI %d, seccomp %s, other "
+                 "processes' environments %s", self.isolation, self.confinement["signals"],
+                 self.confinement["landlock_abi"], "on" if self.confinement["seccomp"] else "off",
+                 "hidden" if self.confinement["environments_hidden"] else "readable")
+        if not self.confinement["seccomp"]:
+            log.warning("no libseccomp here: the environments' child can reach the host's Unix sockets and its "
+                        "processes can leave its session (docs/environments.md: What the sandbox allows)")
 
     @property
     def restarts(self) -> int:
@@ -254,6 +372,10 @@ class EnvironmentPool:
             raise StepFailed(str(e), e.where) from None
         except ChildRefused as e:  # a replacement child that could not start
             raise IsolationError(str(e)) from None
+
+    # what rebuilding episodes cost over the pool's life (the runner counts each call's share:
+    # env/rebuilds, env/replayed_steps, env/replay_mismatches; the child's restarts: `restarts`)
+    rebuilds = replayed_steps = replay_mismatches = 0
 
     def open(self, key: str, row: dict) -> tuple[str | None, str | None]:
         """Start episode `key` from its dataset row: (its opening message or None, the failure or None)."""
@@ -281,18 +403,26 @@ class EnvironmentPool:
             self._held, self._incarnation = set(), self._child.restarts
         return self._held
 
-    def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
+    def step(self, key: str, row: dict, history: list[str], message: str,
+             shown: list[str | None] | None = None) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
-        on a failure, (an error message for the model, the failure and where it was raised)."""
+        on a failure, (an error message for the model, the failure and where it was raised).
+        `shown`: the digests (shown_digest) of what the episode was shown, its opening then the reply
+        to each message of `history`; a rebuild that replays otherwise raises ReplayMismatch (None:
+        the replay is not checked)."""
         try:
             self._restart_if_dead()
             if key not in self._holding():
-                self._open(key, row)
-                for earlier in history:
-                    self._call("step", key, earlier)
+                self._rebuild(key, row, history, shown)
             return Reply.from_json(self._call("step", key, message)), None
         except (StepFailed, IsolationError) as e:  # IsolationError: a replacement child that could not start
             return failed_reply(str(e)), described(e)
+
+    def _rebuild(self, key: str, row: dict, history: list[str], shown: list[str | None] | None) -> None:
+        """Episode `key` made from its row, its earlier messages replayed one call at a time, each
+        reply checked against what the episode was shown; ReplayMismatch (the environment dropped)."""
+        self.replay(shown, self._open(key, row), history, lambda message: Reply.from_json(self._call("step", key, message)),
+                    lambda: self.forget([key]))
 
     def forget(self, keys: list[str]) -> None:
         """Drop finished episodes' environments."""

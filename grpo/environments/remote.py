@@ -13,7 +13,9 @@ Every call has its own env.timeout_s. One that fails (no reply in time, the serv
 connection) costs its episode an error message, as in grpo/environments/pool.py, and the session is
 dropped: the episode's next step rebuilds it on a new session by replaying its earlier messages, so a
 restarted server recovers. A session whose connection closed between calls (the server restarted) is
-rebuilt before the step, at no cost. A server found unreachable, or that let two calls in a row run
+rebuilt before the step, at no cost. A rebuilt session's opening and replayed replies are checked
+against what the episode was shown, as the child pool checks them: one that differs ends the episode
+(ReplayMismatch). A server found unreachable, or that let two calls in a row run
 past their time limit, is not called again for RETRY_AFTER_S: meanwhile the turn's other episodes fail
 at once instead of each waiting out a time limit.
 """
@@ -31,7 +33,7 @@ import urllib.request
 
 from grpo.environments import Reply
 from grpo.environments.openenv_adapter import observation_text, one_text_field, row_seed, step_reply
-from grpo.environments.pool import failed_reply, opening_of, valid_text
+from grpo.environments.pool import Replays, failed_reply, opening_of, valid_text
 from grpo.settings.tree import ConfigError
 
 log = logging.getLogger(__name__)
@@ -274,19 +276,19 @@ class RemoteEpisode:
         self.server.hang_up([self.client])
 
 
-class RemotePool:
+class RemotePool(Replays):
     """EnvironmentPool's interface (grpo/environments/pool.py: open, step, forget, close) over an OpenEnv
     server's sessions, one per live episode. A failed call is the episode's error message and drops its
     session; its next step rebuilds it on a new session, replaying its earlier messages one call at a
-    time, each within env.timeout_s (a failed message is not replayed)."""
+    time, each within env.timeout_s (a failed message is not replayed), each reply checked against what
+    the episode was shown (ReplayMismatch when it differs)."""
 
     isolation = "server"  # the environments run in the server's process, not in a child of the sampler
 
     def __init__(self, name: str, args: dict, timeout_s: float):
         self.server = Server(server_url(name, args), args, timeout_s)
         self.server.check()  # at start: a server that does not answer is a ConfigError naming its address
-        self._episodes: dict[str, RemoteEpisode] = {}
-        self.rebuilds = 0  # episodes rebuilt on a new session (after a failure, or a connection lost between calls)
+        self._episodes: dict[str, RemoteEpisode] = {}  # rebuilt on a new session after a failure or a lost connection
         log.info("environments run on the OpenEnv server at %s: one session per episode, the model's message in "
                  "the action's %r field", self.server.url, self.server.action_field)
 
@@ -299,24 +301,27 @@ class RemotePool:
             return None, str(e)
         return opening_of(self._episodes[key]), None
 
-    def step(self, key: str, row: dict, history: list[str], message: str) -> tuple[Reply, str | None]:
+    def step(self, key: str, row: dict, history: list[str], message: str,
+             shown: list[str | None] | None = None) -> tuple[Reply, str | None]:
         """The environment's reply to `message` in episode `key` (its earlier messages: `history`);
-        on a failure, (an error message for the model, the failure)."""
+        on a failure, (an error message for the model, the failure). `shown`: the digests of what the
+        episode was shown (grpo.environments.pool.shown_digest), its opening then the reply to each
+        message of `history`; a rebuilt session that answers otherwise raises ReplayMismatch (None:
+        not checked)."""
         episode = self._episodes.get(key)
         if episode is not None and episode.lost:  # the server closed it between calls: rebuilt, at no cost
             self.forget([key])
             episode = None
         try:
-            return (episode or self._rebuilt(key, row, history)).step(message), None
+            return (episode or self._rebuilt(key, row, history, shown)).step(message), None
         except RemoteFailed as e:
             self.forget([key], patient=False)  # rebuilt from its messages at its next step
             return failed_reply(str(e)), str(e)
 
-    def _rebuilt(self, key: str, row: dict, history: list[str]) -> RemoteEpisode:
+    def _rebuilt(self, key: str, row: dict, history: list[str], shown: list[str | None] | None) -> RemoteEpisode:
+        """Episode `key` on a new session, its earlier messages replayed and checked against `shown`."""
         episode = self._episodes[key] = RemoteEpisode(self.server, row)
-        self.rebuilds += 1
-        for earlier in history:
-            episode.step(earlier)
+        self.replay(shown, opening_of(episode), history, episode.step, lambda: self.forget([key]))
         return episode
 
     def forget(self, keys: list[str], patient: bool = True) -> None:

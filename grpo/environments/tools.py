@@ -4,11 +4,13 @@ Each function is offered to the model through its chat template (`apply_chat_tem
 tools=...)`) with the JSON schema transformers builds from its signature and docstring
 (`transformers.utils.get_json_schema`: type hints, and an `Args:` section describing each
 argument). The model's message is read by `env.tool_parser` (grpo/environments/tool_calls.py);
-each call is run, and its result, or the error (a malformed call, an unknown tool, arguments that
-do not fit, a tool that raised), goes back as a `tool`-role message, one per call, rendered by the
-template. A message without a call is the answer: the episode ends. The environment runs in the
-environments' child like any other (grpo/environments/pool.py): no network, `env.timeout_s` for
-the calls of one message.
+each call is checked against its tool's schema (the arguments' names, required ones and JSON types)
+and run, and its result, or the error (a malformed call, an unknown tool, arguments that do not
+fit, a tool that raised), cut at MAX_RESULT_CHARS, goes back as a `tool`-role message, one per
+call, rendered by the template. A message without a call is the answer: the episode ends. The
+environment runs in the environments' child like any other (grpo/environments/pool.py): no
+network, `env.timeout_s` for the calls of one message, and the confinement docs/environments.md
+tabulates ("What the sandbox allows").
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import inspect
 import json
 from typing import Callable
 
-from grpo.environments import Reply
+from grpo.environments import Reply, cut
 from grpo.environments.tool_calls import PARSERS, ToolCall
 
 OK, MALFORMED, FAILED = "ok", "malformed", "failed"  # how a call went
 SETTINGS = ("max_calls", "demonstration")  # env.args of the tool environment
-MAX_RESULT_CHARS = 4000  # a tool's result beyond this is cut: it is context the model must read
 
 
 class ToolError(ValueError):
@@ -66,13 +67,53 @@ def tool_schemas(paths: list[str]) -> list[dict]:
 def shown(result) -> str:
     """A tool's return value as the text of its message: str as it is, other JSON values as JSON."""
     if isinstance(result, str):
-        text = result
-    else:
-        try:
-            text = json.dumps(result, default=str)
-        except (TypeError, ValueError):
-            text = str(result)
-    return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " ... (cut)"
+        return result
+    try:
+        return json.dumps(result, default=str)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+JSON_TYPES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "true or false",
+              "array": "an array", "object": "an object", "null": "null"}
+
+
+def _is(value, kind: str) -> bool:
+    """Whether a decoded JSON value is of JSON schema type `kind` (true is no integer, 1.0 is no integer)."""
+    if kind in ("integer", "number"):
+        return isinstance(value, int if kind == "integer" else (int, float)) and not isinstance(value, bool)
+    python = {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}.get(kind)
+    return python is None or isinstance(value, python)
+
+
+def mismatch(schema: dict, value, where: str = "") -> str | None:
+    """Why `value` does not fit `schema`, None when it does: the JSON schema transformers writes for
+    a tool (type, nullable, enum, items, prefixItems, properties, required, additionalProperties)."""
+    name = where or "the arguments"
+    if value is None and schema.get("nullable"):
+        return None
+    kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type") or [])
+    if kinds and not any(_is(value, kind) for kind in kinds):
+        return f"{name} must be {' or '.join(JSON_TYPES.get(k, k) for k in kinds)}"
+    if "enum" in schema and not any(value == v and type(value) is type(v) for v in schema["enum"]):
+        return f"{name} must be one of {', '.join(json.dumps(v) for v in schema['enum'])}"
+    if isinstance(value, list):
+        prefix = schema.get("prefixItems")
+        if prefix is not None and len(value) != len(prefix):
+            return f"{name} must hold {len(prefix)} items"
+        for i, item in enumerate(value):
+            inner = prefix[i] if prefix is not None else schema.get("items")
+            if isinstance(inner, dict) and (problem := mismatch(inner, item, f"{name}[{i}]")):
+                return problem
+    if isinstance(value, dict):
+        for key in [*schema.get("required", []), *value]:
+            inside = f"{where}[{key!r}]" if where else repr(key)
+            if key not in value:
+                return f"{inside} is missing"
+            inner = schema.get("properties", {}).get(key, schema.get("additionalProperties"))
+            if isinstance(inner, dict) and (problem := mismatch(inner, value[key], inside)):
+                return problem
+    return None
 
 
 class ToolEnvironment:
@@ -85,7 +126,9 @@ class ToolEnvironment:
                  demonstration: str | None = None):
         if parser not in PARSERS:
             raise ToolError(f"env.tool_parser: unknown parser {parser!r}; valid: {', '.join(PARSERS)}")
-        self.tools = {name: fn for name, (_, fn) in load_tools(tools).items()}
+        loaded = load_tools(tools)
+        self.tools = {name: fn for name, (_, fn) in loaded.items()}
+        self.parameters = {name: schema["function"].get("parameters", {}) for name, (schema, _) in loaded.items()}
         self.parse, self.calls_left = PARSERS[parser], max_calls
 
     def step(self, message: str) -> Reply:
@@ -98,8 +141,13 @@ class ToolEnvironment:
                      malformed_calls=sum(kind == MALFORMED for _, kind in results))
 
     def run(self, call: ToolCall) -> tuple[str, str]:
-        """(the message the model reads, OK / MALFORMED (unreadable, no such tool, arguments that do
-        not fit the function) / FAILED (the tool raised, or no calls were left))."""
+        """(the message the model reads, cut at MAX_RESULT_CHARS; OK / MALFORMED (unreadable, no such
+        tool, arguments that do not fit the function or its schema) / FAILED (the tool raised, or no
+        calls were left))."""
+        text, kind = self._run(call)
+        return cut(text), kind
+
+    def _run(self, call: ToolCall) -> tuple[str, str]:
         if call.error is not None:
             return f"error: {call.error}", MALFORMED
         if call.name not in self.tools:
@@ -109,6 +157,9 @@ class ToolEnvironment:
             inspect.signature(fn).bind(**call.arguments)
         except TypeError as e:
             return f"error: bad arguments for {call.name}: {e}", MALFORMED
+        problem = mismatch(self.parameters[call.name], call.arguments)
+        if problem is not None:  # {"expression": 48} for a str: the model's mistake, never the tool's to meet
+            return f"error: bad arguments for {call.name}: {problem}", MALFORMED
         if self.calls_left <= 0:
             return "error: no tool calls left in this episode", FAILED
         self.calls_left -= 1

@@ -135,10 +135,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, num
     num_sequences / num_tokens count what the loss sees; num_completions counts every completion
     of the batch, masked ones too: dr_grpo's normaliser, constant like TRL's."""
     masked = torch.where(mask, per_token, 0.0)  # [N, T]
-    if aggregation == "grpo":  # per-sequence token mean, then mean over sequences
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
+    if aggregation == "grpo":  # per-sequence token mean, then mean over sequences (none seen: a zero loss)
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_sequences, 1)
     if aggregation == "dapo":  # every token of the batch weighs the same
-        return masked.sum() / num_tokens
+        return masked.sum() / max(num_tokens, 1)
     if aggregation == "dr_grpo":  # constant normaliser: no length bias, whatever the mask drops
         return masked.sum() / (num_completions * max_completion_length)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {aggregation!r}")

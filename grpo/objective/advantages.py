@@ -1,4 +1,6 @@
-"""Group-relative advantages (GRPO paper eq. 3, with the Dr. GRPO / batch-std variants)."""
+"""Group-relative advantages (GRPO paper eq. 3, with the Dr. GRPO / batch-std variants), over the
+samples that were scored: a sample whose reward failed is left out of its group's mean and std
+and gets advantage 0 (no gradient from a score nobody gave it)."""
 
 from __future__ import annotations
 
@@ -22,27 +24,55 @@ def expand_group_sizes(group_sizes: int | Sequence[int], total: int) -> list[int
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *, scale: str = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
+                     eps: float = 1e-4, scored: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std + eps); prompt-major rewards float[N] -> float[N].
 
+    scored: bool[N], the samples whose rewards count (None: all). The mean and std of a group, and
+    the batch std, are over its scored samples only; an unscored sample gets exactly 0.
     scale: "group" divides by the group's std, "batch" by the whole batch's std (more robust
     when a group has tiny variance), "none" only centres (Dr. GRPO). std is unbiased. A group
-    whose rewards are all equal (including a group of one) gets exactly 0.
+    whose scored rewards are all equal (including one with a single scored sample, or none) gets
+    exactly 0.
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}; got {scale!r}")
     rewards = rewards.to(torch.float32)  # [N]
-    groups = torch.split(rewards, expand_group_sizes(group_sizes, rewards.numel()))
-    batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)  # []
-    out = []
-    for g in groups:  # g: [G_i]
-        if g.numel() == 1 or bool(g.max() == g.min()):
-            out.append(torch.zeros_like(g))  # no signal; avoids 1e-17 noise from the mean
-            continue
-        centred = g - g.mean()  # [G_i]
-        if scale == "group":
-            centred = centred / (g.std() + eps)
-        elif scale == "batch":
-            centred = centred / (batch_std + eps)
-        out.append(centred)
-    return torch.cat(out)  # [N]
+    sizes = expand_group_sizes(group_sizes, rewards.numel())
+    scored = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # [N] each sample's group
+    centred = rewards - _group_mean(rewards, scored, group, len(sizes))[group]  # [N]
+    centred = torch.where(scored & _has_spread(rewards, scored, group, len(sizes))[group], centred, 0.0)  # [N]
+    if scale == "group":
+        return centred / (_group_std(centred, scored, group, len(sizes))[group] + eps)  # [N]
+    if scale == "batch":
+        return centred / (_std(rewards[scored]) + eps)  # [N]
+    return centred  # [N]
+
+
+def _group_mean(rewards: torch.Tensor, scored: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """Mean of each group's scored rewards, [groups] (0 for a group with none)."""
+    count = torch.zeros(groups).index_add_(0, group, scored.float())  # [B]
+    total = torch.zeros(groups).index_add_(0, group, torch.where(scored, rewards, 0.0))  # [B]
+    return total / count.clamp(min=1)  # [B]
+
+
+def _group_std(centred: torch.Tensor, scored: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """Unbiased std of each group's scored rewards from their deviations `centred`, [groups]."""
+    count = torch.zeros(groups).index_add_(0, group, scored.float())  # [B]
+    squares = torch.zeros(groups).index_add_(0, group, torch.where(scored, centred, 0.0).square())  # [B]
+    return (squares / (count - 1).clamp(min=1)).sqrt()  # [B]
+
+
+def _has_spread(rewards: torch.Tensor, scored: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """Whether each group's scored rewards differ, [groups]: compared exactly, so that equal rewards
+    give exactly 0 (their float32 mean can differ from each of them by 1e-8)."""
+    highest = torch.full((groups,), -torch.inf).scatter_reduce(0, group, torch.where(scored, rewards, -torch.inf),
+                                                               "amax")  # [B]
+    lowest = torch.full((groups,), torch.inf).scatter_reduce(0, group, torch.where(scored, rewards, torch.inf),
+                                                             "amin")  # [B]
+    return highest > lowest  # [B]
+
+
+def _std(values: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of `values` [M], 0 for fewer than two."""
+    return values.std() if values.numel() > 1 else values.new_tensor(0.0)  # []

@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling, as pure functions: keep the groups whose rewards differ.
 
-A group whose G completions all score the same gets zero advantage: it costs a generation and
-a forward/backward and moves nothing. With `sampling.dynamic_sampling` the sampler drops such
+A group whose G completions all score the same (of those scored: a sample a reward failed on is
+left out) gets zero advantage: it costs a generation and a forward/backward and moves nothing. With `sampling.dynamic_sampling` the sampler drops such
 groups and generates more prompts, in rounds of `prompts_per_step`, until it has
 `prompts_per_step` informative groups or has generated `dynamic_sampling_max_rounds` rounds;
 then it fills up with the first dropped groups (zero advantage: the batch keeps its size) and
@@ -19,9 +19,12 @@ import torch
 ROUND_SEED_STRIDE = 1_000_000_007  # round r of a step samples with the step's seed + r * this
 
 
-def has_spread(totals: torch.Tensor, group_size: int) -> list[bool]:
-    """Per group (prompt-major totals [N]): do its completions' rewards differ?"""
-    return [bool(g.max() != g.min()) for g in totals.split(group_size)]
+def has_spread(totals: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> list[bool]:
+    """Per group (prompt-major totals [N]): do the rewards of its scored completions (bool [N], None:
+    all) differ? A group with fewer than two scored has no baseline, so no gradient."""
+    scored = torch.ones_like(totals, dtype=torch.bool) if scored is None else scored  # [N]
+    return [bool(g[s].numel() > 1 and g[s].max() != g[s].min())
+            for g, s in zip(totals.split(group_size), scored.split(group_size))]
 
 
 def choose_groups(spread_by_round: list[list[bool]], wanted: int) -> tuple[list[tuple[int, int]], bool]:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from data.prompts import special_texts
+from grpo.environments.pool import ReplayMismatch, shown_digest
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.hf_episodes import episode_loop
 from rewards.strict import reward_rows
@@ -43,25 +45,38 @@ class TemplateRoleError(ValueError):
     """The chat template cannot render an environment's reply in its role."""
 
 
-def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int = 1) -> list[list[int]]:
-    """The template's tokens around `count` environment messages in `role` (the results of a
+def reply_template(tokenizer, role: str, ended_with: str | None = None, count: int = 1,
+                   names: list[str] | None = None) -> list[str]:
+    """The template's text around `count` environment messages in `role` (the results of a
     message's tool calls come as several), between the model's message and the model's next turn:
     count + 1 pieces, before the first, between each two, after the last. The model's message ended
     with an EOS token whose text is `ended_with` (default: the tokenizer's eos_token): when the
     template's own turn end is that token, it is left out (the model's token already ended the
     turn); another one (Phi-3 ends turns with <|end|>, an EOS of its generation_config, while a
     model may also stop at <|endoftext|>) is kept, as the template writes it. No chat template:
-    newlines."""
+    newlines. Tool messages carry their tool's name, as the few-shot examples' do (`names`, one per
+    message); without names, a template that shows a tool message's name (Hermes 2 Pro, Functionary)
+    is refused: its tokens around a result depend on the call it answers."""
     if not getattr(tokenizer, "chat_template", None):
-        return [tokenizer("\n", add_special_tokens=False)["input_ids"] for _ in range(count + 1)]
-    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE},
-             *[{"role": role, "content": REPLY_PROBE} for _ in range(count)]]
-    try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # a template that refuses the role
-        raise TemplateRoleError(f"the chat template cannot render an environment message in role {role!r} ({e}); "
-                                "use a model whose template does, or have the environment reply in another "
-                                "role (env.args role, or its reply_roles)") from None
+        return ["\n"] * (count + 1)
+
+    def render(tool_names: list[str]) -> str:
+        named = [{"name": name} if role == "tool" else {} for name in tool_names]
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": MESSAGE},
+                 *[{"role": role, "content": REPLY_PROBE, **n} for n in named]]
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template that refuses the role
+            raise TemplateRoleError(f"the chat template cannot render an environment message in role {role!r} ({e}); "
+                                    "use a model whose template does, or have the environment reply in another "
+                                    "role (env.args role, or its reply_roles)") from None
+
+    text = render(list(names) if names else ["first_tool"] * count)
+    if role == "tool" and not names and render(["second_tool"] * count) != text:
+        raise TemplateRoleError("the chat template shows each tool message's tool name: the tokens around a tool "
+                                "result would depend on the call it answers, and tool messages are rendered by "
+                                "their role here; set model.chat_template to a template that shows a tool "
+                                "message's content alone (chatml-tools)")
     tail = text[text.index(MESSAGE) + 1:]
     end = tokenizer.eos_token if ended_with is None else ended_with
     tail = tail[len(end):] if end and tail.startswith(end) else tail
@@ -71,7 +86,45 @@ def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int 
                                 "(it trims, quotes or escapes it, or leaves it out): the tokens the model reads "
                                 "could not be rendered once and kept; set model.chat_template to a template that "
                                 "shows the message's text unchanged")
-    return [tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in pieces]
+    return pieces
+
+
+def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int = 1,
+                names: list[str] | None = None) -> list[list[int]]:
+    """`reply_template`'s pieces, each tokenized alone (an episode's reply is tokenized whole: `reply_ids`)."""
+    return [tokenizer(piece, add_special_tokens=False)["input_ids"]
+            for piece in reply_template(tokenizer, role, ended_with, count, names)]
+
+
+def reply_ids(tokenizer, pieces: list[str], texts: list[str], prefill: str = "", after: str = "",
+              specials: tuple[str, ...] = ()) -> list[int]:
+    """The environment's turn as tokens: the template's `pieces` around its messages `texts`, then the
+    next turn's `prefill`, tokenized in one piece after the model's last token (whose text is `after`:
+    its EOS), as the tokenizer reads the whole conversation. So the episode's ids are the
+    tokenization of the template's rendering of the conversation past the model's own tokens: with
+    Qwen2's or Llama 3's pre-tokenizer `]}` or `.` and the newline the template writes after a tool
+    result are one token, which tokenizing the message and the template apart would split.
+
+    The boundary is the model's EOS, a special token, which tokenization never merges across; where
+    it is not one (the tokenizer merges it with what follows), the turn is tokenized from its own
+    start. The model's own tokens stay as it drew them: where they are not the tokenizer's own
+    reading of their text (it drew "a","b" where the tokenizer writes "ab"), the episode differs from
+    a re-tokenized conversation there, in the tokens that were sampled and are trained on.
+    A message that holds a special token's text (`specials`: a tool echoing <|im_end|>) is read as
+    plain text, never as the template's control tokens: then the pieces and each message are
+    tokenized apart."""
+    if any(special in text for text in texts for special in specials):
+        ids = tokenizer(pieces[0], add_special_tokens=False)["input_ids"]
+        for text, piece in zip(texts, pieces[1:], strict=True):
+            ids += tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids + (tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else [])
+    turn = pieces[0] + "".join(text + piece for text, piece in zip(texts, pieces[1:], strict=True)) + prefill
+    before = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    ids = tokenizer(after + turn, add_special_tokens=False)["input_ids"]
+    if ids[:len(before)] == before:
+        return ids[len(before):]
+    return tokenizer(turn, add_special_tokens=False)["input_ids"]
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
@@ -101,11 +154,19 @@ class Episode:
     open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
     replies: int = 0  # the environment's steps that answered (did not fail)
     env_error: str = ""  # its environment's first failure: the error, and where in its code it was raised
+    # digests of what it was shown (grpo.environments.pool.shown_digest): the opening its environment made
+    # (None: it could not open), then the reply to each of `messages`; a rebuild's replay is checked against them
+    shown: list = field(default_factory=list)
+    replay_mismatch: bool = False  # its rebuilt environment replayed otherwise than it was shown: ended, failed
+    child_restarts: int = 0  # restarts of the environments' child during its calls (its own hang, say)
+    rebuilds: int = 0  # times its environment was made again at a step (lost with the child, a raise, a session)
+    replayed_steps: int = 0  # earlier messages replayed in those rebuilds
 
     @property
     def environment_failed(self) -> bool:
-        """Its environment failed and never answered: it could not open, and no step replied."""
-        return self.env_errors > 0 and self.replies == 0
+        """Its environment failed it: it could not open and no step replied, or its rebuilt
+        environment replayed otherwise than it was shown (the episode was ended there)."""
+        return self.replay_mismatch or (self.env_errors > 0 and self.replies == 0)
 
     def count_failure(self, failure: str | None) -> None:
         """Count a failed environment call (None: it answered); the first one is kept."""
@@ -136,29 +197,32 @@ class EpisodeRunner:
 
     def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
                  roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None,
-                 continued: bool = True):
+                 continued: bool = True, truncated_reward: float | None = None, scores_env_reward: bool = True):
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
         self.continued = continued  # False: turn by turn on every engine (the HF engine's reference, benchmarks)
         self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
-        self._parts = {(role, None, 1): reply_parts(tokenizer, role) for role in roles}
-        self._prefill_ids = tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
+        self._templates = {(role, None, 1): reply_template(tokenizer, role) for role in roles}
+        self._specials = special_texts(tokenizer)
         self.runs = 0
+        # an episode cut at the token budget: truncated (left out of the loss), or its env_reward this value
+        self.truncated_reward = truncated_reward
+        self.scores_env_reward = scores_env_reward  # env_reward is among rewards.names (else: said once, at a reward)
+        self._told_unscored = False
+        self._mismatch = ""  # the last replay that differed, for the run's warning
 
     def reply_tokens(self, text: str | list[str], role: str, ended_with: int | None = None) -> list[int]:
         """An environment's message (or several, in one role) as tokens: the template around them,
-        then the next turn's prefill; after the model's turn that ended with token `ended_with`
-        (None: the eos_token). Their text cannot smuggle in special tokens: read as plain text."""
+        then the next turn's prefill, tokenized as the whole conversation is (`reply_ids`); after the
+        model's turn that ended with token `ended_with` (None: the eos_token). Their text cannot
+        smuggle in special tokens: read as plain text."""
         texts = [text] if isinstance(text, str) else list(text)
         key = (role, ended_with, len(texts))
-        if key not in self._parts:
-            end = None if ended_with is None else self.tokenizer.decode([ended_with])
-            self._parts[key] = reply_parts(self.tokenizer, role, end, len(texts))
-        pieces = self._parts[key]
-        ids = list(pieces[0])
-        for body, piece in zip(texts, pieces[1:], strict=True):
-            ids += self.tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"] + piece
-        return ids + self._prefill_ids
+        end = self.tokenizer.eos_token if ended_with is None else self.tokenizer.decode([ended_with])
+        if key not in self._templates:
+            self._templates[key] = reply_template(self.tokenizer, role, None if ended_with is None else end,
+                                                  len(texts))
+        return reply_ids(self.tokenizer, self._templates[key], texts, self.prefill, end or "", self._specials)
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
@@ -187,6 +251,9 @@ class EpisodeRunner:
                 self._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy)
         finally:  # all at once: a served environment hangs up its sessions together
             self.pool.forget(over)
+        mismatched = sum(e.replay_mismatch for e in episodes)
+        if mismatched:
+            log.warning("%d of %d episodes ended, failed: %s", mismatched, len(episodes), self._mismatch)
         return Episodes(
             prompts=prompts,
             rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
@@ -207,9 +274,10 @@ class EpisodeRunner:
         for i, prompt in enumerate(prompts):
             openings, failures = [], []
             for j in range(i * group_size, (i + 1) * group_size):
-                opening, failure = self.pool.open(f"{self.runs}/{j}", rows[i])
+                opening, failure = self._counted(episodes[j], self.pool.open, f"{self.runs}/{j}", rows[i])
                 episodes[j].open_failed = failure is not None  # counted once: its first step opens it again
                 episodes[j].count_failure(failure)
+                episodes[j].shown = [None if failure else shown_digest(opening)]  # its own, checked on a rebuild
                 openings += [opening] if failure is None else []
                 failures += [failure] if failure is not None else []
             if not openings:
@@ -261,10 +329,17 @@ class EpisodeRunner:
     def _answer(self, j: int, e: Episode, row: dict) -> bool:
         """The environment's reply to episode j's last message, added to it; whether it goes on."""
         if e.truncated:  # cut at the token budget: the message is unfinished
+            self._cut(e)
             return False
-        reply, failure = self.pool.step(f"{self.runs}/{j}", row, e.messages, e.said)
+        try:
+            reply, failure = self._counted(e, self.pool.step, f"{self.runs}/{j}", row, e.messages, e.said, e.shown)
+        except ReplayMismatch as error:  # it cannot go on in the world it was shown: ended, failed
+            e.replay_mismatch, self._mismatch = True, str(error)
+            e.count_failure(str(error))
+            return False
         if failure is None:  # a message whose step failed is not replayed when the episode is rebuilt
             e.messages.append(e.said)
+            e.shown.append(shown_digest(reply))
             e.replies += 1
         elif not (e.open_failed and e.turns == 1):  # that failure is counted already
             e.count_failure(failure)
@@ -274,6 +349,7 @@ class EpisodeRunner:
         e.well_formed_messages += reply.tool_calls > 0 and reply.malformed_calls == 0
         if reply.reward is not None:
             e.reward = (e.reward or 0.0) + reply.reward
+            self._tell_unscored()
         if reply.done or e.turns >= self.max_turns:
             return False
         try:
@@ -286,10 +362,42 @@ class EpisodeRunner:
         room = self.max_new_tokens - len(e.tokens)
         if len(ids) >= room:  # no room left for the model to answer: the episode ends at the budget
             e.add(ids[:room], model=False)
-            e.truncated = True
+            self._cut(e)
             return False
         e.add(ids, model=False)
         return True
+
+    def _counted(self, e: Episode, call, *args):
+        """`call(*args)` on the pool, with what rebuilding environments cost during it counted in `e`."""
+        before = rebuild_counts(self.pool)
+        try:
+            return call(*args)
+        finally:
+            after = rebuild_counts(self.pool)
+            e.child_restarts += after[0] - before[0]
+            e.rebuilds += after[1] - before[1]
+            e.replayed_steps += after[2] - before[2]
+
+    def _cut(self, e: Episode) -> None:
+        """Episode e ends at the token budget, unfinished: truncated, so it leaves the loss (episodes turn
+        training.mask_truncated_completions on), or, with env.truncated_reward, its env_reward is that
+        value whatever its replies gave: running out of tokens scores what the run says, never a free 0."""
+        e.truncated = True
+        if self.truncated_reward is not None:
+            e.reward = self.truncated_reward
+
+    def _tell_unscored(self) -> None:
+        """Said once, at the first reward an environment gives while env_reward is not trained on."""
+        if not self.scores_env_reward and not self._told_unscored:
+            self._told_unscored = True
+            log.warning("the environment gives rewards, and rewards.names does not hold env_reward: they are not "
+                        "trained on; add env_reward to rewards.names (and its weight to rewards.weights)")
+
+
+def rebuild_counts(pool) -> tuple[int, int, int]:
+    """A pool's restarts of its child (none for an OpenEnv server's sessions), rebuilt episodes and replayed
+    steps, over its life."""
+    return tuple(getattr(pool, name, 0) for name in ("restarts", "rebuilds", "replayed_steps"))
 
 
 def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
@@ -304,7 +412,9 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
     runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,
-                           reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens)
+                           reply_roles(cfg.env.name, cfg.env.args), cfg.data.max_prompt_tokens,
+                           truncated_reward=cfg.env.truncated_reward,
+                           scores_env_reward="env_reward" in cfg.rewards.names)
     # an OpenEnv server's sessions, in this process (the network is the point), else the child
     args = environment_args(cfg.env)
     runner.pool = RemotePool(cfg.env.name, args, cfg.env.timeout_s) if is_served(cfg.env.name) else \
@@ -332,4 +442,10 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
             # the share of episodes with a call the environment could read, to a tool it has, with arguments that fit
             "env/well_formed_call_rate": sum(e.tool_calls > e.malformed_calls for e in episodes) / n,
             "env/env_errors": float(sum(e.env_errors for e in episodes)),
+            # rebuilt environments: the child's restarts (a hang, a death), episodes made again at a step
+            # and the earlier messages replayed in them, and the episodes ended because a replay differed
+            "env/child_restarts": float(sum(e.child_restarts for e in episodes)),
+            "env/rebuilds": float(sum(e.rebuilds for e in episodes)),
+            "env/replayed_steps": float(sum(e.replayed_steps for e in episodes)),
+            "env/replay_mismatches": float(sum(e.replay_mismatch for e in episodes)),
             "env/model_token_fraction": model_tokens / max(sum(len(e.tokens) for e in episodes), 1)}

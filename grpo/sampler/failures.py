@@ -1,13 +1,15 @@
 """What never works stops the sampler: a reward that fails on every sample, or an environment that
 fails on every episode, for several steps in a row (rewards.max_failed_steps, env.max_failed_steps).
-A run on rewards.fallback alone, or on error messages alone, learns nothing; one that fails on
-some samples only keeps the fallback and a warning."""
+A run without scores (every sample left out, or on rewards.fallback alone), or on error messages
+alone, learns nothing; one that fails on some samples only leaves those out (or gives them the
+fallback) with a warning."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rewards.registry import ENV_REWARD
 from rewards.services import is_service_name
 
 if TYPE_CHECKING:
@@ -25,9 +27,12 @@ class FailedOnAll:
 
     @classmethod
     def of(cls, scores: RewardScores, episodes: list | None) -> "FailedOnAll":
+        """From a round's scores and episodes. env_reward failing because the environment failed on
+        every episode is the environment's failure: env.max_failed_steps decides, not the reward's limit."""
         n = len(scores.total)
-        rewards = {name: scores.errors.get(name, "") for name, failed in scores.failures.items() if n and failed == n}
         broken = bool(episodes) and all(e.environment_failed for e in episodes)
+        rewards = {name: scores.errors.get(name, "") for name, failed in scores.failures.items()
+                   if n and failed == n and not (broken and name == ENV_REWARD)}
         return cls(n, rewards, episodes[0].env_error if broken else None)
 
     def both(self, other: "FailedOnAll") -> "FailedOnAll":
@@ -52,9 +57,9 @@ class EnvironmentAlwaysFails(AlwaysFailing):
 @dataclass
 class FailureStreaks:
     """Steps in a row on which a reward, or the environment, failed on every sample: one that trains
-    on rewards.fallback alone, or on error messages alone, learns nothing. At rewards.max_failed_steps
+    without scores, or on error messages alone, learns nothing. At rewards.max_failed_steps
     (env.max_failed_steps) steps in a row the sampler stops (0: never); failing on some samples only
-    keeps the fallback and a warning."""
+    leaves those out (rewards.on_failure) with a warning."""
 
     rewards: dict[str, int] = field(default_factory=dict)  # reward name -> steps in a row
     environment: int = 0
@@ -73,4 +78,8 @@ class FailureStreaks:
                 raise RewardAlwaysFails(
                     f"reward {name} failed on all {failed.samples} samples in each of the last {self.rewards[name]} "
                     f"steps: {error}; stopped. Fix the {'service' if is_service_name(name) else 'function'}, or set "
-                    "rewards.max_failed_steps=0 to train on with rewards.fallback")
+                    f"rewards.max_failed_steps=0 to train on {GOING_ON[cfg.rewards.on_failure]}")
+
+
+GOING_ON = {"exclude": "without it (the samples it fails on are left out: no gradient from them)",
+            "fallback": "with rewards.fallback"}  # what rewards.max_failed_steps=0 trains on, per rewards.on_failure

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from grpo.sampler.dynamic_sampling import has_spread
 from grpo.wire.batch import RolloutBatch
 
 
 def sampler_metrics(batch: RolloutBatch, scores, timings: dict[str, float]) -> dict[str, float]:
-    """TRL's names where they exist. `scores`: the batch's rewards.RewardScores (a reward's mean
-    and std leave out the samples it does not apply to). frac_reward_zero_std: of the trained groups,
-    the share whose rewards are all equal (as sampling/zero_spread_fraction counts the generated ones)."""
-    total_rewards, failures = scores.total, scores.failures
+    """TRL's names where they exist. `scores`: the batch's rewards.RewardScores. A sample a reward
+    failed on is left out of that reward's mean and std, and, when it is left out of the advantages
+    (scores.scored), of `reward`, `reward_std` and `frac_reward_zero_std` too: they describe what
+    trains. `reward` is absent when no sample was scored. frac_reward_zero_std: of the trained groups,
+    the share without two differing scored rewards (as sampling/zero_spread_fraction counts the
+    generated ones). rewards/left_out_fraction: the share of samples left out of the advantages."""
     lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
-    groups = total_rewards.split(batch.group_sizes)
-    group_std = torch.stack([g.std() if len(g) > 1 else g.new_tensor(0.0) for g in groups])
     metrics = {
-        "reward": total_rewards.mean().item(),
-        "reward_std": group_std.mean().item(),
-        # compared exactly: a float32 std of equal rewards need not be 0 (of 3 x -0.45: 3.7e-8)
-        "frac_reward_zero_std": sum(bool(g.max() == g.min()) for g in groups) / len(groups),
+        **total_metrics(scores.total, scores.scored, batch.group_sizes),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
@@ -30,11 +28,34 @@ def sampler_metrics(batch: RolloutBatch, scores, timings: dict[str, float]) -> d
                                 / max(timings.get("timing/generate_s", 0.0), 1e-9),
     }
     for j, name in enumerate(batch.reward_names):
-        column = batch.rewards[:, j][scores.applies[:, j]]
-        if len(column):  # no mean where it applied to no sample
-            metrics[f"rewards/{name}/mean"] = column.mean().item()
-        metrics[f"rewards/{name}/std"] = column.std().item() if len(column) > 1 else 0.0
-        metrics[f"rewards/{name}/failures"] = float(failures.get(name, 0))
-        metrics[f"rewards/{name}/applies"] = len(column) / max(len(batch.rewards), 1)
+        metrics.update(reward_metrics(name, batch.rewards[:, j], scores.applies[:, j] & ~scores.failed[:, j],
+                                      scores.failures.get(name, 0)))
     metrics.update(timings)
+    return metrics
+
+
+def total_metrics(total: torch.Tensor, scored: torch.Tensor, group_sizes: list[int]) -> dict[str, float]:
+    """The weighted totals [N] of the scored samples (bool [N]): their mean, the mean of each group's std,
+    the share of groups without spread, and the share of samples left out."""
+    stds = [g[s].std() if int(s.sum()) > 1 else g.new_tensor(0.0)
+            for g, s in zip(total.split(group_sizes), scored.split(group_sizes))]  # one per group
+    spread = [has_spread(g, len(g), s)[0] for g, s in zip(total.split(group_sizes), scored.split(group_sizes))]
+    metrics = {"reward_std": torch.stack(stds).mean().item(),
+               # compared exactly: a float32 std of equal rewards need not be 0 (of 3 x -0.45: 3.7e-8)
+               "frac_reward_zero_std": 1.0 - sum(spread) / len(spread),
+               "rewards/left_out_fraction": 1.0 - scored.float().mean().item()}
+    if scored.any():
+        metrics["reward"] = total[scored].mean().item()
+    return metrics
+
+
+def reward_metrics(name: str, column: torch.Tensor, valued: torch.Tensor, failures: int) -> dict[str, float]:
+    """One reward's values [N] where it gave one (bool [N]: it applied and did not fail): mean, std,
+    failures, and the share it applied to."""
+    values = column[valued]  # [M]
+    metrics = {f"rewards/{name}/std": values.std().item() if len(values) > 1 else 0.0,
+               f"rewards/{name}/failures": float(failures),
+               f"rewards/{name}/applies": len(values) / max(len(column), 1)}
+    if len(values):  # no mean where it gave no value
+        metrics[f"rewards/{name}/mean"] = values.mean().item()
     return metrics

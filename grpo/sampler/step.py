@@ -2,9 +2,10 @@
 generate (or run episodes), score, advantages, log-probs, assemble the batch, send it.
 
 `run_step` is what the sampler's loop calls once per step; each stage is a small function
-below it, in the order they run (`make_batch`: the stages from generating to the batch). A reward
-or an environment that fails on every sample of several steps in a row stops the loop
-(grpo/sampler/failures.py): a run on rewards.fallback alone learns nothing.
+below it, in the order they run (`make_batch`: the stages from generating to the batch). A sample
+a reward failed on is left out of its group's advantages (rewards.on_failure). A reward or an
+environment that fails on every sample of several steps in a row stops the loop
+(grpo/sampler/failures.py): a run without scores learns nothing.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
     loop.previous_send_s = time.perf_counter() - t
     loop.state.save(step + 1, loop.cursor.state_dict())
     m = batch.meta["metrics"]
-    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version, m["reward"],
+    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version,
+             m.get("reward", float("nan")),
              m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
 
 
@@ -198,18 +200,38 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
                                                                              skip_special_tokens=True)]
         rows = reward_rows([p.problem for p in prompts for _ in range(G)])
     turns = [p.turns for p in prompts for _ in range(G)]  # each sample's chat, for the service rewards
-    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, cfg.rewards.fallback, call=sandbox,
-                               prompts=turns, services=ServiceSettings.of(cfg))
+    scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, failure_value(cfg.rewards),
+                               call=sandbox, prompts=turns, services=ServiceSettings.of(cfg),
+                               environment_failures=environment_failures(episodes))
     if cfg.rewards.overlong_buffer > 0:
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
-        scores = RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),
-                              torch.cat([scores.applies, torch.ones(len(penalty), 1, dtype=torch.bool)], 1),
-                              scores.total + penalty, {**scores.failures, OVERLONG: 0}, scores.errors)
+        scores = with_overlong_penalty(scores, penalty)
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
                  FailedOnAll.of(scores, episodes))
+
+
+def failure_value(r: RewardsConfig) -> float | None:
+    """What a sample a reward failed on gets: rewards.fallback, or None: it is left out (rewards.on_failure)."""
+    return r.fallback if r.on_failure == "fallback" else None
+
+
+def environment_failures(episodes: list | None) -> list[str | None] | None:
+    """Each episode's environment failure (None where it answered), for env_reward; None without episodes."""
+    if episodes is None:
+        return None
+    return [(e.env_error or "it gave no reply") if e.environment_failed else None for e in episodes]
+
+
+def with_overlong_penalty(scores: RewardScores, penalty: torch.Tensor) -> RewardScores:
+    """`scores` with DAPO's overlong penalty [N] as one more column (it never fails)."""
+    n = len(penalty)
+    return RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),  # [N, R + 1]
+                        torch.cat([scores.applies, torch.ones(n, 1, dtype=torch.bool)], 1),  # [N, R + 1]
+                        scores.total + penalty, {**scores.failures, OVERLONG: 0}, scores.errors,
+                        torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored)
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
@@ -229,7 +251,9 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
                             {name: sum(s.failures[name] for s in scores) for name in scores[0].failures},
-                            dict(error for s in reversed(scores) for error in s.errors.items())),  # earliest round's wins
+                            dict(error for s in reversed(scores) for error in s.errors.items()),  # earliest round's wins
+                            torch.stack([rnd.scores.failed[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.scored[i] for rnd, i in samples])),
         generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
         generation_flops=sum(rnd.generation_flops for rnd in rounds),
         episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None,
@@ -242,13 +266,13 @@ def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompt
     share of the generated groups whose rewards are all equal (no learning signal)."""
     s = cfg.sampling
     first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox)
-    rounds, spreads = [first], [has_spread(first.scores.total, s.group_size)]
+    rounds, spreads = [first], [has_spread(first.scores.total, s.group_size, first.scores.scored)]
     while s.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds \
             and more_prompts:
         extra = generate_and_score(cfg, policy, more_prompts(len(rounds)), round_seed(step_seed(cfg, step), len(rounds)),
                                    sandbox)
         rounds.append(extra)
-        spreads.append(has_spread(extra.scores.total, s.group_size))
+        spreads.append(has_spread(extra.scores.total, s.group_size, extra.scores.scored))
     generated = sum(map(len, spreads))
     flat = {"sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated}  # of the generated groups
     if not s.dynamic_sampling:
@@ -304,7 +328,10 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
     prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, Objective.of(cfg)
-    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale)
+    # a sample a reward failed on: advantage 0, out of its group's mean and std; it stays in the batch and
+    # in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
+    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale,
+                                  scored=scores.scored)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()

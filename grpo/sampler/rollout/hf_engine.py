@@ -108,7 +108,8 @@ class TokenSampler:
 
 class InPlaceLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of a larger buffer, each new token written
-    in place; the buffer grows by `GROWTH` positions when full.
+    in place; the buffer grows by `GROWTH` positions when full (a write of many positions at once, an
+    episode's reply, gets `GROWTH` free positions after it).
 
     DynamicLayer concatenates every token onto the layer's cache, copying the whole cache each
     time (~5 MB a layer a token on the default workload, 29% of a decode step). A preallocated
@@ -122,15 +123,16 @@ class InPlaceLayer(DynamicLayer):
 
     @classmethod
     def repeated(cls, layer: DynamicLayer, repeats: int) -> "InPlaceLayer":
-        """`layer` [B, H, n, D] repeated `repeats` ways along the batch (row i -> rows i*repeats...):
-        the repeat and the first reservation are one copy."""
+        """`layer` (keys [B, H, n, Dk], values [B, H, n, Dv]) repeated `repeats` ways along the batch
+        (row i -> rows i*repeats...): the repeat and the first reservation are one copy."""
         new = cls()
-        b, heads, n, dim = layer.keys.shape
+        n = layer.keys.shape[2]
         new.dtype, new.device, new.is_initialized, new.length = layer.dtype, layer.device, True, n
-        new.key_buffer, new.value_buffer = (layer.keys.new_empty(b * repeats, heads, n + cls.GROWTH, dim)
-                                            for _ in range(2))
-        for buffer, cached in ((new.key_buffer, layer.keys), (new.value_buffer, layer.values)):
+        for name, cached in (("key_buffer", layer.keys), ("value_buffer", layer.values)):
+            b, heads, _, dim = cached.shape  # keys and values may differ in head size (MLA: DeepSeek-V3)
+            buffer = cached.new_empty(b * repeats, heads, n + cls.GROWTH, dim)
             buffer.view(b, repeats, heads, n + cls.GROWTH, dim)[:, :, :, :n] = cached[:, None]
+            setattr(new, name, buffer)
         new._expose()
         return new
 
@@ -139,7 +141,9 @@ class InPlaceLayer(DynamicLayer):
         self.values = self.value_buffer[:, :, : self.length]
 
     def _grow(self, needed: int) -> None:
-        capacity = max(needed, self.key_buffer.shape[2] + self.GROWTH)
+        capacity = self.key_buffer.shape[2] + self.GROWTH
+        if needed >= capacity:  # many positions at once (an episode's reply): GROWTH free after them too,
+            capacity = needed + self.GROWTH  # or the next token would copy the buffer again
         for name in ("key_buffer", "value_buffer"):
             old = getattr(self, name)
             buffer = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])

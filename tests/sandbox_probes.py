@@ -1,0 +1,49 @@
+"""Tools for the tests, named by path (env.tools=[tests/sandbox_probes.py:python]): code execution,
+what a model is given to run its code and will try to escape through (tests/test_sandbox.py), and
+tools whose calls are checked against their schema or whose errors are long (tests/test_tools.py)."""
+
+import contextlib
+import io
+import subprocess
+
+
+def python(code: str) -> str:
+    """Run Python code in the tool's process and return what it prints.
+
+    Args:
+        code: The Python code to run.
+    """
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {"__name__": "__tool__"})
+    return out.getvalue()
+
+
+def shell(command: str) -> str:
+    """Run a shell command and return what it prints.
+
+    Args:
+        command: The command line.
+    """
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+def scale(values: list[int], factor: float, exact: bool = False) -> list:
+    """Multiply each value by a factor.
+
+    Args:
+        values: The whole numbers to scale.
+        factor: The factor.
+        exact: Whether to keep fractions.
+    """
+    return [v * factor for v in values]
+
+
+def shout(size: int) -> str:
+    """Fail with an error message of `size` characters.
+
+    Args:
+        size: How long the error message is.
+    """
+    raise ValueError("x" * size)

@@ -9,14 +9,17 @@ fresh one forked; the caller sees `ChildFailed`, which says where in the user's 
 raised (`raised_at`).
 
 The child is a session of its own: a keeper process, which runs no served code, and under it the
-server, which does; every process the served code starts stays in that session (a seccomp filter
-refuses setsid() where libseccomp is present; a new process group inside it is fine). A call that
-times out, a child that is replaced or closed, a server that dies and a parent that dies (the
-keeper's parent-death signal) each end the whole session, SIGKILL to each of its processes
-(end_session): no process a tool started outlives its child. The
-child sees only an allow-list of the parent's environment variables (PATH, HOME, LANG, LC_*, and the
-names the caller passes), its own temporary folder as TMPDIR (removed with it), and not the block
-of variables the parent was started with (/proc/self/environ reads zeros).
+server, which does, in a process group of its own. Every process the served code starts descends
+from the keeper, even one that starts a session of its own (`start_new_session`, a pty) and whose
+parent then exits: the keeper is a subreaper, and adopts it. A call that times out, a child that is
+replaced or closed, a server that dies and a parent that dies (the keeper's parent-death signal)
+each end the whole tree, SIGKILL to each of its processes (end_session): no process a tool started
+outlives its child. The child sees only an allow-list of the parent's environment variables (PATH,
+HOME, LANG, LC_*, the Python and library search paths, the proxy settings, Hugging Face's cache
+and offline switches, and the names the caller passes), its own temporary folder as TMPDIR
+(removed with it), PYTHONHASHSEED=0 (a Python a tool starts orders its sets alike when an episode
+is rebuilt), and not the block of variables the parent was started with (/proc/self/environ reads
+zeros).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -43,7 +47,12 @@ NO_ANSWER = object()  # what a handler returns for a request that wants no answe
 ROOT = Path(__file__).resolve().parents[1]
 OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data"))
 LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
-PASSED_ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR")  # and every LC_* name; the rest only by name (env.pass_env)
+# what a child sees of the parent's environment (and every LC_* name); secrets such as API keys only by name
+# (env.pass_env, rewards.pass_env)
+PASSED_ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
+                      "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                      "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+SET_ENVIRONMENT = {"PYTHONHASHSEED": "0"}  # a Python started by a tool orders sets alike in a replay
 
 
 def close_inherited_sockets(keep: int) -> None:
@@ -59,7 +68,7 @@ def close_inherited_sockets(keep: int) -> None:
 
 
 def passed_environment(environ, names=()) -> dict[str, str]:
-    """The variables of `environ` a child sees: PATH, HOME, LANG, LC_*, TMPDIR and `names`."""
+    """The variables of `environ` a child sees: PASSED_ENVIRONMENT, LC_* and `names`."""
     allowed = set(PASSED_ENVIRONMENT) | set(names)
     return {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
 
@@ -122,9 +131,7 @@ def seccomp_deny(rules: list[tuple[str, int, dict]]) -> bool:
         lib.seccomp_release(ctx)
 
 
-# no process of a child leaves its session, which ends as one; a new process group inside it is fine
-# (coreutils' `timeout` makes one, then signals it whole)
-STAY_IN_SESSION = [("setsid", errno.EPERM, {})]
+PR_SET_CHILD_SUBREAPER = 36  # the keeper adopts its descendants' orphans: none leaves its tree
 
 LANDLOCK_CREATE_RULESET, LANDLOCK_RESTRICT_SELF, LANDLOCK_ABI_VERSION = 444, 446, 1  # every architecture's numbers
 MAKE_DEVICES_AND_SOCKETS = (1 << 6) | (1 << 9) | (1 << 11)  # LANDLOCK_ACCESS_FS_MAKE_CHAR, _MAKE_SOCK, _MAKE_BLOCK
@@ -220,10 +227,13 @@ def _keep(server: int, parent: int) -> None:
     _die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the signal was asked for
         _end_session()
-    try:
-        os.waitpid(server, 0)
-    except ChildProcessError:
-        pass
+    while True:  # the server, and the orphans it left that the keeper adopted (reaped: no zombies pile up)
+        try:
+            ended, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if ended == server:
+            break
     _end_session()
 
 
@@ -233,6 +243,7 @@ def _serve(conn, parent_end, setup: Callable, environment: dict[str, str]) -> No
     os.setsid()  # a session of its own: the parent ends it, and everything in it (end_session)
     _replace_environment(environment)
     keeper = os.getpid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the served code come here
     server = os.fork()
     if server:
         conn.close()  # the server's death must reach the parent as the pipe's end
@@ -241,7 +252,7 @@ def _serve(conn, parent_end, setup: Callable, environment: dict[str, str]) -> No
     _die_with_parent(signal.SIGKILL)  # a server busy in a hang dies with the keeper
     if os.getppid() != keeper:
         os._exit(0)
-    seccomp_deny(STAY_IN_SESSION)  # where libseccomp is missing, a process may still leave with setsid()
+    os.setpgid(0, 0)  # a group of its own: kill(0) in the served code reaches it and its own, never the keeper
     try:
         _handle(conn, setup)
     finally:
@@ -274,48 +285,72 @@ def _handle(conn, setup: Callable) -> None:
 
 
 def session_members(session: int) -> list[int]:
-    """The live processes of `session` (by /proc: its id is field 6 of a process's stat), but this one."""
-    found, own = [], os.getpid()
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != own and _session_of(int(name)) == session:
-            found.append(int(name))
-    return found
+    """The live processes of `session` (by /proc: its id is field 6 of a process's stat), and every
+    descendant of its leader wherever it went (a process of it may start a session of its own; the
+    leader, the keeper, adopts orphans as a subreaper), but this one."""
+    stats = {int(name): st for name in os.listdir("/proc") if name.isdigit() and (st := _stat(int(name)))}
+    own = os.getpid()
+    return [pid for pid in stats if pid != own and _belongs(pid, session, stats)]
 
 
-def _session_of(pid: int) -> int | None:
-    """The session of live process `pid`; None when it is gone, or a zombie (which needs no signal)."""
+def _belongs(pid: int, session: int, stats: dict[int, tuple[int, int]]) -> bool:
+    """Whether `pid` is in `session` or descends from a process that is (`stats`: pid -> (parent,
+    session)). The leader counts by its session, not its number: one reused by another process
+    after the keeper died leads no such session."""
+    seen = set()
+    while pid in stats and pid not in seen:
+        parent, own_session = stats[pid]
+        if own_session == session:
+            return True
+        seen.add(pid)
+        pid = parent
+    return False
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent, session) of live process `pid`; None when it is gone, or a zombie (which needs no signal)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
+            state, parent, _, session = f.read().rsplit(")", 1)[1].split()[:4]
     except (OSError, ValueError):
         return None
-    return None if state in "ZX" else int(session)
+    return None if state in "ZX" else (int(parent), int(session))
 
 
 def end_session(session: int | None) -> None:
     """SIGKILL to every process of `session` (a child: its keeper, its server and all they started,
-    whatever process group each is in), until none is left. Each is signalled through a pidfd taken
-    before its session is read again, so a number reused by another process is never signalled."""
-    for attempt in range(1000):  # killed processes fork no more: a few rounds at most
+    whatever process group or session each is in), until none is left. Each is signalled through a
+    pidfd taken before it is looked at again, so a number reused by another process is never
+    signalled. The leader (the keeper) goes last: while it lives, the orphans of the others come to
+    it, and stay found. Bounded: a process the kernel cannot kill (stuck in a device) is named in the log."""
+    members: list[int] = []
+    for attempt in range(END_ROUNDS):  # killed processes fork no more: a few rounds at most
         if attempt:
             time.sleep(0.01)  # a process SIGKILLed an instant ago may still be listed
         members = session_members(session) if session else []
         if not members:
             return
-        for pid in members:
+        others = [pid for pid in members if pid != session]
+        for pid in others or members:
             try:
                 fd = os.pidfd_open(pid)
             except OSError as e:  # gone; or a kernel before 5.3, without pidfds
-                if e.errno == errno.ENOSYS and _session_of(pid) == session:
+                if e.errno == errno.ENOSYS and pid in session_members(session):
                     _kill(pid)
                 continue
             try:
-                if _session_of(pid) == session:
+                stat = _stat(pid)
+                if stat is not None and (stat[1] == session or stat[0] in members or stat[0] == session):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
             except OSError:
                 pass  # gone meanwhile
             finally:
                 os.close(fd)
+    logging.getLogger(__name__).warning("processes %s of a child did not end after %d rounds of SIGKILL", members,
+                                        END_ROUNDS)
+
+
+END_ROUNDS = 1000  # of 10 ms: a process that outlives 10 s of SIGKILL is stuck in the kernel
 
 
 def _kill(pid: int) -> None:
@@ -339,7 +374,7 @@ class Child:
 
     def _start(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix=f"grpo-{self.name}-")  # its TMPDIR, removed with it
-        environment = {**passed_environment(os.environ, self.pass_env), "TMPDIR": self.tmp}
+        environment = {**passed_environment(os.environ, self.pass_env), **SET_ENVIRONMENT, "TMPDIR": self.tmp}
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(target=_serve, args=(child, self._conn, self.setup, environment),
                                               daemon=True, name=self.name)

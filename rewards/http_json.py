@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 BACKOFF_S = 0.5  # the first retry waits this long, each later one twice as long as the one before
 MAX_ANSWER_BYTES = 16 * 2**20  # 16 MiB: far more than a batch of scores or a judge's verdict
 RETRIED_STATUSES = {408, 425, 429, 500, 502, 503, 504}  # the server may answer next time; other 4xx will not
-RATE_LIMITED = 429  # the server is up and asks us to slow down: honoured, but not a failure for the breaker
+RATE_LIMITED = 429  # the server is up and asks us to slow down: honoured; a failure for the breaker only once retries are spent
 BREAKER_COOLDOWN_S = 30.0  # an open breaker fails calls at once this long: the rest of a batch, not the next step
 
 
@@ -37,7 +37,17 @@ class ServiceError(RuntimeError):
     """A service that gave no usable answer (after its retries, where a retry could help)."""
 
 
-class _Transient(ServiceError):
+class Unreachable(ServiceError):
+    """The service could not be asked: no connection, no answer in time, an HTTP 5xx, an answer that
+    is not JSON, its breaker open. For a whole batch not the completions' doing: they are left out;
+    for one sample while others were answered, that sample's failure (rewards/registry.py)."""
+
+
+class BreakerOpen(Unreachable):
+    """The service failed often enough in a row that it is not called for a while: nobody was asked."""
+
+
+class _Transient(Unreachable):
     """A failure that a retry may cure: no connection, no answer in time, a 5xx or 429 (with the
     seconds its Retry-After header asked to wait, if any)."""
 
@@ -58,12 +68,12 @@ class Breaker:
         self._failures, self._open_until, self._why = 0, 0.0, ""
 
     def check(self, url: str) -> None:
-        """ServiceError, at once, while the breaker is open."""
+        """Unreachable, at once, while the breaker is open."""
         with self._lock:
             wait = self._open_until - time.monotonic()
             if wait > 0:
-                raise ServiceError(f"{url} failed {self._failures} times in a row ({self._why}); not called again "
-                                   f"for {wait:.0f} s")
+                raise BreakerOpen(f"{url} failed {self._failures} times in a row ({self._why}); not called again "
+                                  f"for {wait:.0f} s")
 
     def failed(self, why: str) -> None:
         with self._lock:
@@ -84,7 +94,8 @@ def post_json(url: str, payload, timeout_s: float, retries: int, headers: dict |
     a transient failure is tried again `retries` times, waiting BACKOFF_S, 2 x BACKOFF_S, ...
     between attempts, or what a Retry-After header asks for when longer (up to `timeout_s`: a
     server that wants a longer pause is down for this batch). With `breaker`, no attempt is made
-    while it is open. ServiceError when no attempt gave a JSON answer."""
+    while it is open. Unreachable when no attempt gave a JSON answer; ServiceError when the server
+    refused the request (HTTP 4xx: what it carried, not the server, is at fault)."""
     body = json.dumps(payload).encode()
     breaker = breaker or Breaker(math.inf)  # a breaker of its own never opens: only this call's retries
     wait_s = 0.0
@@ -94,12 +105,12 @@ def post_json(url: str, payload, timeout_s: float, retries: int, headers: dict |
         try:
             answer = _within(timeout_s, _post_once, url, body, timeout_s, headers or {})
         except _Transient as e:
-            if e.status == RATE_LIMITED:  # it answered: up, and busy
+            if e.status == RATE_LIMITED and attempt < retries:  # it answered: up, and busy
                 breaker.answered()
-            else:
+            else:  # down, or still busy after every retry: a batch of such calls opens the breaker
                 breaker.failed(str(e))
             if attempt == retries:
-                raise ServiceError(f"{e} ({retries + 1} attempt{'s' if retries else ''})") from None
+                raise Unreachable(f"{e} ({retries + 1} attempt{'s' if retries else ''})") from None
             wait_s = max(BACKOFF_S * 2 ** attempt, min(e.retry_after_s or 0.0, timeout_s))
             log.info("%s; retrying in %.1f s", e, wait_s)
             continue
@@ -144,7 +155,9 @@ def _post_once(url: str, body: bytes, timeout_s: float, headers: dict):
         error = f"{url} answered HTTP {e.code}: {_excerpt(e)}"
         if e.code in RETRIED_STATUSES:
             raise _Transient(error, retry_after(e.headers.get("Retry-After")), e.code) from None
-        raise ServiceError(error) from None
+        if 400 <= e.code < 500:  # the request, the completion in it, was refused (too long, not allowed)
+            raise ServiceError(error) from None
+        raise Unreachable(error) from None
     except urllib.error.URLError as e:  # refused, unknown host, a timeout while connecting
         raise _Transient(f"{url} cannot be reached: {e.reason}") from None
     except (OSError, http.client.HTTPException) as e:  # a timeout, a reset, a TLS error while reading
@@ -152,7 +165,7 @@ def _post_once(url: str, body: bytes, timeout_s: float, headers: dict):
     try:
         return json.loads(raw)
     except ValueError:
-        raise ServiceError(f"{url} answered with something that is not JSON: {raw[:120]!r}") from None
+        raise Unreachable(f"{url} answered with something that is not JSON: {raw[:120]!r}") from None
 
 
 def _read_until(response, deadline: float, url: str, timeout_s: float) -> bytes:
@@ -161,7 +174,7 @@ def _read_until(response, deadline: float, url: str, timeout_s: float) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
         if size > MAX_ANSWER_BYTES:
-            raise ServiceError(f"{url} answered more than {MAX_ANSWER_BYTES // 2**20} MiB")
+            raise Unreachable(f"{url} answered more than {MAX_ANSWER_BYTES // 2**20} MiB")
         if time.monotonic() > deadline:
             raise _Transient(f"{url} gave no whole answer within {timeout_s:g} s")
     return b"".join(chunks)

@@ -8,13 +8,15 @@ one group in the judge's reply, as a float.
 
 The completion is the policy's own text, and a policy under RL learns whatever raises its reward,
 talking the judge into a score included. So it is filled in inside a fence it cannot close, a tag
-keyed by a secret drawn at start (<completion-N> ... </completion-N>: `fenced`),
-and a verdict is only believed when the reply ended on its own (finish_reason "stop": a reply cut at
-max_tokens may end in a quoted "Score: 1" meant as 10) and lies within rewards.judge.range.
-Anything else fails that sample alone (rewards.on_failure), counted in rewards/judge/failures: a
-request that fails after its retries (rewards/http_json.py), a reply the pattern finds no number
-in, one cut short, a verdict out of range. The judge's breaker fails the rest of a batch at once
-when every request in flight failed twice in a row.
+keyed by a secret drawn at start (<completion-N> ... </completion-N>: `fenced`; a tag like it in the
+completion is escaped), and a verdict is only believed when the reply ended on its own (not cut at
+max_tokens, where it may end in a quoted "Score: 1" meant as 10) and lies within rewards.judge.range.
+A reply without such a verdict is the completion's doing as far as anyone can tell (an injection
+can make the judge ramble or answer 1000): that sample fails and scores its group's worst
+(rewards.on_failure). A judge that could not be asked (no answer after its retries, an HTTP error,
+the breaker open: rewards/http_json.py Unreachable) leaves the sample out instead. Both are counted
+in rewards/judge/failures. The judge's breaker fails the rest of a batch at once when every
+request in flight failed twice in a row.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from rewards.http_json import Breaker, ServiceError, post_json
+from rewards.http_json import Breaker, ServiceError, Unreachable, post_json
 
 PLACEHOLDERS = ("question", "completion", "answer")
 _PLACEHOLDER_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
@@ -35,13 +37,23 @@ FAILURES_PER_REQUEST = 2  # the breaker opens once each request in flight failed
 
 
 FENCE_KEY = secrets.token_bytes(16)  # drawn when the sampler starts: the model never sees it
+# the finish reasons of a reply that ended by itself (OpenAI and vLLM "stop", TGI "eos_token" or
+# "stop_sequence", Anthropic-style "end_turn"); any other ("length", "content_filter", "abort",
+# "tool_calls", none at all) is not a verdict
+ENDED = ("stop", "eos_token", "stop_sequence", "end_turn")
+# a tag like the fence's in the completion, fullwidth and small look-alikes of < and the letters too
+FENCE_LIKE = re.compile("[<\uFE64\uFF1C](\\s*[/\uFF0F]?\\s*" + "".join(
+    f"[{c}{c.upper()}{chr(ord(c) - 0x61 + 0xFF41)}{chr(ord(c) - 0x61 + 0xFF21)}]" for c in "completion") + ")")
 
 
 def fenced(completion: str) -> str:
     """The completion between a tag pair it cannot close: the tag is a keyed hash of the completion
     under a key drawn at start, which the model never sees, so it cannot be guessed; the same
-    completion gets the same request within a run (a greedy judge answers it alike). In the 2^-64
-    case that the completion holds its tag, the next one is taken."""
+    completion gets the same request within a run (a greedy judge answers it alike). A tag of the
+    fence's form (or a look-alike) in the completion has its "<" written "&lt;"; the rest of the
+    text is left as the model wrote it. In the 2^-64 case that the completion holds its tag, the
+    next one is taken."""
+    completion = FENCE_LIKE.sub(lambda m: "&lt;" + m.group(1), completion)
     counter = 0
     while True:
         nonce = hmac.new(FENCE_KEY, f"{counter}:{completion}".encode(), hashlib.sha256).hexdigest()[:2 * NONCE_BYTES]
@@ -106,18 +118,21 @@ class Judge:
         except ServiceError as e:
             return e
         except Exception as e:  # anything else of one request is that sample's failure, not the batch's
-            return ServiceError(f"{type(e).__name__}: {e}")
+            return Unreachable(f"{type(e).__name__}: {e}")
         return self.verdict(answer)
 
     def verdict(self, answer) -> float | ServiceError:
         """The score a chat completion gives, or why it gives none: not a chat completion, cut short,
         no number where the pattern looks, or a number outside rewards.judge.range."""
         reply, finish = _reply(answer)
-        if reply is None:
-            return ServiceError(f"{self.endpoint} answered {str(answer)[:120]!r}, not a chat completion")
-        if finish != "stop":
+        if finish is not None and finish not in ENDED:  # before the text: a filtered reply may have none
             hint = " (rewards.judge.max_tokens is too few for its verdict)" if finish == "length" else ""
-            return ServiceError(f"the judge's reply ended with finish_reason {finish!r}, not 'stop'{hint}: "
+            return ServiceError(f"the judge's reply ended with finish_reason {finish!r}, not by itself{hint}: "
+                                f"{(reply or '')[-120:]!r}")
+        if reply is None:
+            return Unreachable(f"{self.endpoint} answered {str(answer)[:120]!r}, not a chat completion")
+        if finish is None:
+            return ServiceError(f"the judge's reply has no finish_reason, so it may have been cut short: "
                                 f"{reply[-120:]!r}")
         found = self.pattern.findall(reply)
         try:
@@ -136,10 +151,10 @@ class Judge:
 
 
 def _reply(answer) -> tuple[str | None, object]:
-    """(the text of a chat completion's first choice, its finish_reason); (None, None): not that shape."""
+    """(the text of a chat completion's first choice, its finish_reason), each None where absent."""
     try:
         choice = answer["choices"][0]
-        content = choice["message"]["content"]
-    except (KeyError, IndexError, TypeError):
+        content, finish = choice["message"].get("content"), choice.get("finish_reason")
+    except (KeyError, IndexError, TypeError, AttributeError):
         return None, None
-    return (content, choice.get("finish_reason")) if isinstance(content, str) else (None, None)
+    return content if isinstance(content, str) else None, finish if isinstance(finish, str) else None

@@ -1,5 +1,6 @@
 """Reward functions by name or import path, and scoring a batch of completions; a sample a reward
-fails on is left out of the advantages (or, with rewards.on_failure=fallback, given rewards.fallback).
+fails on scores the batch's worst, one it could not be asked about is left out of the advantages
+(or, with rewards.on_failure=fallback, either is given rewards.fallback).
 
 A reward is named in `rewards.names` either by its built-in name (REWARD_FUNCTIONS) or by an
 import path `package.module:function` (or `path/to/file.py:function`). A user's function takes
@@ -29,6 +30,7 @@ import torch
 from grpo.child import failure_text
 from grpo.imports import import_object, is_import_path
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from rewards.http_json import BreakerOpen, ServiceError, Unreachable
 from rewards.procedural import reasoning_gym_score
 from rewards.services import ServiceSettings, is_service, is_service_name, service_reward
 from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE = "reference_answer"  # the row key that holds the parsed reference answer
 ENV_REWARD = "env_reward"  # the environment's own reward: it fails where the environment failed
-ON_FAILURE = ("exclude", "fallback")  # rewards.on_failure: what a sample a reward failed on trains with
+ON_FAILURE = ("worst", "fallback")  # rewards.on_failure: what a sample a reward failed on trains with
 
 REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (completion, reference answer)
     "gsm8k_answer": gsm8k_answer,
@@ -91,16 +93,20 @@ class RewardScores:
     #                             (with a fallback: the fallback where it failed)
     applies: torch.Tensor  # bool [N, R]: False where the reward returned None
     total: torch.Tensor  # float32 [N], weighted sum of the rewards that apply (a failed one: its fallback, or nothing)
-    failures: dict[str, int]  # reward name -> samples it failed on
+    failures: dict[str, int]  # reward name -> samples it failed on, or could not be asked about
     errors: dict[str, str] = field(default_factory=dict)  # reward name -> its first failure: what, and where
-    failed: torch.Tensor | None = None  # bool [N, R]: where the reward failed (None: nowhere)
+    failed: torch.Tensor | None = None  # bool [N, R]: where the reward failed or could not be asked (None: nowhere)
     scored: torch.Tensor | None = None  # bool [N]: the samples whose total counts in the advantages (None: all);
-    #                                     without a fallback, those that no reward failed on
+    #                                     without a fallback, not those a weighted reward could not be asked about
+    worst: torch.Tensor | None = None  # bool [N]: without a fallback, the samples a weighted reward failed on
+    #                                    (it raised on them, the judge gave them no valid verdict): they score
+    #                                    the batch's worst total (grpo/objective/advantages.py), never better
 
     def __post_init__(self):
         n, r = self.per_function.shape
         self.failed = torch.zeros(n, r, dtype=torch.bool) if self.failed is None else self.failed
         self.scored = torch.ones(n, dtype=torch.bool) if self.scored is None else self.scored
+        self.worst = torch.zeros(n, dtype=torch.bool) if self.worst is None else self.worst
 
 
 def _checked(value) -> float | None:
@@ -113,13 +119,21 @@ def _checked(value) -> float | None:
 
 
 class _Failed:
-    """A sample's place where its reward failed (left out, or given the fallback)."""
+    """A sample's place where its reward failed on it (it scores the batch's worst, or the fallback),
+    or could not be asked about it (it is left out, or given the fallback)."""
+
+    def __init__(self, name: str):
+        self.name = name
 
     def __repr__(self) -> str:
-        return "FAILED"
+        return self.name
 
 
-FAILED = _Failed()
+FAILED = _Failed("FAILED")  # the reward ran on the sample and gave no valid value: the sample's doing, as far as
+#                             anyone can tell (a function that raised or timed out on it, a judge's reply without
+#                             a valid verdict, an environment that failed on its messages)
+UNSCORED = _Failed("UNSCORED")  # the reward could not be asked: a service down, a session lost; not the sample's doing
+FAILURES = (FAILED, UNSCORED)
 
 
 class WrongCount(ValueError):
@@ -136,11 +150,12 @@ def score_one_function(name: str, fn, call, completions, rows, fallback: float |
     errors = [] if errors is None else errors
     values = reward_values(name, fn, call, completions, rows, prompts, errors)
     failures = report_failures(name, values, errors, fallback)
-    return [fallback if v is FAILED and fallback is not None else v for v in values], failures
+    return [fallback if v in FAILURES and fallback is not None else v for v in values], failures
 
 
 def reward_values(name: str, fn, call, completions, rows, prompts, errors: list[str]) -> list:
-    """Each sample's value: a float, None (does not apply) or FAILED (its description added to `errors`)."""
+    """Each sample's value: a float, None (does not apply), FAILED or UNSCORED (its description added
+    to `errors`)."""
     if is_service(fn):
         return _score_service(name, fn, list(completions), list(rows), prompts, errors)
     if is_batched(fn):
@@ -156,24 +171,33 @@ def reward_values(name: str, fn, call, completions, rows, prompts, errors: list[
 
 
 def report_failures(name: str, values: list, errors: list[str], fallback: float | None) -> int:
-    """How many values are FAILED, logged in one line with the first failure."""
-    failures = sum(v is FAILED for v in values)
+    """How many values are FAILED or UNSCORED, logged in one line with the first failure."""
+    failures = sum(v in FAILURES for v in values)
     if failures:
-        then = "left out of the advantages" if fallback is None else f"using fallback {fallback}"
+        then = "the batch's worst where it failed on a sample, left out where it could not be asked" \
+            if fallback is None else f"using fallback {fallback}"
         log.warning("reward %s failed on %d of %d samples (%s); %s", name, failures, len(values), errors[0], then)
     return failures
 
 
-def with_environment_failures(values: list, environment_failures: Sequence[str | None], errors: list[str]) -> list:
-    """env_reward's values with FAILED where the sample's environment failed (its failure; None where
-    it answered): such an episode has no reward of the environment's to give, not a reward of 0."""
-    errors += [f"the environment failed: {failure}" for failure in environment_failures if failure is not None]
-    return [FAILED if failure is not None else v for v, failure in zip(values, environment_failures, strict=True)]
+def with_environment_failures(values: list, environment_failures: Sequence[tuple[str, bool] | None],
+                              errors: list[str]) -> list:
+    """env_reward's values with FAILED where the sample's environment failed on its messages (or it
+    ran out of tokens before the environment scored it), UNSCORED where it could not be asked (it did
+    not open, or a rebuild replayed otherwise): such an episode has no reward of the environment's to
+    give, not a reward of 0. Each entry: (the failure, whether the environment could not be asked)
+    or None where it answered."""
+    errors += [f"the environment failed: {failure[0]}" for failure in environment_failures if failure is not None]
+    return [v if failure is None else UNSCORED if failure[1] else FAILED
+            for v, failure in zip(values, environment_failures, strict=True)]
 
 
 def _score_service(name: str, fn, completions: list, rows: list, prompts, errors: list) -> list:
-    """A service's values (FAILED where it failed): the whole batch when the call raises (it has
-    retried already), a sample alone where it returns a ServiceError or a bad value."""
+    """A service's values: UNSCORED where it could not be asked (no answer after its retries for the
+    whole batch, or its breaker open); FAILED where it refused the request (an HTTP 4xx), gave a
+    sample no valid value (a judge's reply without a valid verdict), or gave no answer for a sample
+    while it answered others of the batch: a completion that makes the judge time out or break
+    must not earn a pass, so what the sample carried is at fault as far as anyone can tell."""
     if prompts is None or len(prompts) != len(completions):
         raise ValueError(f"reward {name!r} needs each sample's prompt: score_completions(..., prompts=...)")
     try:
@@ -182,13 +206,18 @@ def _score_service(name: str, fn, completions: list, rows: list, prompts, errors
             raise WrongCount(f"returned {len(values)} values for {len(completions)} completions")
     except Exception as e:  # a dead service or a model that fails costs this batch's scores, not the run
         errors.append(failure_text(e))
-        return [FAILED] * len(completions)
+        refused = isinstance(e, ServiceError) and not isinstance(e, Unreachable)  # an HTTP 4xx: the request's doing
+        return [FAILED if refused else UNSCORED] * len(completions)
+    answered = any(not isinstance(v, Exception) for v in values)  # the service worked for some samples
     checked = []
     for value in values:
         try:
             if isinstance(value, Exception):
                 raise value
             checked.append(_checked(value))
+        except Unreachable as e:
+            errors.append(failure_text(e))
+            checked.append(FAILED if answered and not isinstance(e, BreakerOpen) else UNSCORED)
         except Exception as e:
             errors.append(failure_text(e))
             checked.append(FAILED)
@@ -227,22 +256,27 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
                       weights: Sequence[float], fallback: float | None, call: Callable | None = None,
                       prompts: Sequence | None = None, services: ServiceSettings | None = None,
                       environment_failures: Sequence[str | None] | None = None) -> RewardScores:
-    """Score every completion with every reward. A function that raises, returns a non-finite
-    value or times out on a sample fails there, counted (its first failure kept in `errors`) and
-    marked in `failed`, never a crash: the sample gets `fallback`, or with `fallback` None it is left
-    out (`scored` False: no advantage from a score nobody gave it).
+    """Score every completion with every reward, never a crash. Where a reward fails on a sample
+    (a function that raises, returns a non-finite value or times out on it; a service's invalid
+    value; an environment that failed on the episode's messages), the sample scores `fallback`, or,
+    with `fallback` None, the batch's worst total (`worst`, grpo.objective.advantages.worst_of_batch:
+    no failure ever scores above an honest answer). Where a reward could not be asked (a service down, an environment that did not open),
+    the sample gets `fallback`, or with `fallback` None it is left out (`scored` False: no advantage
+    from a score nobody gave it). Both are counted (the first failure kept in `errors`) and marked in
+    `failed`. A reward of weight 0 (logged only) decides neither.
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out). `prompts`
     (each sample's chat turns, data.prompts.Prompt.turns) and `services` (their settings) are for
     the service rewards (rewards/services.py), which run here. `environment_failures`: in
-    multi-turn episodes, each sample's environment failure (None where it answered); env_reward
-    fails where there is one.
+    multi-turn episodes, each sample's environment failure as (what, whether it could not be
+    asked), None where it answered; env_reward fails there.
     """
     n = len(completions)
     scores = torch.zeros(n, len(names), dtype=torch.float32)
     applies = torch.ones(n, len(names), dtype=torch.bool)
     failed = torch.zeros(n, len(names), dtype=torch.bool)
+    unscored = torch.zeros(n, len(names), dtype=torch.bool)
     failures, errors = {}, {}
     for j, name in enumerate(names):
         found: list[str] = []
@@ -253,13 +287,18 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
         if found:
             errors[name] = found[0]
         for i, value in enumerate(values):
-            if value is FAILED:
-                failed[i, j] = True
+            if value in FAILURES:
+                failed[i, j], unscored[i, j] = True, value is UNSCORED
                 scores[i, j] = 0.0 if fallback is None else fallback
             elif value is None:
                 applies[i, j] = False
             else:
                 scores[i, j] = value
-    total = (scores * applies) @ torch.tensor(list(weights), dtype=torch.float32)  # [N]
-    scored = ~failed.any(1) if fallback is None else torch.ones(n, dtype=torch.bool)  # [N]
-    return RewardScores(scores, applies, total, failures, errors, failed, scored)
+    weight = torch.tensor(list(weights), dtype=torch.float32)  # [R]
+    total = (scores * applies) @ weight  # [N]
+    if fallback is not None:
+        return RewardScores(scores, applies, total, failures, errors, failed)
+    weighted = weight != 0  # [R]: a reward only logged decides nothing
+    worst = (failed & ~unscored & weighted).any(1)  # [N]
+    scored = ~(unscored & weighted).any(1) | worst  # [N]: a failure on the sample outweighs one nobody was asked
+    return RewardScores(scores, applies, total, failures, errors, failed, scored, worst)

@@ -3,16 +3,16 @@
 Which reward decides each is configured (`rewards.accuracy_reward`, `rewards.format_reward`;
 GSM8K's strict pair by default); a sample counts when that reward gives >= 1 (gsm8k_answer's
 +1, think_answer_format's +1.25, a reasoning-gym task's full score). A reward that does not apply
-to a sample (None) does not count it; a sample the reward failed on (it raised, timed out) is left
-out of the rate, as it is left out of the advantages: nobody knows whether it passed. A rate is
-never a crash.
+to a sample (None) does not count it; a sample the reward failed on (it raised, timed out) counts
+as not passing: a completion that makes the check fail must not raise the rate. A rate is never
+a crash.
 """
 
 from __future__ import annotations
 
 import logging
 
-from rewards.registry import FAILED, REFERENCE, get_reward, score_one_function
+from rewards.registry import FAILURES, REFERENCE, get_reward, score_one_function
 
 log = logging.getLogger(__name__)
 
@@ -24,19 +24,13 @@ def passes(name: str, texts: list[str], rows: list[dict], call=None) -> list[boo
     """For each completion, whether reward `name` gives it >= PASS (rows: dataset rows with
     reference_answer). `call`: where the function runs (rewards.sandbox.RewardSandbox; None: here),
     as for the training rewards; a sample it fails on does not pass."""
-    return [v is True for v in verdicts(name, texts, rows, call)]
-
-
-def verdicts(name: str, texts: list[str], rows: list[dict], call=None) -> list[bool | None]:
-    """For each completion, whether reward `name` gives it >= PASS; None where the reward failed on it."""
     values, _ = score_one_function(name, get_reward(name), call, list(texts), list(rows), fallback=None)
-    return [None if v is FAILED else v is not None and v >= PASS for v in values]
+    return [v not in FAILURES and v is not None and v >= PASS for v in values]
 
 
-def pass_rate(found: list[bool | None]) -> float:
-    """The share of the completions judged (not None) that pass; 0.0 when none was."""
-    judged = [v for v in found if v is not None]
-    return sum(judged) / max(len(judged), 1)
+def pass_rate(found: list[bool]) -> float:
+    """The share of the completions that pass; 0.0 of none."""
+    return sum(found) / max(len(found), 1)
 
 
 def reward_rows(problems: list) -> list[dict]:
@@ -51,7 +45,6 @@ def checks_of(rewards_cfg) -> tuple[str, str]:
 
 def strict_rates(texts: list[str], rows: list[dict], checks: tuple[str, str] = GSM8K_CHECKS,
                  call=None) -> dict[str, float]:
-    """The answer accuracy and exact-format rate of completions (rows as `reward_rows` makes them), of
-    the completions each reward did not fail on."""
-    return {"strict/answer_accuracy": pass_rate(verdicts(checks[0], texts, rows, call)),
-            "strict/format_rate": pass_rate(verdicts(checks[1], texts, rows, call))}
+    """The answer accuracy and exact-format rate of completions (rows as `reward_rows` makes them)."""
+    return {"strict/answer_accuracy": pass_rate(passes(checks[0], texts, rows, call)),
+            "strict/format_rate": pass_rate(passes(checks[1], texts, rows, call))}

@@ -161,9 +161,14 @@ def usage_code(cfg: Config, library: str) -> list[str]:
         from grpo.environments.tools import tool_schemas
 
         decode, read_lines = READ_CALLS[cfg.env.tool_parser]
-        schemas = pprint.pformat(tool_schemas(list(cfg.env.tools)), width=100, sort_dicts=False).splitlines()
-        offered = [f"# the tools it was trained with (env.tools: {', '.join(cfg.env.tools)}), as JSON schemas",
-                   f"tools = {schemas[0]}", *(f"        {line}" for line in schemas[1:])]
+        try:
+            schemas = pprint.pformat(tool_schemas(list(cfg.env.tools)), width=100, sort_dicts=False).splitlines()
+            offered = [f"# the tools it was trained with (env.tools: {', '.join(cfg.env.tools)}), as JSON schemas",
+                       f"tools = {schemas[0]}", *(f"        {line}" for line in schemas[1:])]
+        except (ValueError, ImportError) as e:  # exported where the tools' code is not: named, not described
+            offered = [f"# the tools it was trained with (env.tools: {', '.join(cfg.env.tools)}); their JSON schemas "
+                       f"could not be made here ({str(e)[:100]}): build them with "
+                       "transformers.utils.get_json_schema(function)", "tools = [...]"]
         read = [f"# its tool calls, read as in training (env.tool_parser={cfg.env.tool_parser}; vLLM: "
                 f"--tool-call-parser {cfg.env.tool_parser})", *read_lines, "print(calls)"]
     return ["```python", *(["import json", "import re", ""] if tools else []),

@@ -169,17 +169,17 @@ class Secret:
 
 class WinOrLose:
     """A game scored +1 or -1: a message holding "win" wins, one holding "lose" loses (either ends the
-    episode); any other is answered "go on", with no reward."""
+    episode); any other is answered "go on", with `step_reward` (none by default)."""
 
-    def __init__(self, row):
-        pass
+    def __init__(self, row, step_reward: float | None = None):
+        self.step_reward = step_reward
 
     def step(self, message: str) -> Reply:
         if "win" in message:
             return Reply(done=True, reward=1.0)
         if "lose" in message:
             return Reply(done=True, reward=-1.0)
-        return Reply(text="go on")
+        return Reply(text="go on", reward=self.step_reward)
 
 
 class LongReplies:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.objective.advantages import group_advantages
+from grpo.objective.advantages import group_advantages, worst_of_batch
 
 
 def test_worked_numbers_group_scale():
@@ -127,3 +127,40 @@ def test_masked_advantages_equal_the_slow_loop_over_groups_of_different_sizes(sc
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-6)
     assert adv[~scored].eq(0).all() and adv[4:11].eq(0).all()
 
+
+
+def test_a_sample_a_reward_failed_on_takes_the_batchs_worst_honest_reward():
+    """Groups [2, failed, 4, 6] and [failed, 7, -3] and [failed, failed] (sizes 4, 3, 2): every failed
+    sample takes -3, the lowest of what was graded in the batch, so a group with nothing graded is
+    scored too. A sample left out already (could not be asked) stays out and does not set the worst."""
+    rewards = torch.tensor([2.0, 0.0, 4.0, 6.0, 0.0, 7.0, -3.0, 0.0, 0.0])
+    worst = torch.tensor([False, True, False, False, True, False, False, True, True])
+    out, kept = worst_of_batch(rewards, torch.ones(9, dtype=torch.bool), worst)
+    assert out.tolist() == [2.0, -3.0, 4.0, 6.0, -3.0, 7.0, -3.0, -3.0, -3.0] and kept.all()
+    # [2, failed, (could not be asked: -100 must not be the worst), 6] -> the failed one takes 2
+    out, kept = worst_of_batch(torch.tensor([2.0, 0.0, -100.0, 6.0]), torch.tensor([True, True, False, True]),
+                               torch.tensor([False, True, False, False]))
+    assert out.tolist() == [2.0, 2.0, -100.0, 6.0] and kept.tolist() == [True, True, False, True]
+    # nothing graded in the whole batch: the failed samples are left out, advantage 0
+    out, kept = worst_of_batch(torch.tensor([0.0, 5.0]), torch.ones(2, dtype=torch.bool), torch.tensor([True, False]))
+    assert kept.tolist() == [True, True] and out.tolist() == [5.0, 5.0]
+    out, kept = worst_of_batch(torch.zeros(2), torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.bool))
+    assert kept.tolist() == [False, False]
+
+
+def test_failing_never_earns_more_than_the_worst_graded_answer():
+    """The policy's view. In a group [wrong 0, right 10, right 10, made the judge fail], the failed
+    sample's advantage equals the wrong answer's, never above it. In a group of right answers
+    [10, 10, 10, failed] beside a group with a wrong one, failing still scores below the right
+    answers: it takes the batch's worst, 0, so [2.5, 2.5, 2.5, -7.5] / (5 + eps) (unbiased std
+    sqrt(75 / 3) = 5), where the worst of its own group would give it 0 like them."""
+    rewards, worst = torch.tensor([0.0, 10.0, 10.0, 0.0]), torch.tensor([False, False, False, True])
+    out, kept = worst_of_batch(rewards, torch.ones(4, dtype=torch.bool), worst)
+    advantages = group_advantages(out, 4, scored=kept)
+    assert advantages[3] == advantages[0] < 0
+    rewards = torch.tensor([10.0, 10.0, 10.0, 0.0, 0.0, 10.0, 10.0, 10.0])
+    worst = torch.tensor([False, False, False, True, False, False, False, False])
+    out, kept = worst_of_batch(rewards, torch.ones(8, dtype=torch.bool), worst)
+    advantages = group_advantages(out, 4, scored=kept)
+    assert out[3] == 0.0
+    torch.testing.assert_close(advantages[:4], torch.tensor([2.5, 2.5, 2.5, -7.5]) / (5 + 1e-4), rtol=0, atol=1e-6)

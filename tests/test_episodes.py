@@ -18,6 +18,7 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
 from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_parts, turn_seed
+from grpo.sampler.step import environment_failures
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.step import micro_batch_loss
 from grpo.wire.batch import RolloutBatch
@@ -836,6 +837,9 @@ def test_an_unseeded_environment_rebuilt_after_another_episode_hung_fails_its_li
         "env/child_restarts": 1.0, "env/rebuilds": 4.0, "env/replayed_steps": 4.0, "env/replay_mismatches": 4.0,
         "env/env_errors": 5.0}
     assert [(e.child_restarts, e.rebuilds, e.replayed_steps) for e in episodes] == [(1, 1, 1)] + [(0, 1, 1)] * 3
+    # episode 0's own hang cost it its environment: a failure of its own (the batch's worst); the
+    # others did nothing wrong: their environment could not be asked, they are left out
+    assert environment_failures(episodes) == [("no reply within env.timeout_s=1 s", False)] + [(mismatch, True)] * 3
 
 
 def test_a_deterministic_environment_rebuilt_after_another_episode_hung_replays_exactly_and_goes_on(tiny_model_dir):
@@ -932,35 +936,32 @@ def game_batch(tiny_model_dir, *overrides):
     return cfg, batch
 
 
-def test_an_episode_cut_at_the_budget_leaves_the_loss_by_default(tiny_model_dir):
-    """Rewards [1, -1, -1, none]: the cut episode's env_reward is None (a total of 0), so it sits in
-    the group's mean -0.25 (unbiased std sqrt(2.75 / 3) = 0.9574) as the others' baseline, but it is
-    truncated and masked: 3 sequences and only their model tokens in the loss, whatever its advantage."""
-    from grpo.objective import loss_mask
-
+def test_an_episode_cut_at_the_budget_scores_the_batchs_worst_by_default(tiny_model_dir):
+    """Rewards [1, -1, -1, cut]: the environment never scored the cut episode, so it takes the batch's
+    worst graded total, -1, never the free 0 above losing: [1, -1, -1, -1], mean -0.5, unbiased std 1,
+    advantages [1.5, -0.5, -0.5, -0.5] / (1 + 1e-4); all 4 in the loss. Running out of tokens is not a
+    failure of env_reward's: it counts toward no failure streak."""
     cfg, batch = game_batch(tiny_model_dir)
-    assert cfg.training.mask_truncated_completions and Objective.of(cfg).mask_truncated  # on: env_reward trains
-    assert batch.truncated.tolist() == [False, False, False, True]
-    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -1.0, 0.0]
-    std = (2.75 / 3) ** 0.5
-    expected = torch.tensor([1.25, -0.75, -0.75, 0.25]) / (std + 1e-4)
-    assert torch.allclose(batch.advantages, expected, atol=1e-6)
-    model_tokens = [int(m.sum()) for m in batch.model_mask]
-    assert (batch.num_sequences, batch.num_tokens) == (3, sum(model_tokens[:3]))
-    padded = torch.nn.utils.rnn.pad_sequence(batch.model_mask, batch_first=True)
-    seen = loss_mask(Objective.of(cfg), torch.ones_like(padded), batch.truncated, padded)
-    assert seen.sum(1).tolist() == model_tokens[:3] + [0]  # the trainer's loss sees none of the cut episode
-    assert batch.meta["metrics"]["completions/clipped_ratio"] == 0.25
-
-
-def test_an_episode_run_scored_by_its_text_scores_a_cut_episode_as_any_cut_completion():
-    """Without env_reward among the rewards (the calculator example scores the answer it writes), a cut
-    episode is a cut completion: scored by the rewards (no answer: no credit), not masked."""
-    cfg = load_config(None, ["env.name=calculator"])
-    assert cfg.rewards.names == ["gsm8k_answer_lenient", "think_answer_format_partial"]
     assert not cfg.training.mask_truncated_completions
-    assert load_config(None, ["env.name=calculator", "rewards.names=[env_reward]", "rewards.weights=[1.0]"]
-                       ).training.mask_truncated_completions
+    assert batch.truncated.tolist() == [False, False, False, True]
+    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -1.0, 0.0]  # no value of the environment's
+    assert torch.allclose(batch.advantages, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-4), atol=1e-6)
+    m = batch.meta["metrics"]
+    assert (m["rewards/env_reward/failures"], m["rewards/worst_fraction"]) == (0.0, 0.25)
+    assert (batch.num_sequences, batch.num_tokens) == (4, sum(int(m.sum()) for m in batch.model_mask))
+
+
+def test_an_episode_cut_at_the_budget_scores_the_batchs_worst_whatever_its_earlier_turns_earned(tiny_model_dir):
+    """The game pays 0.5 for each message that neither wins nor loses. Episode 3 earns 0.5 at its first
+    message and then runs out of tokens: kept, the 0.5 would beat the loser's -1 and e2's 0.5 - 1.
+    It scores the batch's worst instead: [1, -1, -0.5, -1], mean -0.375, deviations 1.375, -0.625,
+    -0.125, -0.625, unbiased std sqrt(2.6875 / 3) = 0.946485."""
+    cfg, batch = game_batch(tiny_model_dir, "env.args={step_reward: 0.5}")
+    assert batch.truncated.tolist() == [False, False, False, True]
+    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -0.5, 0.5]  # what the environment gave, on the wire
+    std = (2.6875 / 3) ** 0.5
+    torch.testing.assert_close(batch.advantages, torch.tensor([1.375, -0.625, -0.125, -0.625]) / (std + 1e-4),
+                               rtol=0, atol=1e-6)
 
 
 def test_an_episode_cut_at_the_budget_scores_env_truncated_reward_when_it_is_set(tiny_model_dir):

@@ -16,6 +16,7 @@ import torch
 from conftest import REPO
 from grpo.config import load_config
 from grpo.settings.tree import ConfigError
+from grpo.objective.advantages import worst_of_batch
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.overlong import overlong_penalty
@@ -169,9 +170,10 @@ def test_a_reward_that_raises_gets_the_fallback_and_is_counted(monkeypatch):
     assert scores.failures == {"flaky": 2}
 
 
-def test_without_a_fallback_a_sample_a_reward_failed_on_is_marked_and_left_out(monkeypatch):
-    """rewards.on_failure=exclude: no value is made up. "boom" fails flaky (weight 1) but not gsm8k_answer
-    (weight 0.5): the sample is left out whole (its total would mix a real score with a missing one)."""
+def test_without_a_fallback_a_sample_a_reward_failed_on_is_marked_to_score_its_groups_worst(monkeypatch):
+    """rewards.on_failure=worst: no value is made up. "boom" fails flaky (weight 1) but not gsm8k_answer
+    (weight 0.5): the sample is marked `worst` (its total would mix a real score with a missing one), and
+    worst_of_batch gives it the batch's lowest honest total, 1.5, never better."""
     def flaky(completion, answer):
         if "boom" in completion:
             raise RuntimeError("bug in reward")
@@ -182,12 +184,48 @@ def test_without_a_fallback_a_sample_a_reward_failed_on_is_marked_and_left_out(m
                                ["flaky", "gsm8k_answer"], [1.0, 0.5], fallback=None)
     assert scores.per_function.tolist() == [[2.0, 1.0], [0.0, 1.0], [2.0, -1.0]]
     assert scores.failed.tolist() == [[False, False], [True, False], [False, False]]
-    assert scores.scored.tolist() == [True, False, True] and scores.total[scores.scored].tolist() == [2.5, 1.5]
+    assert scores.scored.tolist() == [True, True, True] and scores.worst.tolist() == [False, True, False]
     assert scores.failures == {"flaky": 1, "gsm8k_answer": 0} and scores.applies.all()
+    total, scored = worst_of_batch(scores.total, scores.scored, scores.worst)
+    assert total.tolist() == [2.5, 1.5, 1.5] and scored.all()
 
 
-def test_the_reported_rates_leave_out_the_samples_their_reward_failed_on(monkeypatch):
-    """strict/answer_accuracy of ["7" right, "8" wrong, "boom" failed]: 1 of the 2 judged, not 1 of 3."""
+def test_a_failure_on_the_sample_outweighs_a_reward_that_could_not_be_asked(monkeypatch):
+    """Sample 0: flaky raised on it and its environment could not open (env_reward unasked); left out,
+    it would escape the worst its failure earns. It is scored (worst); sample 1, only unasked, is
+    left out; sample 2 is honest."""
+    def flaky(completion, answer):
+        if "boom" in completion:
+            raise RuntimeError("bug in reward")
+        return 1.0
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "flaky", flaky)
+    scores = score_completions(["boom", "ok", "ok"], [{"env_reward": None, "reference_answer": "1"},
+                                                      {"env_reward": None, "reference_answer": "1"},
+                                                      {"env_reward": 2.0, "reference_answer": "1"}],
+                               ["flaky", "env_reward"], [1.0, 1.0], fallback=None,
+                               environment_failures=[("it did not open", True), ("it did not open", True), None])
+    assert scores.worst.tolist() == [True, False, False] and scores.scored.tolist() == [True, False, True]
+    total, scored = worst_of_batch(scores.total, scores.scored, scores.worst)
+    assert total.tolist() == [3.0, 1.0, 3.0] and scored.tolist() == [True, False, True]
+
+
+def test_a_failure_of_a_reward_of_weight_0_decides_nothing(monkeypatch):
+    """A reward only logged (weight 0) that fails marks the sample failed for that reward's metrics, but
+    the sample keeps its honest total and its place in the group."""
+    def flaky(completion, answer):
+        raise RuntimeError("bug in reward")
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "flaky", flaky)
+    scores = score_completions(["<answer>1</answer>", "x"], rows("1", "1"), ["flaky", "gsm8k_answer"], [0.0, 1.0],
+                               fallback=None)
+    assert scores.failed[:, 0].all() and scores.scored.all() and not scores.worst.any()
+    assert scores.total.tolist() == [1.0, -1.0]
+
+
+def test_the_reported_rates_count_a_sample_its_reward_failed_on_as_not_passing(monkeypatch):
+    """strict/answer_accuracy of ["7" right, "8" wrong, "boom" failed]: 1 of 3. A failure is never a pass, and
+    leaving it out would let a model that crashes the reward on its wrong answers raise its own accuracy."""
     def accuracy(completion, answer):
         if "boom" in completion:
             raise RuntimeError("bug in reward")
@@ -195,8 +233,8 @@ def test_the_reported_rates_leave_out_the_samples_their_reward_failed_on(monkeyp
 
     monkeypatch.setitem(REWARD_FUNCTIONS, "accuracy", accuracy)
     assert strict_rates(["7", "8", "boom"], rows("7", "7", "7"), ("accuracy", "accuracy")) == {
-        "strict/answer_accuracy": 0.5, "strict/format_rate": 0.5}
-    assert strict_rates(["boom"], rows("7"), ("accuracy", "accuracy"))["strict/answer_accuracy"] == 0.0  # none judged
+        "strict/answer_accuracy": 1 / 3, "strict/format_rate": 1 / 3}
+    assert strict_rates(["boom"], rows("7"), ("accuracy", "accuracy"))["strict/answer_accuracy"] == 0.0
     assert passes("accuracy", ["7", "8", "boom"], rows("7", "7", "7")) == [True, False, False]
 
 

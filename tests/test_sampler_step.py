@@ -222,7 +222,7 @@ def steps(cfg, count, streaks):
 
 
 @pytest.mark.parametrize("on_failure, value, going_on", [
-    ("exclude", 0.0, "without it (the samples it fails on are left out: no gradient from them)"),
+    ("worst", 0.0, "without it (the samples it fails on score the batch's worst, or are left out)"),
     ("fallback", -1.0, "with rewards.fallback"),
 ])
 def test_a_reward_that_fails_on_every_sample_stops_the_sampler_after_max_failed_steps(tmp_path, on_failure, value,
@@ -253,19 +253,19 @@ def four_per_prompt_steps(tmp_path, *overrides):
     return name, batch
 
 
-def test_a_sample_a_reward_failed_on_is_left_out_of_its_groups_baseline_and_gets_no_gradient(tmp_path):
-    """Per group: 7, (failed), 9, 10. The scored three: mean 26/3 = 8.666667, deviations -5/3, 1/3, 4/3,
-    unbiased std sqrt((25 + 1 + 16) / 9 / 2) = sqrt(7/3) = 1.527525; the failed sample's advantage is 0."""
+def test_a_sample_a_reward_failed_on_scores_its_groups_worst_honest_total(tmp_path):
+    """Per group: 7, (failed on "8"), 9, 10. The failed sample takes the group's lowest graded total, 7:
+    7, 7, 9, 10, mean 33/4 = 8.25, deviations -1.25, -1.25, 0.75, 1.75, unbiased std
+    sqrt((1.5625 * 2 + 0.5625 + 3.0625) / 3) = sqrt(2.25) = 1.5. Raising on a wrong answer never pays."""
     name, batch = four_per_prompt_steps(tmp_path)
-    std = (7 / 3) ** 0.5
-    expected = [(-5 / 3) / (std + 1e-4), 0.0, (1 / 3) / (std + 1e-4), (4 / 3) / (std + 1e-4)] * 2
+    expected = [-1.25 / (1.5 + 1e-4), -1.25 / (1.5 + 1e-4), 0.75 / (1.5 + 1e-4), 1.75 / (1.5 + 1e-4)] * 2
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-6)
     assert batch.rewards[:, 0].tolist() == [7.0, 0.0, 9.0, 10.0] * 2  # 0 on the wire where it failed
     m = batch.meta["metrics"]
-    assert (m[f"rewards/{name}/failures"], m[f"rewards/{name}/applies"], m["rewards/left_out_fraction"]) == (2.0, 0.75, 0.25)
-    assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3) and m["reward"] == pytest.approx(26 / 3)  # not 19/3
-    assert m["reward_std"] == pytest.approx(std) and m["frac_reward_zero_std"] == 0.0
-    # it stays in the batch and in the loss's denominators, with advantage 0 (as a group whose rewards are equal)
+    assert (m[f"rewards/{name}/failures"], m[f"rewards/{name}/applies"]) == (2.0, 0.75)
+    assert (m["rewards/left_out_fraction"], m["rewards/worst_fraction"]) == (0.0, 0.25)
+    assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3)  # the reward's own values: the failure is not one
+    assert m["reward"] == pytest.approx(8.25) and m["reward_std"] == pytest.approx(1.5)  # what trains
     assert (batch.num_sequences, batch.num_tokens) == (8, 16)
 
 
@@ -292,16 +292,22 @@ def test_groups_spread_only_over_their_scored_samples():
 
 def test_env_reward_fails_where_the_environment_failed_and_the_environment_alone_stops_the_run():
     """An episode whose environment never answered has no env_reward to give (not a reward of 0): that
-    reward fails there. When the environment failed on every episode, env.max_failed_steps decides."""
+    reward fails there, and the episode scores the batch's worst; one whose environment could not open
+    (or replayed otherwise after a rebuild) is not the episode's doing: left out. When the environment
+    failed on every episode, env.max_failed_steps decides."""
     failed = Episode(env_errors=1, env_error="KeyError: 'board' (board.py:8, in __init__)")
     answered = Episode(env_errors=1, replies=1, env_error="TimeoutError")  # it answered later: not failed
-    assert environment_failures([failed, answered]) == ["KeyError: 'board' (board.py:8, in __init__)", None]
+    unopened = Episode(env_errors=1, open_failed=True, env_error="ConnectionRefusedError")
+    assert environment_failures([failed, answered, unopened]) == [
+        ("KeyError: 'board' (board.py:8, in __init__)", False), None, ("ConnectionRefusedError", True)]
     assert environment_failures(None) is None
-    scores = score_completions(["a", "b"], [{"env_reward": None, "reference_answer": "7"}, {"env_reward": 2.0, "reference_answer": "7"}],
-                               ["env_reward", "answer_format"],
-                               [1.0, 1.0], fallback=None, environment_failures=environment_failures([failed, answered]))
-    assert scores.failed.tolist() == [[True, False], [False, False]] and scores.scored.tolist() == [False, True]
-    assert scores.failures == {"env_reward": 1, "answer_format": 0}
+    rows = [{"env_reward": None, "reference_answer": "7"}, {"env_reward": 2.0, "reference_answer": "7"},
+            {"env_reward": None, "reference_answer": "7"}]
+    scores = score_completions(["a", "b", "c"], rows, ["env_reward", "answer_format"], [1.0, 1.0], fallback=None,
+                               environment_failures=environment_failures([failed, answered, unopened]))
+    assert scores.failed.tolist() == [[True, False], [False, False], [True, False]]
+    assert scores.worst.tolist() == [True, False, False] and scores.scored.tolist() == [True, True, False]
+    assert scores.failures == {"env_reward": 2, "answer_format": 0}
     assert scores.errors["env_reward"] == "the environment failed: KeyError: 'board' (board.py:8, in __init__)"
     everywhere = score_completions(["a", "b"], [{"env_reward": None}] * 2, ["env_reward"], [1.0], fallback=None,
                                    environment_failures=environment_failures([failed, failed]))
@@ -315,9 +321,9 @@ def test_a_service_reward_that_fails_on_every_sample_stops_the_sampler_too():
     with pytest.raises(RewardAlwaysFails) as stopped:
         steps(cfg, 2, FailureStreaks())
     assert str(stopped.value) == (
-        f"reward {url} failed on all 4 samples in each of the last 2 steps: ServiceError: {url} cannot be reached: "
+        f"reward {url} failed on all 4 samples in each of the last 2 steps: Unreachable: {url} cannot be reached: "
         "[Errno 111] Connection refused (1 attempt); stopped. Fix the service, or set rewards.max_failed_steps=0 to "
-        "train on without it (the samples it fails on are left out: no gradient from them)")
+        "train on without it (the samples it fails on score the batch's worst, or are left out)")
 
 
 def test_a_step_where_the_reward_works_again_starts_the_count_over():

@@ -219,5 +219,5 @@ def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_a
               if " sampler ERROR " in line]
     assert errors == [f"reward {rewards}:exact_match failed on all 6 samples in each of the last 2 steps: KeyError: "
                       f"'solution' ({rewards}:5, in exact_match); stopped. Fix the function, or set "
-                      "rewards.max_failed_steps=0 to train on without it (the samples it fails on are left out: no "
-                      "gradient from them)"]
+                      "rewards.max_failed_steps=0 to train on without it (the samples it fails on score the "
+                      "batch's worst, or are left out)"]

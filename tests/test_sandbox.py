@@ -20,7 +20,7 @@ import pytest
 
 import grpo.environments.pool as pool_module
 from conftest import REPO
-from grpo.child import landlock_abi
+from grpo.child import PASSED_ENVIRONMENT, landlock_abi
 from grpo.environments.pool import EnvironmentPool, Limits
 from rewards import REWARD_FUNCTIONS
 from rewards.sandbox import RewardFailed, RewardSandbox
@@ -51,8 +51,14 @@ def processes_with(marker: str) -> list[psutil.Process]:
 
 
 def gone_within(marker: str, seconds: float) -> bool:
+    """Whether no process carries `marker` within `seconds`."""
+    return within(seconds, lambda: not processes_with(marker))
+
+
+def within(seconds: float, done) -> bool:
+    """Whether done() comes true within `seconds`."""
     deadline = time.monotonic() + seconds
-    while processes_with(marker):
+    while not done():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -100,27 +106,34 @@ def test_the_processes_a_call_started_end_when_it_times_out(kill_markers):
         pool.close()
 
 
-def test_no_process_can_leave_the_childs_session(kill_markers):
-    """setsid() is refused, so every process stays in the child's session, which ends as one; a new
-    process group inside it is allowed (coreutils' `timeout` makes one, then signals it whole) and
-    ends with the session too."""
-    marker = f"grpo-probe-{uuid.uuid4().hex}"
-    kill_markers.append(marker)
+def test_a_process_that_starts_a_session_of_its_own_still_ends_with_the_child(kill_markers):
+    """A tool may start a session of its own (start_new_session=True, a pty, a daemon's setsid and
+    double fork, whose parent exits at once): the keeper, a subreaper, adopts the orphan, and closing
+    the child ends it with the rest. coreutils' `timeout` (a process group of its own) works."""
+    session, daemon = f"grpo-probe-{uuid.uuid4().hex}", f"grpo-probe-{uuid.uuid4().hex}"
+    kill_markers += [session, daemon]
     pool = EnvironmentPool("tools", TOOLS, timeout_s=10.0)
     try:
-        sleeper = [sys.executable, "-c", "import time; time.sleep(600)", marker]
-        code = (f"import os, subprocess\n"
-                f"for name, leave in [('setsid', os.setsid),\n"
-                f"        ('new session', lambda: subprocess.Popen({sleeper!r}, start_new_session=True)),\n"
-                f"        ('new group', lambda: subprocess.Popen({sleeper!r}, process_group=0))]:\n"
-                f"    try:\n        leave()\n        print(name, 'made')\n"
-                f"    except OSError as e:\n        print(name, type(e).__name__)\n")
-        assert run(pool, code) == ("setsid PermissionError\nnew session PermissionError\nnew group made\n", None)
-        assert len(processes_with(marker)) == 1
+        code = (f"import os, subprocess, sys\n"
+                f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {session!r}], "
+                f"start_new_session=True)\n"
+                f"pid = os.fork()\n"
+                f"if pid == 0:\n"
+                f"    os.setsid()\n"
+                f"    if os.fork() == 0:\n"
+                f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {daemon!r}])\n"
+                f"    os._exit(0)\n"
+                f"os.waitpid(pid, 0)\n"
+                f"print('started')\n")
+        assert run(pool, code) == ("started\n", None)
+        assert len(processes_with(session)) == 1 and len(processes_with(daemon)) == 1
+        orphan = processes_with(daemon)[0]
+        keeper = orphan.ppid()  # the keeper adopted it: it leads the child's session, which the orphan left
+        assert os.getsid(keeper) == keeper and os.getsid(orphan.pid) not in (keeper, os.getsid(0))
         assert run(pool, "timeout 1 sleep 5; echo $?", tool="shell") == ("124\n", None) and pool.restarts == 0
     finally:
         pool.close()
-    assert gone_within(marker, 5.0)
+    assert gone_within(session, 5.0) and gone_within(daemon, 5.0)
 
 
 def test_the_processes_of_a_replaced_or_closed_child_end_with_it(kill_markers):
@@ -174,7 +187,7 @@ def test_the_processes_of_a_tool_end_when_the_sampler_is_killed(tmp_path, kill_m
         sampler.kill()  # SIGKILL: no close(), no atexit
         sampler.wait()
         assert gone_within(marker, 5.0)
-        assert not os.path.exists(folder)  # the child's TMPDIR: its keeper removed it
+        assert within(5.0, lambda: not os.path.exists(folder))  # the child's TMPDIR: its keeper removes it last
     finally:
         sampler.kill()
         sampler.wait()
@@ -211,8 +224,8 @@ def test_the_child_sees_an_allow_list_of_environment_variables_and_no_api_key(mo
                                   "print(tempfile.gettempdir() == os.environ['TMPDIR'])\n"
                                   "out = subprocess.run(['env'], capture_output=True, text=True).stdout\n"
                                   "print(sorted(line.split('=')[0] for line in out.splitlines()))")
-        names = sorted({n for n in os.environ if n in ("HOME", "LANG", "PATH") or n.startswith("LC_")}
-                       | {"GRPO_PASSED", "TMPDIR"})
+        names = sorted({n for n in os.environ if n in PASSED_ENVIRONMENT or n.startswith("LC_")}
+                       | {"GRPO_PASSED", "TMPDIR", "PYTHONHASHSEED"})
         assert failure is None and text == f"{names}\nTrue\n{names}\n"
     finally:
         pool.close()
@@ -325,7 +338,10 @@ def test_the_child_cannot_signal_the_sampler(confinement, monkeypatch):
 
 def test_the_child_cannot_reach_a_unix_socket_of_the_host(tmp_path):
     """A socket file (a host service's, the trainer's ipc://) and an abstract one: socket(AF_UNIX) is
-    refused in the tool's process and in its subprocess; socketpair() (multiprocessing.Pipe) works."""
+    refused in the tool's process and in its subprocess; so is a datagram socketpair() (SOCK_DGRAM, or
+    SOCK_RAW, which Unix sockets make a datagram one), which could
+    connect again to a datagram socket of the host (journald's, /dev/log) or sendto() one; a stream
+    socketpair() (multiprocessing.Pipe) works."""
     path, name = str(tmp_path / "host.sock"), f"\0grpo-probe-{uuid.uuid4().hex}"
     servers = []
     for address in (path, name):
@@ -334,6 +350,10 @@ def test_the_child_cannot_reach_a_unix_socket_of_the_host(tmp_path):
         server.listen()
         server.setblocking(False)
         servers.append(server)
+    datagrams = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    datagrams.bind(str(tmp_path / "log.sock"))
+    datagrams.setblocking(False)
+    servers.append(datagrams)
     pool = EnvironmentPool("tools", TOOLS, 20.0)
     try:
         connect = f"import socket; socket.socket(socket.AF_UNIX).connect({path!r})"
@@ -343,13 +363,20 @@ def test_the_child_cannot_reach_a_unix_socket_of_the_host(tmp_path):
                 f"    except OSError as e:\n        print(type(e).__name__, e.errno)\n"
                 f"child = subprocess.run([sys.executable, '-c', {connect!r}], capture_output=True, text=True)\n"
                 f"print(child.stderr.strip().splitlines()[-1])\n"
-                f"a, b = multiprocessing.Pipe()\na.send('pipe works')\nprint(b.recv())\n")
+                f"a, b = multiprocessing.Pipe()\na.send('pipe works')\nprint(b.recv())\n"
+                f"for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):  # a Unix SOCK_RAW is a datagram socket\n"
+                f"    try:\n        x, y = socket.socketpair(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)\n"
+                f"        x.sendto(b'escaped', {str(tmp_path / 'log.sock')!r})\n        print('sent')\n"
+                f"    except OSError as e:\n        print(type(e).__name__, e.errno)\n")
         text, failure = run(pool, code)
         assert failure is None and text.splitlines() == [
-            "PermissionError 13", "PermissionError 13", "PermissionError: [Errno 13] Permission denied", "pipe works"]
-        for server in servers:
+            "PermissionError 13", "PermissionError 13", "PermissionError: [Errno 13] Permission denied", "pipe works",
+            "PermissionError 13", "PermissionError 13"]
+        for server in servers[:2]:
             with pytest.raises(BlockingIOError):
                 server.accept()  # nothing came in
+        with pytest.raises(BlockingIOError):
+            datagrams.recv(100)  # nothing was sent
     finally:
         pool.close()
         for server in servers:

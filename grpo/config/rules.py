@@ -296,9 +296,7 @@ def _env_errors(cfg: Config) -> list[str]:
     if e.max_failed_steps < 0:
         errors.append(f"env.max_failed_steps must be >= 0 (0 = never stop); got {e.max_failed_steps}")
     # an episode cut at sampling.max_new_tokens is scored on purpose, never a free 0 above losing: its
-    # env_reward does not apply (None: 0 in the total, above a lost game's -1), so with env_reward among
-    # the rewards it scores env.truncated_reward, or (the default) it leaves the loss; rewards that read
-    # the episode's text score it as they score any cut completion
+    # env_reward is env.truncated_reward, or (the default) its group's worst (grpo/sampler/step.py)
     if e.truncated_reward is not None:
         import math
 
@@ -309,11 +307,6 @@ def _env_errors(cfg: Config) -> list[str]:
                           f"sampling.max_new_tokens, and rewards.names ({', '.join(cfg.rewards.names)}) does not "
                           "hold env_reward: add env_reward to rewards.names (its weight to rewards.weights), or "
                           "unset env.truncated_reward")
-        if cfg.training.mask_truncated_completions:
-            errors.append("env.truncated_reward scores an episode cut at sampling.max_new_tokens, and "
-                          "training.mask_truncated_completions=true leaves it out of the loss: set one of them")
-    elif e.name and "env_reward" in cfg.rewards.names:  # a default that depends on them, recorded in the run's config
-        cfg.training.mask_truncated_completions = True
     return errors
 
 

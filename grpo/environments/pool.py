@@ -73,6 +73,8 @@ def unshare_network() -> bool:
 
 NETWORK_FAMILIES = (2, 10, 17, 40)  # AF_INET, AF_INET6, AF_PACKET, AF_VSOCK
 AF_UNIX = 1
+SOCK_DGRAM, SOCK_RAW, SOCK_TYPE_MASK = 2, 3, 0xF  # socket types (a Unix SOCK_RAW is a datagram one); SOCK_CLOEXEC
+#                                                  and SOCK_NONBLOCK are higher bits of the same argument
 
 
 def seccomp_deny_sockets() -> bool:
@@ -122,7 +124,8 @@ def signal_rules(protected: list[tuple[int, int]]) -> list[tuple[str, int, dict]
     """seccomp rules for where Landlock cannot scope signals: no signal to the processes in
     `protected` (pid, group) or their groups, none to every process (kill(-1)), and no pidfd or
     bare-thread signal (whose target a filter cannot read)."""
-    targets = {-1} | {p for pid, pgid in protected for p in (pid, -pid, -pgid)}
+    # kill(0) is the caller's own group, never a protected one (the server has a group of its own)
+    targets = {-1} | {p for pid, pgid in protected for p in (pid, -pid, -pgid) if p != 0}
     return ([("kill", errno.EPERM, {0: p}) for p in sorted(targets)]
             + [(call, errno.EPERM, {0: pid}) for pid, _ in protected
                for call in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")]
@@ -130,11 +133,13 @@ def signal_rules(protected: list[tuple[int, int]]) -> list[tuple[str, int, dict]
 
 
 # what no process of the child may do, whatever else confines it: reach a Unix socket (a host
-# service's, the sampler's, the trainer's; socketpair(), which the pipe to the sampler and a tool's
-# own multiprocessing use, stays), inspect or write another process's memory, or undo the mounts
+# service's, the sampler's, the trainer's; a stream socketpair(), which the pipe to the sampler and a
+# tool's own multiprocessing use, stays: it cannot connect elsewhere; a datagram one could send to a
+# path, and is refused), inspect or write another process's memory, or undo the mounts
 # that hide the other processes' environments (a namespace, a mount; clone3 gets ENOSYS, which
 # makes the C library fall back to clone(), whose flags a filter can read)
 CONFINED_CALLS = ([("socket", errno.EACCES, {0: AF_UNIX}), ("io_uring_setup", errno.EACCES, {}),
+                   *[("socketpair", errno.EACCES, {0: AF_UNIX, 1: (SOCK_TYPE_MASK, kind)}) for kind in (SOCK_DGRAM, SOCK_RAW)],
                    ("clone3", errno.ENOSYS, {})]
                   + [(call, errno.EPERM, {}) for call in ("ptrace", "process_vm_readv", "process_vm_writev",
                                                           "pidfd_getfd", "mount", "umount2", "unshare", "setns")]

@@ -1,6 +1,7 @@
 """Group-relative advantages (GRPO paper eq. 3, with the Dr. GRPO / batch-std variants), over the
-samples that were scored: a sample whose reward failed is left out of its group's mean and std
-and gets advantage 0 (no gradient from a score nobody gave it)."""
+samples that were scored: a sample no reward could be asked about is left out of its group's mean
+and std and gets advantage 0 (no gradient from a score nobody gave it); one a reward failed on
+scores the batch's worst first (`worst_of_batch`), so that failing never pays."""
 
 from __future__ import annotations
 
@@ -76,3 +77,14 @@ def _has_spread(rewards: torch.Tensor, scored: torch.Tensor, group: torch.Tensor
 def _std(values: torch.Tensor) -> torch.Tensor:
     """Unbiased std of `values` [M], 0 for fewer than two."""
     return values.std() if values.numel() > 1 else values.new_tensor(0.0)  # []
+
+
+def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A failure never scores above an honest answer: each `worst` sample (a reward failed on it)
+    takes the lowest reward of the batch's scored samples that nothing failed on, so that in a group
+    of right answers it still scores below them whenever anything in the batch did; in a batch with
+    none such it is left out. (rewards float[N], scored bool[N], worst bool[N]) -> (rewards, scored)."""
+    honest = scored & ~worst  # [N]
+    if not honest.any():
+        return rewards, scored & ~worst
+    return torch.where(worst, rewards[honest].min(), rewards), scored | worst  # [N], [N]

@@ -168,6 +168,12 @@ class Episode:
         environment replayed otherwise than it was shown (the episode was ended there)."""
         return self.replay_mismatch or (self.env_errors > 0 and self.replies == 0)
 
+    @property
+    def lost_its_own_environment(self) -> bool:
+        """Its own call hung, died or raised before its environment was rebuilt: a replay that then
+        differed may be its doing, so its failure is the episode's, not a loss nobody caused."""
+        return self.child_restarts > 0 or self.env_errors > self.replay_mismatch + self.open_failed
+
     def count_failure(self, failure: str | None) -> None:
         """Count a failed environment call (None: it answered); the first one is kept."""
         if failure is not None:
@@ -205,7 +211,7 @@ class EpisodeRunner:
         self._templates = {(role, None, 1): reply_template(tokenizer, role) for role in roles}
         self._specials = special_texts(tokenizer)
         self.runs = 0
-        # an episode cut at the token budget: truncated (left out of the loss), or its env_reward this value
+        # an episode cut at the token budget: the batch's worst, or its env_reward this value
         self.truncated_reward = truncated_reward
         self.scores_env_reward = scores_env_reward  # env_reward is among rewards.names (else: said once, at a reward)
         self._told_unscored = False
@@ -379,9 +385,9 @@ class EpisodeRunner:
             e.replayed_steps += after[2] - before[2]
 
     def _cut(self, e: Episode) -> None:
-        """Episode e ends at the token budget, unfinished: truncated, so it leaves the loss (episodes turn
-        training.mask_truncated_completions on), or, with env.truncated_reward, its env_reward is that
-        value whatever its replies gave: running out of tokens scores what the run says, never a free 0."""
+        """Episode e ends at the token budget, unfinished: truncated, so it scores the batch's worst
+        (grpo/sampler/step.py), or, with env.truncated_reward, its env_reward is that value whatever
+        its replies gave: running out of tokens scores what the run says, never a free 0."""
         e.truncated = True
         if self.truncated_reward is not None:
             e.reward = self.truncated_reward

@@ -1,8 +1,8 @@
 """What never works stops the sampler: a reward that fails on every sample, or an environment that
 fails on every episode, for several steps in a row (rewards.max_failed_steps, env.max_failed_steps).
-A run without scores (every sample left out, or on rewards.fallback alone), or on error messages
-alone, learns nothing; one that fails on some samples only leaves those out (or gives them the
-fallback) with a warning."""
+A run without scores (every sample left out or the batch's worst, or on rewards.fallback alone),
+or on error messages alone, learns nothing; one that fails on some samples only scores those as
+rewards.on_failure says, with a warning."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class FailureStreaks:
     """Steps in a row on which a reward, or the environment, failed on every sample: one that trains
     without scores, or on error messages alone, learns nothing. At rewards.max_failed_steps
     (env.max_failed_steps) steps in a row the sampler stops (0: never); failing on some samples only
-    leaves those out (rewards.on_failure) with a warning."""
+    scores those as rewards.on_failure says, with a warning."""
 
     rewards: dict[str, int] = field(default_factory=dict)  # reward name -> steps in a row
     environment: int = 0
@@ -81,5 +81,5 @@ class FailureStreaks:
                     f"rewards.max_failed_steps=0 to train on {GOING_ON[cfg.rewards.on_failure]}")
 
 
-GOING_ON = {"exclude": "without it (the samples it fails on are left out: no gradient from them)",
+GOING_ON = {"worst": "without it (the samples it fails on score the batch's worst, or are left out)",
             "fallback": "with rewards.fallback"}  # what rewards.max_failed_steps=0 trains on, per rewards.on_failure

@@ -14,10 +14,12 @@ def sampler_metrics(batch: RolloutBatch, scores, timings: dict[str, float]) -> d
     (scores.scored), of `reward`, `reward_std` and `frac_reward_zero_std` too: they describe what
     trains. `reward` is absent when no sample was scored. frac_reward_zero_std: of the trained groups,
     the share without two differing scored rewards (as sampling/zero_spread_fraction counts the
-    generated ones). rewards/left_out_fraction: the share of samples left out of the advantages."""
+    generated ones). rewards/left_out_fraction: the share of samples left out of the advantages;
+    rewards/worst_fraction: the share that scored their group's worst because a reward failed on them."""
     lengths = torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.float32)
     metrics = {
         **total_metrics(scores.total, scores.scored, batch.group_sizes),
+        "rewards/worst_fraction": (scores.worst & scores.scored).float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),

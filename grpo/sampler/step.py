@@ -3,13 +3,15 @@ generate (or run episodes), score, advantages, log-probs, assemble the batch, se
 
 `run_step` is what the sampler's loop calls once per step; each stage is a small function
 below it, in the order they run (`make_batch`: the stages from generating to the batch). A sample
-a reward failed on is left out of its group's advantages (rewards.on_failure). A reward or an
+a reward failed on scores the batch's worst, one it could not be asked about is left out of its
+group's advantages (rewards.on_failure). A reward or an
 environment that fails on every sample of several steps in a row stops the loop
 (grpo/sampler/failures.py): a run without scores learns nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +24,7 @@ from grpo.model.completions import eos_token_ids
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
-from grpo.objective.advantages import group_advantages
+from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
 from grpo.sampler.episodes import episode_metrics
 from grpo.sampler.failures import FailedOnAll, FailureStreaks
@@ -32,6 +34,7 @@ from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
 from grpo.wire.staleness import required_version, wait_for_version
 from rewards import RewardScores, score_completions
+from rewards.registry import ENV_REWARD
 from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.services import ServiceSettings
 from rewards.strict import checks_of, reward_rows, strict_rates
@@ -203,7 +206,10 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
     scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, failure_value(cfg.rewards),
                                call=sandbox, prompts=turns, services=ServiceSettings.of(cfg),
                                environment_failures=environment_failures(episodes))
-    if cfg.rewards.overlong_buffer > 0:
+    worst = scores.worst | cut_at_budget(episodes, cfg, len(texts))  # [N]
+    total, scored = worst_of_batch(scores.total, scores.scored | worst, worst)  # failing never pays
+    scores = dataclasses.replace(scores, total=total, scored=scored, worst=worst)
+    if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
         scores = with_overlong_penalty(scores, penalty)
@@ -214,15 +220,29 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
 
 
 def failure_value(r: RewardsConfig) -> float | None:
-    """What a sample a reward failed on gets: rewards.fallback, or None: it is left out (rewards.on_failure)."""
+    """What a sample a reward failed on gets: rewards.fallback, or None: the batch's worst, or left out
+    where the reward could not be asked (rewards.on_failure)."""
     return r.fallback if r.on_failure == "fallback" else None
 
 
-def environment_failures(episodes: list | None) -> list[str | None] | None:
-    """Each episode's environment failure (None where it answered), for env_reward; None without episodes."""
+def environment_failures(episodes: list | None) -> list[tuple[str, bool] | None] | None:
+    """Each episode's environment failure for env_reward, None where it answered (and None without
+    episodes): (what, whether the environment could not be asked: it did not open, or a rebuild
+    that another episode's hang caused replayed otherwise) for an episode that failed."""
     if episodes is None:
         return None
-    return [(e.env_error or "it gave no reply") if e.environment_failed else None for e in episodes]
+    return [((e.env_error or "it gave no reply"), e.open_failed or (e.replay_mismatch and not e.lost_its_own_environment))
+            if e.environment_failed else None for e in episodes]
+
+
+def cut_at_budget(episodes: list | None, cfg: Config, n: int) -> torch.Tensor:
+    """bool [n]: the episodes cut at the token budget in a run that trains on env_reward without
+    env.truncated_reward: they score the batch's worst, whatever earlier replies gave, so that
+    running out of tokens never scores above losing (all False without episodes)."""
+    on = episodes is not None and ENV_REWARD in cfg.rewards.names and cfg.env.truncated_reward is None
+    if not on:
+        return torch.zeros(n, dtype=torch.bool)
+    return torch.tensor([on and e.truncated for e in episodes], dtype=torch.bool)
 
 
 def with_overlong_penalty(scores: RewardScores, penalty: torch.Tensor) -> RewardScores:
@@ -231,7 +251,8 @@ def with_overlong_penalty(scores: RewardScores, penalty: torch.Tensor) -> Reward
     return RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),  # [N, R + 1]
                         torch.cat([scores.applies, torch.ones(n, 1, dtype=torch.bool)], 1),  # [N, R + 1]
                         scores.total + penalty, {**scores.failures, OVERLONG: 0}, scores.errors,
-                        torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored)
+                        torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored,
+                        scores.worst)
 
 
 def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> Round:
@@ -253,7 +274,8 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                             {name: sum(s.failures[name] for s in scores) for name in scores[0].failures},
                             dict(error for s in reversed(scores) for error in s.errors.items()),  # earliest round's wins
                             torch.stack([rnd.scores.failed[i] for rnd, i in samples]),
-                            torch.stack([rnd.scores.scored[i] for rnd, i in samples])),
+                            torch.stack([rnd.scores.scored[i] for rnd, i in samples]),
+                            torch.stack([rnd.scores.worst[i] for rnd, i in samples])),
         generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
         generation_flops=sum(rnd.generation_flops for rnd in rounds),
         episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None,

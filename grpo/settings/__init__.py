@@ -112,10 +112,10 @@ class SamplingConfig:
                                                        "takes (weights and KV cache); leave room for a trainer on the same GPU.")
     vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
     generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
-    episode_feed_tokens: int = _f(16, "Episodes on the HF engine: an environment's reply is fed to the model at most "
-                                      "this many tokens a decode step, beside the other episodes' one token each, so "
-                                      "a long tool output does not widen every episode's step (docs/environments.md). "
-                                      "0 = the whole reply in one step.")
+    episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
+                                     "this many tokens a decode step, beside the other episodes' one token each, so "
+                                     "a long tool output does not widen every episode's step; 0 = the whole reply in "
+                                     "one step, which measured faster on 2 CPU cores (docs/performance.md).")
     old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass fewer; checked against the recompute on the second step of each start).")
     wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
 
@@ -147,8 +147,9 @@ class JudgeConfig:
     pattern: str = _f(DEFAULT_JUDGE_PATTERN, "Regular expression with one group: the reward is the group of its last "
                                              "match in the reply, as a float. The default reads 'Score: N' only as the "
                                              "reply's last line. A reply without a match, with a verdict outside "
-                                             "rewards.judge.range, or cut short (finish_reason not 'stop') is a "
-                                             "failure for that sample (rewards.on_failure).")
+                                             "rewards.judge.range, or not ended by itself (a finish_reason other than "
+                                             "stop, eos_token, stop_sequence or end_turn, or none) is a failure for "
+                                             "that sample (rewards.on_failure).")
     range: list[float] = _f([0.0, 10.0], "[low, high]: the verdicts the judge may give; one outside is a failure "
                                          "for that sample, never a reward (a completion that talks the judge into "
                                          "'Score: 1000' gains nothing).")
@@ -175,15 +176,19 @@ class RewardsConfig:
                                               "correct when it gives >= 1 (e.g. reasoning_gym for a reasoning-gym task).")
     format_reward: str = _f("think_answer_format", "The reward that decides whether a completion has the exact format, for "
                                                    "strict/format_rate and eval/format_rate: met when it gives >= 1.")
-    on_failure: str = _f("exclude", "What a sample trains with when a reward fails on it (raises, returns NaN/inf, "
-                                    "times out, a service's error; counted in rewards/<name>/failures): exclude (it "
-                                    "is left out of its group's mean and std and gets advantage 0: no gradient from a "
-                                    "score nobody gave it) or fallback (rewards.fallback, as if the reward gave it).")
+    on_failure: str = _f("worst", "What a sample trains with when a reward fails (counted in rewards/<name>/failures): "
+                                  "worst: where the reward failed on it (raised, returned NaN/inf or timed out on it; "
+                                  "a judge's reply without a valid verdict; an environment that failed on its "
+                                  "messages; a service that answered the batch's other samples but not this one), the "
+                                  "batch's worst total, so that failing never scores above an honest answer; where "
+                                  "the reward could not be asked (a service down for the whole batch, an environment "
+                                  "that did not open), it is left out of its group's mean and std with advantage 0. "
+                                  "fallback: rewards.fallback, as if the reward gave it.")
     fallback: float = _f(-1.0, "The reward a failed sample gets with rewards.on_failure=fallback (on the scale of "
                                "that reward: a 0-10 judge's or a reward model's logits are not on -1's).")
     max_failed_steps: int = _f(2, "A reward that fails on every sample of this many sampler steps in a row (a "
                                   "service too) stops the sampler (exit code 8) with its error and the line that "
-                                  "raised it; failing on some samples only leaves those out (rewards.on_failure) "
+                                  "raised it; failing on some samples only scores those as rewards.on_failure says, "
                                   "with a warning. Raise it for a service that may be down for a while. 0 = never "
                                   "stop: train on without its scores.")
     overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before sampling.max_new_tokens a "
@@ -283,12 +288,10 @@ class EnvConfig:
                                     "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).")
     max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
                            "model and environment tokens together.")
-    truncated_reward: Optional[float] = _f(None, "An episode cut at sampling.max_new_tokens (unfinished), in a run "
-                                                 "that trains on env_reward: unset, it leaves the loss (such runs "
-                                                 "turn training.mask_truncated_completions on); a number, its "
-                                                 "env_reward is that value whatever its replies gave (set it to the "
-                                                 "game's loss, e.g. -1, so running out of tokens never scores above "
-                                                 "losing). Needs env_reward in rewards.names.")
+    truncated_reward: Optional[float] = _f(None, "The env_reward of an episode cut at sampling.max_new_tokens before "
+                                                 "the environment scored it: unset, the batch's worst (running out of "
+                                                 "tokens never scores above losing); a number, that value (e.g. the "
+                                                 "game's loss, -1). Needs env_reward in rewards.names.")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
                                 "network; a step that raises or runs past this is an error message to the model. "
                                 "openenv+http: the limit of each call to the server (connect, reset, step).")

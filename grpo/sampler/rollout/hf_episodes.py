@@ -8,8 +8,8 @@ until the last one of its turn is done. Here, a block of episodes (the rows of o
 chunk: their prompts prefilled once, the KV repeated to their rows) is decoded by one loop:
 
 - a row that ends a message gets its environment's reply at once (`on_turn`) and is fed it (after
-  the message's last token) over the next steps, at most `sampling.episode_feed_tokens` tokens a
-  step, while the other rows feed one token each: a step's input is [rows, the widest feed], each
+  the message's last token) in one step, or over the next steps at most
+  `sampling.episode_feed_tokens` tokens a step where that is set, while the other rows feed one token each: a step's input is [rows, the widest feed], each
   row's feed right-aligned and the columns before it masked, so the cache stays one rectangle and
   every row's logits are at its last column. The cap keeps one long tool output from widening
   every row's step (all rows pay for the widest feed); a step in which every live row is feeding

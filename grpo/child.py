@@ -15,11 +15,11 @@ parent then exits: the keeper is a subreaper, and adopts it. A call that times o
 replaced or closed, a server that dies and a parent that dies (the keeper's parent-death signal)
 each end the whole tree, SIGKILL to each of its processes (end_session): no process a tool started
 outlives its child. The child sees only an allow-list of the parent's environment variables (PATH,
-HOME, LANG, LC_*, the Python and library search paths, the proxy settings, Hugging Face's cache
-and offline switches, and the names the caller passes), its own temporary folder as TMPDIR
-(removed with it), PYTHONHASHSEED=0 (a Python a tool starts orders its sets alike when an episode
-is rebuilt), and not the block of variables the parent was started with (/proc/self/environ reads
-zeros).
+HOME, LANG, LC_*, the Python and library search paths, Hugging Face's cache and offline
+switches, and the names the caller passes; not a proxy URL, which may hold a password), its own
+temporary folder as TMPDIR (removed with it), PYTHONHASHSEED=0 (a Python a tool starts orders its
+sets alike when an episode is rebuilt), and not the block of variables the parent was started with
+(/proc/self/environ reads zeros).
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib
 # what a child sees of the parent's environment (and every LC_* name); secrets such as API keys only by name
 # (env.pass_env, rewards.pass_env)
 PASSED_ENVIRONMENT = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
-                      "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
-                      "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+                      "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 SET_ENVIRONMENT = {"PYTHONHASHSEED": "0"}  # a Python started by a tool orders sets alike in a replay
 
 

@@ -182,10 +182,9 @@ def report_failures(name: str, values: list, errors: list[str], fallback: float 
 
 def with_environment_failures(values: list, environment_failures: Sequence[tuple[str, bool] | None],
                               errors: list[str]) -> list:
-    """env_reward's values with FAILED where the sample's environment failed on its messages (or it
-    ran out of tokens before the environment scored it), UNSCORED where it could not be asked (it did
-    not open, or a rebuild replayed otherwise): such an episode has no reward of the environment's to
-    give, not a reward of 0. Each entry: (the failure, whether the environment could not be asked)
+    """env_reward's values with FAILED where the sample's environment failed on its messages,
+    UNSCORED where it could not be asked (it did not open, or a rebuild another episode caused
+    replayed otherwise): such an episode has no reward of the environment's to give, not a reward of 0. Each entry: (the failure, whether the environment could not be asked)
     or None where it answered."""
     errors += [f"the environment failed: {failure[0]}" for failure in environment_failures if failure is not None]
     return [v if failure is None else UNSCORED if failure[1] else FAILED
@@ -255,14 +254,14 @@ def _score_batch(name: str, fn, call, completions: list, rows: list, errors: lis
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],
                       weights: Sequence[float], fallback: float | None, call: Callable | None = None,
                       prompts: Sequence | None = None, services: ServiceSettings | None = None,
-                      environment_failures: Sequence[str | None] | None = None) -> RewardScores:
+                      environment_failures: Sequence[tuple[str, bool] | None] | None = None) -> RewardScores:
     """Score every completion with every reward, never a crash. Where a reward fails on a sample
     (a function that raises, returns a non-finite value or times out on it; a service's invalid
     value; an environment that failed on the episode's messages), the sample scores `fallback`, or,
     with `fallback` None, the batch's worst total (`worst`, grpo.objective.advantages.worst_of_batch:
-    no failure ever scores above an honest answer). Where a reward could not be asked (a service down, an environment that did not open),
-    the sample gets `fallback`, or with `fallback` None it is left out (`scored` False: no advantage
-    from a score nobody gave it). Both are counted (the first failure kept in `errors`) and marked in
+    no failure ever scores above an honest answer). Where a reward could not be asked (a service
+    down, an environment that did not open), the sample gets `fallback`, or with `fallback` None it
+    is left out (`scored` False: no advantage from a score nobody gave it). Both are counted (the first failure kept in `errors`) and marked in
     `failed`. A reward of weight 0 (logged only) decides neither.
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs

@@ -903,10 +903,28 @@ class Budgeted:
         from grpo.sampler.rollout import Rollouts
 
         out = self.scripted.generate(contexts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
-        budgets = max_new_tokens or [self.budget] * len(out.completion_ids)
-        cut = [ids[:b] for ids, b in zip(out.completion_ids, budgets)]
+        self.asked = list(max_new_tokens) if max_new_tokens is not None else None
+        budgets = [b for b in (max_new_tokens or [self.budget] * len(contexts)) for _ in range(group_size)]  # per row
+        cut = [ids[:b] for ids, b in zip(out.completion_ids, budgets, strict=True)]
         return Rollouts(completion_ids=cut, truncated=[len(c) < len(ids) for c, ids in zip(cut, out.completion_ids)],
                         logps=[torch.zeros(len(c)) for c in cut])
+
+
+def test_turn_by_turn_gives_the_first_message_the_whole_episode_budget_whatever_the_engines_default(tiny_model_dir):
+    """The runner's budget is the episode's (sampling.max_new_tokens, model and environment tokens
+    together): turn 1 asks the engine for all of it, not the engine's own default, so turn by turn and
+    the decode loop cut an episode's first message at the same place. Budget 12, engine default 4: a
+    script of 23 tokens is cut at 12."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pool = EnvironmentPool(f"{ENVS}:WinOrLose", {}, 5.0)
+    try:
+        engine = Budgeted(tokenizer, [["e0 " + "on and on " * 5]], budget=4)
+        runner = EpisodeRunner(pool, tokenizer, 12, 4, continued=False)
+        run = runner.run(engine, prompts_of(tokenizer, answers=("1",)), 1)
+    finally:
+        pool.close()
+    assert engine.asked == [12]
+    assert [(e.truncated, e.turns, len(e.tokens)) for e in run.episodes] == [(True, 1, 12)]
 
 
 # a +-1 game, one prompt's 4 episodes: a win, a loss, a loss after a turn, and one that talks past the budget

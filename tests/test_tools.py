@@ -135,11 +135,11 @@ class ScriptedModel:
     def generate(self, contexts, group_size, *, seed=None, greedy=False, max_new_tokens=None):
         out = []
         for k, context in enumerate(contexts):
-            if group_size > 1 or len(contexts) == len(self.scripts) and max_new_tokens is None:
+            text = self.tokenizer.decode(context)
+            script = next((s for s in self.scripts if s[0] in text), None)
+            if group_size > 1 or script is None:  # turn 1: each episode's first message, in order
                 out += [self.scripts[k * group_size + j][0] for j in range(group_size)]
                 continue
-            text = self.tokenizer.decode(context)
-            script = next(s for s in self.scripts if s[0] in text)
             out.append(script[sum(m in text for m in script)])
         ids = [torch.tensor(self.tokenizer(m, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
                for m in out]

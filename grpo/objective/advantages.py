@@ -79,11 +79,12 @@ def _std(values: torch.Tensor) -> torch.Tensor:
     return values.std() if values.numel() > 1 else values.new_tensor(0.0)  # []
 
 
-def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor,
+                   worst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A failure never scores above an honest answer: each `worst` sample (a reward failed on it)
     takes the lowest reward of the batch's scored samples that nothing failed on, so that in a group
-    of right answers it still scores below them whenever anything in the batch did; in a batch with
-    none such it is left out. (rewards float[N], scored bool[N], worst bool[N]) -> (rewards, scored)."""
+    of right answers it still scores below them whenever anything in the batch scored lower; in a
+    batch with none such it is left out. (rewards float[N], scored bool[N], worst bool[N]) -> (rewards, scored)."""
     honest = scored & ~worst  # [N]
     if not honest.any():
         return rewards, scored & ~worst

@@ -302,8 +302,10 @@ class EpisodeRunner:
 
     def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
                       greedy: bool) -> None:
-        """Turn 1 for every episode, then each later turn for the live ones, each from its whole context."""
-        out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy)
+        """Turn 1 for every episode, then each later turn for the live ones, each from its whole context;
+        every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop."""
+        out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy,
+                              max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
         live, turn = list(range(len(prompt_ids) * group_size)), 0
         contexts = {j: list(prompt_ids[j // group_size]) for j in live}
         while live:

@@ -207,7 +207,7 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
                                call=sandbox, prompts=turns, services=ServiceSettings.of(cfg),
                                environment_failures=environment_failures(episodes))
     worst = scores.worst | cut_at_budget(episodes, cfg, len(texts))  # [N]
-    total, scored = worst_of_batch(scores.total, scores.scored | worst, worst)  # failing never pays
+    total, scored = worst_of_batch(scores.total, scores.scored, worst)  # failing never pays
     scores = dataclasses.replace(scores, total=total, scored=scored, worst=worst)
     if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
@@ -242,7 +242,7 @@ def cut_at_budget(episodes: list | None, cfg: Config, n: int) -> torch.Tensor:
     on = episodes is not None and ENV_REWARD in cfg.rewards.names and cfg.env.truncated_reward is None
     if not on:
         return torch.zeros(n, dtype=torch.bool)
-    return torch.tensor([on and e.truncated for e in episodes], dtype=torch.bool)
+    return torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
 
 
 def with_overlong_penalty(scores: RewardScores, penalty: torch.Tensor) -> RewardScores:

@@ -72,6 +72,23 @@ def test_sampled_completions_are_prompt_major_and_cut_at_eos():
     assert all(torch.equal(a, b) for a, b in zip(rollouts.completion_ids, again.completion_ids))
 
 
+def test_the_decode_steps_count_the_rows_still_generating():
+    """One chunk of 3 prompts x 2 with limits 3, 10 and 6: a row generates at a step until it has drawn
+    EOS or reached its limit, so the live rows summed over the steps are the completions' lengths; the
+    steps are the longest completion's, each running all 6 rows."""
+    model = tiny_model("qwen2", vocab_size=101)
+    engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=10, generation_batch_size=8,
+                                                             temperature=1.5))
+    rollouts = engine.generate(PROMPTS, 2, seed=3, max_new_tokens=[3, 10, 6])
+    lengths = [len(tokens) for tokens in rollouts.completion_ids]
+    assert max(lengths[:2]) <= 3 and max(lengths[4:]) <= 6
+    steps, live = max(lengths), sum(lengths)
+    assert engine.decode_rows.take() == {"sampler/decode_steps": float(steps),
+                                         "sampler/live_rows_per_decode_step": live / steps,
+                                         "sampler/live_row_fraction": live / (6 * steps)}
+    assert engine.decode_rows.take() == {}  # taken: a fresh count
+
+
 def test_old_logps_equal_a_fresh_plain_forward_and_reference_equals_the_base_model():
     base = tiny_model("llama", vocab_size=101)
     base_copy = tiny_model("llama", vocab_size=101)  # same seed, same weights

@@ -342,16 +342,21 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
+    decode_rows = getattr(policy.engine, "decode_rows", None)  # the HF engine's; vLLM schedules its own
+    if decode_rows is not None:
+        decode_rows.take()  # an evaluation's steps are not this step's
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
                                           global_step(sampler, step, cfg.sampling.num_workers), sandbox)
+    if decode_rows is not None:
+        timings.update(decode_rows.take())
     if streaks is not None:  # before the log-probs: a step that stops the run costs no forward pass
         streaks.observe(cfg, kept.failed_on_all)
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
     prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, Objective.of(cfg)
-    # a sample a reward failed on: advantage 0, out of its group's mean and std; it stays in the batch and
-    # in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
+    # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
+    # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
     advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale,
                                   scored=scores.scored)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]

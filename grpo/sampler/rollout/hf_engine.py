@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -197,6 +198,28 @@ def repeat_in_place(cache, repeats: int):
     return out
 
 
+@dataclass
+class DecodeRows:
+    """What the decode steps since the last `take` computed: the steps, the rows they ran, and of
+    those the rows still generating (not done, not past their limit, not waiting to leave the
+    batch). Live rows per step below the batch's rows is what a step's slowest sequence costs."""
+
+    steps: int = 0
+    rows: int = 0
+    live: int = 0
+
+    def add(self, rows: int, live: int) -> None:
+        self.steps, self.rows, self.live = self.steps + 1, self.rows + rows, self.live + live
+
+    def take(self) -> dict[str, float]:
+        """The metrics of the steps so far (none without a step), and a fresh count."""
+        metrics = {} if not self.steps else {
+            "sampler/decode_steps": float(self.steps), "sampler/live_rows_per_decode_step": self.live / self.steps,
+            "sampler/live_row_fraction": self.live / self.rows}
+        self.steps = self.rows = self.live = 0
+        return metrics
+
+
 class HFEngine:
     """The `RolloutEngine` on a transformers model, which is also the sampler's scoring model."""
 
@@ -204,6 +227,7 @@ class HFEngine:
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version, self.weights_digest = 0, INITIAL_DIGEST
+        self.decode_rows = DecodeRows()  # the decode steps' rows, for the step's metrics
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         staged = stage_into(self.model, folder, manifest)
@@ -253,6 +277,7 @@ class HFEngine:
         token = ids[:, -1:]
         with torch.no_grad():
             for t in range(steps):
+                self.decode_rows.add(n, int((unfinished & (limits > t)).sum()))
                 logits = self.model(input_ids=token, attention_mask=mask[:, : width + t], position_ids=position + t,
                                     past_key_values=cache, use_cache=True).logits[:, -1]
                 drawn = torch.where(unfinished, sampler.draw(logits), pad)

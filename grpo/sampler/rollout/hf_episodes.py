@@ -233,6 +233,7 @@ class EpisodeBlock:
             if not self.feed[r]:
                 drawing.append(b)
         self.mask = torch.cat([self.mask, new_mask.to(self.mask.device)], dim=1)
+        engine.decode_rows.add(n, sum(not self.over[r] for r in self.rows))
         device = engine.device
         with torch.no_grad():
             out = engine.model(input_ids=ids.to(device), attention_mask=self.mask, position_ids=positions.to(device),

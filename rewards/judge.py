@@ -12,9 +12,11 @@ keyed by a secret drawn at start (<completion-N> ... </completion-N>: `fenced`; 
 completion is escaped), and a verdict is only believed when the reply ended on its own (not cut at
 max_tokens, where it may end in a quoted "Score: 1" meant as 10) and lies within rewards.judge.range.
 A reply without such a verdict is the completion's doing as far as anyone can tell (an injection
-can make the judge ramble or answer 1000): that sample fails and scores its group's worst
-(rewards.on_failure). A judge that could not be asked (no answer after its retries, an HTTP error,
-the breaker open: rewards/http_json.py Unreachable) leaves the sample out instead. Both are counted
+can make the judge ramble or answer 1000): that sample fails and scores the batch's worst
+(rewards.on_failure), as does a request with no answer after its retries (a time limit, an HTTP
+5xx) while the judge answered the batch's other samples. A judge that could not be asked at all
+(it answered none of the batch, or its breaker is open: rewards/http_json.py Unreachable) leaves
+the samples out instead. Both are counted
 in rewards/judge/failures. The judge's breaker fails the rest of a batch at once when every
 request in flight failed twice in a row.
 """

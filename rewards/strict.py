@@ -11,8 +11,9 @@ a crash.
 from __future__ import annotations
 
 import logging
+import math
 
-from rewards.registry import FAILURES, REFERENCE, get_reward, score_one_function
+from rewards.registry import REFERENCE, get_reward, score_one_function
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +25,8 @@ def passes(name: str, texts: list[str], rows: list[dict], call=None) -> list[boo
     """For each completion, whether reward `name` gives it >= PASS (rows: dataset rows with
     reference_answer). `call`: where the function runs (rewards.sandbox.RewardSandbox; None: here),
     as for the training rewards; a sample it fails on does not pass."""
-    values, _ = score_one_function(name, get_reward(name), call, list(texts), list(rows), fallback=None)
-    return [v not in FAILURES and v is not None and v >= PASS for v in values]
-
-
-def pass_rate(found: list[bool]) -> float:
-    """The share of the completions that pass; 0.0 of none."""
-    return sum(found) / max(len(found), 1)
+    values, _ = score_one_function(name, get_reward(name), call, list(texts), list(rows), fallback=-math.inf)
+    return [v is not None and v >= PASS for v in values]
 
 
 def reward_rows(problems: list) -> list[dict]:
@@ -46,5 +42,6 @@ def checks_of(rewards_cfg) -> tuple[str, str]:
 def strict_rates(texts: list[str], rows: list[dict], checks: tuple[str, str] = GSM8K_CHECKS,
                  call=None) -> dict[str, float]:
     """The answer accuracy and exact-format rate of completions (rows as `reward_rows` makes them)."""
-    return {"strict/answer_accuracy": pass_rate(passes(checks[0], texts, rows, call)),
-            "strict/format_rate": pass_rate(passes(checks[1], texts, rows, call))}
+    n = max(len(texts), 1)
+    return {"strict/answer_accuracy": sum(passes(checks[0], texts, rows, call)) / n,
+            "strict/format_rate": sum(passes(checks[1], texts, rows, call)) / n}

@@ -17,7 +17,7 @@ from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
-from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_parts, turn_seed
+from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_template, turn_seed
 from grpo.sampler.step import environment_failures
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.step import micro_batch_loss
@@ -58,6 +58,13 @@ def chatty_model(kind: str = "llama"):
 @pytest.fixture(scope="module")
 def chatty():
     return chatty_model(), CharTokenizer()
+
+
+def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int = 1,
+                names: list[str] | None = None) -> list[list[int]]:
+    """The template's pieces around an environment turn (reply_template), each tokenized alone."""
+    return [tokenizer(piece, add_special_tokens=False)["input_ids"]
+            for piece in reply_template(tokenizer, role, ended_with, count, names)]
 
 
 def prompts_of(tokenizer, answers=("1", "2")):

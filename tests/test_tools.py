@@ -284,7 +284,8 @@ NAMED_TOOL_TURN = ("{% for m in messages %}{% if m['role'] == 'tool' %}<|tool na
 def test_the_template_probe_renders_tool_messages_with_their_tools_name(tiny_model_dir):
     """A template that shows each tool message's name (as the few-shot examples carry it): rendered
     with the name, never an empty one; refused at start where the name is not known."""
-    from grpo.sampler.episodes import TemplateRoleError, reply_parts
+    from grpo.sampler.episodes import TemplateRoleError
+    from test_episodes import reply_parts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = NAMED_TOOL_TURN

@@ -139,7 +139,8 @@ def signal_rules(protected: list[tuple[int, int]]) -> list[tuple[str, int, dict]
 # that hide the other processes' environments (a namespace, a mount; clone3 gets ENOSYS, which
 # makes the C library fall back to clone(), whose flags a filter can read)
 CONFINED_CALLS = ([("socket", errno.EACCES, {0: AF_UNIX}), ("io_uring_setup", errno.EACCES, {}),
-                   *[("socketpair", errno.EACCES, {0: AF_UNIX, 1: (SOCK_TYPE_MASK, kind)}) for kind in (SOCK_DGRAM, SOCK_RAW)],
+                   *[("socketpair", errno.EACCES, {0: AF_UNIX, 1: (SOCK_TYPE_MASK, kind)})
+                     for kind in (SOCK_DGRAM, SOCK_RAW)],
                    ("clone3", errno.ENOSYS, {})]
                   + [(call, errno.EPERM, {}) for call in ("ptrace", "process_vm_readv", "process_vm_writev",
                                                           "pidfd_getfd", "mount", "umount2", "unshare", "setns")]
@@ -315,7 +316,9 @@ class Replays:
     """The rebuilds of lost episodes a pool made, and how their replays went (env/ metrics): episodes
     rebuilt, earlier messages replayed on them, rebuilds whose opening or a replayed reply differed."""
 
-    rebuilds = replayed_steps = replay_mismatches = 0  # counted per pool (instance attributes once counted)
+    # what rebuilding episodes cost over the pool's life (counted per pool: instance attributes once
+    # counted; the runner counts each call's share: env/rebuilds, env/replayed_steps, env/replay_mismatches)
+    rebuilds = replayed_steps = replay_mismatches = 0
 
     def replay(self, shown: list[str | None] | None, opening, history: list[str], step, forget) -> None:
         """A rebuilt episode's `opening`, then its earlier messages `history` through `step(message) ->
@@ -377,10 +380,6 @@ class EnvironmentPool(Replays):
             raise StepFailed(str(e), e.where) from None
         except ChildRefused as e:  # a replacement child that could not start
             raise IsolationError(str(e)) from None
-
-    # what rebuilding episodes cost over the pool's life (the runner counts each call's share:
-    # env/rebuilds, env/replayed_steps, env/replay_mismatches; the child's restarts: `restarts`)
-    rebuilds = replayed_steps = replay_mismatches = 0
 
     def open(self, key: str, row: dict) -> tuple[str | None, str | None]:
         """Start episode `key` from its dataset row: (its opening message or None, the failure or None)."""

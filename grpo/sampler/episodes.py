@@ -89,13 +89,6 @@ def reply_template(tokenizer, role: str, ended_with: str | None = None, count: i
     return pieces
 
 
-def reply_parts(tokenizer, role: str, ended_with: str | None = None, count: int = 1,
-                names: list[str] | None = None) -> list[list[int]]:
-    """`reply_template`'s pieces, each tokenized alone (an episode's reply is tokenized whole: `reply_ids`)."""
-    return [tokenizer(piece, add_special_tokens=False)["input_ids"]
-            for piece in reply_template(tokenizer, role, ended_with, count, names)]
-
-
 def reply_ids(tokenizer, pieces: list[str], texts: list[str], prefill: str = "", after: str = "",
               specials: tuple[str, ...] = ()) -> list[int]:
     """The environment's turn as tokens: the template's `pieces` around its messages `texts`, then the

@@ -210,3 +210,15 @@ class Results:
         if self.seen > len(self.results):
             return Reply(done=True)
         return Reply(text=self.results[self.seen - 1], role=self.role)
+
+
+class Slow(Scripted):
+    """Scripted, each step taking `delay` seconds (a tool that waits on something)."""
+
+    def __init__(self, row, delay: float = 0.2, **kwargs):
+        super().__init__(row, **kwargs)
+        self.delay = delay
+
+    def step(self, message: str) -> Reply:
+        time.sleep(self.delay)
+        return super().step(message)

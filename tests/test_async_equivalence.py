@@ -31,9 +31,9 @@ def adapter(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[tuple[float, float]]]:
     """Generate with the current weights, score, update; the adapter before and after each step,
-    and each step's mean reward."""
+    and each step's mean reward and mean completion length."""
     torch.manual_seed(cfg.seed)  # as the trainer does before building its model (the LoRA init)
     model = load_policy(cfg).train()
     tokenizer = load_tokenizer(cfg.model)
@@ -52,7 +52,7 @@ def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
         optimizer.step()
         optimizer.zero_grad()
         adapters.append(adapter(model))
-        rewards.append(batch.meta["metrics"]["reward"])
+        rewards.append((batch.meta["metrics"]["reward"], batch.meta["metrics"]["completions/mean_length"]))
     return adapters, rewards
 
 
@@ -70,8 +70,9 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
                                                                        for g in range(STEPS)]
 
     cfg = load_config(tmp_path / "config.yaml")
-    adapters, rewards = synchronous_run(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
-    assert [r["reward"] for r in rows] == rewards and len(set(rewards)) > 1  # the same tokens were sampled
+    adapters, outcomes = synchronous_run(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
+    assert [(r["reward"], r["completions/mean_length"]) for r in rows] == outcomes  # the same tokens were sampled
+    assert len(set(outcomes)) > 1  # and they differ from step to step
     difference = 0.0
     for step in range(1, STEPS + 1):
         published = load_file(version_dir(tmp_path / "weights", step) / "adapter_model.safetensors")

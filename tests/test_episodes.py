@@ -578,9 +578,11 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
 
 def test_a_step_made_again_after_a_restart_is_the_same_batch(chatty):
     """A sampler killed mid-episode makes its step again on restart (the cursor is saved after the
-    send): a fresh pool and runner give the same episodes, so nothing is lost or changed."""
-    _, first = episode_step(chatty, 7)
-    _, again = episode_step(chatty, 7)
+    send): a fresh pool and runner give the same episodes, so nothing is lost or changed. On-policy, bit
+    for bit: the environment calls of a decode step are all in before the next (off-policy they overlap
+    the decoding, and the rows sharing a forward follow their timing)."""
+    _, first = episode_step(chatty, 7, "sampling.max_staleness=0")
+    _, again = episode_step(chatty, 7, "sampling.max_staleness=0")
     for name in ("completion_ids", "model_mask", "old_logps"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(first, name), getattr(again, name))), name
     assert torch.equal(first.rewards, again.rewards)

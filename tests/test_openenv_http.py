@@ -23,7 +23,7 @@ from grpo.run.ports import free_local_port
 from grpo.sampler.episodes import episode_runner
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.settings.tree import ConfigError
-from test_episodes import chatty, prompts_of, sampling_cfg  # noqa: F401 (chatty: a fixture)
+from test_episodes import chatty, prompts_of  # noqa: F401 (chatty: a fixture)
 
 SERVE = ["uvicorn", "--app-dir", "tests", "openenv_server:app", "--host", "127.0.0.1", "--port"]  # docs/environments.md
 IN_PROCESS = f"openenv:{REPO}/tests/openenv_envs.py:SlowGuessNumber"  # the class the server serves
@@ -208,16 +208,20 @@ def test_the_served_forms_settings_are_checked_against_the_servers_schema(runnin
 def test_episodes_on_a_served_environment_are_the_in_process_ones_token_for_token(running, chatty):
     """episode_runner picks the pool from env.name: the served run and the in-process run of the same
     class give the same tokens, mask, log-probs and rewards (the in-process mask is checked token by
-    token in tests/test_episodes.py); each environment span is a reply between newlines, then the prefill."""
+    token in tests/test_episodes.py); each environment span is a reply between newlines, then the prefill.
+    On-policy, so that the rows sharing each forward, and so the log-probs' last bits, do not follow the
+    two environments' timing."""
     model, tokenizer = chatty
     runs = []
     for name in (running.name, IN_PROCESS):
-        runner = episode_runner(load_config(None, [f"env.name={name}", "sampling.max_new_tokens=48"]), tokenizer)
+        cfg = load_config(None, [f"env.name={name}", "sampling.max_new_tokens=48", "sampling.temperature=1.0",
+                                 "sampling.max_staleness=0"])
+        runner = episode_runner(cfg, tokenizer)
         try:
-            runs.append(runner.run(HFEngine(model, tokenizer, sampling_cfg(48)), prompts_of(tokenizer), 4, seed=1))
+            runs.append(runner.run(HFEngine(model, tokenizer, cfg.sampling), prompts_of(tokenizer), 4, seed=1))
         finally:
             runner.pool.close()
-        assert isinstance(runner.pool, RemotePool) == (name == running.name)
+        assert isinstance(runner.pool.first, RemotePool) == (name == running.name)
     served, local = runs
     for name in ("completion_ids", "model_masks", "logps"):
         pairs = zip(getattr(served.rollouts, name), getattr(local.rollouts, name))

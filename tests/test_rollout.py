@@ -73,20 +73,30 @@ def test_sampled_completions_are_prompt_major_and_cut_at_eos():
 
 
 def test_the_decode_steps_count_the_rows_still_generating():
-    """One chunk of 3 prompts x 2 with limits 3, 10 and 6: a row generates at a step until it has drawn
+    """One batch of 3 prompts x 2 with limits 3, 10 and 6: a row generates at a step until it has drawn
     EOS or reached its limit, so the live rows summed over the steps are the completions' lengths; the
-    steps are the longest completion's, each running all 6 rows."""
+    steps are the longest completion's, and the steps at a full batch (all 6 generating) the shortest's.
+    In blocks every step runs all 6 rows; the continuous loop drops ended rows from its steps."""
     model = tiny_model("qwen2", vocab_size=101)
     engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=10, generation_batch_size=8,
                                                              temperature=1.5))
-    rollouts = engine.generate(PROMPTS, 2, seed=3, max_new_tokens=[3, 10, 6])
-    lengths = [len(tokens) for tokens in rollouts.completion_ids]
-    assert max(lengths[:2]) <= 3 and max(lengths[4:]) <= 6
-    steps, live = max(lengths), sum(lengths)
-    assert engine.decode_rows.take() == {"sampler/decode_steps": float(steps),
-                                         "sampler/live_rows_per_decode_step": live / steps,
-                                         "sampler/live_row_fraction": live / (6 * steps)}
-    assert engine.decode_rows.take() == {}  # taken: a fresh count
+    for generate in (engine.generate_in_blocks, engine.generate):
+        rollouts = generate(PROMPTS, 2, seed=3, max_new_tokens=[3, 10, 6])
+        lengths = [len(tokens) for tokens in rollouts.completion_ids]
+        assert max(lengths[:2]) <= 3 and max(lengths[4:]) <= 6
+        steps, live = max(lengths), sum(lengths)
+        metrics = engine.decode_rows.take()
+        assert {key: metrics.pop(key) for key in ("sampler/decode_steps", "sampler/live_rows_per_decode_step",
+                                                  "sampler/full_decode_step_fraction")} == {
+            "sampler/decode_steps": float(steps), "sampler/live_rows_per_decode_step": live / steps,
+            "sampler/full_decode_step_fraction": min(lengths) / steps}
+        fraction = metrics.pop("sampler/live_row_fraction")
+        if generate == engine.generate_in_blocks:
+            assert fraction == live / (6 * steps)
+        else:
+            assert live / (6 * steps) < fraction <= 1.0
+        assert metrics == {"env/waiting_per_decode_step": 0.0, "timing/env_idle_s": 0.0}  # no environment
+        assert engine.decode_rows.take() == {}  # taken: a fresh count
 
 
 def test_old_logps_equal_a_fresh_plain_forward_and_reference_equals_the_base_model():
@@ -239,13 +249,14 @@ def generate_reference(engine, prompts, group_size, seed, max_new_tokens):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_decode_loop_draws_what_generate_drew_under_a_seed(arch):
-    """Our decode loop over the in-place KV cache against transformers' generate over the
+    """Our decode loop in blocks over the in-place KV cache against transformers' generate over the
     concatenating DynamicCache: the same tokens and the same recorded log-probs bit for bit,
-    with left padding, rows ending at different steps and top-k / top-p on."""
+    with left padding, rows ending at different steps and top-k / top-p on. (The continuous loop
+    seeds each completion on its own: tests/test_continuous.py compares it with each one alone.)"""
     model = tiny_model(arch, vocab_size=101)
     engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=14, temperature=1.3, top_k=40,
                                                              top_p=0.95))
-    rollouts = engine.generate(PROMPTS, 4, seed=5)
+    rollouts = engine.generate_in_blocks(PROMPTS, 4, seed=5)
     tokens, logps = generate_reference(engine, PROMPTS, 4, seed=5, max_new_tokens=14)
     assert any(not cut for cut in rollouts.truncated) and any(rollouts.truncated)  # rows end at different steps
     for got, want in zip(rollouts.completion_ids, tokens):
@@ -286,14 +297,17 @@ def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch
 
 def test_many_one_completion_prompts_decode_within_generation_batch_size(monkeypatch):
     """A later turn of episodes: 7 prompts of one completion with generation_batch_size 3 decode
-    3 + 3 + 1 rows, and greedy gives what one 7-row chunk gives."""
+    3 + 3 + 1 rows in blocks, and greedy gives what one 7-row chunk gives, in blocks and continuously
+    (3 rows at most, refilled)."""
     model = tiny_model("llama", vocab_size=101)
     prompts = [PROMPTS[i % len(PROMPTS)] + [5 + i] for i in range(7)]
     whole = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=5, generation_batch_size=64))
     engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=5, generation_batch_size=3))
     rows, decode = [], engine._decode
     monkeypatch.setattr(engine, "_decode", lambda ids, *a, **k: rows.append(len(ids)) or decode(ids, *a, **k))
-    got = engine.generate(prompts, 1, greedy=True)
+    got = engine.generate_in_blocks(prompts, 1, greedy=True)
     assert rows == [3, 3, 1]
-    want = whole.generate(prompts, 1, greedy=True)
+    want = whole.generate_in_blocks(prompts, 1, greedy=True)
     assert [c.tolist() for c in got.completion_ids] == [c.tolist() for c in want.completion_ids]
+    continued = engine.generate(prompts, 1, greedy=True)
+    assert [c.tolist() for c in continued.completion_ids] == [c.tolist() for c in want.completion_ids]

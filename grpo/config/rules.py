@@ -203,6 +203,8 @@ def _process_errors(cfg: Config) -> list[str]:
     errors = []
     if cfg.eval.every < 0:
         errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
+    if cfg.env.concurrency < 0:
+        errors.append(f"env.concurrency must be >= 0 (0 = one call per row of the decode batch); got {cfg.env.concurrency}")
     if cfg.rewards.timeout_s < 0:
         errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
     if cfg.rewards.max_failed_steps < 0:

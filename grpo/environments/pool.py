@@ -346,7 +346,7 @@ class EnvironmentPool(Replays):
     not run out of time and fail the episodes that did nothing wrong. Each replayed reply is
     checked against what the episode was shown (ReplayMismatch when it differs)."""
 
-    def __init__(self, name: str, args: dict, timeout_s: float, limits: "Limits | None" = None):
+    def __init__(self, name: str, args: dict, timeout_s: float, limits: "Limits | None" = None, announce: bool = True):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
         self.timeout_s, self.limits = timeout_s, limits or Limits()
         try:  # fails closed: no environment runs with a network it should not have
@@ -357,6 +357,8 @@ class EnvironmentPool(Replays):
         self.isolation, self.confinement = self._child.info  # the network's ("namespace", ...), and the rest's
         self._held: set[str] = set()  # the episodes the child holds (read through `_holding`)
         self._incarnation = 0  # the child's restarts when `_held` was filled
+        if not announce:  # another lane of the same environment (grpo/environments/lanes.py) said it
+            return
         log.info("environments run in a child process: network %s, signals %s, Landlock ABI %d, seccomp %s, other "
                  "processes' environments %s", self.isolation, self.confinement["signals"],
                  self.confinement["landlock_abi"], "on" if self.confinement["seccomp"] else "off",

@@ -285,12 +285,13 @@ class RemotePool(Replays):
 
     isolation = "server"  # the environments run in the server's process, not in a child of the sampler
 
-    def __init__(self, name: str, args: dict, timeout_s: float):
+    def __init__(self, name: str, args: dict, timeout_s: float, announce: bool = True):
         self.server = Server(server_url(name, args), args, timeout_s)
         self.server.check()  # at start: a server that does not answer is a ConfigError naming its address
         self._episodes: dict[str, RemoteEpisode] = {}  # rebuilt on a new session after a failure or a lost connection
-        log.info("environments run on the OpenEnv server at %s: one session per episode, the model's message in "
-                 "the action's %r field", self.server.url, self.server.action_field)
+        if announce:  # else another lane of the same server (grpo/environments/lanes.py) said it
+            log.info("environments run on the OpenEnv server at %s: one session per episode, the model's message in "
+                     "the action's %r field", self.server.url, self.server.action_field)
 
     def open(self, key: str, row: dict) -> tuple[str | None, str | None]:
         """Start episode `key` from its dataset row: (its opening message or None, the failure or None)."""

@@ -8,7 +8,7 @@ replies in between (rendered by the chat template in the environment's role; con
 those (grpo/trainer/step.py), and the environment's tokens carry log-prob 0 as placeholders.
 
 Each message is drawn within what is left of `sampling.max_new_tokens`, the budget of the whole
-episode. On the HF engine the episodes run in one decode loop (grpo/sampler/rollout/hf_episodes.py):
+episode. On the HF engine the episodes run in one decode loop (grpo/sampler/rollout/continuous.py):
 each goes on to its next message from the KV it has as soon as its environment replied, and the
 group's prompt is prefilled once. On other engines (vLLM) they go turn by turn: turn 1 is one
 `generate` of G samples per prompt, each later turn one sample per live episode from its whole
@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from data.prompts import special_texts
+from grpo.environments.lanes import Lanes
 from grpo.environments.pool import ReplayMismatch, shown_digest
 from grpo.sampler.rollout import Rollouts
-from grpo.sampler.rollout.hf_episodes import episode_loop
+from grpo.sampler.rollout.continuous import episode_loop
 from rewards.strict import reward_rows
 
 if TYPE_CHECKING:
@@ -192,12 +195,16 @@ class Episodes:
 
 
 class EpisodeRunner:
-    """Runs episodes of the environments in `pool` (grpo/environments/pool.py) with any engine."""
+    """Runs episodes of the environments in `pool` (grpo/environments/pool.py; several at once:
+    grpo/environments/lanes.py) with any engine. In the HF engine's continuous loop the environment
+    calls run on threads, one per lane, off the decode loop: the tokenizer is used by one thread at a time."""
 
     def __init__(self, pool, tokenizer, max_new_tokens: int, max_turns: int, prefill: str = "",
                  roles: tuple[str, ...] = ("user",), max_prompt_tokens: int | None = None,
                  continued: bool = True, truncated_reward: float | None = None, scores_env_reward: bool = True):
         self.pool, self.tokenizer, self.prefill = pool, tokenizer, prefill
+        self._tokenizing = threading.Lock()  # a fast tokenizer shared by threads can raise "Already borrowed"
+        self._in_turn = False  # this run's environment calls come one at a time (turn by turn)
         self.continued = continued  # False: turn by turn on every engine (the HF engine's reference, benchmarks)
         self.max_new_tokens, self.max_turns, self.max_prompt_tokens = max_new_tokens, max_turns, max_prompt_tokens
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
@@ -210,11 +217,23 @@ class EpisodeRunner:
         self._told_unscored = False
         self._mismatch = ""  # the last replay that differed, for the run's warning
 
+    @property
+    def pool(self) -> Lanes:
+        return self._lanes
+
+    @pool.setter
+    def pool(self, pool) -> None:
+        self._lanes = pool if pool is None or isinstance(pool, Lanes) else Lanes.of(pool)
+
     def reply_tokens(self, text: str | list[str], role: str, ended_with: int | None = None) -> list[int]:
         """An environment's message (or several, in one role) as tokens: the template around them,
         then the next turn's prefill, tokenized as the whole conversation is (`reply_ids`); after the
         model's turn that ended with token `ended_with` (None: the eos_token). Their text cannot
         smuggle in special tokens: read as plain text."""
+        with self._tokenizing:
+            return self._reply_tokens(text, role, ended_with)
+
+    def _reply_tokens(self, text: str | list[str], role: str, ended_with: int | None) -> list[int]:
         texts = [text] if isinstance(text, str) else list(text)
         key = (role, ended_with, len(texts))
         end = self.tokenizer.eos_token if ended_with is None else self.tokenizer.decode([ended_with])
@@ -228,6 +247,8 @@ class EpisodeRunner:
         rows = reward_rows([p.problem for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
+        loop = episode_loop(engine) if self.continued else None
+        self._in_turn = loop is None  # turn by turn the calls come one at a time: one lane serves them
         prompts = self._opened(prompts, rows, group_size, episodes)
         over = []
 
@@ -242,10 +263,10 @@ class EpisodeRunner:
             return None
 
         prompt_ids = [p.token_ids for p in prompts]
-        loop = episode_loop(engine) if self.continued else None
         try:
             if loop is not None:
-                loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy)
+                loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy,
+                     executor=self.pool.executor)
             else:
                 self._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy)
         finally:  # all at once: a served environment hangs up its sessions together
@@ -270,10 +291,11 @@ class EpisodeRunner:
         from data.prompts import with_opening
 
         shown = []
+        opened = [self._opening(episodes[j], f"{self.runs}/{j}", rows[j // group_size]) for j in range(len(episodes))]
         for i, prompt in enumerate(prompts):
             openings, failures = [], []
             for j in range(i * group_size, (i + 1) * group_size):
-                opening, failure = self._counted(episodes[j], self.pool.open, f"{self.runs}/{j}", rows[i])
+                opening, failure = opened[j].result() if isinstance(opened[j], Future) else opened[j]
                 episodes[j].open_failed = failure is not None  # counted once: its first step opens it again
                 episodes[j].count_failure(failure)
                 episodes[j].shown = [None if failure else shown_digest(opening)]  # its own, checked on a rebuild
@@ -292,6 +314,13 @@ class EpisodeRunner:
                                 "data.max_prompt_tokens=%d", prompt.problem.id, self.max_prompt_tokens)
             shown.append(prompt)
         return shown
+
+    def _opening(self, e: Episode, key: str, row: dict):
+        """The episode's environment started: (opening, failure), or a Future of them where the calls run
+        at once (the lanes' threads)."""
+        if self._in_turn:
+            return self._counted(e, "open", key, row)
+        return self.pool.executor.submit(self._counted, e, "open", key, row)
 
     def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
                       greedy: bool) -> None:
@@ -321,11 +350,12 @@ class EpisodeRunner:
         e.add(ids, model=True, logps=logps)
         e.turns += 1
         e.truncated = truncated
-        e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
         # the environment reads every token but the turn's EOS: a model's tool-call tags may be
         # special tokens, which the rewards' text leaves out (vLLM's tool parsers keep them too)
         said = ids if e.truncated else ids[:-1]
-        e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)
+        with self._tokenizing:
+            e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
+            e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)
 
     def _answer(self, j: int, e: Episode, row: dict) -> bool:
         """The environment's reply to episode j's last message, added to it; whether it goes on."""
@@ -333,7 +363,7 @@ class EpisodeRunner:
             self._cut(e)
             return False
         try:
-            reply, failure = self._counted(e, self.pool.step, f"{self.runs}/{j}", row, e.messages, e.said, e.shown)
+            reply, failure = self._counted(e, "step", f"{self.runs}/{j}", row, e.messages, e.said, e.shown)
         except ReplayMismatch as error:  # it cannot go on in the world it was shown: ended, failed
             e.replay_mismatch, self._mismatch = True, str(error)
             e.count_failure(str(error))
@@ -368,16 +398,13 @@ class EpisodeRunner:
         e.add(ids, model=False)
         return True
 
-    def _counted(self, e: Episode, call, *args):
-        """`call(*args)` on the pool, with what rebuilding environments cost during it counted in `e`."""
-        before = rebuild_counts(self.pool)
-        try:
-            return call(*args)
-        finally:
-            after = rebuild_counts(self.pool)
-            e.child_restarts += after[0] - before[0]
-            e.rebuilds += after[1] - before[1]
-            e.replayed_steps += after[2] - before[2]
+    def _counted(self, e: Episode, method: str, key: str, *args):
+        """`pool.method(key, *args)` on the episode's lane, with what rebuilding environments cost during it
+        counted in `e`."""
+        def count(cost: tuple[int, int, int]) -> None:
+            e.child_restarts, e.rebuilds, e.replayed_steps = (e.child_restarts + cost[0], e.rebuilds + cost[1],
+                                                              e.replayed_steps + cost[2])
+        return self.pool.call(key, method, *args, counted=count, in_turn=self._in_turn)
 
     def _cut(self, e: Episode) -> None:
         """Episode e ends at the token budget, unfinished: truncated, so it scores the batch's worst
@@ -393,12 +420,6 @@ class EpisodeRunner:
             self._told_unscored = True
             log.warning("the environment gives rewards, and rewards.names does not hold env_reward: they are not "
                         "trained on; add env_reward to rewards.names (and its weight to rewards.weights)")
-
-
-def rebuild_counts(pool) -> tuple[int, int, int]:
-    """A pool's restarts of its child (none for an OpenEnv server's sessions), rebuilt episodes and replayed
-    steps, over its life."""
-    return tuple(getattr(pool, name, 0) for name in ("restarts", "rebuilds", "replayed_steps"))
 
 
 def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
@@ -418,11 +439,23 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
                            scores_env_reward="env_reward" in cfg.rewards.names)
     # an OpenEnv server's sessions, in this process (the network is the point), else the child
     args = environment_args(cfg.env)
-    runner.pool = RemotePool(cfg.env.name, args, cfg.env.timeout_s) if is_served(cfg.env.name) else \
-        EnvironmentPool(cfg.env.name, args, cfg.env.timeout_s, Limits.of(cfg.env))
-    log.info("episodes with environment %s: at most %d model turns, %d tokens in all", cfg.env.name,
-             cfg.env.max_turns, cfg.sampling.max_new_tokens)
+    def make(first: bool):
+        if is_served(cfg.env.name):
+            return RemotePool(cfg.env.name, args, cfg.env.timeout_s, announce=first)
+        return EnvironmentPool(cfg.env.name, args, cfg.env.timeout_s, Limits.of(cfg.env), announce=first)
+
+    runner.pool = Lanes(make, environment_lanes(cfg))
+    log.info("episodes with environment %s: at most %d model turns, %d tokens in all, up to %d environment calls "
+             "at once", cfg.env.name, cfg.env.max_turns, cfg.sampling.max_new_tokens, runner.pool.count)
     return runner
+
+
+def environment_lanes(cfg: Config) -> int:
+    """Environment calls in flight at once: env.concurrency, or one per row of the decode batch. One where the
+    calls are made in turn anyway (turn by turn on vLLM, or the HF loop without continuous batching)."""
+    if cfg.sampling.engine != "hf" or not cfg.sampling.continuous_batching:
+        return 1
+    return cfg.env.concurrency or cfg.sampling.generation_batch_size
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -146,9 +146,21 @@ def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
     loop.previous_send_s = time.perf_counter() - t
     loop.state.save(step + 1, loop.cursor.state_dict())
     m = batch.meta["metrics"]
-    log.info("step %d v%d reward %.3f gen %.1fs logp %.1fs len %.0f", batch.step, batch.policy_version,
-             m.get("reward", float("nan")),
-             m["timing/generate_s"], m["timing/logprobs_s"], m["completions/mean_length"])
+    log.info("step %d v%d reward %.3f gen %.1fs (%s) logp %.1fs len %.0f", batch.step, batch.policy_version,
+             m.get("reward", float("nan")), m["timing/generate_s"], generation_detail(m), m["timing/logprobs_s"],
+             m["completions/mean_length"])
+
+
+def generation_detail(m: dict[str, float]) -> str:
+    """The step line's view of the decode loop: tokens/s, rows generating per decode step and the share of
+    steps at a full batch (HF engine), the loop's wait on environments (episodes)."""
+    parts = [f"{m['sampler/tokens_per_s']:.0f} tok/s"]
+    if "sampler/live_rows_per_decode_step" in m:
+        parts.append(f"{m['sampler/live_rows_per_decode_step']:.1f} rows live, "
+                     f"{m['sampler/full_decode_step_fraction']:.0%} steps full")
+    if m.get("timing/env_idle_s"):
+        parts.append(f"{m['timing/env_idle_s']:.1f}s waiting on environments")
+    return ", ".join(parts)
 
 
 def make_engine(cfg: Config, model, tokenizer) -> RolloutEngine:

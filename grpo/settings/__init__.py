@@ -111,7 +111,13 @@ class SamplingConfig:
     vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
                                                        "takes (weights and KV cache); leave room for a trainer on the same GPU.")
     vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
-    generation_batch_size: int = _f(64, "Most sequences generated at once; larger B*G is generated in chunks.")
+    generation_batch_size: int = _f(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
+                                        "refilled at once with the step's next one (sampling.continuous_batching).")
+    continuous_batching: bool = _f(True, "HF engine: one decode loop per call whose rows are refilled as sequences "
+                                         "end, and whose episodes leave the batch while their environment answers "
+                                         "(grpo/sampler/rollout/continuous.py); false = blocks of "
+                                         "generation_batch_size rows, each decoded until its slowest sequence ends, "
+                                         "environments called inside the loop (for comparison).")
     episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
                                      "this many tokens a decode step, beside the other episodes' one token each, so "
                                      "a long tool output does not widen every episode's step; 0 = the whole reply in "
@@ -292,6 +298,10 @@ class EnvConfig:
                                                  "the environment scored it: unset, the batch's worst (running out of "
                                                  "tokens never scores above losing); a number, that value (e.g. the "
                                                  "game's loss, -1). Needs env_reward in rewards.names.")
+    concurrency: int = _f(0, "HF engine with continuous batching: environment calls of different episodes in "
+                             "flight at once, off the decode loop (lanes: each a child process of its own, or a "
+                             "client of a served environment); 0 = one per row of the decode batch "
+                             "(sampling.generation_batch_size). vLLM and blocks call them one at a time.")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
                                 "network; a step that raises or runs past this is an error message to the model. "
                                 "openenv+http: the limit of each call to the server (connect, reset, step).")

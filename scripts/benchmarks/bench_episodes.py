@@ -18,7 +18,7 @@ one process, after a warm-up of each (1 prompt x 2), alternating (loop, turn by 
 loop, ...: drift of the machine hits both alike). Their tokens differ: the loop draws each
 episode's turn from its own seeded generator, turn by turn draws one stream per turn across
 episodes; both are the model's distribution. `--check-exact` also runs the loop's reference (each
-episode alone, each turn re-prefilled, seeded alike: tests/test_hf_episodes.py) and compares tokens
+episode alone, each turn re-prefilled, seeded alike: tests/test_continuous.py) and compares tokens
 and log-probs.
 
 With `--reply-tokens N,...` the environment is tests/scripted_envs.py:LongReplies, which answers
@@ -185,7 +185,7 @@ def bench_prompts(cfg, tokenizer, count: int) -> list:
 
 def check_exact(runner, engine, prompts, group_size: int, seed: int) -> None:
     """The loop against its reference (each episode alone, re-prefilled at every turn, seeded alike)."""
-    from test_hf_episodes import OneAtATime
+    from test_continuous import OneAtATime
 
     runner.continued = True
     loop = runner.run(engine, prompts, group_size, seed=seed)

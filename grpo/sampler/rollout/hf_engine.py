@@ -1,17 +1,20 @@
-"""Generation on a transformers model that prefills each prompt once and expands its KV cache G ways.
+"""Generation on a transformers model that prefills each prompt once and shares its KV cache among its G
+completions.
 
-Plain `generate` on G copies of a prompt runs the prompt's prefill G times. Here the B
-prompts are prefilled once (all but their last token), the cache is repeated G ways along
-the batch into buffers that take each new token in place (`InPlaceLayer`), and a decode
-loop of our own continues from it, one forward per token. Large B x G is generated in chunks
-of at most `generation_batch_size` sequences, each chunk taking some completions of every
-prompt, and the result is put back in prompt-major order. Tokens are drawn by `TokenSampler`,
-which also records their log-probs (used as the old log-probs with `sampling.old_logps=generation`).
+`generate` runs the continuous decode loop (grpo/sampler/rollout/continuous.py): at most
+`generation_batch_size` rows, a finished row refilled at once with the call's next completion, each
+prompt prefilled once (all but its last token) when its group's first completion joins. The pieces
+it is built from are here: `InPlaceLayer`, buffers that take each new token in place, and
+`TokenSampler`, which draws tokens and records their log-probs (used as the old log-probs with
+`sampling.old_logps=generation`). `generate_in_blocks` is the loop before it, for models the
+continuous loop cannot run (sliding-window layers, ALiBi) and for comparison: B x G in chunks of at
+most `generation_batch_size` rows, each chunk taking some completions of every prompt, the prefill
+repeated G ways, each chunk decoded until its slowest completion ends.
 
 Why not `model.generate`: its per-token bookkeeping was ~13% of a decode step of the default
 workload, and it fills unset sampling settings from the checkpoint's generation config
 (repetition penalties and the like would change the distribution the tokens come from). The
-loop below does what its greedy path did, token for token (tests/test_rollout.py checks it
+block loop does what its greedy path did, token for token (tests/test_rollout.py checks it
 against `generate` under a seed).
 """
 
@@ -137,6 +140,29 @@ class InPlaceLayer(DynamicLayer):
         new._expose()
         return new
 
+    @classmethod
+    def of_rows(cls, kept: tuple[torch.Tensor, torch.Tensor] | None,
+                joining: list[tuple[torch.Tensor, torch.Tensor] | None], width: int) -> "InPlaceLayer":
+        """A layer `width` columns wide: the rows of `kept` (keys [K, H, w, Dk], values [K, H, w, Dv]),
+        then one row per `joining` entry (keys [H, n, Dk], values [H, n, Dv]; None: nothing cached), each
+        right-aligned, the columns left of them zero (masked), GROWTH positions free after them."""
+        new = cls()
+        like = kept if kept is not None else next(kv for kv in joining if kv is not None)
+        rows = (len(kept[0]) if kept is not None else 0) + len(joining)
+        for name, example, part in (("key_buffer", like[0], 0), ("value_buffer", like[1], 1)):
+            # zeros, not garbage: a masked column's value still meets a zero weight (NaN * 0 is NaN)
+            buffer = example.new_zeros(rows, example.shape[-3], width + cls.GROWTH, example.shape[-1])
+            if kept is not None:
+                buffer[: len(kept[part]), :, width - kept[part].shape[2]: width] = kept[part]
+            start = rows - len(joining)
+            for first, last, kv in runs_of(joining):  # a group's rows share their prompt's KV: one copy each run
+                if kv is not None and kv[part].shape[1]:
+                    buffer[start + first: start + last, :, width - kv[part].shape[1]: width] = kv[part]
+            setattr(new, name, buffer)
+        new.dtype, new.device, new.is_initialized, new.length = like[0].dtype, like[0].device, True, width
+        new._expose()
+        return new
+
     def _expose(self) -> None:
         self.keys = self.key_buffer[:, :, : self.length]
         self.values = self.value_buffer[:, :, : self.length]
@@ -183,6 +209,17 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def runs_of(items: list) -> list[tuple[int, int, object]]:
+    """(first, end, item) for each run of the same object (by identity) in `items`."""
+    runs = []
+    for i, item in enumerate(items):
+        if runs and runs[-1][2] is item:
+            runs[-1] = (runs[-1][0], i + 1, item)
+        else:
+            runs.append((i, i + 1, item))
+    return runs
+
+
 def repeat_in_place(cache, repeats: int):
     """A copy of the prefill cache with each row repeated `repeats` ways, its full-attention layers
     as `InPlaceLayer`s (other layer kinds, e.g. sliding windows, repeated as they are)."""
@@ -202,21 +239,34 @@ def repeat_in_place(cache, repeats: int):
 class DecodeRows:
     """What the decode steps since the last `take` computed: the steps, the rows they ran, and of
     those the rows still generating (not done, not past their limit, not waiting to leave the
-    batch). Live rows per step below the batch's rows is what a step's slowest sequence costs."""
+    batch); the steps at a full batch (generation_batch_size rows generating, or every sequence of
+    the call where it has fewer); episodes waiting on their environment, and the time the loop had
+    nothing to decode but waited on them. Live rows per step below the batch's rows is what a
+    step's slowest sequence costs."""
 
     steps: int = 0
     rows: int = 0
     live: int = 0
+    full: int = 0
+    waiting: int = 0
+    idle_s: float = 0.0
 
-    def add(self, rows: int, live: int) -> None:
+    def add(self, rows: int, live: int, full_at: int | None = None, waiting: int = 0) -> None:
         self.steps, self.rows, self.live = self.steps + 1, self.rows + rows, self.live + live
+        self.full += live >= (rows if full_at is None else full_at)
+        self.waiting += waiting
+
+    def idle(self, seconds: float) -> None:
+        self.idle_s += seconds
 
     def take(self) -> dict[str, float]:
         """The metrics of the steps so far (none without a step), and a fresh count."""
         metrics = {} if not self.steps else {
             "sampler/decode_steps": float(self.steps), "sampler/live_rows_per_decode_step": self.live / self.steps,
-            "sampler/live_row_fraction": self.live / self.rows}
-        self.steps = self.rows = self.live = 0
+            "sampler/live_row_fraction": self.live / self.rows, "sampler/full_decode_step_fraction": self.full / self.steps,
+            "env/waiting_per_decode_step": self.waiting / self.steps, "timing/env_idle_s": self.idle_s}
+        self.steps = self.rows = self.live = self.full = self.waiting = 0
+        self.idle_s = 0.0
         return metrics
 
 
@@ -277,7 +327,7 @@ class HFEngine:
         token = ids[:, -1:]
         with torch.no_grad():
             for t in range(steps):
-                self.decode_rows.add(n, int((unfinished & (limits > t)).sum()))
+                self.decode_rows.add(n, int((unfinished & (limits > t)).sum()), min(n, self.cfg.generation_batch_size))
                 logits = self.model(input_ids=token, attention_mask=mask[:, : width + t], position_ids=position + t,
                                     past_key_values=cache, use_cache=True).logits[:, -1]
                 drawn = torch.where(unfinished, sampler.draw(logits), pad)
@@ -297,9 +347,30 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+        """G completions of each prompt in the continuous loop (grpo/sampler/rollout/continuous.py: at most
+        generation_batch_size rows, a finished row's slot refilled at once), each completion seeded on its
+        own; in blocks (`generate_in_blocks`) with sampling.continuous_batching off, or for a model the
+        loop cannot continue (sliding-window layers, ALiBi)."""
+        from grpo.sampler.rollout.continuous import run_episodes, runs_continuously  # it builds on this module
+
+        if not (self.cfg.continuous_batching and runs_continuously(self)):
+            return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
+        limits = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
+        n = len(prompts) * group_size
+        produced, truncated, logps = [None] * n, [False] * n, [None] * n
+
+        def ended(j: int, ids: torch.Tensor, recorded: torch.Tensor, cut: bool) -> None:
+            produced[j], logps[j], truncated[j] = ids, recorded, cut  # one message: the sequence is done
+
+        run_episodes(self, prompts, group_size, ended, limits, seed=seed, greedy=greedy)
+        return Rollouts(produced, truncated, logps)
+
+    def generate_in_blocks(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                           greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
         """G completions of each prompt, decoded in chunks of at most generation_batch_size rows:
         blocks of prompts (`prompt_blocks`; later turns of episodes are many prompts of one
-        completion each), each prefilled once and decoded in chunks of its completions (`chunk_plan`)."""
+        completion each), each prefilled once and decoded in chunks of its completions (`chunk_plan`),
+        each chunk until its slowest sequence is done; torch's generator draws every row's tokens."""
         limits = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
         if seed is not None:
             torch.manual_seed(seed)

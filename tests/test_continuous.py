@@ -1,10 +1,11 @@
-"""Episodes in one decode loop on the HF engine (grpo/sampler/rollout/hf_episodes.py) against a slow
+"""Episodes in one decode loop on the HF engine (grpo/sampler/rollout/continuous.py) against a slow
 reference: each episode alone, each turn `generate` on its whole context (re-prefilled), torch's
 generator seeded with the turn's seed. Scripted environments in the real child-process pool, tiny
 random Llama, Qwen2, DeepSeek-V3 (MLA) and MPT (ALiBi) models, episodes that end at different turns
 and lengths, in float32 and in float64 (where the loop's log-probs are the reference's to the bit)."""
 
 import functools
+import time
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ from conftest import REPO, tiny_model
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.environments.lanes import Lanes
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.rollout.hf_episodes import episode_loop, episode_seed, masked_gap, run_episodes
+from grpo.sampler.rollout.continuous import episode_loop, episode_seed, masked_gap, run_episodes
 from test_episodes import CharTokenizer
 from test_episodes import chatty_model as chatty
 
@@ -41,13 +43,13 @@ class OneAtATime:
     def __init__(self, engine: HFEngine):
         self.engine = engine
 
-    def run_episodes(self, prompts, group_size, on_turn, budget, *, seed=None, greedy=False):
+    def run_episodes(self, prompts, group_size, on_turn, budget, *, seed=None, greedy=False, executor=None):
         for j in range(len(prompts) * group_size):
             context, used, turn = list(prompts[j // group_size]), 0, 0
             while True:
                 if not greedy:
                     torch.manual_seed(episode_seed(seed, j, turn))
-                out = self.engine.generate([context], 1, greedy=greedy, max_new_tokens=[budget - used])
+                out = self.engine.generate_in_blocks([context], 1, greedy=greedy, max_new_tokens=[budget - used])
                 ids = out.completion_ids[0]
                 reply = on_turn(j, ids, out.logps[0], bool(out.truncated[0]))
                 if reply is None:
@@ -63,13 +65,16 @@ def prompts(lengths=(5, 8)):
 
 
 def run(model, engine_of=lambda engine: engine, *, greedy=False, batch=64, max_new_tokens=80, lengths=(5, 8),
-        length=4, continued=True, feed=16, env="Scripted", **env_args):
+        length=4, continued=True, feed=16, env="Scripted", batching=True, lanes=1, staleness=1, **env_args):
     """Prompts of `lengths` x 4 episodes of the Scripted environment (done at message `length`, at most 4 turns),
-    replies fed at most `feed` tokens a step (0: at once)."""
+    replies fed at most `feed` tokens a step (0: at once); `batching=False`: blocks, the environment called
+    inside the loop (forwards whose shapes do not follow the environment's timing); `lanes` environment
+    calls at once (grpo/environments/lanes.py), overlapping the decoding unless `staleness` is 0."""
     cfg = load_config(None, [f"sampling.max_new_tokens={max_new_tokens}", "sampling.temperature=1.0",
-                             f"sampling.generation_batch_size={batch}",
-                             f"sampling.episode_feed_tokens={feed}"]).sampling
-    pool = EnvironmentPool(f"{ENVS}:{env}", {"length": length, **env_args}, 5.0)
+                             f"sampling.generation_batch_size={batch}", f"sampling.continuous_batching={batching}",
+                             f"sampling.episode_feed_tokens={feed}", f"sampling.max_staleness={staleness}"]).sampling
+    pool = lanes if isinstance(lanes, Lanes) else Lanes(
+        lambda first: EnvironmentPool(f"{ENVS}:{env}", {"length": length, **env_args}, 5.0), lanes)
     try:
         runner = EpisodeRunner(pool, CharTokenizer(), max_new_tokens, 4, continued=continued)
         engine = engine_of(HFEngine(model, CharTokenizer(), cfg))
@@ -115,6 +120,73 @@ def test_greedy_episodes_in_one_loop_equal_each_alone(kind, dtype):
                          TOLERANCE[dtype])
 
 
+class TimedLanes(Lanes):
+    """Lanes that record when each environment step started and ended."""
+
+    def __init__(self, make, count):
+        super().__init__(make, count)
+        self.steps = []
+
+    def call(self, key, method, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().call(key, method, *args, **kwargs)
+        finally:
+            if method == "step":
+                self.steps.append((start, time.perf_counter()))
+
+
+def most_at_once(intervals) -> int:
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = most = 0
+    for _, change in edges:
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("staleness, batch", [(1, 3), (0, 8)], ids=["overlapped", "on-policy"])
+def test_episodes_of_a_slow_environment_call_it_at_once_and_draw_what_each_draws_alone(staleness, batch):
+    """8 episodes of an environment taking 0.2 s a step, 4 lanes: the calls of different episodes run at
+    once, and every episode is the reference's: the same tokens, log-probs to float32 rounding.
+    Off-policy, 3 rows decoding: a row waiting on its environment leaves the batch and joins again when
+    its reply is in. On-policy, 8 rows: waiting rows stay, their replies taken two at a time or when
+    nothing else decodes."""
+    model = chatty("llama")
+    lanes = TimedLanes(lambda first: EnvironmentPool(f"{ENVS}:Slow", {"length": 3, "delay": 0.2}, 5.0), 4)
+    got = run(model, batch=batch, lanes=lanes, staleness=staleness)
+    assert_same_episodes(got, run(model, OneAtATime, length=3))
+    assert len(lanes.steps) > 8  # a step per message the environment took: some episodes went on
+    assert most_at_once(lanes.steps) >= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_completions_refilled_into_a_small_batch_draw_what_each_draws_alone(dtype):
+    """3 prompts x 4 completions, limits 30, 12 and 20, 3 rows at a time: as rows end the next completions
+    take their slots, and each completion is `generate` on its prompt alone, seeded with its own seed
+    (tokens, cuts; log-probs to float32 rounding, to the bit in float64). Fewer decode steps than in blocks,
+    each running as many rows or more."""
+    model = chatty_in("qwen2", dtype)
+    cfg = load_config(None, ["sampling.max_new_tokens=30", "sampling.temperature=1.0",
+                             "sampling.generation_batch_size=3"]).sampling
+    engine = HFEngine(model, CharTokenizer(), cfg)
+    ids, limits = [p.token_ids for p in prompts((5, 8, 1))], [30, 12, 20]
+    got = engine.generate(ids, 4, seed=11, max_new_tokens=limits)
+    continuous = engine.decode_rows.take()
+    for j in range(12):
+        torch.manual_seed(episode_seed(11, j, 0))
+        alone = engine.generate_in_blocks([ids[j // 4]], 1, max_new_tokens=[limits[j // 4]])
+        assert torch.equal(got.completion_ids[j], alone.completion_ids[0]) and got.truncated[j] == alone.truncated[0]
+        gap = ((got.logps[j] - alone.logps[0]).abs() / alone.logps[0].abs().clamp(min=1)).max().item()
+        assert gap <= TOLERANCE[dtype], gap
+    assert any(got.truncated) and not all(got.truncated)
+    engine.decode_rows.take()
+    engine.generate_in_blocks(ids, 4, seed=11, max_new_tokens=limits)
+    blocks = engine.decode_rows.take()
+    assert continuous["sampler/decode_steps"] < blocks["sampler/decode_steps"]
+    assert continuous["sampler/live_rows_per_decode_step"] >= blocks["sampler/live_rows_per_decode_step"]
+
+
 def test_the_seed_of_each_episodes_turn_is_its_own():
     seeds = {episode_seed(s, j, t) for s in (1, 2) for j in range(8) for t in range(4)}
     assert len(seeds) == 64
@@ -127,7 +199,7 @@ def forward_widths(model, lengths, **kwargs) -> list[tuple[int, int]]:
     handle = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
                                              with_kwargs=True)
     try:
-        run(model, lengths=lengths, **kwargs)
+        run(model, lengths=lengths, batching=False, **kwargs)
     finally:
         handle.remove()
     return shapes
@@ -169,10 +241,10 @@ def test_a_model_with_sliding_window_layers_goes_turn_by_turn():
 def test_masked_columns_are_squeezed_out_without_changing_a_token(monkeypatch, dtype):
     """With the squeeze at every masked column (MIN_SQUEEZE 1, any share), the cache never holds a column
     masked in every row's view beyond its own, and the episodes are the reference's."""
-    import grpo.sampler.rollout.hf_episodes as loop
+    import grpo.sampler.rollout.continuous as loop
 
     widths = []
-    squeeze = loop.EpisodeBlock._squeeze
+    squeeze = loop.ContinuousLoop._squeeze
 
     def watched(self):
         squeeze(self)
@@ -180,7 +252,7 @@ def test_masked_columns_are_squeezed_out_without_changing_a_token(monkeypatch, d
 
     monkeypatch.setattr(loop, "MIN_SQUEEZE", 1)
     monkeypatch.setattr(loop, "COMPACT_FRACTION", 0.0)
-    monkeypatch.setattr(loop.EpisodeBlock, "_squeeze", watched)
+    monkeypatch.setattr(loop.ContinuousLoop, "_squeeze", watched)
     model = chatty_in("llama", dtype)
     assert_same_episodes(run(model), run(model, OneAtATime), TOLERANCE[dtype])
     assert all(width == needed for width, needed in widths if needed), widths  # squeezed to the widest row
@@ -209,7 +281,7 @@ def fed_per_forward(model, **kwargs) -> list[tuple[int, list[int]]]:
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        run(model, **kwargs)
+        run(model, batching=False, **kwargs)
     finally:
         handle.remove()
     return steps[1:]
@@ -296,7 +368,7 @@ def test_a_model_whose_attention_depends_on_a_columns_place_goes_turn_by_turn():
 
 
 def test_the_probe_runs_once_per_model(monkeypatch):
-    import grpo.sampler.rollout.hf_episodes as loop
+    import grpo.sampler.rollout.continuous as loop
 
     calls = []
     monkeypatch.setattr(loop, "masked_gap", lambda model: calls.append(model) or 0.0)
@@ -311,7 +383,7 @@ def test_episodes_of_a_model_whose_keys_and_values_differ_in_size(monkeypatch, b
     """DeepSeek-V3's multi-head latent attention caches keys of 16 and values of 8 per position: repeated
     to the rows after the prefill (in place) or grown from one-token prompts, and squeezed at every masked
     column, the episodes are the reference's."""
-    import grpo.sampler.rollout.hf_episodes as loop
+    import grpo.sampler.rollout.continuous as loop
     from transformers import DynamicCache
 
     model = tiny_mla(dtype)

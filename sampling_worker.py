@@ -118,8 +118,9 @@ def main(argv: list[str]) -> int:
                                       evaluated_through=evaluated_through_at_start(cfg.eval, served),
                                       checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
 
-    loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step)
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
+    loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
+                       end_step)
     try:
         for step in range(start_step, end_step):
             run_step(loop, step)

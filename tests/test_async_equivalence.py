@@ -10,7 +10,7 @@ import json
 import pytest
 
 import torch
-from peft import get_peft_model_state_dict
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from data.cursor import PromptCursor
@@ -22,6 +22,7 @@ from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, make_batch
 from grpo.trainer.step import micro_batch_loss
 from grpo.wire.weights import version_dir
+from test_episodes import chatty_model_dir  # noqa: F401 (a fixture: ends a message about one token in eleven)
 from test_launch import launch
 
 STEPS = 3
@@ -71,8 +72,8 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
 
     cfg = load_config(tmp_path / "config.yaml")
     adapters, outcomes = synchronous_run(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
-    assert [(r["reward"], r["completions/mean_length"]) for r in rows] == outcomes  # the same tokens were sampled
-    assert len(set(outcomes)) > 1  # and they differ from step to step
+    # the same tokens were sampled (and the same update made from them: the adapters below)
+    assert [(r["reward"], r["completions/mean_length"]) for r in rows] == outcomes
     difference = 0.0
     for step in range(1, STEPS + 1):
         published = load_file(version_dir(tmp_path / "weights", step) / "adapter_model.safetensors")
@@ -82,3 +83,38 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
     # the updates are over 1000x the difference: float32 sums in another order over two ranks (~1e-6
     # absolute on these batches), not a lost or doubled step, which would be of the update's own size
     assert moved > 1e-3 and difference < moved / 1000, (difference, moved)
+
+
+def test_a_step_started_by_the_step_before_is_the_batch_its_weights_make_alone(tmp_path, chatty_model_dir,
+                                                                             tiny_gsm8k):
+    """At max_staleness 2 a step may be generated with the weights its predecessor used: the sampler starts
+    its completions in the rows the predecessor's leave free (sampling/started_ahead_fraction) and keeps
+    those weights for it. Each step's batch is still what its recorded weights version makes from its
+    prompts and seed in one synchronous call: the same mean reward and completion length."""
+    steps = 5
+    proc = launch(tmp_path, chatty_model_dir, tiny_gsm8k, f"training.steps={steps}", "sampling.max_staleness=2",
+                  "sampling.group_size=8", "sampling.generation_batch_size=8", "sampling.max_new_tokens=16",
+                  "training.learning_rate=1e-3", f"weights.keep_last={steps}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness"] <= 2 for r in rows)
+    assert any(r.get("sampler/started_ahead_fraction", 0) > 0 for r in rows), [r.get("policy_version") for r in rows]
+
+    cfg = load_config(tmp_path / "config.yaml")
+    torch.manual_seed(cfg.seed)  # the LoRA init of version 0, as the trainer's
+    model = load_policy(cfg).eval()
+    initial = adapter(model)
+    tokenizer = load_tokenizer(cfg.model)
+    prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
+    cursor = PromptCursor(len(prompts), cfg.seed)
+    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    for step, row in enumerate(rows):
+        version = int(row["policy_version"])
+        weights = initial if version == 0 else load_file(version_dir(tmp_path / "weights", version)
+                                                         / "adapter_model.safetensors")
+        set_peft_model_state_dict(model, weights)
+        chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
+        batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
+        metrics = batch.meta["metrics"]
+        assert (metrics["reward"], metrics["completions/mean_length"]) == (row["reward"], row["completions/mean_length"])

@@ -187,6 +187,85 @@ def test_completions_refilled_into_a_small_batch_draw_what_each_draws_alone(dtyp
     assert continuous["sampler/live_rows_per_decode_step"] >= blocks["sampler/live_rows_per_decode_step"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_the_next_calls_completions_fill_the_rows_a_call_leaves_free_and_are_what_it_would_draw(dtype):
+    """generate(A, then=B) starts B's completions in the rows A's leave at its end; a greedy call between
+    (an evaluation) leaves them; generate(B) finds them started and finishes them in fewer decode steps
+    than from scratch. A's and B's completions are those of each call made alone (tokens, cuts;
+    log-probs to float32 rounding, to the bit in float64)."""
+    from grpo.sampler.rollout.hf_engine import NextCall
+
+    model = chatty_in("qwen2", dtype)
+    cfg = load_config(None, ["sampling.max_new_tokens=30", "sampling.temperature=1.0",
+                             "sampling.generation_batch_size=4"]).sampling
+    engine = HFEngine(model, CharTokenizer(), cfg)
+    a, b = [p.token_ids for p in prompts((5, 8))], [p.token_ids for p in prompts((6, 1, 7))]
+    alone_a, alone_b = engine.generate(a, 4, seed=11), engine.generate(b, 4, seed=12)
+    engine.decode_rows.take()
+    engine.generate(b, 4, seed=12)
+    from_scratch = engine.decode_rows.take()["sampler/decode_steps"]
+
+    got_a = engine.generate(a, 4, seed=11, then=NextCall(b, 4, 12))
+    started = sum(s.call is engine.carried.call for s in engine.carried.loop.rows)
+    assert started > 0 and engine.carried.call.pending == 12
+    engine.generate(a[:1], 2, greedy=True)  # an evaluation between the steps
+    assert engine.carried is not None
+    engine.decode_rows.take()
+    got_b = engine.generate(b, 4, seed=12)
+    assert engine.carried is None and engine.decode_rows.take()["sampler/decode_steps"] < from_scratch
+    for got, alone in ((got_a, alone_a), (got_b, alone_b)):
+        for j in range(len(alone.completion_ids)):
+            assert torch.equal(got.completion_ids[j], alone.completion_ids[j]) and got.truncated[j] == alone.truncated[j]
+            gap = ((got.logps[j] - alone.logps[j]).abs() / alone.logps[j].abs().clamp(min=1)).max().item()
+            assert gap <= TOLERANCE[dtype], gap
+
+
+def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_them(tmp_path):
+    """generate(A, then=B), then a published version loaded: B is made from scratch with the new weights
+    (the tokens of B generated alone by a model that holds them), not from rows the old ones started."""
+    import copy
+
+    from grpo.sampler.rollout.hf_engine import NextCall
+    from grpo.wire.weights import publish, verify
+
+    model = chatty_in("llama", torch.float32)
+    cfg = load_config(None, ["sampling.max_new_tokens=20", "sampling.temperature=1.0",
+                             "sampling.generation_batch_size=4"]).sampling
+    engine = HFEngine(model, CharTokenizer(), cfg)
+    a, b = [p.token_ids for p in prompts((5, 8))], [p.token_ids for p in prompts((6, 7))]
+    engine.generate(a, 4, seed=1, then=NextCall(b, 4, 2))
+    assert sum(s.call is engine.carried.call for s in engine.carried.loop.rows) > 0
+    newer = copy.deepcopy(model)
+    with torch.no_grad():
+        newer.lm_head.weight.mul_(1.5)
+    folder = publish(newer, tmp_path, 1, 1)
+    engine.load_weights(folder, verify(folder), 1)
+    assert engine.carried is None and engine.version == 1
+    got = engine.generate(b, 4, seed=2)
+    alone = HFEngine(newer, CharTokenizer(), cfg).generate(b, 4, seed=2)
+    before = HFEngine(copy.deepcopy(newer).requires_grad_(False), CharTokenizer(), cfg)
+    with torch.no_grad():
+        before.model.lm_head.weight.div_(1.5)  # the old weights again
+    old = before.generate(b, 4, seed=2)
+    assert [c.tolist() for c in got.completion_ids] == [c.tolist() for c in alone.completion_ids]
+    assert [c.tolist() for c in got.completion_ids] != [c.tolist() for c in old.completion_ids]
+
+
+def test_a_call_other_than_the_one_announced_drops_the_started_completions():
+    from grpo.sampler.rollout.hf_engine import NextCall
+
+    model = chatty_in("llama", torch.float32)
+    engine = HFEngine(model, CharTokenizer(), load_config(None, ["sampling.max_new_tokens=20",
+                                                                  "sampling.generation_batch_size=4"]).sampling)
+    a = [p.token_ids for p in prompts((5, 8))]
+    engine.generate(a, 4, seed=1, then=NextCall(a, 4, 2))
+    assert engine.carried is not None
+    engine.generate(a, 4, seed=3, then=NextCall(a, 4, 4))  # not seed 2: made from scratch, a new one carried
+    assert engine.carried.call.seed == 4
+    engine.generate(a, 4, seed=5)  # sampled, not the one announced
+    assert engine.carried is None
+
+
 def test_the_seed_of_each_episodes_turn_is_its_own():
     seeds = {episode_seed(s, j, t) for s in (1, 2) for j in range(8) for t in range(4)}
     assert len(seeds) == 64

@@ -345,3 +345,52 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
     assert batch.rewards[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
     m = batch.meta["metrics"]
     assert (m["sampling/zero_spread_fraction"], m["frac_reward_zero_std"]) == (0.5, 0.5)
+
+
+# ----------------------------------------------------------------------------- the next step, started ahead
+
+def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, version=0, latest=None):
+    """`next_call` for a sampler at `step` of `end_step` with the HF engine serving `version` (LATEST: `latest`)."""
+    from grpo.sampler.step import SamplerLoop, next_call
+    from grpo.wire.weights import WeightWatcher
+
+    cfg = load_config(None, ["sampling.prompts_per_step=2", "sampling.group_size=2", "sampling.max_staleness=2",
+                             *overrides])
+    engine = HFEngine(tiny_model(), DigitTokenizer(), cfg.sampling)
+    engine.version = version
+    if latest is not None:
+        (tmp_path / "LATEST").write_text(str(latest))
+    table = [Prompt(Problem(f"train-{i}", f"q{i}", "1"), [3, 4, 5 + i]) for i in range(20)]
+    policy = SamplerPolicy(engine, None, None, DigitTokenizer(), {}, episodes=episodes)
+    loop = SamplerLoop(cfg, policy, table, PromptCursor(len(table), cfg.seed), WeightWatcher(tmp_path, []), None,
+                       None, None, None, None, 0, end_step)
+    return cfg, loop, next_call(loop, step)
+
+
+def test_the_next_step_is_started_ahead_with_its_own_prompts_and_seed(tmp_path):
+    """Sampler 1 of 2 at its step 0 (global step 1), serving v1: its next step is global step 3 (v1 allowed
+    at staleness 2), whose prompts are the stream's from position 3 x 2 and whose seed is step 3's."""
+    cfg, loop, then = next_call_of(tmp_path, 0, "sampling.num_workers=2", "sampling.worker_index=1", version=1)
+    cursor = PromptCursor(len(loop.prompts), cfg.seed)
+    cursor.seek(3 * 2)
+    assert then is not None and then.prompts == [loop.prompts[i].token_ids for i in cursor.take(2)]
+    assert (then.group_size, then.seed, then.max_new_tokens) == (2, step_seed(cfg, 3), None)
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("on-policy: the weights served cannot make the next step", dict(overrides=("sampling.max_staleness=0",))),
+    ("the weights served are too old for it", dict(version=0, step=2)),
+    ("a newer version is published: the next step loads it", dict(latest=1)),
+    ("the last step", dict(step=3)),
+    ("dynamic sampling's rounds", dict(overrides=("sampling.dynamic_sampling=true",))),
+    ("episodes", dict(episodes=object())),
+    ("blocks", dict(overrides=("sampling.continuous_batching=false",))),
+])
+def test_the_next_step_is_not_started_ahead(tmp_path, why, kwargs):
+    overrides = kwargs.pop("overrides", ())
+    step = kwargs.pop("step", 0)
+    assert next_call_of(tmp_path, step, *overrides, **kwargs)[2] is None, why
+
+
+def test_the_next_step_is_started_ahead_where_the_weights_served_are_the_newest_and_allowed(tmp_path):
+    assert next_call_of(tmp_path, 2, version=1, latest=1)[2] is not None  # step 3 needs v1 at staleness 2

@@ -78,6 +78,7 @@ class SamplerLoop:
     state: Any  # grpo.sampler.state.SamplerState
     evaluator: Any | None  # grpo.sampler.evaluation.TrainingEvaluator on sampler 0 with eval.every
     start_step: int
+    end_step: int | None = None  # this sampler's last step + 1 (None: no step is started ahead)
     previous_send_s: float = 0.0
     streaks: FailureStreaks = field(default_factory=FailureStreaks)
 
@@ -91,20 +92,44 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
     metrics.update({"timing/previous_send_s": loop.previous_send_s,  # this batch's own send is not over when encoded
                     "timing/eval_s": evaluated["eval/seconds"] if evaluated else 0.0})
     g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
+    then = next_call(loop, step)  # before this step's prompts: the cursor is left where this step's leave it
     prompts_of_round = round_prompts(cfg.sampling, loop.cursor, loop.prompts, g)
     # the recorded log-probs are checked against a recompute once per start, on its second step: the
     # first batch, which the trainer waits for, goes out without the extra forward (~5 s on 2 CPU cores)
     batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step + 1,
-                       more_prompts=prompts_of_round, streaks=loop.streaks)
+                       more_prompts=prompts_of_round, streaks=loop.streaks, then=then)
     if evaluated:
         batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
     send(loop, step, batch)
     return batch
 
 
+def next_call(loop: SamplerLoop, step: int):
+    """The next step's generate call, to start in the rows this step's completions leave free at its end
+    (HFEngine.generate's `then`), where the weights served now may generate it (sampling.max_staleness)
+    and are the newest published (a newer one is loaded at the next step): the HF engine's continuous
+    loop, single completions without dynamic sampling, a step to come. None otherwise."""
+    cfg, engine = loop.cfg, loop.policy.engine
+    s = cfg.sampling
+    if (not hasattr(engine, "carried") or not s.continuous_batching or loop.policy.episodes is not None
+            or s.dynamic_sampling or loop.end_step is None or step + 1 >= loop.end_step):
+        return None
+    g = global_step(s.worker_index, step + 1, s.num_workers)
+    if engine.version < required_version(g, s.max_staleness, cfg.weights.publish_every):
+        return None
+    if loop.watcher.latest() not in (None, engine.version):
+        return None
+    from grpo.sampler.rollout.hf_engine import NextCall
+
+    prompts = round_prompts(s, loop.cursor, loop.prompts, g)(0)
+    return NextCall([p.token_ids for p in prompts], s.group_size, step_seed(cfg, g))
+
+
 def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
     """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
-    counted in global steps); the metrics of the wait, loading included."""
+    counted in global steps); the metrics of the wait, loading included. A newer version published
+    meanwhile is loaded as at every step, and drops the completions the step before started for this
+    one (HFEngine.carried): they are made again with it."""
     cfg, watcher = loop.cfg, loop.watcher
     t, loaded_before = time.perf_counter(), watcher.load_seconds
     g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)
@@ -200,7 +225,7 @@ class Round:
     failed_on_all: FailedOnAll | None = None  # set by generate_and_score
 
 
-def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox) -> Round:
+def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox, then=None) -> Round:
     t = time.perf_counter()
     G = cfg.sampling.group_size
     episodes = None
@@ -208,7 +233,8 @@ def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: 
         run = policy.episodes.run(policy.engine, prompts, G, seed=seed)
         prompts, rollouts, texts, rows, episodes = run.prompts, run.rollouts, run.texts, run.rows, run.episodes
     else:
-        rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed)
+        rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed,
+                                          **({"then": then} if then is not None else {}))
     generate_s, t = time.perf_counter() - t, time.perf_counter()
     if episodes is None:
         texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids,
@@ -294,12 +320,13 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
 
 
-def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox) -> tuple[Round, dict]:
+def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox,
+                  then=None) -> tuple[Round, dict]:
     """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
     have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that, and always the
     share of the generated groups whose rewards are all equal (no learning signal)."""
     s = cfg.sampling
-    first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox)
+    first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox, then)
     rounds, spreads = [first], [has_spread(first.scores.total, s.group_size, first.scores.scored)]
     while s.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds \
             and more_prompts:
@@ -346,11 +373,13 @@ def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.T
 
 
 def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
-               check_recorded: bool, more_prompts=None, streaks: FailureStreaks | None = None) -> RolloutBatch:
+               check_recorded: bool, more_prompts=None, streaks: FailureStreaks | None = None,
+               then=None) -> RolloutBatch:
     """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
     rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
     weights wait, and this function's) in `meta["metrics"]`. With `streaks`, AlwaysFailing once a
-    reward or the environment has failed on every sample for its max_failed_steps steps."""
+    reward or the environment has failed on every sample for its max_failed_steps steps. `then`: the next
+    step's generate call, started in the rows this step's completions leave free (`next_call`)."""
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
@@ -358,7 +387,7 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     if decode_rows is not None:
         decode_rows.take()  # an evaluation's steps are not this step's
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
-                                          global_step(sampler, step, cfg.sampling.num_workers), sandbox)
+                                          global_step(sampler, step, cfg.sampling.num_workers), sandbox, then)
     if decode_rows is not None:
         timings.update(decode_rows.take())
     if streaks is not None:  # before the log-probs: a step that stops the run costs no forward pass

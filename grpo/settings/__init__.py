@@ -98,7 +98,9 @@ class SamplingConfig:
     top_k: int = _f(0, "Top-k sampling (0 = off).")
     max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
                                "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
-                               "the trainer refuses (exit 7) a batch beyond it.")
+                               "the trainer refuses (exit 7) a batch beyond it. Where the weights served may "
+                               "also generate the next step, the HF engine starts its completions in the rows "
+                               "a step leaves free at its end (sampling.continuous_batching).")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
                                        "advantage) and generate more prompts until prompts_per_step groups differ "
                                        "(grpo/sampler/dynamic_sampling.py).")

@@ -170,25 +170,48 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     the tokens alone decide, so every forward's rows, and every bit, are the same on a run made again.
     `continuous=False`: a block of generation_batch_size rows at a time, each decoded until its last
     sequence is done, the environments called in turn (the loop before continuous batching, for comparison)."""
-    budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
-    if min(budgets, default=1) < 1:
-        raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
-    if seed is None and not greedy:
-        seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
-    if not continuous:
-        executor = None
-    ContinuousLoop(engine, prompts, group_size, on_turn, budgets, seed, greedy, executor, continuous, overlap).run()
+    call = Call.of(prompts, group_size, budget, seed, greedy, on_turn)
+    loop = ContinuousLoop(engine, greedy, executor if continuous else None, continuous, overlap)
+    loop.add(call)
+    loop.run(until=call)
 
 
 DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"
 
 
 @dataclass(eq=False)
+class Call:
+    """One generate call's sequences: B x G, sequence j of prompt j // G."""
+
+    prompts: list[list[int]]
+    group_size: int
+    budgets: list[int]  # per prompt
+    seed: int | None
+    on_turn: OnTurn
+    pending: int = 0  # its sequences not done
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts) * self.group_size
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
+           on_turn: OnTurn) -> "Call":
+        budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
+        if min(budgets, default=1) < 1:
+            raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
+        if seed is None and not greedy:
+            seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
+        return cls(prompts, group_size, budgets, seed, on_turn)
+
+
+@dataclass(eq=False)
 class Sequence:
     """One row's life in the loop: a completion, or an episode's messages and the replies fed between them."""
 
-    episode: int  # its index in the call: B x G, prompt-major
-    prompt: int
+    call: Call
+    episode: int  # its index in its call: B x G, prompt-major
+    prompt: int  # its prompt's index in its call
     budget: int  # tokens after its prompt, in all
     feed: list[int]  # what it has yet to feed (its prompt's last token, then each drawn token, a reply)
     position: int  # the position of its next fed token
@@ -212,35 +235,43 @@ class Sequence:
 
 
 class ContinuousLoop:
-    """A call's sequences decoded in one batch of at most generation_batch_size rows, refilled as rows leave."""
+    """Calls' sequences decoded in one batch of at most generation_batch_size rows, refilled as rows leave:
+    a call's own, then those of the calls added after it (`add`), which join once its own are all in."""
 
-    def __init__(self, engine, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budgets: list[int],
-                 seed: int | None, greedy: bool, executor: Executor | None, continuous: bool = True,
+    def __init__(self, engine, greedy: bool, executor: Executor | None, continuous: bool = True,
                  overlap: bool = True):
         cfg = engine.cfg
-        self.engine, self.prompts, self.on_turn, self.seed, self.executor = engine, prompts, on_turn, seed, executor
+        self.engine, self.executor = engine, executor
         self.capacity = cfg.generation_batch_size
         self.continuous, self.overlap = continuous, overlap
-        self.full = min(self.capacity, len(prompts) * group_size)  # rows decoding in a full step
         self.admit_at = max(1, math.ceil(COMPACT_FRACTION * self.capacity))  # queued rows worth a regroup
         self.feed_limit = cfg.episode_feed_tokens  # 0: a reply in one step
         self.pad = engine.tokenizer.pad_token_id  # read once: environment threads share the tokenizer
         self.sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)
-        self.fresh = deque(Sequence(j, j // group_size, budgets[j // group_size], [prompts[j // group_size][-1]],
-                                    len(prompts[j // group_size]) - 1, budgets[j // group_size])
-                           for j in range(len(prompts) * group_size))
-        for s in self.fresh:
-            s.generator = self._generator(s)
+        self.fresh: deque[Sequence] = deque()  # not started, in call order, each call's prompt-major
         self.returned: deque[Sequence] = deque()  # back from their environment, out of the batch: first to join
         self.rows: list[Sequence] = []  # the batch's rows, in cache order
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=engine.device)  # [rows, cached columns]
         self.cache = None
         self.calls: dict[Future, Sequence] = {}  # environment calls in flight
+        self.active: list[Call] = []  # calls with sequences not done
         self.steps = 0
 
-    def run(self) -> None:
+    def add(self, call: Call) -> None:
+        """`call`'s sequences, queued after those already queued."""
+        n = call.pending = call.size
+        for j in range(n):
+            i = j // call.group_size
+            s = Sequence(call, j, i, call.budgets[i], [call.prompts[i][-1]], len(call.prompts[i]) - 1, call.budgets[i])
+            s.generator = self._generator(s)
+            self.fresh.append(s)
+        if n:
+            self.active.append(call)
+
+    def run(self, until: Call) -> None:
+        """Decode until every sequence of `until` is done; the later calls' sequences stay where they are."""
         try:
-            while self.fresh or self.returned or self.rows or self.calls:
+            while until.pending:
                 if self.overlap:  # nothing to decode and none may join: wait for a reply
                     self._take_replies(block=not self._live() and sum(self._joinable([])) == 0)
                 elif self.calls and (not self._live() or len(self.calls) >= COMPACT_FRACTION * len(self.rows)):
@@ -248,10 +279,13 @@ class ContinuousLoop:
                 self._regroup_if_due()
                 if self._live():
                     self._step()
-        finally:  # no environment call outlives the loop (its episode's records are the caller's)
+            if self.active and any(s.state == DONE for s in self.rows):  # the later calls' rows stay, alone
+                self._regroup([s for s in self.rows if s.state != DONE], [])
+        except BaseException:  # no environment call outlives the loop (its episode's records are the caller's)
             for future in self.calls:
                 future.cancel()
             wait(list(self.calls))
+            raise
 
     def _live(self) -> int:
         return sum(s.state == DECODING for s in self.rows)
@@ -283,9 +317,9 @@ class ContinuousLoop:
         logps = torch.tensor(s.logps, dtype=torch.float32)
         s.feed, s.state, s.waiting_since = [token], WAITING, self.steps  # the last token is fed with the reply
         if self.executor is None:
-            self._replied(s, self.on_turn(s.episode, message, logps, not ended))
+            self._replied(s, s.call.on_turn(s.episode, message, logps, not ended))
         else:
-            self.calls[self.executor.submit(self.on_turn, s.episode, message, logps, not ended)] = s
+            self.calls[self.executor.submit(s.call.on_turn, s.episode, message, logps, not ended)] = s
 
     def _take_replies(self, block: bool) -> None:
         """The environment calls that are done (with `block`, at least one: nothing else to decode)."""
@@ -312,6 +346,9 @@ class ContinuousLoop:
     def _replied(self, s: Sequence, reply: list[int] | None) -> None:
         if reply is None:
             s.state, s.kv = DONE, None
+            s.call.pending -= 1
+            if not s.call.pending:
+                self.active.remove(s.call)
             return
         s.used += len(s.drawn) + len(reply)
         s.limit = s.budget - s.used
@@ -332,7 +369,7 @@ class ContinuousLoop:
         if self.sampler.greedy:
             return None
         # on the engine's device: the stream `generate` draws from there after torch.manual_seed
-        return torch.Generator(device=self.engine.device).manual_seed(episode_seed(self.seed, s.episode, s.turn))
+        return torch.Generator(device=self.engine.device).manual_seed(episode_seed(s.call.seed, s.episode, s.turn))
 
     # ------------------------------------------------------------------ the forward
 
@@ -364,7 +401,8 @@ class ContinuousLoop:
             if not s.feed:
                 drawing.append(b)
         self.mask = torch.cat([self.mask, new_mask.to(self.mask.device)], dim=1)
-        engine.decode_rows.add(n, self._live(), self.full, len(self.calls))
+        full = min(self.capacity, sum(call.size for call in self.active))  # rows decoding in a full step
+        engine.decode_rows.add(n, self._live(), full, len(self.calls))
         device = engine.device
         with torch.no_grad():
             out = engine.model(input_ids=ids.to(device), attention_mask=self.mask, position_ids=positions.to(device),
@@ -422,17 +460,17 @@ class ContinuousLoop:
         given to its sequences, and to the queued ones of its group, which join later."""
         if not sequences:
             return
-        order = sorted({s.prompt for s in sequences})
-        ids, mask = left_pad([self.prompts[i] for i in order], self.pad)
-        group = {i: [s for s in (*sequences, *self.fresh) if s.prompt == i] for i in order}
+        order = list(dict.fromkeys((s.call, s.prompt) for s in sequences))  # (call, prompt), as they queued
+        ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
+        group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
         if ids.shape[1] > 1:
             cache = self.engine._prefill(ids.to(self.engine.device), mask.to(self.engine.device))
-        for row, i in enumerate(order):
-            n = len(self.prompts[i]) - 1
+        for row, (call, i) in enumerate(order):
+            n = len(call.prompts[i]) - 1
             kv = None if ids.shape[1] == 1 else \
                 [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
                  for layer in cache.layers]
-            for s in group[i]:
+            for s in group[call, i]:
                 s.kv, s.prefilled = kv, True
 
     def _regroup(self, staying: list[Sequence], joining: list[Sequence]) -> None:

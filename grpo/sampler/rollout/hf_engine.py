@@ -250,6 +250,7 @@ class DecodeRows:
     full: int = 0
     waiting: int = 0
     idle_s: float = 0.0
+    ahead: float | None = None  # the share of a call's completions the call before it started (`then`)
 
     def add(self, rows: int, live: int, full_at: int | None = None, waiting: int = 0) -> None:
         self.steps, self.rows, self.live = self.steps + 1, self.rows + rows, self.live + live
@@ -265,9 +266,37 @@ class DecodeRows:
             "sampler/decode_steps": float(self.steps), "sampler/live_rows_per_decode_step": self.live / self.steps,
             "sampler/live_row_fraction": self.live / self.rows, "sampler/full_decode_step_fraction": self.full / self.steps,
             "env/waiting_per_decode_step": self.waiting / self.steps, "timing/env_idle_s": self.idle_s}
+        if self.ahead is not None:
+            metrics["sampler/started_ahead_fraction"] = self.ahead
         self.steps = self.rows = self.live = self.full = self.waiting = 0
-        self.idle_s = 0.0
+        self.idle_s, self.ahead = 0.0, None
         return metrics
+
+
+@dataclass
+class NextCall:
+    """A generate call to come: `HFEngine.generate(then=...)` starts its completions in the rows the
+    current call leaves free."""
+
+    prompts: list[list[int]]
+    group_size: int
+    seed: int | None
+    max_new_tokens: Sequence[int] | None = None
+
+
+@dataclass
+class Carried:
+    """A call's completions started in the loop of the call before it, with the weights then served."""
+
+    call: object  # grpo.sampler.rollout.continuous.Call
+    greedy: bool
+    loop: object  # grpo.sampler.rollout.continuous.ContinuousLoop
+
+    def matches(self, call, greedy: bool) -> bool:
+        """Whether `call` is the one carried: the same prompts, G, seed and limits, sampled alike."""
+        mine = self.call
+        return (greedy == self.greedy and call.seed == mine.seed and call.group_size == mine.group_size
+                and call.budgets == mine.budgets and call.prompts == mine.prompts)
 
 
 class HFEngine:
@@ -278,6 +307,7 @@ class HFEngine:
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version, self.weights_digest = 0, INITIAL_DIGEST
         self.decode_rows = DecodeRows()  # the decode steps' rows, for the step's metrics
+        self.carried: Carried | None = None  # the next call's completions, started (generate's `then`)
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         staged = stage_into(self.model, folder, manifest)
@@ -285,6 +315,7 @@ class HFEngine:
         def commit():
             staged.commit()
             self.version, self.weights_digest = version, manifest["digest"]
+            self.carried = None  # started with the weights before: made again with these
         return Staged(commit)
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
@@ -346,24 +377,53 @@ class HFEngine:
         return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None,
+                 then: "NextCall | None" = None) -> Rollouts:
         """G completions of each prompt in the continuous loop (grpo/sampler/rollout/continuous.py: at most
-        generation_batch_size rows, a finished row's slot refilled at once), each completion seeded on its
-        own; in blocks (`generate_in_blocks`) with sampling.continuous_batching off, or for a model the
-        loop cannot continue (sliding-window layers, ALiBi)."""
-        from grpo.sampler.rollout.continuous import run_episodes, runs_continuously  # it builds on this module
+        generation_batch_size rows, a finished row refilled at once with the call's next completion), each
+        completion seeded on its own; in blocks (`generate_in_blocks`) with sampling.continuous_batching
+        off, or for a model the loop cannot continue (sliding-window layers, ALiBi).
+
+        `then`: the next call, sampled with the weights served now: its completions take the rows this
+        call's leave free at its end, and stay in the loop (`carried`) for that call, which finds them
+        started (or done). A greedy call (an evaluation) leaves them; another sampled call, or new
+        weights, drop them (their tokens are the same whichever way they are made: each completion's
+        seed is its own)."""
+        from grpo.sampler.rollout.continuous import Call, ContinuousLoop, runs_continuously  # it builds on this module
 
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
-        limits = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
-        n = len(prompts) * group_size
-        produced, truncated, logps = [None] * n, [False] * n, [None] * n
+        call = self._call(Call, NextCall(prompts, group_size, seed, max_new_tokens), greedy)
+        loop = self.carried.loop if self.carried is not None and self.carried.matches(call, greedy) else None
+        if loop is not None:
+            call, self.carried = self.carried.call, None
+            queued = sum(s.call is call for s in loop.fresh)
+            self.decode_rows.ahead = (call.size - queued) / max(call.size, 1)
+        else:
+            if not greedy:
+                self.carried = None
+            loop = ContinuousLoop(self, greedy, None)
+            loop.add(call)
+        if then is not None:
+            self.carried = Carried(self._call(Call, then, greedy), greedy, loop)  # a newer one replaces it
+            loop.add(self.carried.call)
+        loop.run(until=call)
+        ended = call.ended
+        return Rollouts([ended[j][0] for j in range(len(ended))], [ended[j][2] for j in range(len(ended))],
+                        [ended[j][1] for j in range(len(ended))])
 
-        def ended(j: int, ids: torch.Tensor, recorded: torch.Tensor, cut: bool) -> None:
-            produced[j], logps[j], truncated[j] = ids, recorded, cut  # one message: the sequence is done
+    def _call(self, call_type, spec: "NextCall", greedy: bool):
+        """The loop's Call for `spec`, recording each completion as it ends (one message: it is done)."""
+        ended: dict[int, tuple] = {}
 
-        run_episodes(self, prompts, group_size, ended, limits, seed=seed, greedy=greedy)
-        return Rollouts(produced, truncated, logps)
+        def record(j: int, ids: torch.Tensor, logps: torch.Tensor, cut: bool) -> None:
+            ended[j] = (ids, logps, cut)
+
+        limits = list(spec.max_new_tokens) if spec.max_new_tokens is not None else \
+            [self.cfg.max_new_tokens] * len(spec.prompts)
+        call = call_type.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record)
+        call.ended = ended
+        return call
 
     def generate_in_blocks(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                            greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:

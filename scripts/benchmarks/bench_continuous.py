@@ -1,6 +1,8 @@
 """The HF engine's continuous decode loop against blocks, side by side in one run.
 
     .venv/bin/python scripts/benchmarks/bench_continuous.py long-tail [--steps 2] [overrides ...]
+    python3 scripts/benchmarks/bench_continuous.py long-tail --config configs/qwen2.5-0.5b-gsm8k-1gpu.yaml \
+        --steps 4 --eos-probability 0.02 model.name_or_path=DIR sampling.engine=hf sampling.max_new_tokens=200
     .venv/bin/python scripts/benchmarks/bench_continuous.py slow-env [--delay 1.0] [overrides ...]
 
 long-tail: the default config (the embedded model with its LoRA adapter, GSM8K prompts,
@@ -9,7 +11,10 @@ steps in a row, three ways: `generate_in_blocks` (blocks: two blocks of 32 rows,
 its longest completion ends), `generate` (continuous: a finished row refilled at once with the
 step's next completion), and `generate(then=the next step)` (across steps: the next step's completions
 also fill the rows a step leaves free at its end, as the sampler does where sampling.max_staleness
-lets the weights serve both). Generation tokens/s of each, and the ratios to blocks.
+lets the weights serve both). Generation tokens/s of each, and the ratios to blocks. `--eos-probability
+P` gives the EOS token probability P at every position (its logit set from the others' logsumexp):
+geometric lengths with a long tail, for a model with random weights (on a GPU, where no trained
+model can be fetched).
 
 slow-env: 16 episodes (4 prompts x 4) of an environment that answers each message after `--delay`
 seconds and ends the episode after 1 to 5 messages (by prompt), on the same model, each episode at
@@ -50,6 +55,8 @@ class SlowTurns:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=["long-tail", "slow-env"])
+    parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
+    parser.add_argument("--eos-probability", type=float, default=0.0, help="long-tail: EOS this likely at every token")
     parser.add_argument("--steps", type=int, default=2, help="steps per variant")
     parser.add_argument("--delay", type=float, default=1.0, help="slow-env: seconds per environment step")
     parser.add_argument("overrides", nargs="*", help="config overrides")
@@ -63,16 +70,18 @@ def main(argv: list[str]) -> int:
     from data.problems import load_split
     from data.prompts import build_prompts
     from grpo.config import load_config
-    from grpo.model.loading import add_lora, load_model, load_tokenizer
+    from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
 
     slow = args.workload == "slow-env"
     overrides = ["sampling.generation_batch_size=32", "sampling.group_size=4" if slow else "sampling.group_size=8",
                  *(["sampling.max_new_tokens=256", f"env.name={Path(__file__).resolve()}:SlowTurns",
                     f"env.args={{delay: {args.delay}}}", "env.max_turns=5", "env.timeout_s=30"] if slow else []),
                  *args.overrides]
-    cfg = load_config(ROOT / "config.yaml", overrides)
+    cfg = load_config(args.config, overrides)
     tokenizer = load_tokenizer(cfg.model)
-    model = add_lora(load_model(cfg.model), cfg.lora).eval()
+    model = add_lora(load_model(cfg.model, resolve_device(cfg.sampling.device)), cfg.lora).eval()
+    if args.eos_probability:
+        eos_at_every_token(model, tokenizer.eos_token_id, args.eos_probability)
     prompts, _ = build_prompts(tokenizer, cfg.data, load_split(cfg.data, cfg.data.split)[0][:256])
     per_step = 4 if slow else 8
     print(f"{args.workload}: {torch.get_num_threads()} threads, {per_step} prompts x {cfg.sampling.group_size} a step, "
@@ -102,10 +111,29 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def eos_at_every_token(model, eos: int, p: float) -> None:
+    """The model's EOS logit set so that EOS has probability `p` at every position."""
+    import math
+
+    import torch
+
+    def hook(module, args, logits):
+        logits[..., eos] = (torch.logsumexp(logits.float(), -1) + math.log(p / (1 - p))).to(logits.dtype)
+        return logits
+    model.get_output_embeddings().register_forward_hook(hook)
+
+
 def decode_metrics(engine) -> dict[str, float]:
     m = engine.decode_rows.take()
     return {"decode_steps": m.get("sampler/decode_steps", 0.0), "live_rows": m.get("sampler/live_rows_per_decode_step", 0.0),
             "full_steps": m.get("sampler/full_decode_step_fraction", 0.0), "env_idle_s": m.get("timing/env_idle_s", 0.0)}
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 class Completions:
@@ -119,12 +147,14 @@ class Completions:
 
         G = self.cfg.sampling.group_size
         self.engine.decode_rows.take()
+        synchronize(self.engine.device)
         t = time.perf_counter()
         if variant == "blocks":
             out = self.engine.generate_in_blocks([p.token_ids for p in prompts], G, seed=seed)
         else:
             after = NextCall([p.token_ids for p in then], G, seed + 1) if then is not None else None
             out = self.engine.generate([p.token_ids for p in prompts], G, seed=seed, then=after)
+        synchronize(self.engine.device)
         seconds = time.perf_counter() - t
         tokens = sum(len(c) for c in out.completion_ids)
         return {"seconds": seconds, "done": tokens, "tokens": tokens, **decode_metrics(self.engine)}

@@ -242,6 +242,7 @@ class ContinuousLoop:
                  overlap: bool = True):
         cfg = engine.cfg
         self.engine, self.executor = engine, executor
+        self.device = engine.device  # read once: it looks the model's parameters up
         self.capacity = cfg.generation_batch_size
         self.continuous, self.overlap = continuous, overlap
         self.admit_at = max(1, math.ceil(COMPACT_FRACTION * self.capacity))  # queued rows worth a regroup
@@ -251,7 +252,7 @@ class ContinuousLoop:
         self.fresh: deque[Sequence] = deque()  # not started, in call order, each call's prompt-major
         self.returned: deque[Sequence] = deque()  # back from their environment, out of the batch: first to join
         self.rows: list[Sequence] = []  # the batch's rows, in cache order
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=engine.device)  # [rows, cached columns]
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [rows, cached columns]
         self.cache = None
         self.calls: dict[Future, Sequence] = {}  # environment calls in flight
         self.active: list[Call] = []  # calls with sequences not done
@@ -297,8 +298,8 @@ class ContinuousLoop:
             rows = [self.rows[b] for b in drawing]
             if len(drawing) < len(self.rows):
                 logits = logits[torch.tensor(drawing, device=logits.device)]
-            u = None if self.sampler.greedy else torch.cat(
-                [torch.rand(1, 1, generator=s.generator, dtype=torch.float64, device=self.engine.device) for s in rows])
+            u = None if self.sampler.greedy else torch.cat(  # on the CPU: no device launch per row
+                [torch.rand(1, 1, generator=s.generator, dtype=torch.float64) for s in rows]).to(self.device)
             tokens = self.sampler.draw(logits, u).tolist()
             for s, token, logp in zip(rows, tokens, self.sampler.logps.pop().tolist()):
                 self._drawn(s, token, logp)
@@ -368,8 +369,8 @@ class ContinuousLoop:
     def _generator(self, s: Sequence) -> torch.Generator | None:
         if self.sampler.greedy:
             return None
-        # on the engine's device: the stream `generate` draws from there after torch.manual_seed
-        return torch.Generator(device=self.engine.device).manual_seed(episode_seed(s.call.seed, s.episode, s.turn))
+        # a CPU generator on every device: on the CPU, the stream `generate` draws after torch.manual_seed
+        return torch.Generator().manual_seed(episode_seed(s.call.seed, s.episode, s.turn))
 
     # ------------------------------------------------------------------ the forward
 
@@ -385,28 +386,28 @@ class ContinuousLoop:
         """Every decoding row's next feed in one forward, right-aligned: the batch indices of the rows
         whose feed is all in (they draw), and [rows, vocab] logits at the last column."""
         engine = self.engine
-        width, n = self._width(), len(self.rows)
-        ids = torch.full((n, width), self.pad, dtype=torch.long)
-        positions = torch.zeros(n, width, dtype=torch.long)
-        new_mask = torch.zeros(n, width, dtype=self.mask.dtype)
-        drawing = []
+        width = self._width()
+        ids, positions, fed, drawing = [], [], [], []  # built as lists, one tensor each: a step's rows cost no ops
         for b, s in enumerate(self.rows):
-            if s.state != DECODING:  # waiting, or to leave the batch: a masked pad (it attends to its columns)
-                continue
-            chunk, s.feed = s.feed[:width], s.feed[width:]
-            ids[b, width - len(chunk):] = torch.tensor(chunk)
-            positions[b, width - len(chunk):] = torch.arange(s.position, s.position + len(chunk))
-            new_mask[b, width - len(chunk):] = 1
+            chunk = []
+            if s.state == DECODING:  # else waiting, or to leave the batch: a masked pad (it attends to its columns)
+                chunk, s.feed = s.feed[:width], s.feed[width:]
+                if not s.feed:
+                    drawing.append(b)
+            pad = width - len(chunk)
+            ids.append([self.pad] * pad + chunk)
+            positions.append([0] * pad + list(range(s.position, s.position + len(chunk))))
+            fed.append(len(chunk))
             s.position += len(chunk)
-            if not s.feed:
-                drawing.append(b)
-        self.mask = torch.cat([self.mask, new_mask.to(self.mask.device)], dim=1)
+        columns = torch.arange(width)
+        new_mask = (columns >= width - torch.tensor(fed)[:, None]).to(self.mask.dtype)  # each row's last fed[b]
+        self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
         full = min(self.capacity, sum(call.size for call in self.active))  # rows decoding in a full step
-        engine.decode_rows.add(n, self._live(), full, len(self.calls))
-        device = engine.device
+        engine.decode_rows.add(len(self.rows), self._live(), full, len(self.calls))
         with torch.no_grad():
-            out = engine.model(input_ids=ids.to(device), attention_mask=self.mask, position_ids=positions.to(device),
-                               past_key_values=self.cache, use_cache=True, **engine._one_logit_row)
+            out = engine.model(input_ids=torch.tensor(ids, device=self.device), attention_mask=self.mask,
+                               position_ids=torch.tensor(positions, device=self.device), past_key_values=self.cache,
+                               use_cache=True, **engine._one_logit_row)
         return drawing, out.logits[:, -1]
 
     # ------------------------------------------------------------------ rows leaving and joining
@@ -464,7 +465,7 @@ class ContinuousLoop:
         ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
         group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
         if ids.shape[1] > 1:
-            cache = self.engine._prefill(ids.to(self.engine.device), mask.to(self.engine.device))
+            cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
         for row, (call, i) in enumerate(order):
             n = len(call.prompts[i]) - 1
             kv = None if ids.shape[1] == 1 else \

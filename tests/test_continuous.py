@@ -193,7 +193,7 @@ def test_the_next_calls_completions_fill_the_rows_a_call_leaves_free_and_are_wha
     (an evaluation) leaves them; generate(B) finds them started and finishes them in fewer decode steps
     than from scratch. A's and B's completions are those of each call made alone (tokens, cuts;
     log-probs to float32 rounding, to the bit in float64)."""
-    from grpo.sampler.rollout.hf_engine import NextCall
+    from grpo.sampler.rollout.continuous import NextCall
 
     model = chatty_in("qwen2", dtype)
     cfg = load_config(None, ["sampling.max_new_tokens=30", "sampling.temperature=1.0",
@@ -225,7 +225,7 @@ def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_t
     (the tokens of B generated alone by a model that holds them), not from rows the old ones started."""
     import copy
 
-    from grpo.sampler.rollout.hf_engine import NextCall
+    from grpo.sampler.rollout.continuous import NextCall
     from grpo.wire.weights import publish, verify
 
     model = chatty_in("llama", torch.float32)
@@ -252,7 +252,7 @@ def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_t
 
 
 def test_a_call_other_than_the_one_announced_drops_the_started_completions():
-    from grpo.sampler.rollout.hf_engine import NextCall
+    from grpo.sampler.rollout.continuous import NextCall
 
     model = chatty_in("llama", torch.float32)
     engine = HFEngine(model, CharTokenizer(), load_config(None, ["sampling.max_new_tokens=20",
@@ -484,7 +484,7 @@ def test_a_long_reply_grows_the_cache_once_with_room_after_it():
     in place, not into a buffer copied again."""
     from transformers.cache_utils import DynamicLayer
 
-    from grpo.sampler.rollout.hf_engine import InPlaceLayer
+    from grpo.sampler.rollout.decoding import InPlaceLayer
 
     prefill = DynamicLayer()
     keys, values = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 16)

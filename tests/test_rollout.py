@@ -173,7 +173,7 @@ def test_the_draw_reaches_every_token_with_positive_probability_and_matches_soft
     hundreds of tail tokens an interval of width 0 (never drawn); the float64 one gives each its
     own: the midpoint of every token's interval draws that token. Then frequencies of 200000 draws
     from a 50-token distribution are within 5 standard errors of it, with no slack."""
-    from grpo.sampler.rollout.hf_engine import inverse_cdf
+    from grpo.sampler.rollout.decoding import inverse_cdf
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(49152, generator=g, dtype=torch.float64) * 2, -1)
@@ -226,7 +226,7 @@ def test_a_checkpoints_own_generation_config_does_not_change_what_is_sampled_or_
 def generate_reference(engine, prompts, group_size, seed, max_new_tokens):
     """The engine's former decode: transformers' greedy `generate` over a logits processor that
     draws with TokenSampler, from the prefill cache repeated G ways (one chunk)."""
-    from grpo.sampler.rollout.hf_engine import TokenSampler, left_pad
+    from grpo.sampler.rollout.decoding import TokenSampler, left_pad
 
     ids, mask = left_pad(prompts, 0)
     cache = engine._prefill(ids, mask)
@@ -268,7 +268,8 @@ def test_the_decode_loop_draws_what_generate_drew_under_a_seed(arch):
 def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch):
     """A prefill repeated 3 ways, then 9 decoded tokens through buffers that grow by 4 positions:
     the logits and each layer's keys and values (views of the buffers) equal DynamicCache's."""
-    from grpo.sampler.rollout.hf_engine import InPlaceLayer, left_pad, repeat_in_place
+    from grpo.sampler.rollout.decoding import InPlaceLayer, left_pad
+    from grpo.sampler.rollout.hf_engine import repeat_in_place
 
     monkeypatch.setattr(InPlaceLayer, "GROWTH", 4)
     model = tiny_model("llama", vocab_size=101)

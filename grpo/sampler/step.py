@@ -119,7 +119,7 @@ def next_call(loop: SamplerLoop, step: int):
         return None
     if loop.watcher.latest() not in (None, engine.version):
         return None
-    from grpo.sampler.rollout.hf_engine import NextCall
+    from grpo.sampler.rollout.continuous import NextCall
 
     prompts = round_prompts(s, loop.cursor, loop.prompts, g)(0)
     return NextCall([p.token_ids for p in prompts], s.group_size, step_seed(cfg, g))

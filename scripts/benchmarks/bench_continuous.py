@@ -143,7 +143,7 @@ class Completions:
         self.cfg, self.engine = cfg, HFEngine(model, tokenizer, cfg.sampling)
 
     def __call__(self, variant: str, prompts: list, seed: int, then: list | None = None) -> dict[str, float]:
-        from grpo.sampler.rollout.hf_engine import NextCall
+        from grpo.sampler.rollout.continuous import NextCall
 
         G = self.cfg.sampling.group_size
         self.engine.decode_rows.take()

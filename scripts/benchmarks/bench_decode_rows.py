@@ -71,7 +71,8 @@ class DecodeBench:
         from grpo.config import load_config
         from grpo.model.flops import ModelShape, measure_matmul_rate
         from grpo.model.loading import add_lora, load_model, load_tokenizer
-        from grpo.sampler.rollout.hf_engine import HFEngine, left_pad
+        from grpo.sampler.rollout.decoding import left_pad
+        from grpo.sampler.rollout.hf_engine import HFEngine
 
         self.args, self.cfg = args, load_config(ROOT / "config.yaml", args.overrides)
         tokenizer = load_tokenizer(self.cfg.model)
@@ -92,7 +93,8 @@ class DecodeBench:
         """(seconds, GFLOP) per decode step of one run at `rows` rows."""
         import torch
 
-        from grpo.sampler.rollout.hf_engine import TokenSampler, repeat_in_place
+        from grpo.sampler.rollout.decoding import TokenSampler
+        from grpo.sampler.rollout.hf_engine import repeat_in_place
 
         self.model.forward = self.compiled_forward if variant == "compiled" else self.eager_forward
         k, shape = rows // len(self.prompts), self.shape

@@ -34,7 +34,8 @@ from grpo.config import parse_cli  # noqa: E402
 from grpo.model.completions import cut_at_eos  # noqa: E402
 from grpo.model.loading import load_policy, load_tokenizer  # noqa: E402
 from grpo.model.logprobs import completion_logprobs  # noqa: E402
-from grpo.sampler.rollout.hf_engine import HFEngine, left_pad  # noqa: E402
+from grpo.sampler.rollout.decoding import left_pad  # noqa: E402
+from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402
 
 if TYPE_CHECKING:
     from grpo.config import Config

@@ -60,7 +60,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo.sampler.rollout.hf_engine import HFEngine, InPlaceLayer, TokenSampler, left_pad
+from grpo.sampler.rollout.decoding import InPlaceLayer, TokenSampler, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def episode_loop(engine) -> Callable | None:
 def runs_continuously(engine) -> bool:
     """Whether this loop can decode for `engine`: an HF engine whose model passed `continues` (decided once
     per model)."""
-    if not isinstance(engine, HFEngine):
+    if not getattr(engine, "decodes_continuously", False):
         return False
     if engine.model not in _continues:
         _continues[engine.model] = continues(engine.model)
@@ -537,3 +537,29 @@ class ContinuousLoop:
                     cached = getattr(layer, name)
                     index = order[:, None, :, None].expand(-1, cached.shape[1], -1, cached.shape[3])
                     setattr(layer, name, cached.gather(2, index))
+
+
+@dataclass
+class NextCall:
+    """A generate call to come: `HFEngine.generate(then=...)` starts its completions in the rows the
+    current call leaves free."""
+
+    prompts: list[list[int]]
+    group_size: int
+    seed: int | None
+    max_new_tokens: list[int] | None = None
+
+
+@dataclass
+class Carried:
+    """A call's completions started in the loop of the call before it, with the weights then served."""
+
+    call: Call
+    greedy: bool
+    loop: ContinuousLoop
+
+    def matches(self, call, greedy: bool) -> bool:
+        """Whether `call` is the one carried: the same prompts, G, seed and limits, sampled alike."""
+        mine = self.call
+        return (greedy == self.greedy and call.seed == mine.seed and call.group_size == mine.group_size
+                and call.budgets == mine.budgets and call.prompts == mine.prompts)

@@ -3,10 +3,10 @@ completions.
 
 `generate` runs the continuous decode loop (grpo/sampler/rollout/continuous.py): at most
 `generation_batch_size` rows, a finished row refilled at once with the call's next completion, each
-prompt prefilled once (all but its last token) when its group's first completion joins. The pieces
-it is built from are here: `InPlaceLayer`, buffers that take each new token in place, and
-`TokenSampler`, which draws tokens and records their log-probs (used as the old log-probs with
-`sampling.old_logps=generation`). `generate_in_blocks` is the loop before it, for models the
+prompt prefilled once (all but its last token) when its group's first completion joins. Both loops
+are built from grpo/sampler/rollout/decoding.py: `InPlaceLayer`, buffers that take each new token in
+place, and `TokenSampler`, which draws tokens and records their log-probs (used as the old log-probs
+with `sampling.old_logps=generation`). `generate_in_blocks` is the loop before it, for models the
 continuous loop cannot run (sliding-window layers, ALiBi) and for comparison: B x G in chunks of at
 most `generation_batch_size` rows, each chunk taking some completions of every prompt, the prefill
 repeated G ways, each chunk decoded until its slowest completion ends.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -35,17 +34,9 @@ from transformers.cache_utils import DynamicLayer
 from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.model.loading import unwrap_causal_lm
 from grpo.sampler.rollout import Rollouts
+from grpo.sampler.rollout.continuous import Call, Carried, ContinuousLoop, NextCall, runs_continuously
+from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, TokenSampler, left_pad
 from grpo.wire.weights import INITIAL_DIGEST, Staged, stage_into
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[int]:
@@ -63,163 +54,6 @@ def prompt_blocks(num_prompts: int, max_sequences: int) -> list[range]:
     return [range(start, min(start + max_sequences, num_prompts)) for start in range(0, num_prompts, max_sequences)]
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[N, vocab] float64 probabilities, [N, 1] uniforms in [0, 1) -> [N] tokens: token i when u
-    falls in [cdf_{i-1}, cdf_i). In float64 the cumulative sum keeps every token's share to ~1e-16
-    (in float32 the tail's small probabilities round to nothing after ~1 of mass: ~1e-4 of the
-    embedded model's mass could never be drawn)."""
-    cdf = probs.cumsum(-1)  # [N, vocab]
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # right: never a zero-probability token
-    last_possible = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # u rounded up to the total
-    return torch.minimum(tokens, last_possible)
-
-
-class TokenSampler:
-    """Draws each next token from the raw logits and records its log-prob on the way.
-
-    Sampling is inverse-CDF in float64 from softmax(logits / T) after top-k / top-p (transformers'
-    own warpers): torch.multinomial takes ~25 ms per step for 16 x 49k probabilities on one CPU
-    thread, about 8% of a decode step of the embedded model; a cumulative sum and a binary
-    search take a few ms. The recorded log-prob is the one under the untruncated softmax(logits / T),
-    as the trainer computes it.
-    """
-
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False):
-        from transformers import TopKLogitsWarper, TopPLogitsWarper
-
-        self.temperature, self.greedy, self.logps = (1.0 if greedy else temperature), greedy, []
-        self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
-
-    def draw(self, scores: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, vocab] logits -> [N] tokens; `u`: the rows' [N, 1] float64 uniforms (default: drawn
-        from torch's global generator, one per row in row order)."""
-        logits = scores.float() / self.temperature
-        tokens = logits.argmax(-1) if self.greedy else self._draw(logits, u)
-        self.logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
-        return tokens
-
-    def _draw(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        for warper in self.warpers:
-            logits = warper(None, logits)  # top-k / top-p look at the scores only
-        if u is None:
-            u = torch.rand(len(logits), 1, device=logits.device, dtype=torch.float64)
-        return inverse_cdf(torch.softmax(logits.double(), dim=-1), u.to(logits.device))
-
-    def recorded(self) -> torch.Tensor:
-        """[N, steps] log-probs of the drawn tokens."""
-        return torch.stack(self.logps, dim=1)
-
-
-class InPlaceLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of a larger buffer, each new token written
-    in place; the buffer grows by `GROWTH` positions when full (a write of many positions at once, an
-    episode's reply, gets `GROWTH` free positions after it).
-
-    DynamicLayer concatenates every token onto the layer's cache, copying the whole cache each
-    time (~5 MB a layer a token on the default workload, 29% of a decode step). A preallocated
-    StaticCache avoids the copies but attends over its whole length every token, which took the
-    gain back (docs/performance.md); a view attends over the tokens so far only. Growing in steps
-    rather than reserving `max_new_tokens` keeps the memory at what the completions use (16 rows
-    of the embedded model: 0.7 MB a position) for a copy every 64 tokens.
-    """
-
-    GROWTH = 64
-
-    @classmethod
-    def repeated(cls, layer: DynamicLayer, repeats: int) -> "InPlaceLayer":
-        """`layer` (keys [B, H, n, Dk], values [B, H, n, Dv]) repeated `repeats` ways along the batch
-        (row i -> rows i*repeats...): the repeat and the first reservation are one copy."""
-        new = cls()
-        n = layer.keys.shape[2]
-        new.dtype, new.device, new.is_initialized, new.length = layer.dtype, layer.device, True, n
-        for name, cached in (("key_buffer", layer.keys), ("value_buffer", layer.values)):
-            b, heads, _, dim = cached.shape  # keys and values may differ in head size (MLA: DeepSeek-V3)
-            buffer = cached.new_empty(b * repeats, heads, n + cls.GROWTH, dim)
-            buffer.view(b, repeats, heads, n + cls.GROWTH, dim)[:, :, :, :n] = cached[:, None]
-            setattr(new, name, buffer)
-        new._expose()
-        return new
-
-    @classmethod
-    def of_rows(cls, kept: tuple[torch.Tensor, torch.Tensor] | None,
-                joining: list[tuple[torch.Tensor, torch.Tensor] | None], width: int) -> "InPlaceLayer":
-        """A layer `width` columns wide: the rows of `kept` (keys [K, H, w, Dk], values [K, H, w, Dv]),
-        then one row per `joining` entry (keys [H, n, Dk], values [H, n, Dv]; None: nothing cached), each
-        right-aligned, the columns left of them zero (masked), GROWTH positions free after them."""
-        new = cls()
-        like = kept if kept is not None else next(kv for kv in joining if kv is not None)
-        rows = (len(kept[0]) if kept is not None else 0) + len(joining)
-        for name, example, part in (("key_buffer", like[0], 0), ("value_buffer", like[1], 1)):
-            # zeros, not garbage: a masked column's value still meets a zero weight (NaN * 0 is NaN)
-            buffer = example.new_zeros(rows, example.shape[-3], width + cls.GROWTH, example.shape[-1])
-            if kept is not None:
-                buffer[: len(kept[part]), :, width - kept[part].shape[2]: width] = kept[part]
-            start = rows - len(joining)
-            for first, last, kv in runs_of(joining):  # a group's rows share their prompt's KV: one copy each run
-                if kv is not None and kv[part].shape[1]:
-                    buffer[start + first: start + last, :, width - kv[part].shape[1]: width] = kv[part]
-            setattr(new, name, buffer)
-        new.dtype, new.device, new.is_initialized, new.length = like[0].dtype, like[0].device, True, width
-        new._expose()
-        return new
-
-    def _expose(self) -> None:
-        self.keys = self.key_buffer[:, :, : self.length]
-        self.values = self.value_buffer[:, :, : self.length]
-
-    def _grow(self, needed: int) -> None:
-        capacity = self.key_buffer.shape[2] + self.GROWTH
-        if needed >= capacity:  # many positions at once (an episode's reply): GROWTH free after them too,
-            capacity = needed + self.GROWTH  # or the next token would copy the buffer again
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            buffer = old.new_empty(old.shape[0], old.shape[1], capacity, old.shape[3])
-            buffer[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, buffer)
-
-    def batch_select_indices(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (episodes that ended leave the batch), with GROWTH positions free."""
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            buffer = old.new_empty(len(rows), old.shape[1], self.length + self.GROWTH, old.shape[3])
-            buffer[:, :, : self.length] = old[rows, :, : self.length]
-            setattr(self, name, buffer)
-        self._expose()
-
-    def keep_columns(self, columns: torch.Tensor) -> None:
-        """Row r keeps the positions columns[r] ([rows, n], in that order), GROWTH positions free after them."""
-        rows, n = columns.shape
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            buffer = old.new_empty(rows, old.shape[1], n + self.GROWTH, old.shape[3])
-            index = columns[:, None, :, None].expand(rows, old.shape[1], n, old.shape[3])
-            buffer[:, :, :n] = old[:, :, : self.length].gather(2, index)
-            setattr(self, name, buffer)
-        self.length = n
-        self._expose()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        if end > self.key_buffer.shape[2]:
-            self._grow(end)
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
-        self.length = end
-        self._expose()
-        return self.keys, self.values
-
-
-def runs_of(items: list) -> list[tuple[int, int, object]]:
-    """(first, end, item) for each run of the same object (by identity) in `items`."""
-    runs = []
-    for i, item in enumerate(items):
-        if runs and runs[-1][2] is item:
-            runs[-1] = (runs[-1][0], i + 1, item)
-        else:
-            runs.append((i, i + 1, item))
-    return runs
-
-
 def repeat_in_place(cache, repeats: int):
     """A copy of the prefill cache with each row repeated `repeats` ways, its full-attention layers
     as `InPlaceLayer`s (other layer kinds, e.g. sliding windows, repeated as they are)."""
@@ -235,72 +69,10 @@ def repeat_in_place(cache, repeats: int):
     return out
 
 
-@dataclass
-class DecodeRows:
-    """What the decode steps since the last `take` computed: the steps, the rows they ran, and of
-    those the rows still generating (not done, not past their limit, not waiting to leave the
-    batch); the steps at a full batch (generation_batch_size rows generating, or every sequence of
-    the call where it has fewer); episodes waiting on their environment, and the time the loop had
-    nothing to decode but waited on them. Live rows per step below the batch's rows is what a
-    step's slowest sequence costs."""
-
-    steps: int = 0
-    rows: int = 0
-    live: int = 0
-    full: int = 0
-    waiting: int = 0
-    idle_s: float = 0.0
-    ahead: float | None = None  # the share of a call's completions the call before it started (`then`)
-
-    def add(self, rows: int, live: int, full_at: int | None = None, waiting: int = 0) -> None:
-        self.steps, self.rows, self.live = self.steps + 1, self.rows + rows, self.live + live
-        self.full += live >= (rows if full_at is None else full_at)
-        self.waiting += waiting
-
-    def idle(self, seconds: float) -> None:
-        self.idle_s += seconds
-
-    def take(self) -> dict[str, float]:
-        """The metrics of the steps so far (none without a step), and a fresh count."""
-        metrics = {} if not self.steps else {
-            "sampler/decode_steps": float(self.steps), "sampler/live_rows_per_decode_step": self.live / self.steps,
-            "sampler/live_row_fraction": self.live / self.rows, "sampler/full_decode_step_fraction": self.full / self.steps,
-            "env/waiting_per_decode_step": self.waiting / self.steps, "timing/env_idle_s": self.idle_s}
-        if self.ahead is not None:
-            metrics["sampler/started_ahead_fraction"] = self.ahead
-        self.steps = self.rows = self.live = self.full = self.waiting = 0
-        self.idle_s, self.ahead = 0.0, None
-        return metrics
-
-
-@dataclass
-class NextCall:
-    """A generate call to come: `HFEngine.generate(then=...)` starts its completions in the rows the
-    current call leaves free."""
-
-    prompts: list[list[int]]
-    group_size: int
-    seed: int | None
-    max_new_tokens: Sequence[int] | None = None
-
-
-@dataclass
-class Carried:
-    """A call's completions started in the loop of the call before it, with the weights then served."""
-
-    call: object  # grpo.sampler.rollout.continuous.Call
-    greedy: bool
-    loop: object  # grpo.sampler.rollout.continuous.ContinuousLoop
-
-    def matches(self, call, greedy: bool) -> bool:
-        """Whether `call` is the one carried: the same prompts, G, seed and limits, sampled alike."""
-        mine = self.call
-        return (greedy == self.greedy and call.seed == mine.seed and call.group_size == mine.group_size
-                and call.budgets == mine.budgets and call.prompts == mine.prompts)
-
-
 class HFEngine:
     """The `RolloutEngine` on a transformers model, which is also the sampler's scoring model."""
+
+    decodes_continuously = True  # grpo/sampler/rollout/continuous.py may run its loop on it (`runs_continuously`)
 
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg
@@ -378,7 +150,7 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None,
-                 then: "NextCall | None" = None) -> Rollouts:
+                 then: NextCall | None = None) -> Rollouts:
         """G completions of each prompt in the continuous loop (grpo/sampler/rollout/continuous.py: at most
         generation_batch_size rows, a finished row refilled at once with the call's next completion), each
         completion seeded on its own; in blocks (`generate_in_blocks`) with sampling.continuous_batching
@@ -389,8 +161,6 @@ class HFEngine:
         started (or done). A greedy call (an evaluation) leaves them; another sampled call, or new
         weights, drop them (their tokens are the same whichever way they are made: each completion's
         seed is its own)."""
-        from grpo.sampler.rollout.continuous import Call, ContinuousLoop, runs_continuously  # it builds on this module
-
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
         call = self._call(Call, NextCall(prompts, group_size, seed, max_new_tokens), greedy)

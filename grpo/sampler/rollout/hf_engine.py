@@ -163,7 +163,7 @@ class HFEngine:
         seed is its own)."""
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
-        call = self._call(Call, NextCall(prompts, group_size, seed, max_new_tokens), greedy)
+        call = self._call(NextCall(prompts, group_size, seed, max_new_tokens), greedy)
         loop = self.carried.loop if self.carried is not None and self.carried.matches(call, greedy) else None
         if loop is not None:
             call, self.carried = self.carried.call, None
@@ -175,15 +175,16 @@ class HFEngine:
             loop = ContinuousLoop(self, greedy, None)
             loop.add(call)
         if then is not None:
-            self.carried = Carried(self._call(Call, then, greedy), greedy, loop)  # a newer one replaces it
+            self.carried = Carried(self._call(then, greedy), greedy, loop)  # a newer one replaces it
             loop.add(self.carried.call)
         loop.run(until=call)
         ended = call.ended
         return Rollouts([ended[j][0] for j in range(len(ended))], [ended[j][2] for j in range(len(ended))],
                         [ended[j][1] for j in range(len(ended))])
 
-    def _call(self, call_type, spec: "NextCall", greedy: bool):
-        """The loop's Call for `spec`, recording each completion as it ends (one message: it is done)."""
+    def _call(self, spec: NextCall, greedy: bool) -> Call:
+        """The loop's Call for `spec`, recording each completion in `call.ended` as it ends (one message:
+        it is done)."""
         ended: dict[int, tuple] = {}
 
         def record(j: int, ids: torch.Tensor, logps: torch.Tensor, cut: bool) -> None:
@@ -191,7 +192,7 @@ class HFEngine:
 
         limits = list(spec.max_new_tokens) if spec.max_new_tokens is not None else \
             [self.cfg.max_new_tokens] * len(spec.prompts)
-        call = call_type.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record)
+        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record)
         call.ended = ended
         return call
 

@@ -137,7 +137,8 @@ class InPlaceLayer(DynamicLayer):
             setattr(self, name, buffer)
 
     def batch_select_indices(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (episodes that ended leave the batch), with GROWTH positions free."""
+        """Keep only these batch rows, with GROWTH positions free: DynamicLayer's batch selection (transformers'
+        own), kept in step with the buffers (the loops regroup their rows themselves)."""
         for name in ("key_buffer", "value_buffer"):
             old = getattr(self, name)
             buffer = old.new_empty(len(rows), old.shape[1], self.length + self.GROWTH, old.shape[3])
@@ -196,9 +197,10 @@ class DecodeRows:
     idle_s: float = 0.0
     ahead: float | None = None  # the share of a call's completions the call before it started (`then`)
 
-    def add(self, rows: int, live: int, full_at: int | None = None, waiting: int = 0) -> None:
+    def add(self, rows: int, live: int, full_at: int, waiting: int = 0) -> None:
+        """A decode step of `rows` rows, `live` of them generating; full when `full_at` are."""
         self.steps, self.rows, self.live = self.steps + 1, self.rows + rows, self.live + live
-        self.full += live >= (rows if full_at is None else full_at)
+        self.full += live >= full_at
         self.waiting += waiting
 
     def idle(self, seconds: float) -> None:

@@ -13,6 +13,7 @@ from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import completion_logprobs
+from grpo.sampler.rollout import prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.step import SamplerPolicy, make_batch, make_engine
@@ -41,6 +42,8 @@ def test_engine_arguments_fit_the_machine_and_refuse_what_the_trainer_cannot_mat
     args = engine_arguments(vllm_config(), cuda=False, available_bytes=16 * 2**30)
     assert (args["kv_cache_memory_bytes"], args["max_lora_rank"], args["generation_config"]) == (2**30, 8, "vllm")
     assert args["logprobs_mode"] == "processed_logprobs" and args["max_model_len"] == 512 + 24
+    assert (args["enable_chunked_prefill"], args["max_num_batched_tokens"]) == (False, 4096)  # the CPU build
+    assert "enable_chunked_prefill" not in engine_arguments(vllm_config(), cuda=True, available_bytes=0)
     assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["gpu_memory_utilization"] == 0.5
     assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["max_lora_rank"] == 8
     with pytest.raises(VllmUnavailable, match=r"sampling.vllm_kv_cache_gb=1 is more than half the memory available "
@@ -93,6 +96,22 @@ def test_rollouts_are_prompt_major_repeatable_under_a_seed_and_keep_eos(served):
 
 
 @needs_vllm
+def test_seeded_prompts_longer_than_a_steps_token_budget_together_are_each_what_it_draws_alone(served):
+    """12 prompts of 500 tokens, 2 samples each: 12 000 prompt tokens, three times the CPU build's
+    token budget per engine step. Each prompt is prefilled whole in some step (a prompt split across
+    steps would make the CPU build rewind its seeded generator, which kills the engine), and each
+    sample is what its request draws alone."""
+    cfg, model, tokenizer, engine, prompts = served
+    long = [(prompts[i % 2] * 8)[7 * i:7 * i + 500] for i in range(12)]  # no two alike: no prefix-cache hits
+    together = engine.generate(long, 2, seed=21)
+    firsts = prompt_seeds(21, 12)
+    for j in (0, 7, 23):
+        alone, logps, _ = engine.complete(long[j // 2], firsts[j // 2] + j % 2, cfg.sampling.max_new_tokens)
+        assert alone.tolist() == together.completion_ids[j].tolist()
+        assert (logps - together.logps[j]).abs().max() < LOGP_BOUND
+
+
+@needs_vllm
 def test_recorded_logps_are_the_trainers_tempered_logps(served):
     cfg, model, tokenizer, engine, prompts = served
     rollouts = engine.generate(prompts, 4, seed=3)
@@ -104,37 +123,50 @@ def test_recorded_logps_are_the_trainers_tempered_logps(served):
     assert gaps.max() < LOGP_BOUND
 
 
-@needs_vllm
-def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(served):
-    """Multi-turn episodes with a scripted environment: every model turn's recorded log-probs match
-    the trainer's shared-prefix recompute of the whole episode within the single-turn bound, and
-    the environment's tokens sit exactly where the mask says."""
-    from conftest import REPO
+def chat_prompts(tokenizer):
     from data.problems import Problem
     from data.prompts import Prompt
+
+    questions = ("Say hello in one word.", "Name one colour.")
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [Prompt(Problem(f"p{i}", q, "x"), tokenizer(t, add_special_tokens=False)["input_ids"])
+            for i, (q, t) in enumerate(zip(questions, texts))]
+
+
+def runs_of(mask: torch.Tensor) -> list[tuple[bool, int, int]]:
+    """(model's, start, end) of each stretch of an episode's mask, in order."""
+    runs, start = [], 0
+    for k in range(1, len(mask) + 1):
+        if k == len(mask) or mask[k] != mask[start]:
+            runs.append((bool(mask[start]), start, k))
+            start = k
+    return runs
+
+
+@needs_vllm
+@pytest.mark.parametrize("continued", [True, False], ids=["one-task-per-episode", "turn-by-turn"])
+def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(served, continued):
+    """Multi-turn episodes with a scripted environment, each episode a task of the async engine (or turn
+    by turn, with continuous batching off): every model turn's recorded log-probs match the trainer's
+    shared-prefix recompute of the whole episode within the single-turn bound, and the environment's
+    tokens sit exactly where the mask says."""
+    from conftest import REPO
     from grpo.environments.pool import EnvironmentPool
     from grpo.sampler.episodes import EpisodeRunner
 
     cfg, model, tokenizer, engine, _ = served
-    questions = ("Say hello in one word.", "Name one colour.")
-    prompts = [Prompt(Problem(f"p{i}", q, "x"), tokenizer.apply_chat_template(
-        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)) for i, q in enumerate(questions)]
-    prompts = [Prompt(p.problem, tokenizer(p.token_ids, add_special_tokens=False)["input_ids"]) for p in prompts]
+    prompts = chat_prompts(tokenizer)
     pool = EnvironmentPool(f"{REPO}/tests/scripted_envs.py:Scripted", {"length": 3}, 10.0)
     try:
-        runner = EpisodeRunner(pool, tokenizer, 96, 4)
+        runner = EpisodeRunner(pool, tokenizer, 96, 4, continued=continued)
         run = runner.run(engine, prompts, 3, seed=5)
     finally:
         pool.close()
     assert any(e.turns >= 2 for e in run.episodes), [e.turns for e in run.episodes]
     for e, ids, mask in zip(run.episodes, run.rollouts.completion_ids, run.rollouts.model_masks):
         shown = [runner.reply_tokens(f"reply {k + 1} to {m[:3]!r}", "user") for k, m in enumerate(e.messages)]
-        segments, start = [], 0  # the environment's stretches of the episode, in order
-        for k in range(1, len(mask) + 1):
-            if k == len(mask) or mask[k] != mask[start]:
-                if not mask[start]:
-                    segments.append(ids[start:k].tolist())
-                start = k
+        segments = [ids[a:b].tolist() for model_s, a, b in runs_of(mask) if not model_s]  # the environment's
         assert len(segments) <= len(shown)
         for segment, reply in zip(segments, shown):  # only the last one may be cut, at the token budget
             assert segment == reply[:len(segment)] and (len(segment) == len(reply) or e.truncated)
@@ -145,6 +177,69 @@ def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(serv
     print(f"vLLM episodes: largest model-token log-prob gap {gap:.2e} over "
           f"{sum(int(m.sum()) for m in run.rollouts.model_masks)} tokens, turns {[e.turns for e in run.episodes]}")
     assert gap < LOGP_BOUND
+
+
+@needs_vllm
+def test_vllm_episodes_call_a_slow_environment_at_once_and_draw_what_each_draws_alone(served):
+    """6 episodes of an environment taking 0.5 s a step, 6 lanes: the calls of different episodes run at
+    once while the others decode, and each episode is what its messages draw as requests on their own
+    (each message seeded for its episode and turn, from the whole context so far): the same tokens,
+    log-probs within the engine's kernel tolerance. The step's metrics say how many waited."""
+    from conftest import REPO
+    from grpo.environments.lanes import Lanes
+    from grpo.environments.pool import EnvironmentPool
+    from grpo.sampler.episodes import EpisodeRunner
+    from grpo.sampler.rollout import prompt_seeds
+    from grpo.sampler.rollout.continuous import episode_seed
+    from test_continuous import TimedLanes, most_at_once
+
+    cfg, model, tokenizer, engine, _ = served
+    prompts = chat_prompts(tokenizer)
+    lanes = TimedLanes(lambda first: EnvironmentPool(f"{REPO}/tests/scripted_envs.py:Slow",
+                                                     {"length": 3, "delay": 0.5}, 10.0), 6)
+    assert isinstance(lanes, Lanes)
+    engine.loop_metrics.take()
+    try:
+        run = EpisodeRunner(lanes, tokenizer, 96, 4).run(engine, prompts, 3, seed=5)
+    finally:
+        lanes.close()
+    metrics = engine.loop_metrics.take()
+    assert most_at_once(lanes.steps) >= 2 and len(lanes.steps) >= 6
+    assert metrics["env/waiting_mean"] > 0 and metrics["timing/env_idle_s"] >= 0
+    firsts, compared = prompt_seeds(5, 2), 0
+    for j, (ids, mask, logps) in enumerate(zip(run.rollouts.completion_ids, run.rollouts.model_masks, run.rollouts.logps)):
+        context, turn = list(prompts[j // 3].token_ids), 0
+        for model_s, a, b in runs_of(mask):
+            if model_s:
+                seed = firsts[j // 3] + j % 3 if turn == 0 else episode_seed(5, j, turn)
+                alone, alone_logps, _ = engine.complete(context, seed, 96 - a)
+                assert alone.tolist() == ids[a:b].tolist(), (j, turn)
+                assert (alone_logps - logps[a:b]).abs().max() < LOGP_BOUND
+                turn, compared = turn + 1, compared + 1
+            context += ids[a:b].tolist()
+    assert compared > 6  # some episodes went on past their first message
+
+
+@needs_vllm
+def test_vllm_starts_the_next_calls_completions_as_this_ones_end_and_they_are_what_it_would_draw(served):
+    """`then`: the next call's completions start as this call's end (one for each), with the weights
+    served now; the next call finds them all started, and they are what it draws without them. A greedy
+    call leaves them; another sampled call aborts them."""
+    from grpo.sampler.rollout.continuous import NextCall
+
+    cfg, model, tokenizer, engine, prompts = served
+    fresh = engine.generate(prompts[1:], 4, seed=12)
+    engine.loop_metrics.take()
+    engine.generate(prompts[:1], 4, seed=11, then=NextCall(prompts[1:], 4, 12))
+    engine.generate(prompts[:1], 1, greedy=True)  # an evaluation between the two: they stay
+    carried = engine.generate(prompts[1:], 4, seed=12)
+    assert engine.loop_metrics.take()["sampler/started_ahead_fraction"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(carried.completion_ids, fresh.completion_ids))
+    assert max((a - b).abs().max() for a, b in zip(carried.logps, fresh.logps)) < LOGP_BOUND
+    engine.generate(prompts[:1], 4, seed=11, then=NextCall(prompts[1:], 4, 12))
+    assert engine.carried is not None
+    engine.generate(prompts[:1], 4, seed=13)  # not the call announced
+    assert engine.carried is None and "sampler/started_ahead_fraction" not in engine.loop_metrics.take()
 
 
 @needs_vllm
@@ -170,13 +265,19 @@ def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
 
 @needs_vllm
 def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(served, tmp_path):
-    """v1 changes greedy outputs to exactly the HF engine's with the same adapter; a corrupted v2
-    is refused before the engine sees it; an adapter vLLM cannot load leaves v1 serving."""
+    """v1 changes greedy outputs to exactly the HF engine's with the same adapter, and aborts the next
+    call's completions started with the weights before; a corrupted v2 is refused before the engine sees
+    it; an adapter vLLM cannot load leaves v1 serving."""
+    from grpo.sampler.rollout.continuous import NextCall
+
     cfg, model, tokenizer, engine, prompts = served
     base = engine.generate(prompts, 1, greedy=True).completion_ids
+    engine.generate(prompts[:1], 2, seed=1, then=NextCall(prompts[1:], 2, 2))
+    assert engine.carried is not None
     publish(trained_adapter(cfg, seed=1), tmp_path, version=1, step=1)
     watcher = WeightWatcher(tmp_path, [into_model(model), engine.stage_weights])
     assert watcher.poll().loaded and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"])
+    assert engine.carried is None
     swapped = engine.generate(prompts, 1, greedy=True).completion_ids
     hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
     assert [t.tolist() for t in swapped] == [t.tolist() for t in hf]
@@ -242,7 +343,7 @@ def test_an_adapter_the_scoring_copy_refuses_is_dropped_by_vllm_too(served, tmp_
     assert (engine.version, engine.weights_digest) == serving
     after = engine.generate(prompts, 1, greedy=True).completion_ids
     assert [t.tolist() for t in after] == [t.tolist() for t in before]
-    assert len(engine.llm.llm_engine.list_loras()) == 1  # the staged adapter was removed again
+    assert len(engine.adapters()) == 1  # the staged adapter was removed again
 
 
 @needs_vllm

@@ -10,9 +10,11 @@ those (grpo/trainer/step.py), and the environment's tokens carry log-prob 0 as p
 Each message is drawn within what is left of `sampling.max_new_tokens`, the budget of the whole
 episode. On the HF engine the episodes run in one decode loop (grpo/sampler/rollout/continuous.py):
 each goes on to its next message from the KV it has as soon as its environment replied, and the
-group's prompt is prefilled once. On other engines (vLLM) they go turn by turn: turn 1 is one
-`generate` of G samples per prompt, each later turn one sample per live episode from its whole
-context (prompt + episode so far), vLLM's prefix cache serving the earlier turns' KV. An episode
+group's prompt is prefilled once. On vLLM each episode is a task of vLLM's async engine
+(grpo/sampler/rollout/vllm_engine.py): each message a request from its whole context, the prefix
+cache serving the earlier turns' KV. With sampling.continuous_batching off they go turn by turn:
+turn 1 is one `generate` of G samples per prompt, each later turn one sample per live episode from
+its whole context (prompt + episode so far). An episode
 ends when the environment says so, after `env.max_turns` model turns, or truncated at the budget.
 """
 
@@ -452,8 +454,8 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
 
 def environment_lanes(cfg: Config) -> int:
     """Environment calls in flight at once: env.concurrency, or one per row of the decode batch. One where the
-    calls are made in turn anyway (turn by turn on vLLM, or the HF loop without continuous batching)."""
-    if cfg.sampling.engine != "hf" or not cfg.sampling.continuous_batching:
+    calls are made in turn anyway (sampling.continuous_batching off: blocks, or turn by turn)."""
+    if not cfg.sampling.continuous_batching:
         return 1
     return cfg.env.concurrency or cfg.sampling.generation_batch_size
 

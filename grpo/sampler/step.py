@@ -106,9 +106,10 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
 
 def next_call(loop: SamplerLoop, step: int):
     """The next step's generate call, to start in the rows this step's completions leave free at its end
-    (HFEngine.generate's `then`), where the weights served now may generate it (sampling.max_staleness)
-    and are the newest published (a newer one is loaded at the next step): the HF engine's continuous
-    loop, single completions without dynamic sampling, a step to come. None otherwise."""
+    (the engines' `generate(then=...)`), where the weights served now may generate it (sampling.max_staleness)
+    and are the newest published (a newer one is loaded at the next step): continuous batching (the HF
+    engine's loop, vLLM's async engine), single completions without dynamic sampling, a step to come.
+    None otherwise."""
     cfg, engine = loop.cfg, loop.policy.engine
     s = cfg.sampling
     if (not hasattr(engine, "carried") or not s.continuous_batching or loop.policy.episodes is not None
@@ -178,11 +179,14 @@ def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
 
 def generation_detail(m: dict[str, float]) -> str:
     """The step line's view of the decode loop: tokens/s, rows generating per decode step and the share of
-    steps at a full batch (HF engine), the loop's wait on environments (episodes)."""
+    steps at a full batch (HF engine), episodes waiting on environments (vLLM: a mean over the generation),
+    the time nothing decoded while they did (episodes)."""
     parts = [f"{m['sampler/tokens_per_s']:.0f} tok/s"]
     if "sampler/live_rows_per_decode_step" in m:
         parts.append(f"{m['sampler/live_rows_per_decode_step']:.1f} rows live, "
                      f"{m['sampler/full_decode_step_fraction']:.0%} steps full")
+    if "env/waiting_mean" in m:  # vLLM: its scheduler's rows are its own
+        parts.append(f"{m['env/waiting_mean']:.1f} episodes waiting on environments")
     if m.get("timing/env_idle_s"):
         parts.append(f"{m['timing/env_idle_s']:.1f}s waiting on environments")
     return ", ".join(parts)
@@ -383,13 +387,13 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     timings = dict(metrics_so_far)
     version, digest = policy.engine.version, policy.engine.weights_digest  # before generating: the weights used
     sampler, sandbox = cfg.sampling.worker_index, policy.sandbox
-    decode_rows = getattr(policy.engine, "decode_rows", None)  # the HF engine's; vLLM schedules its own
-    if decode_rows is not None:
-        decode_rows.take()  # an evaluation's steps are not this step's
+    loop_metrics = getattr(policy.engine, "loop_metrics", None)  # the decode loop's counts, environment waits
+    if loop_metrics is not None:
+        loop_metrics.take()  # an evaluation's are not this step's
     kept, dynamic_metrics = sample_groups(cfg, policy, prompts, more_prompts,
                                           global_step(sampler, step, cfg.sampling.num_workers), sandbox, then)
-    if decode_rows is not None:
-        timings.update(decode_rows.take())
+    if loop_metrics is not None:
+        timings.update(loop_metrics.take())
     if streaks is not None:  # before the log-probs: a step that stops the run costs no forward pass
         streaks.observe(cfg, kept.failed_on_all)
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds

@@ -99,8 +99,8 @@ class SamplingConfig:
     max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
                                "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
                                "the trainer refuses (exit 7) a batch beyond it. Where the weights served may "
-                               "also generate the next step, the HF engine starts its completions in the rows "
-                               "a step leaves free at its end (sampling.continuous_batching).")
+                               "also generate the next step, its completions start in the rows a step leaves "
+                               "free at its end (sampling.continuous_batching).")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
                                        "advantage) and generate more prompts until prompts_per_step groups differ "
                                        "(grpo/sampler/dynamic_sampling.py).")
@@ -117,9 +117,10 @@ class SamplingConfig:
                                         "refilled at once with the step's next one (sampling.continuous_batching).")
     continuous_batching: bool = _f(True, "HF engine: one decode loop per call whose rows are refilled as sequences "
                                          "end, and whose episodes leave the batch while their environment answers "
-                                         "(grpo/sampler/rollout/continuous.py); false = blocks of "
-                                         "generation_batch_size rows, each decoded until its slowest sequence ends, "
-                                         "environments called inside the loop (for comparison).")
+                                         "(grpo/sampler/rollout/continuous.py); vLLM: one task of its async engine "
+                                         "per sequence or episode. false = blocks of generation_batch_size rows, "
+                                         "each decoded until its slowest sequence ends, environments called "
+                                         "inside the loop; on vLLM, episodes turn by turn (for comparison).")
     episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
                                      "this many tokens a decode step, beside the other episodes' one token each, so "
                                      "a long tool output does not widen every episode's step; 0 = the whole reply in "
@@ -300,10 +301,10 @@ class EnvConfig:
                                                  "the environment scored it: unset, the batch's worst (running out of "
                                                  "tokens never scores above losing); a number, that value (e.g. the "
                                                  "game's loss, -1). Needs env_reward in rewards.names.")
-    concurrency: int = _f(0, "HF engine with continuous batching: environment calls of different episodes in "
-                             "flight at once, off the decode loop (lanes: each a child process of its own, or a "
-                             "client of a served environment); 0 = one per row of the decode batch "
-                             "(sampling.generation_batch_size). vLLM and blocks call them one at a time.")
+    concurrency: int = _f(0, "With continuous batching: environment calls of different episodes in flight at "
+                             "once, off the decode loop (lanes: each a child process of its own, or a client of "
+                             "a served environment); 0 = one per row of the decode batch "
+                             "(sampling.generation_batch_size). Without, they are made one at a time.")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
                                 "network; a step that raises or runs past this is an error message to the model. "
                                 "openenv+http: the limit of each call to the server (connect, reset, step).")

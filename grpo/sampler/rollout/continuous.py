@@ -85,12 +85,12 @@ _continues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 
 def episode_loop(engine) -> Callable | None:
     """How `engine` runs a step's episodes in one loop (called as `run_episodes` below, with an executor for
-    the environment calls): its own `run_episodes` where it has one, this
+    the environment calls): its own `run_episodes` where it has one (vLLM), this
     module's on the HF engine when its model continues from a cache with masked gaps as from one
     without (`runs_continuously`); None: turn by turn."""
     own = getattr(engine, "run_episodes", None)
-    if own is not None:
-        return own
+    if own is not None:  # vLLM's, unless sampling.continuous_batching is off
+        return own if getattr(engine, "continuous", True) else None
     if not runs_continuously(engine):
         return None
     cfg = engine.cfg  # environments overlap decoding where the run is off-policy: an on-policy one is reproducible
@@ -174,6 +174,14 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     loop = ContinuousLoop(engine, greedy, executor if continuous else None, continuous, overlap)
     loop.add(call)
     loop.run(until=call)
+
+
+def check_room(episode: int, reply: int, budget: int, used: int) -> None:
+    """An episode's reply of `reply` tokens must leave room for one token of its next message."""
+    if budget - used < 1:
+        raise ValueError(f"episode {episode}: a reply of {reply} tokens leaves no room for another message within "
+                         f"the episode's budget of {budget} tokens ({used} used with it); cut the reply to leave one "
+                         "token at least, or end the episode")
 
 
 DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"
@@ -353,10 +361,7 @@ class ContinuousLoop:
             return
         s.used += len(s.drawn) + len(reply)
         s.limit = s.budget - s.used
-        if s.limit < 1:
-            raise ValueError(f"episode {s.episode}: a reply of {len(reply)} tokens leaves no room for another "
-                             f"message within the episode's budget of {s.budget} tokens ({s.used} used with "
-                             "it); cut the reply to leave one token at least, or end the episode")
+        check_room(s.episode, len(reply), s.budget, s.used)
         s.turn += 1
         s.generator = self._generator(s)
         s.feed, s.drawn, s.logps = [*s.feed, *reply], [], []

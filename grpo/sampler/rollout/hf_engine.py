@@ -79,6 +79,7 @@ class HFEngine:
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version, self.weights_digest = 0, INITIAL_DIGEST
         self.decode_rows = DecodeRows()  # the decode steps' rows, for the step's metrics
+        self.loop_metrics = self.decode_rows  # what the sampler's step takes (vLLM has its own)
         self.carried: Carried | None = None  # the next call's completions, started (generate's `then`)
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:

@@ -1,6 +1,17 @@
 """vLLM rollouts (optional: `make install-vllm` builds .venv-vllm; the CPU build without a GPU).
 
-Prefix caching serves the G samples of a prompt from one prefill (n = G per request). Log-probs
+vLLM's async engine (`AsyncLLM`, on its own event loop: grpo/sampler/rollout/vllm_async.py) runs one
+task per sequence, and its continuous batching refills a finished sequence's slot at once. An
+episode is one task for all its messages: when a message ends, its environment answers on a thread
+of the environment lanes while the other episodes go on decoding, and its next message is a new
+request with the whole context as tokens (the model's own tokens, never re-tokenized), its earlier
+KV served by the prefix cache. Each sequence is seeded on its own: the G samples of prompt i draw
+with `prompt_seeds(seed)[i] + g`, as vLLM seeds the samples of one n=G request, and an episode's
+later messages with `episode_seed`, so a sequence's tokens do not depend on what shares its batch.
+With `then`, the next step's completions start as this step's end, one for each that ends, with the
+weights served now; new weights, or another sampled call, abort them.
+
+Prefix caching serves the G samples of a prompt from one prefill. Log-probs
 are vLLM's "processed" ones: those of the distribution the token was drawn from, after
 temperature, as the trainer computes them. The checkpoint's generation_config is ignored
 (`generation_config="vllm"`): its repetition penalty or top-k would change the distribution
@@ -21,7 +32,13 @@ fit in the memory available.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import itertools
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -29,12 +46,16 @@ import torch
 
 from grpo.model.loading import resolve_model_path
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
+from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed
+from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
 from grpo.wire.weights import INITIAL_DIGEST, Staged
 
 if TYPE_CHECKING:
     from grpo.settings import Config
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+CPU_BATCHED_TOKENS = 4096  # the CPU build's own default budget of tokens per engine step
+ENGINE_CALL_TIMEOUT_S = 600.0  # a weight reload or adapter load on a large model: minutes at most
 INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
                 ".venv-vllm/bin/python sampling_worker.py sampling.engine=vllm)")
 
@@ -54,7 +75,7 @@ def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
                 seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                 generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
                 trust_remote_code=cfg.model.trust_remote_code,
-                worker_extension_cls="grpo.sampler.rollout.vllm_worker.PolicyReload")
+                worker_extension_cls="grpo.sampler.rollout.vllm_worker.PolicyReload", disable_log_stats=True)
     if cfg.lora.enabled:
         rank = next((r for r in LORA_RANKS if r >= cfg.lora.r), None)
         if rank is None:
@@ -68,6 +89,10 @@ def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
             raise VllmUnavailable(f"sampling.vllm_kv_cache_gb={s.vllm_kv_cache_gb:g} is more than half the memory "
                                   f"available ({available_bytes / 2**30:.1f} GiB): lower it")
         args["kv_cache_memory_bytes"] = kv_bytes
+        # whole prompts only: a seeded request whose prompt is split across steps makes the CPU build rewind
+        # its generator, which CPU generators cannot do (the engine dies: "CPU Generator does not use offset")
+        args.update(enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(args["max_model_len"], CPU_BATCHED_TOKENS))
     return args
 
 
@@ -82,34 +107,75 @@ def cpu_threads_environment(allowed_cpus: list[int], threads: int, environ) -> d
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One sequence's request: its tokens so far, its seed (None: greedy, or vLLM's own draw) and its limit."""
+
+    prompt: list[int]
+    seed: int | None
+    limit: int
+
+
+@dataclass
+class CarriedRequests:
+    """A call's completions started while the call before it ended (`generate`'s `then`)."""
+
+    key: tuple  # the call it is: prompts, G, seed, limits
+    greedy: bool
+    started: list = field(default_factory=list)  # asyncio tasks, in the call's order
+    rest: deque = field(default_factory=deque)  # its Samples not started yet
+
+
 class VllmEngine:
     """The `RolloutEngine` on vLLM, with its own copy of the weights."""
 
     def __init__(self, cfg: Config, eos_ids: list[int]):
         try:
             import vllm
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError:
             raise VllmUnavailable(f"sampling.engine=vllm needs vLLM: {INSTALL_HINT}") from None
         import psutil
 
         self._vllm, self.cfg, self.eos_ids = vllm, cfg, list(eos_ids)
+        self.continuous = cfg.sampling.continuous_batching  # off: episodes turn by turn (for comparison)
         if not torch.cuda.is_available():
             os.environ.update(cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(),
                                                       os.environ))
-        self.llm = vllm.LLM(**engine_arguments(cfg, torch.cuda.is_available(), psutil.virtual_memory().available))
+        args = engine_arguments(cfg, torch.cuda.is_available(), psutil.virtual_memory().available)
+        self.loop = EngineLoop()
+
+        async def start():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        try:
+            self.llm = self.loop.run(start())
+        except BaseException:
+            self.loop.close()
+            raise
         self.lora_request = None  # None: the base model (version 0, or a full fine-tune)
         self.adapter_loads = 0  # names and numbers each adapter load (see the module's docstring)
         self.version, self.weights_digest = 0, INITIAL_DIGEST
+        self.carried: CarriedRequests | None = None
+        self.loop_metrics = StepCounts()  # started ahead, environment waits: the step's metrics
+        self._request_ids = itertools.count()
+
+    # ------------------------------------------------------------------ weights
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         """LoRA: the adapter is loaded now (a bad one fails here) and served from the commit on.
-        Full weights are reloaded in place at the commit: nothing can hold them beside the served ones."""
+        Full weights are reloaded in place at the commit: nothing can hold them beside the served ones.
+        The commit aborts the completions started for the next step with the weights before."""
         if manifest["kind"] == "lora":
             return self._stage_adapter(folder, manifest, version)
 
         def reload():
-            self.llm.collective_rpc("reload_policy", kwargs={"weights_path": str(folder)})  # grpo/sampler/rollout/vllm_worker.py
-            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            self.drop_carried()
+            self._ask("to reload the weights", self.llm.collective_rpc(
+                "reload_policy", kwargs={"weights_path": str(folder)}))  # grpo/sampler/rollout/vllm_worker.py
+            if not self._ask("to reset its prefix cache", self.llm.reset_prefix_cache()):  # KV of the old weights
+                raise RuntimeError("vLLM could not reset its prefix cache after loading new weights (requests still "
+                                   "hold its blocks): the prompts' cached KV would be served with the old weights")
             self.version, self.weights_digest = version, manifest["digest"]
         return Staged(reload)
 
@@ -123,42 +189,197 @@ class VllmEngine:
             raise RuntimeError(f"{folder} is a LoRA adapter but lora.enabled is false")
         self.adapter_loads += 1
         request = LoRARequest(f"policy-v{version}-load{self.adapter_loads}", self.adapter_loads, str(folder))
-        engine = self.llm.llm_engine
-        if not engine.add_lora(request):  # loads it now: a bad adapter fails here, the old one still serves
+        if not self._ask("to load an adapter", self.llm.add_lora(request)):  # a bad one fails here, the old one serves
             raise RuntimeError(f"vLLM could not load the adapter in {folder}")
 
         def serve():
+            self.drop_carried()  # started with the adapter before: made again with this one
             previous, self.lora_request = self.lora_request, request
             self.version, self.weights_digest = version, manifest["digest"]
             if previous is not None:
-                engine.remove_lora(previous.lora_int_id)
-        return Staged(serve, discard=lambda: engine.remove_lora(request.lora_int_id))
+                self._ask("to remove an adapter", self.llm.remove_lora(previous.lora_int_id))
+        return Staged(serve, discard=lambda: self._ask("to remove an adapter", self.llm.remove_lora(request.lora_int_id)))
+
+    def adapters(self) -> set[int]:
+        """The ids of the adapters vLLM holds now."""
+        return self._ask("for its adapters", self.llm.list_loras())
+
+    def _ask(self, what: str, coroutine):
+        """A call to vLLM's engine process, within ENGINE_CALL_TIMEOUT_S: a dead engine process never answers."""
+        async def bounded():
+            try:
+                return await asyncio.wait_for(coroutine, ENGINE_CALL_TIMEOUT_S)
+            except TimeoutError:
+                raise RuntimeError(f"vLLM's engine did not answer within {ENGINE_CALL_TIMEOUT_S:.0f} s when asked {what} "
+                                   "(its process may have died: see the sampler's log above)") from None
+        return self.loop.run(bounded())
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        self.drop_carried()
+
+        async def shutdown():  # on the loop: vLLM cancels its output handler there
+            self.llm.shutdown()
+        self.loop.run(shutdown())
+        self.loop.close()
         del self.llm
 
-    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
-        from vllm.inputs import TokensPrompt
+    # ------------------------------------------------------------------ single completions
 
-        s = self.cfg.sampling
+    def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
+                 greedy: bool = False, max_new_tokens: Sequence[int] | None = None,
+                 then: NextCall | None = None) -> Rollouts:
+        """G completions of each prompt, each its own request (the samples of prompt i seeded
+        `prompt_seeds(seed)[i] + g`). `then`: the next call, started with the weights served now, one
+        completion for each of this call's that ends; it finds them started (or done). A greedy call (an
+        evaluation) leaves them; another sampled call, or new weights, abort them."""
         if group_size > SEED_BLOCK:
             raise ValueError(f"group_size {group_size} is above {SEED_BLOCK}, the seeds one prompt's samples may take")
-        seeds = [None] * len(prompts) if seed is None else prompt_seeds(seed, len(prompts))
-        limits = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens] * len(prompts)
-        params = [self._vllm.SamplingParams(
-            n=group_size, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=limit, logprobs=0, seed=prompt_seed, stop_token_ids=self.eos_ids)
-            for prompt_seed, limit in zip(seeds, limits)]  # one seed per prompt: grpo.sampler.rollout.prompt_seeds says why
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=self.lora_request, use_tqdm=False)
-        completions, truncated, logps = [], [], []
-        for request in outputs:  # vLLM returns requests in prompt order: already prompt-major
-            for sample in request.outputs:
-                ids = list(sample.token_ids)
-                completions.append(torch.tensor(ids, dtype=torch.long))
-                truncated.append(sample.finish_reason == "length")
-                logps.append(torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)],
-                                          dtype=torch.float32))
-        return Rollouts(completions, truncated, logps)
+        key, samples = self._samples(NextCall(prompts, group_size, seed, max_new_tokens))
+        carried = None
+        if self.carried is not None and self.carried.key == key and self.carried.greedy == greedy:
+            carried, self.carried = self.carried, None
+        elif not greedy:
+            self.drop_carried()
+        nxt = None
+        if then is not None:
+            self.drop_carried()  # a newer one replaces it
+            then_key, then_samples = self._samples(then)
+            nxt = CarriedRequests(then_key, greedy, rest=deque(then_samples))
+        try:
+            outputs = self.loop.run(self._generate(samples, greedy, carried, nxt))
+        except BaseException:  # interrupted before it ran: what it was given to finish is aborted
+            for requests in (carried, nxt):
+                if requests is not None:
+                    requests.rest.clear()
+                    self.loop.run(cancelled(requests.started))
+            raise
+        if nxt is not None:
+            self.carried = nxt
+        return Rollouts([o[0] for o in outputs], [o[2] for o in outputs], [o[1] for o in outputs])
+
+    def _samples(self, call: NextCall) -> tuple[tuple, list[Sample]]:
+        limits = list(call.max_new_tokens) if call.max_new_tokens is not None else \
+            [self.cfg.sampling.max_new_tokens] * len(call.prompts)
+        seeds = [None] * len(call.prompts) if call.seed is None else prompt_seeds(call.seed, len(call.prompts))
+        samples = [Sample(list(prompt), None if first is None else first + g, limit)
+                   for prompt, first, limit in zip(call.prompts, seeds, limits) for g in range(call.group_size)]
+        return (tuple(map(tuple, call.prompts)), call.group_size, call.seed, tuple(limits)), samples
+
+    async def _generate(self, samples: list[Sample], greedy: bool, carried: CarriedRequests | None,
+                        nxt: CarriedRequests | None) -> list[tuple]:
+        if carried is not None:
+            self.loop_metrics.add({"sampler/started_ahead_fraction": len(carried.started) / max(len(samples), 1)})
+            tasks = carried.started + [self._start(s, greedy) for s in carried.rest]
+        else:
+            tasks = [self._start(s, greedy) for s in samples]
+        if nxt is not None:
+            def refill(_):  # a slot this call's completion leaves: the next call's next one
+                if nxt.rest:
+                    nxt.started.append(self._start(nxt.rest.popleft(), greedy))
+            for task in tasks:
+                task.add_done_callback(refill)
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            if nxt is not None:
+                nxt.rest.clear()
+            await cancelled(tasks + (nxt.started if nxt is not None else []))
+            raise
+
+    def _start(self, sample: Sample, greedy: bool) -> asyncio.Task:
+        return asyncio.ensure_future(self._complete(sample, greedy, self.lora_request))
+
+    async def _complete(self, sample: Sample, greedy: bool, lora, calls: EnvironmentCalls | None = None) -> tuple:
+        """One request to its end: (token ids, their log-probs, truncated)."""
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.cfg.sampling
+        params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize), none is read
+            n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+            max_tokens=sample.limit, logprobs=0, seed=sample.seed, stop_token_ids=self.eos_ids,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        final = None
+        if calls is not None:
+            calls.request(1)
+        try:
+            async for out in self.llm.generate(tokens_input(sample.prompt), params,
+                                               str(next(self._request_ids)), lora_request=lora):
+                final = out
+        finally:
+            if calls is not None:
+                calls.request(-1)
+        done = final.outputs[0]
+        if done.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
+        ids = list(done.token_ids)
+        logps = [step[t].logprob for step, t in zip(done.logprobs, ids)]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(logps, dtype=torch.float32), \
+            done.finish_reason == "length"
+
+    def complete(self, prompt: list[int], seed: int | None, limit: int, greedy: bool = False) -> tuple:
+        """One request on its own: (token ids, their log-probs, truncated)."""
+        return self.loop.run(self._complete(Sample(list(prompt), seed, limit), greedy, self.lora_request))
+
+    def drop_carried(self) -> None:
+        """The completions started for the next call, aborted."""
+        carried, self.carried = self.carried, None
+        if carried is not None:
+            carried.rest.clear()
+            self.loop.run(cancelled(carried.started))
+
+    # ------------------------------------------------------------------ episodes
+
+    def run_episodes(self, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
+                     seed: int | None = None, greedy: bool = False, executor=None) -> None:
+        """B x G episodes, episode j of prompt j // G, each one task: a message, `on_turn` on `executor`'s
+        threads (one thread of its own without), the next message from the whole context, until `on_turn`
+        says the episode is over; within `budget` tokens after its prompt (one budget, or one per prompt)."""
+        call = Call.of(prompts, group_size, budget, seed, greedy, on_turn)  # budgets checked, a seed drawn
+        budgets, seed = call.budgets, call.seed
+        firsts = [None] * len(prompts) if greedy else prompt_seeds(seed, len(prompts))
+        calls, own = EnvironmentCalls(), None
+        if executor is None:
+            executor = own = ThreadPoolExecutor(1, thread_name_prefix="environment")
+        # episode j's first message is seeded as `generate` seeds sample j % G of its prompt
+        episodes = [functools.partial(self._episode, j, prompts[j // group_size], budgets[j // group_size],
+                                      None if greedy else firsts[j // group_size] + j % group_size, seed, greedy,
+                                      on_turn, executor, calls)
+                    for j in range(len(prompts) * group_size)]
+        try:
+            self.loop.run(all_of(episodes))
+        finally:
+            if own is not None:
+                own.shutdown()
+        self.loop_metrics.add(calls.metrics())
+
+    async def _episode(self, j: int, prompt: list[int], budget: int, first: int | None, seed: int | None,
+                       greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls) -> None:
+        context, used, turn, lora = list(prompt), 0, 0, self.lora_request
+        while True:
+            turn_seed = first if turn == 0 or greedy else episode_seed(seed, j, turn)
+            ids, logps, cut = await self._complete(Sample(context, turn_seed, budget - used), greedy, lora, calls)
+            reply = await calls.call(executor, on_turn, j, ids, logps, cut)
+            if reply is None:
+                return
+            used += len(ids) + len(reply)
+            check_room(j, len(reply), budget, used)
+            context += ids.tolist() + reply
+            turn += 1
+
+
+async def cancelled(tasks: list) -> None:
+    """The tasks cancelled and finished (a cancelled request is aborted in vLLM)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def all_of(coroutines: list) -> None:
+    """Every coroutine run at once; the first to raise cancels the others (and waits for them) and raises."""
+    tasks = [asyncio.ensure_future(make()) for make in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        await cancelled(tasks)
+        raise

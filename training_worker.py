@@ -51,6 +51,7 @@ from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer
 from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
 from grpo.wire.delivery import Inbox, TrainerState
+from grpo.wire.staleness import token_staleness
 from grpo.wire.transport import AddressInUse, BatchReceiver, decode_batch
 from grpo.wire.weights import published_digests, published_versions, version_dir
 
@@ -353,6 +354,7 @@ def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, 
     completion_tokens = sum(len(c) for c in batch.completion_ids)
     row = {"step": state.step, "wall_time": time.time(), **step_metrics, "learning_rate": learning_rate,
            "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
+           **token_staleness(state.step - 1, batch.token_versions),
            **timings, "trainer/completion_tokens": completion_tokens,
            "trainer/tokens_per_s": completion_tokens * t.num_iterations / max(timings["timing/train_s"], 1e-9),
            "trainer/rejected_messages": rejected, "trainer/skipped_steps": skipped_total,

@@ -30,7 +30,7 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("schema", "step", "sampler", "policy_version", "group_sizes", "reward_names", "num_tokens", "num_sequences",
                  "meta"):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps"):
+    for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps", "token_versions"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:

@@ -59,11 +59,23 @@ def malformed_messages():
     good = encode_batch(make_batch())
     nan_logps = make_batch()
     nan_logps.old_logps[0][0] = float("nan")
+    unversioned = make_batch()
+    unversioned.token_versions[1][0] = -1
+    episodes = make_batch()  # the environment wrote each completion's last token, and it claims a version
+    episodes.model_mask = [torch.arange(len(c)) < len(c) - 1 for c in episodes.completion_ids]
     return {
         "empty message": ([], "non-empty list of byte frames"),
         "not json": ([b"\x80garbage"] + good[1:], "header is not JSON"),
         "json but not an object": ([b"[1, 2]"] + good[1:], "header must be a JSON object"),
         "unknown schema": (_with_header(good, schema="grpo.sampler.rollout/99"), "unknown schema 'grpo.sampler.rollout/99'"),
+        "a batch without token versions": (_with_header(good, schema="grpo.rollout/1"),
+                                           "a batch of schema grpo.rollout/1, from a sampler older than this trainer, "
+                                           "which speaks grpo.rollout/2 .*run the sampler of the same version"),
+        "policy_version not the oldest token's": (_with_header(good, policy_version=3),
+                                                  "policy_version 3 is not the oldest token's version 0"),
+        "a model token without a version": (encode_batch(unversioned), "token_versions: a model token without a version"),
+        "an environment token with a version": (encode_batch(episodes),
+                                                "token_versions: an environment's token must be -1"),
         "missing field": ([json.dumps({k: v for k, v in _header(good).items() if k != "step"}).encode()] + good[1:],
                           "missing field 'step'"),
         "wrong field type": (_with_header(good, step="7"), "field 'step' must be int"),
@@ -73,9 +85,9 @@ def malformed_messages():
         "shape does not match bytes": (_mutate_spec(good, 1, lengths=[1, 1, 1, 1, 1]),
                                        "completion_ids: .* bytes do not match its shape"),
         "truncated frame": (good[:2] + [good[2][:-4]] + good[3:], "bytes do not match its shape"),
-        "frame count mismatch": (good[:-1], "header lists 7 tensors but 6 frames follow"),
+        "frame count mismatch": (good[:-1], "header lists 8 tensors but 7 frames follow"),
         "missing tensor field": (_with_header(good[:-1], tensors=_header(good)["tensors"][:-1]),
-                                 "missing tensor field 'truncated'"),
+                                 "missing tensor field 'token_versions'"),
         "unknown tensor field": (_mutate_spec(good, 0, name="weights"), "unknown tensor field 'weights'"),
         "duplicate tensor field": (_mutate_spec(good, 1, name="prompt_ids", lengths=_header(good)["tensors"][0]["lengths"],
                                                 nbytes=len(good[1])) [:2] + [good[1]] + good[3:],
@@ -165,6 +177,7 @@ def test_high_water_mark_applies_back_pressure():
     big = make_batch()
     big.completion_ids[0] = torch.zeros(1_000_000, dtype=torch.long)  # 8 MB: beyond the kernel's socket buffers
     big.old_logps[0] = big.ref_logps[0] = torch.zeros(1_000_000)
+    big.token_versions[0] = torch.zeros(1_000_000, dtype=torch.int32)
     big.num_tokens = sum(len(c) for c in big.completion_ids)
 
     def produce():
@@ -304,3 +317,24 @@ def test_the_secret_can_come_from_the_environment(monkeypatch):
     finally:
         for socket in (signed, unsigned, receiver):
             socket.close()
+
+
+def test_a_batch_sampled_with_one_version_carries_it_on_every_model_token_and_none_on_the_environments():
+    from grpo.wire.batch import one_version
+
+    versions = one_version(4, [torch.tensor([7, 8, 9]), torch.tensor([5])],
+                           [torch.tensor([True, False, True]), torch.tensor([True])])
+    assert [v.tolist() for v in versions] == [[4, -1, 4], [4]] and versions[0].dtype == torch.int32
+    batch = make_batch(step=3)
+    assert all(v.tolist() == [2] * len(c) for v, c in zip(decode_batch(encode_batch(batch)).token_versions,
+                                                           batch.completion_ids))
+
+
+def test_token_staleness_is_the_age_of_each_model_tokens_weights_at_training():
+    """Trainer at version 5; completion 1 sampled by v3 then v4 (an environment token between), completion 2
+    by v5: ages 2, 1, 0 over the three model tokens (mean 1, max 2); one of two completions spans versions."""
+    from grpo.wire.staleness import token_staleness
+
+    metrics = token_staleness(5, [torch.tensor([3, -1, 4], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)])
+    assert metrics == {"staleness/token_mean": 1.0, "staleness/token_max": 2.0,
+                       "staleness/multi_version_fraction": 0.5}

@@ -15,13 +15,14 @@ import torch
 
 from grpo.wire.weights import INITIAL_DIGEST
 
-SCHEMA = "grpo.rollout/1"
+SCHEMA = "grpo.rollout/2"  # /2: every token carries the weights version that sampled it (token_versions)
+ENVIRONMENT_TOKEN = -1  # token_versions of a token an environment wrote (episodes): no version sampled it
 
 
 @dataclass
 class RolloutBatch:
     step: int  # sampler step, monotonic per sampler; the trainer de-duplicates by (sampler, step)
-    policy_version: int  # weights version that generated the batch
+    policy_version: int  # the weights version that sampled its oldest token (staleness is bounded by it)
     prompt_ids: list[torch.Tensor]  # B x int64 [P_i], no padding
     completion_ids: list[torch.Tensor]  # N = sum(group_sizes) x int64 [C_j], cut after the first EOS (kept)
     group_sizes: list[int]  # [B], G per prompt
@@ -39,7 +40,13 @@ class RolloutBatch:
     weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/wire/weights.py), checked too
     model_mask: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens of multi-turn episodes
     # (grpo/sampler/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
+    # N x int32 [C_j]: the weights version that sampled each token; ENVIRONMENT_TOKEN where an environment wrote it
+    token_versions: list[torch.Tensor] | None = None
     schema: str = SCHEMA
+
+    def __post_init__(self):
+        if self.token_versions is None:  # sampled with one version: policy_version on every model token
+            self.token_versions = one_version(self.policy_version, self.completion_ids, self.model_mask)
 
     def group_slices(self) -> list[slice]:
         """The completions of each prompt."""
@@ -48,6 +55,15 @@ class RolloutBatch:
             out.append(slice(start, start + g))
             start += g
         return out
+
+
+def one_version(version: int, completion_ids: list[torch.Tensor], model_mask: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
+    """token_versions of completions sampled with `version` alone (ENVIRONMENT_TOKEN at an environment's tokens)."""
+    versions = [torch.full((len(c),), version, dtype=torch.int32) for c in completion_ids]
+    if model_mask is not None:
+        versions = [torch.where(m.bool(), v, ENVIRONMENT_TOKEN) for v, m in zip(versions, model_mask)]
+    return versions
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,7 @@ FIELDS = (
     Field("advantages", "tensor", "<f4", rows="completion"),
     Field("truncated", "tensor", "|b1", rows="completion"),
     Field("model_mask", "ragged", "|b1", rows="token", optional=True),
+    Field("token_versions", "ragged", "<i4", rows="token"),
     Field("num_tokens", "header", int),
     Field("num_sequences", "header", int),
     Field("meta", "header", dict),

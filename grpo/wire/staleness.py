@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -28,6 +30,18 @@ def required_version(step: int, max_staleness: int, publish_every: int) -> int:
 def too_stale(batch_version: int, trainer_version: int, max_staleness: int) -> bool:
     """Whether a batch made with `batch_version` is too old for the trainer at `trainer_version`."""
     return batch_version < oldest_version(trainer_version, max_staleness)
+
+
+def token_staleness(trainer_version: int, token_versions: list[torch.Tensor]) -> dict[str, float]:
+    """How old each model token's weights are when its batch is trained (`trainer_version` - the version that
+    sampled it; environment tokens, version -1, have none): the mean and the largest over the batch's model
+    tokens, and the share of completions whose model tokens span more than one version."""
+    model = [v[v >= 0] for v in token_versions]
+    ages = trainer_version - torch.cat(model).double()
+    spanning = sum(len(v) > 0 and bool(v.min() != v.max()) for v in model)
+    return {"staleness/token_mean": float(ages.mean()) if ages.numel() else 0.0,
+            "staleness/token_max": float(ages.max()) if ages.numel() else 0.0,
+            "staleness/multi_version_fraction": spanning / max(len(model), 1)}
 
 
 class StalenessTimeout(TimeoutError):

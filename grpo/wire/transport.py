@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from grpo.wire.batch import FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
+from grpo.wire.batch import ENVIRONMENT_TOKEN, FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
 
 TENSORS = {f.name: f for f in TENSOR_FIELDS}
-TORCH_DTYPE = {"<i8": torch.int64, "<f4": torch.float32, "|b1": torch.bool}
+TORCH_DTYPE = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
 HEADER_TYPES = {**{f.name: f.dtype for f in HEADER_FIELDS}, "tensors": list}  # "tensors": the frames' specs
 
 
@@ -95,6 +95,9 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header is not JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
+    if header.get("schema") == "grpo.rollout/1":
+        raise MessageError(f"a batch of schema grpo.rollout/1, from a sampler older than this trainer, which speaks "
+                           f"{SCHEMA} (a weights version on every token): run the sampler of the same version")
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
     for key, kind in HEADER_TYPES.items():
@@ -168,6 +171,19 @@ def _check_consistency(h: dict, dims: dict) -> None:
         raise MessageError("step, sampler and policy_version must be >= 0")
 
 
+def _check_versions(policy_version: int, versions: list[torch.Tensor], model_mask: list[torch.Tensor] | None) -> None:
+    """Every model token has a version, environment tokens none, and policy_version is the oldest."""
+    model = torch.cat(versions)
+    if model_mask is not None:
+        if bool((torch.cat(versions)[~torch.cat(model_mask)] != ENVIRONMENT_TOKEN).any()):
+            raise MessageError(f"token_versions: an environment's token must be {ENVIRONMENT_TOKEN}")
+        model = model[torch.cat(model_mask)]
+    if model.numel() and int(model.min()) < 0:
+        raise MessageError("token_versions: a model token without a version")
+    if model.numel() and int(model.min()) != policy_version:
+        raise MessageError(f"policy_version {policy_version} is not the oldest token's version {int(model.min())}")
+
+
 def decode_batch(frames, secret: bytes | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutBatch:
     """Frames -> RolloutBatch, or MessageError for any bad input (never another exception)."""
     try:
@@ -204,6 +220,7 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
         if f.name not in tensors and not f.optional:
             raise MessageError(f"missing tensor field '{f.name}'")
     _check_consistency(header, dims)
+    _check_versions(header["policy_version"], tensors["token_versions"], tensors.get("model_mask"))
     return RolloutBatch(**{f.name: header[f.name] if f.wire == "header" else tensors.get(f.name) for f in FIELDS})
 
 

@@ -97,7 +97,7 @@ def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float
             version, digest = watcher.version, served["digest"]
             time.sleep(generate_s)  # in place of generating
             sender.send(dataclasses.replace(batch, sampler=index, step=step, policy_version=version,
-                                            weights_digest=digest))
+                                            token_versions=None, weights_digest=digest))  # every token: version
     except Exception as e:  # reported by the caller
         errors.append(f"sampler {index}: {e}")
     finally:

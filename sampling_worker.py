@@ -53,7 +53,7 @@ from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
-from grpo.sampler.step import SamplerLoop, SamplerPolicy, make_engine, run_step
+from grpo.sampler.step import SamplerLoop, SamplerPolicy, in_flight_poll, make_engine, run_step
 from grpo.sources import SourceError
 from grpo.wire.behaviour import behaviour_of
 from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
@@ -103,6 +103,8 @@ def main(argv: list[str]) -> int:
     state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
     watcher = WeightWatcher(cfg.weights_dir, weight_stagers(cfg, policy))
+    if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
+        policy.engine.poll_weights = in_flight_poll(cfg, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)

@@ -118,3 +118,24 @@ def test_a_step_started_by_the_step_before_is_the_batch_its_weights_make_alone(t
         batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
         metrics = batch.meta["metrics"]
         assert (metrics["reward"], metrics["completions/mean_length"]) == (row["reward"], row["completions/mean_length"])
+
+
+def test_a_run_loading_weights_between_decode_steps_trains_batches_whose_every_token_is_within_the_bound(
+        tmp_path, chatty_model_dir, tiny_gsm8k):
+    """sampling.in_flight_updates at max_staleness 2: the sampler loads each version as it is published,
+    mid-step too. Every trained batch's oldest token is its policy_version, within the bound (per-token
+    staleness max = staleness <= 2), and its tokens' versions are versions the trainer published."""
+    steps = 5
+    proc = launch(tmp_path, chatty_model_dir, tiny_gsm8k, f"training.steps={steps}", "sampling.max_staleness=2",
+                  "sampling.in_flight_updates=true", "sampling.group_size=8", "sampling.generation_batch_size=4",
+                  "sampling.max_new_tokens=48", "training.learning_rate=1e-3", f"weights.keep_last={steps}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    published = {int(p.name[1:]) for p in (tmp_path / "weights").glob("v*")} | {0}
+    for row in rows:
+        assert row["staleness/token_max"] == row["staleness"] <= 2
+        assert 0 <= row["staleness/token_mean"] <= row["staleness/token_max"] and row["policy_version"] in published
+        assert (row["staleness/multi_version_fraction"] > 0) <= (row.get("sampler/in_flight_loads", 0) > 0)
+    print("in-flight loads per step:", [r.get("sampler/in_flight_loads", 0) for r in rows],
+          "spanning:", [r["staleness/multi_version_fraction"] for r in rows])

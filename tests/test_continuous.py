@@ -553,3 +553,79 @@ def test_an_eos_drawn_at_the_message_limit_ends_the_message_uncut():
             assert got == messages_of(alone, room)
             ids, truncated, _ = got[0][turn]
             assert truncated is cut and ids == free[turn][0][:room - budget + len(free[turn][0])]
+
+
+def _in_flight_run(tmp_path, dtype, kv: str):
+    """3 prompts x 4 completions of up to 24 tokens, 6 rows at a time; after the 8th decode step a version
+    that changes the attention (the keys of layer 0) and the head is published and loaded between two
+    decode steps. Returns the rollouts, the prompts and the two models."""
+    import copy
+
+    from grpo.wire.weights import publish, verify
+
+    model = chatty_in("llama", dtype)
+    old = copy.deepcopy(model)
+    newer = copy.deepcopy(model)
+    with torch.no_grad():
+        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
+        newer.lm_head.weight.mul_(1.3)
+    folder = publish(newer, tmp_path, 1, 1)
+    manifest = verify(folder)
+    cfg = load_config(None, ["sampling.max_new_tokens=24", "sampling.temperature=1.0",
+                             "sampling.generation_batch_size=6", f"sampling.in_flight_kv={kv}"]).sampling
+    engine = HFEngine(model, CharTokenizer(), cfg)
+    polls = []
+
+    def poll() -> bool:
+        polls.append(engine.decode_rows.steps)
+        if len(polls) == 9:
+            engine.load_weights(folder, manifest, 1)
+            return True
+        return False
+    engine.poll_weights = poll
+    ids = [p.token_ids for p in prompts((5, 8, 3))]
+    got = engine.generate(ids, 4, seed=7)
+    return got, ids, old, newer, engine.decode_rows.take()
+
+
+def _own_version_gaps(got, ids, models):
+    """Each token's recorded log-prob against its own version's, recomputed from its whole prefix at once."""
+    from grpo.model.logprobs import completion_logprobs
+
+    recomputed = {v: completion_logprobs(m, [torch.tensor(p) for p in ids], got.completion_ids, [4] * len(ids),
+                                         temperature=1.0) for v, m in models.items()}
+    gaps = []
+    for j, (logps, versions) in enumerate(zip(got.logps, got.token_versions)):
+        for v, theirs in recomputed.items():
+            at = versions == v
+            gaps.append(((logps - theirs[j]).abs() / theirs[j].abs().clamp(min=1))[at])
+    return torch.cat(gaps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_in_flight_weights_give_each_token_the_log_prob_of_its_own_version_given_its_whole_prefix(tmp_path, dtype):
+    """A version loaded between two decode steps with sampling.in_flight_kv=recompute: every cached column is
+    computed again under it, so every recorded log-prob is its token's under the version that drew it
+    given its whole prefix, as the trainer's forward computes it (float32 rounding; in float64 within two
+    float32 ulps: the recorded float32 against the trainer's float32, rounded on another path);
+    completions that span both versions record each token's version, and the load is counted."""
+    with torch.no_grad():
+        got, ids, old, newer, metrics = _in_flight_run(tmp_path, dtype, "recompute")
+        gaps = _own_version_gaps(got, ids, {0: old, 1: newer})
+    versions = [v.tolist() for v in got.token_versions]
+    assert any(0 in v and 1 in v for v in versions)  # some completions span the load
+    assert all(v == sorted(v) for v in versions) and sum(map(len, versions)) == len(gaps)
+    assert metrics["sampler/in_flight_loads"] == 1.0 and metrics["timing/kv_recompute_s"] > 0
+    assert gaps.max().item() <= {torch.float32: LOGP_TOLERANCE, torch.float64: 2.5e-7}[dtype], gaps.max().item()
+
+
+def test_in_flight_weights_on_the_kv_before_leave_a_mismatch_the_recompute_does_not(tmp_path):
+    """sampling.in_flight_kv=keep: after the load the sequences go on from the KV of the weights before, so
+    the log-probs recorded for the tokens drawn after it differ from their version's over the whole prefix
+    (here by far more than float32 rounding); the tokens before it are exact."""
+    with torch.no_grad():
+        got, ids, old, newer, _ = _in_flight_run(tmp_path, torch.float32, "keep")
+        gaps = _own_version_gaps(got, ids, {0: old})
+        after = _own_version_gaps(got, ids, {1: newer})
+    print(f"stale KV: largest relative log-prob gap after the load {after.max().item():.3g}")
+    assert gaps.max().item() <= LOGP_TOLERANCE and after.max().item() > 1e-3

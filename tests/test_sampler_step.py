@@ -100,6 +100,39 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     assert all(torch.equal(a, b) for a, b in zip(recompute.old_logps, recomputed))
 
 
+class InFlightEngine(FakeEngine):
+    """FakeEngine's completions, each first token drawn by v2 and its EOS by v3 (a version loaded between
+    two decode steps), as the HF engine records them with sampling.in_flight_updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.version, self.weights_digest, self.digests = 3, "d3", {2: "d2", 3: "d3"}
+
+    def generate(self, prompts, group_size, *, seed=None, greedy=False):
+        rollouts = super().generate(prompts, group_size)
+        rollouts.token_versions = [torch.tensor([2, 3], dtype=torch.int32) for _ in rollouts.completion_ids]
+        return rollouts
+
+
+def test_a_step_whose_weights_changed_while_it_decoded_is_the_batch_of_its_oldest_token():
+    """policy_version and the digest are those of the oldest token's version; every token's version
+    travels on the wire; the check of the recorded log-probs compares only the tokens of the version
+    served now (the recompute's weights)."""
+    from grpo.wire.transport import decode_batch, encode_batch
+
+    cfg = config()
+    model = add_lora(tiny_model(), cfg.lora).eval()
+    policy = SamplerPolicy(InFlightEngine(), model, None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={}, check_recorded=True)
+    assert (batch.policy_version, batch.weights_digest) == (2, "d2")
+    assert [v.tolist() for v in decode_batch(encode_batch(batch)).token_versions] == [[2, 3]] * 4
+    with torch.no_grad():
+        recomputed = completion_logprobs(model, batch.prompt_ids, batch.completion_ids, [2, 2],
+                                         temperature=cfg.sampling.temperature)
+    eos_gap = max(abs(a[1] - b[1]).item() for a, b in zip(batch.old_logps, recomputed))
+    assert batch.meta["metrics"]["sampler/engine_logp_gap_max"] == eos_gap
+
+
 class ScriptedEngine(FakeEngine):
     """A prompt whose last token is even gets G equal completions (no reward spread); an odd one
     gets completions "7", "8", ... (the answer reward tells them apart). Records each call's seed."""

@@ -40,6 +40,7 @@ def option_lists() -> dict[str, tuple]:
         "sampling.dtype": ("auto", *DTYPES),
         "sampling.engine": ENGINES,
         "sampling.old_logps": OLD_LOGPS_SOURCES,
+        "sampling.in_flight_kv": ("recompute", "keep"),
         "training.reference_on": REFERENCE_SOURCES,
         "training.kl_estimator": KL_ESTIMATORS,
         "training.importance_sampling": IS_MODES,
@@ -124,6 +125,11 @@ def _sampling_errors(s, publish_every: int) -> list[str]:
     if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
         errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
                       f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
+    if s.in_flight_updates and (s.engine != "hf" or not s.continuous_batching or s.old_logps != "generation"):
+        errors.append("sampling.in_flight_updates needs sampling.engine=hf with sampling.continuous_batching=true and "
+                      "sampling.old_logps=generation (a recompute after generation would score every token with "
+                      f"the newest weights); got engine={s.engine}, continuous_batching={s.continuous_batching}, "
+                      f"old_logps={s.old_logps}")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
     elif s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness

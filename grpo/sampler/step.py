@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -124,6 +124,19 @@ def next_call(loop: SamplerLoop, step: int):
 
     prompts = round_prompts(s, loop.cursor, loop.prompts, g)(0)
     return NextCall([p.token_ids for p in prompts], s.group_size, step_seed(cfg, g))
+
+
+def in_flight_poll(cfg: Config, policy: SamplerPolicy, watcher) -> Callable[[], bool] | None:
+    """What the HF engine's loop calls between decode steps to load a newly published version
+    (sampling.in_flight_updates): single completions without dynamic sampling; None otherwise (new weights
+    load between steps)."""
+    if not cfg.sampling.in_flight_updates or policy.episodes is not None or cfg.sampling.dynamic_sampling:
+        return None
+
+    def poll() -> bool:
+        result = watcher.poll()
+        return result is not None and result.loaded
+    return poll
 
 
 def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
@@ -307,7 +320,9 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         rollouts=Rollouts(completion_ids=[rnd.rollouts.completion_ids[i] for rnd, i in samples],
                           truncated=[rnd.rollouts.truncated[i] for rnd, i in samples],
                           logps=[rnd.rollouts.logps[i] for rnd, i in samples],
-                          model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None),
+                          model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None,
+                          token_versions=[rnd.rollouts.token_versions[i] for rnd, i in samples]
+                          if all(rnd.rollouts.token_versions is not None for rnd in rounds) else None),
         texts=[rnd.texts[i] for rnd, i in samples],
         rows=[rnd.rows[i] for rnd, i in samples],
         scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
@@ -371,8 +386,10 @@ def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.T
     gap = None
     if recomputed is not None:  # over the model's tokens: an episode's environment tokens hold placeholders
         masks = rollouts.model_masks or [torch.ones(len(c), dtype=torch.bool) for c in rollouts.completion_ids]
-        gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)),
-                  default=0.0)
+        if rollouts.token_versions is not None:  # the recompute is the weights served now: their tokens only
+            masks = [m & (v == policy.engine.version) for m, v in zip(masks, rollouts.token_versions)]
+        gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)
+                   if m.any()), default=0.0)
     return (rollouts.logps if recorded else recomputed), ref_logps, gap
 
 
@@ -410,6 +427,9 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, check_recorded)
     timings["timing/logprobs_s"] = time.perf_counter() - t
 
+    if rollouts.token_versions is not None and rollouts.model_masks is None:  # the batch's version: its oldest token's
+        version = min((int(v.min()) for v in rollouts.token_versions if len(v)), default=version)
+        digest = policy.engine.digests[version]
     truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
     num_tokens, num_sequences = loss_counts(objective, rollouts.completion_ids, truncated, rollouts.model_masks)
     batch = RolloutBatch(
@@ -420,7 +440,8 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
         rewards=scores.per_function, reward_names=reward_names(cfg.rewards), advantages=advantages,
         truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
-        weights_digest=digest, model_mask=rollouts.model_masks)
+        weights_digest=digest, model_mask=rollouts.model_masks,
+        token_versions=rollouts.token_versions if rollouts.model_masks is None else None)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
     metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
     if kept.episodes is not None:

@@ -121,6 +121,15 @@ class SamplingConfig:
                                          "per sequence or episode. false = blocks of generation_batch_size rows, "
                                          "each decoded until its slowest sequence ends, environments called "
                                          "inside the loop; on vLLM, episodes turn by turn (for comparison).")
+    in_flight_updates: bool = _f(False, "HF engine, single completions, sampling.old_logps=generation: a version "
+                                        "published while a step decodes is loaded between two decode steps, "
+                                        "without waiting for its sequences to end; each token records the version "
+                                        "that drew it (the batch's token_versions; policy_version is the oldest).")
+    in_flight_kv: str = _f("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
+                                        "column again under the new weights (each recorded log-prob is its token's "
+                                        "under its own version given its whole prefix); 'keep' goes on from the "
+                                        "KV of the weights before (cheaper, not exact: the sampler/trainer "
+                                        "mismatch metrics show the cost).")
     episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
                                      "this many tokens a decode step, beside the other episodes' one token each, so "
                                      "a long tool output does not widen every episode's step; 0 = the whole reply in "

@@ -1,14 +1,17 @@
 """End to end: a recipe trained for the same wall-clock budget with the HF engine's continuous decode
-loop and with the block loop (`sampling.continuous_batching=false`), one run after the other on the
-whole machine, each evaluated at the same marks.
+loop and with the block loop (`sampling.continuous_batching=false`), or (`--variants in-flight`) with
+new weights loaded between steps, between decode steps with the KV computed again, and between decode
+steps on the KV before; one run after the other on the whole machine, each evaluated at the same marks.
 
     .venv/bin/python scripts/benchmarks/bench_continuous_learn.py --config configs/needle_haystack.yaml \\
-        --minutes 8 --marks 4,8 [key=value ...]
+        --minutes 8 --marks 4,8 [--variants in-flight] [key=value ...]
 
 Each run is scripts/benchmarks/bench_learn.py's run of ours (launch.max_minutes, every version kept);
 a mark at minute m evaluates the last version published by m with the same greedy evaluation
 (scripts/evaluate.py, the first --eval-problems problems of eval.split), after both runs. Printed:
-held-out accuracy at each mark, and trained steps per minute (the versions published over the budget).
+held-out accuracy at each mark, trained steps per minute (the versions published over the budget), and
+from each run's metrics.jsonl the share of the trainer's step time it waited for a batch, the share of
+the sampler's generation it waited for weights, and (in-flight) the loads and their KV recompute time.
 """
 
 from __future__ import annotations
@@ -23,7 +26,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
 
-VARIANTS = {"continuous": [], "blocks": ["sampling.continuous_batching=false"]}
+VARIANT_SETS = {
+    "continuous": {"continuous": [], "blocks": ["sampling.continuous_batching=false"]},
+    "in-flight": {"in-flight, KV recomputed": ["sampling.in_flight_updates=true"],
+                  "in-flight, KV kept": ["sampling.in_flight_updates=true", "sampling.in_flight_kv=keep"],
+                  "between steps": []},
+}
+
+
+def idle_shares(run_dir: Path) -> dict[str, float]:
+    """From a run's metrics rows: the trainer's wait for batches over its step time, the sampler's wait
+    for weights over its generation time, in-flight loads per step and their KV recompute over generation."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "timing/train_s" in r]
+    wait, train = sum(r["timing/wait_s"] for r in rows), sum(r["timing/train_s"] for r in rows)
+    weights, generate = sum(r.get("timing/weights_wait_s", 0) for r in rows), sum(r["timing/generate_s"] for r in rows)
+    return {"trainer idle": wait / max(wait + train, 1e-9), "sampler idle": weights / max(weights + generate, 1e-9),
+            "loads per step": sum(r.get("sampler/in_flight_loads", 0) for r in rows) / max(len(rows), 1),
+            "KV recompute / generation": sum(r.get("timing/kv_recompute_s", 0) for r in rows) / max(generate, 1e-9),
+            "completions spanning versions": sum(r.get("staleness/multi_version_fraction", 0) for r in rows)
+            / max(len(rows), 1)}
 
 
 def main(argv: list[str]) -> int:
@@ -36,26 +58,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval-problems", type=int, default=300)
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "continuous-learn")
+    parser.add_argument("--variants", choices=list(VARIANT_SETS), default="continuous")
     args, overrides = parser.parse_known_args(argv)
+    variants = VARIANT_SETS[args.variants]
+    base = list(variants)[-1]
     marks = [0.0] + [float(m) for m in args.marks.split(",")]
-    at_marks, rates = {}, {}
-    for name, extra in VARIANTS.items():
-        folder = args.out / name
+    at_marks, rates, shares = {}, {}, {}
+    for name, extra in variants.items():
+        folder = args.out / name.replace(" ", "-").replace(",", "")
         folder.mkdir(parents=True, exist_ok=True)
         versions = run_ours(args.config, args.minutes, [*overrides, *extra], folder)
         at_marks[name] = weights_at_marks(versions, marks)
         rates[name] = sum(minute <= args.minutes for minute, _ in versions) / args.minutes
-        print(f"{name}: {len(versions)} versions published, {rates[name]:.2f} steps per minute", flush=True)
+        shares[name] = idle_shares(folder / "ours")
+        print(f"{name}: {len(versions)} versions published, {rates[name]:.2f} steps per minute; "
+              + ", ".join(f"{k} {v:.3g}" for k, v in shares[name].items()), flush=True)
     curves = evaluate_marks(args.config, overrides, at_marks, args.eval_problems, args.eval_batch_size, args.out)
-    print("| minute | " + " | ".join(f"{name} accuracy" for name in VARIANTS) + " |")
-    print("| --- | " + " | ".join("---" for _ in VARIANTS) + " |")
+    print("| minute | " + " | ".join(f"{name} accuracy" for name in variants) + " |")
+    print("| --- | " + " | ".join("---" for _ in variants) + " |")
     for i, mark in enumerate(marks):
         cells = [f"{100 * c[i]['answer_accuracy']:.1f}% ± {100 * c[i]['answer_accuracy_stderr']:.1f}"
-                 for c in (curves[name] for name in VARIANTS)]
+                 for c in (curves[name] for name in variants)]
         print(f"| {mark:g} | " + " | ".join(cells) + " |")
-    print("steps per minute: " + ", ".join(f"{name} {rates[name]:.2f}" for name in VARIANTS)
-          + f" ({rates['continuous'] / max(rates['blocks'], 1e-9):.2f}x)")
-    (args.out / "result.json").write_text(json.dumps({"curves": curves, "steps_per_minute": rates,
+    print("steps per minute: " + ", ".join(f"{name} {rates[name]:.2f} ({rates[name] / max(rates[base], 1e-9):.2f}x)"
+                                           for name in variants))
+    (args.out / "result.json").write_text(json.dumps({"curves": curves, "steps_per_minute": rates, "shares": shares,
                                                       "overrides": overrides, "minutes": args.minutes}, indent=1))
     return 0
 

@@ -44,6 +44,9 @@ class Rollouts:
     truncated: list[bool]  # [N]: hit max_new_tokens without EOS
     logps: list[torch.Tensor]  # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
     model_masks: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens, in episodes (grpo/sampler/episodes.py)
+    # N x int32 [C_j]: the weights version that drew each token, where it may differ within a completion
+    # (sampling.in_flight_updates); None: all drawn by the version served when the call started
+    token_versions: list[torch.Tensor] | None = None
 
 
 @runtime_checkable

@@ -197,6 +197,7 @@ class Call:
     seed: int | None
     on_turn: OnTurn
     pending: int = 0  # its sequences not done
+    versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
 
     @property
     def size(self) -> int:
@@ -236,6 +237,7 @@ class Sequence:
     drawn: list[int] = field(default_factory=list)  # this message's tokens
     logps: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
+    history: list[int] = field(default_factory=list)  # the tokens its KV holds, in order (to compute it again)
 
     @property
     def columns(self) -> int:
@@ -272,7 +274,7 @@ class ContinuousLoop:
         for j in range(n):
             i = j // call.group_size
             s = Sequence(call, j, i, call.budgets[i], [call.prompts[i][-1]], len(call.prompts[i]) - 1, call.budgets[i])
-            s.generator = self._generator(s)
+            s.generator, s.history = self._generator(s), list(call.prompts[i][:-1])
             self.fresh.append(s)
         if n:
             self.active.append(call)
@@ -281,6 +283,7 @@ class ContinuousLoop:
         """Decode until every sequence of `until` is done; the later calls' sequences stay where they are."""
         try:
             while until.pending:
+                self._load_new_weights()
                 if self.overlap:  # nothing to decode and none may join: wait for a reply
                     self._take_replies(block=not self._live() and sum(self._joinable([])) == 0)
                 elif self.calls and (not self._live() or len(self.calls) >= COMPACT_FRACTION * len(self.rows)):
@@ -298,6 +301,50 @@ class ContinuousLoop:
 
     def _live(self) -> int:
         return sum(s.state == DECODING for s in self.rows)
+
+    # ------------------------------------------------------------------ new weights between decode steps
+
+    def _load_new_weights(self) -> None:
+        """A version published since the last decode step, loaded now (`engine.poll_weights`, with
+        sampling.in_flight_updates); with sampling.in_flight_kv=recompute every cached column is computed
+        again under it, so each token drawn from here on has the log-prob of its version given its whole
+        prefix; with `keep` the sequences go on from the KV of the weights before."""
+        poll = getattr(self.engine, "poll_weights", None)
+        if poll is None or not poll():
+            return
+        self.engine.decode_rows.swaps += 1
+        if self.engine.cfg.in_flight_kv == "recompute":
+            self._recompute_kv()
+
+    def _recompute_kv(self) -> None:
+        """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the
+        cache rebuilt, each row's columns right-aligned), the parked ones; the queued ones' shared prompt
+        KV is dropped (prefilled again when they join)."""
+        t = time.perf_counter()
+        parked = [s for s in (*self.returned, *self.calls.values()) if not s.in_batch and s.kv is not None]
+        holding = [s for s in (*self.rows, *parked) if s.history]
+        for s in self.fresh:
+            s.kv, s.prefilled = None, False
+        if holding:
+            ids, mask = left_pad([s.history for s in holding], self.pad)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            cache = DynamicCache(config=self.engine.model.config)
+            with torch.no_grad():
+                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
+            for row, s in enumerate(holding):
+                n = len(s.history)
+                s.kv = [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
+                        for layer in cache.layers]
+        if self.rows:
+            total = max(len(s.history) for s in self.rows)
+            self.mask = torch.zeros(len(self.rows), total, dtype=self.mask.dtype, device=self.mask.device)
+            for i, s in enumerate(self.rows):
+                self.mask[i, total - len(s.history):] = 1
+            self.cache = self._regrouped_cache([], self.rows, total)
+            for s in self.rows:
+                s.kv = None
+        self.engine.decode_rows.swap_s += time.perf_counter() - t
 
     def _step(self) -> None:
         drawing, logits = self._forward()
@@ -318,6 +365,7 @@ class ContinuousLoop:
     def _drawn(self, s: Sequence, token: int, logp: float) -> None:
         s.drawn.append(token)
         s.logps.append(logp)
+        s.call.versions.setdefault(s.episode, []).append(self.engine.version)
         ended = token in self.engine.eos_ids
         if not ended and len(s.drawn) < s.limit:
             s.feed = [token]
@@ -404,6 +452,7 @@ class ContinuousLoop:
             positions.append([0] * pad + list(range(s.position, s.position + len(chunk))))
             fed.append(len(chunk))
             s.position += len(chunk)
+            s.history += chunk
         columns = torch.arange(width)
         new_mask = (columns >= width - torch.tensor(fed)[:, None]).to(self.mask.dtype)  # each row's last fed[b]
         self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)

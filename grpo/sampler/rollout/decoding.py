@@ -196,6 +196,8 @@ class DecodeRows:
     waiting: int = 0
     idle_s: float = 0.0
     ahead: float | None = None  # the share of a call's completions the call before it started (`then`)
+    swaps: int = 0  # new weights loaded between decode steps (sampling.in_flight_updates)
+    swap_s: float = 0.0  # of which recomputing the KV under them (sampling.in_flight_kv=recompute)
 
     def add(self, rows: int, live: int, full_at: int, waiting: int = 0) -> None:
         """A decode step of `rows` rows, `live` of them generating; full when `full_at` are."""
@@ -214,6 +216,8 @@ class DecodeRows:
             "env/waiting_per_decode_step": self.waiting / self.steps, "timing/env_idle_s": self.idle_s}
         if self.ahead is not None:
             metrics["sampler/started_ahead_fraction"] = self.ahead
-        self.steps = self.rows = self.live = self.full = self.waiting = 0
-        self.idle_s, self.ahead = 0.0, None
+        if self.swaps:
+            metrics.update({"sampler/in_flight_loads": float(self.swaps), "timing/kv_recompute_s": self.swap_s})
+        self.steps = self.rows = self.live = self.full = self.waiting = self.swaps = 0
+        self.idle_s, self.swap_s, self.ahead = 0.0, 0.0, None
         return metrics

@@ -24,7 +24,7 @@ import copy
 import functools
 import inspect
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -80,6 +80,10 @@ class HFEngine:
         self.version, self.weights_digest = 0, INITIAL_DIGEST
         self.decode_rows = DecodeRows()  # the decode steps' rows, for the step's metrics
         self.loop_metrics = self.decode_rows  # what the sampler's step takes (vLLM has its own)
+        # sampling.in_flight_updates: loads a newly published version (the sampler's watcher), True when it did;
+        # the loop calls it between decode steps
+        self.poll_weights: Callable[[], bool] | None = None
+        self.digests = {0: INITIAL_DIGEST}  # each version served: the oldest token's is the batch's
         self.carried: Carried | None = None  # the next call's completions, started (generate's `then`)
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
@@ -88,6 +92,7 @@ class HFEngine:
         def commit():
             staged.commit()
             self.version, self.weights_digest = version, manifest["digest"]
+            self.digests[version] = manifest["digest"]
             self.carried = None  # started with the weights before: made again with these
         return Staged(commit)
 
@@ -180,8 +185,9 @@ class HFEngine:
             loop.add(self.carried.call)
         loop.run(until=call)
         ended = call.ended
+        versions = [torch.tensor(call.versions[j], dtype=torch.int32) for j in range(len(ended))]
         return Rollouts([ended[j][0] for j in range(len(ended))], [ended[j][2] for j in range(len(ended))],
-                        [ended[j][1] for j in range(len(ended))])
+                        [ended[j][1] for j in range(len(ended))], token_versions=versions)
 
     def _call(self, spec: NextCall, greedy: bool) -> Call:
         """The loop's Call for `spec`, recording each completion in `call.ended` as it ends (one message:

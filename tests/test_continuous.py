@@ -629,3 +629,16 @@ def test_in_flight_weights_on_the_kv_before_leave_a_mismatch_the_recompute_does_
         after = _own_version_gaps(got, ids, {1: newer})
     print(f"stale KV: largest relative log-prob gap after the load {after.max().item():.3g}")
     assert gaps.max().item() <= LOGP_TOLERANCE and after.max().item() > 1e-3
+
+
+def test_a_greedy_call_an_evaluation_never_loads_new_weights_mid_way():
+    """An evaluation scores the version it started with: the loop does not ask for new weights in a greedy
+    call, and asks before every decode step of a sampled one."""
+    engine = HFEngine(chatty_in("llama", torch.float32), CharTokenizer(),
+                      load_config(None, ["sampling.max_new_tokens=12", "sampling.generation_batch_size=4"]).sampling)
+    asked = []
+    engine.poll_weights = lambda: asked.append(engine.decode_rows.steps) or False
+    engine.generate([p.token_ids for p in prompts((5, 8))], 2, greedy=True)
+    assert asked == [] and engine.decode_rows.take()["sampler/decode_steps"] > 0
+    engine.generate([p.token_ids for p in prompts((5, 8))], 2, seed=3)
+    assert asked == list(range(int(engine.decode_rows.take()["sampler/decode_steps"])))  # before each one

@@ -31,6 +31,7 @@ VARIANT_SETS = {
     "in-flight": {"in-flight, KV recomputed": ["sampling.in_flight_updates=true"],
                   "in-flight, KV kept": ["sampling.in_flight_updates=true", "sampling.in_flight_kv=keep"],
                   "between steps": []},
+    "in-flight-exact": {"in-flight, KV recomputed": ["sampling.in_flight_updates=true"], "between steps": []},
 }
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "needle_haystack.yaml")
     parser.add_argument("--minutes", type=float, default=8.0)
-    parser.add_argument("--marks", default="4,8", help="minutes to evaluate at, comma-separated")
+    parser.add_argument("--marks", default="4,8", help="minutes to evaluate at, comma-separated ('' = no evaluation)")
     parser.add_argument("--eval-problems", type=int, default=300)
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "continuous-learn")
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     variants = VARIANT_SETS[args.variants]
     base = list(variants)[-1]
-    marks = [0.0] + [float(m) for m in args.marks.split(",")]
+    marks = [0.0] + [float(m) for m in args.marks.split(",") if m]
     at_marks, rates, shares = {}, {}, {}
     for name, extra in variants.items():
         folder = args.out / name.replace(" ", "-").replace(",", "")
@@ -73,6 +74,10 @@ def main(argv: list[str]) -> int:
         shares[name] = idle_shares(folder / "ours")
         print(f"{name}: {len(versions)} versions published, {rates[name]:.2f} steps per minute; "
               + ", ".join(f"{k} {v:.3g}" for k, v in shares[name].items()), flush=True)
+    print("steps per minute: " + ", ".join(f"{name} {rates[name]:.2f} ({rates[name] / max(rates[base], 1e-9):.2f}x)"
+                                           for name in variants))
+    if len(marks) == 1:  # no marks: the rates and shares only
+        return 0
     curves = evaluate_marks(args.config, overrides, at_marks, args.eval_problems, args.eval_batch_size, args.out)
     print("| minute | " + " | ".join(f"{name} accuracy" for name in variants) + " |")
     print("| --- | " + " | ".join("---" for _ in variants) + " |")
@@ -80,8 +85,6 @@ def main(argv: list[str]) -> int:
         cells = [f"{100 * c[i]['answer_accuracy']:.1f}% ± {100 * c[i]['answer_accuracy_stderr']:.1f}"
                  for c in (curves[name] for name in variants)]
         print(f"| {mark:g} | " + " | ".join(cells) + " |")
-    print("steps per minute: " + ", ".join(f"{name} {rates[name]:.2f} ({rates[name] / max(rates[base], 1e-9):.2f}x)"
-                                           for name in variants))
     (args.out / "result.json").write_text(json.dumps({"curves": curves, "steps_per_minute": rates, "shares": shares,
                                                       "overrides": overrides, "minutes": args.minutes}, indent=1))
     return 0

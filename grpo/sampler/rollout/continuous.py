@@ -310,7 +310,7 @@ class ContinuousLoop:
         again under it, so each token drawn from here on has the log-prob of its version given its whole
         prefix; with `keep` the sequences go on from the KV of the weights before."""
         poll = getattr(self.engine, "poll_weights", None)
-        if poll is None or not poll():
+        if poll is None or self.sampler.greedy or not poll():  # greedy: an evaluation, of the version it started with
             return
         self.engine.decode_rows.swaps += 1
         if self.engine.cfg.in_flight_kv == "recompute":

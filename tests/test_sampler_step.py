@@ -427,3 +427,27 @@ def test_the_next_step_is_not_started_ahead(tmp_path, why, kwargs):
 
 def test_the_next_step_is_started_ahead_where_the_weights_served_are_the_newest_and_allowed(tmp_path):
     assert next_call_of(tmp_path, 2, version=1, latest=1)[2] is not None  # step 3 needs v1 at staleness 2
+
+
+def test_in_flight_loads_take_newer_versions_only():
+    """Mid-step the sampler loads a version newer than its own; a LATEST that moved back (a trainer that
+    restarted from an older checkpoint) waits for the step's end, so no batch mixes two histories."""
+    from grpo.sampler.step import in_flight_poll
+
+    class Watcher:
+        def __init__(self, latest):
+            self.version, self._latest, self.polls = 5, latest, 0
+
+        def latest(self):
+            return self._latest
+
+        def poll(self):
+            self.polls += 1
+            return type("Loaded", (), {"loaded": True})()
+
+    policy = SamplerPolicy(FakeEngine(), None, None, DigitTokenizer(), {})
+    cfg = load_config(None, ["sampling.in_flight_updates=true"])
+    for latest, loads in ((6, True), (5, False), (3, False), (None, False)):
+        watcher = Watcher(latest)
+        assert in_flight_poll(cfg, policy, watcher)() is loads and watcher.polls == int(loads)
+    assert in_flight_poll(load_config(None, []), policy, Watcher(6)) is None

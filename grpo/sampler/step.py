@@ -130,10 +130,17 @@ def in_flight_poll(cfg: Config, policy: SamplerPolicy, watcher) -> Callable[[], 
     """What the HF engine's loop calls between decode steps to load a newly published version
     (sampling.in_flight_updates): single completions without dynamic sampling; None otherwise (new weights
     load between steps)."""
-    if not cfg.sampling.in_flight_updates or policy.episodes is not None or cfg.sampling.dynamic_sampling:
+    if not cfg.sampling.in_flight_updates:
+        return None
+    if policy.episodes is not None or cfg.sampling.dynamic_sampling:
+        log.info("sampling.in_flight_updates: new weights load between steps with %s",
+                 "episodes" if policy.episodes is not None else "dynamic sampling")
         return None
 
     def poll() -> bool:
+        latest = watcher.latest()
+        if latest is None or latest <= watcher.version:  # a step back (a trainer restarted) loads between steps
+            return False
         result = watcher.poll()
         return result is not None and result.loaded
     return poll

@@ -175,9 +175,10 @@ def _check_versions(policy_version: int, versions: list[torch.Tensor], model_mas
     """Every model token has a version, environment tokens none, and policy_version is the oldest."""
     model = torch.cat(versions)
     if model_mask is not None:
-        if bool((torch.cat(versions)[~torch.cat(model_mask)] != ENVIRONMENT_TOKEN).any()):
+        mask = torch.cat(model_mask)
+        if bool((model[~mask] != ENVIRONMENT_TOKEN).any()):
             raise MessageError(f"token_versions: an environment's token must be {ENVIRONMENT_TOKEN}")
-        model = model[torch.cat(model_mask)]
+        model = model[mask]
     if model.numel() and int(model.min()) < 0:
         raise MessageError("token_versions: a model token without a version")
     if model.numel() and int(model.min()) != policy_version:

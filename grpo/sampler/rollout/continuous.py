@@ -176,6 +176,12 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     loop.run(until=call)
 
 
+def last_columns(cache: DynamicCache, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `row`'s last `n` cached columns of every layer (a left-padded forward's: its real ones)."""
+    return [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
+            for layer in cache.layers]
+
+
 def check_room(episode: int, reply: int, budget: int, used: int) -> None:
     """An episode's reply of `reply` tokens must leave room for one token of its next message."""
     if budget - used < 1:
@@ -333,9 +339,7 @@ class ContinuousLoop:
                 self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                                   past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
             for row, s in enumerate(holding):
-                n = len(s.history)
-                s.kv = [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
-                        for layer in cache.layers]
+                s.kv = last_columns(cache, row, len(s.history))
         if self.rows:
             total = max(len(s.history) for s in self.rows)
             self.mask = torch.zeros(len(self.rows), total, dtype=self.mask.dtype, device=self.mask.device)
@@ -521,10 +525,7 @@ class ContinuousLoop:
         if ids.shape[1] > 1:
             cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
         for row, (call, i) in enumerate(order):
-            n = len(call.prompts[i]) - 1
-            kv = None if ids.shape[1] == 1 else \
-                [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
-                 for layer in cache.layers]
+            kv = None if ids.shape[1] == 1 else last_columns(cache, row, len(call.prompts[i]) - 1)
             for s in group[call, i]:
                 s.kv, s.prefilled = kv, True
 

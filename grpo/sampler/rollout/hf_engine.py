@@ -79,7 +79,6 @@ class HFEngine:
         self.eos_ids = eos_token_ids(tokenizer, model)  # the checkpoint's EOS list counts; its processors do not
         self.version, self.weights_digest = 0, INITIAL_DIGEST
         self.decode_rows = DecodeRows()  # the decode steps' rows, for the step's metrics
-        self.loop_metrics = self.decode_rows  # what the sampler's step takes (vLLM has its own)
         # sampling.in_flight_updates: loads a newly published version (the sampler's watcher), True when it did;
         # the loop calls it between decode steps
         self.poll_weights: Callable[[], bool] | None = None
@@ -95,6 +94,11 @@ class HFEngine:
             self.digests[version] = manifest["digest"]
             self.carried = None  # started with the weights before: made again with these
         return Staged(commit)
+
+    @property
+    def loop_metrics(self) -> DecodeRows:
+        """What the sampler's step takes from the engine's loop (vLLM has its own)."""
+        return self.decode_rows
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
         self.stage_weights(folder, manifest, version).commit()

@@ -177,6 +177,7 @@ def start_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     logging.basicConfig(level=cfg.logging.level if rank == 0 else "WARNING",
                         format=f"%(asctime)s trainer[{rank}] %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
+    faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints where each thread was
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(requested=True))
     cuda = torch.cuda.is_available()
     backend = cfg.deepspeed.backend if cfg.deepspeed.backend != "auto" else ("nccl" if cuda else "gloo")
@@ -365,9 +366,20 @@ def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, 
     return row
 
 
+def leave(code: int) -> None:
+    """Exit once main has closed the run's files and destroyed the process group, skipping the
+    interpreter's teardown: there a C++ thread of the distributed stack that is still woken can
+    abort the process ("terminate called without an active exception", SIGABRT) and turn a
+    finished run into a failed one."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(exit_code(main, sys.argv[1:]))
+        leave(exit_code(main, sys.argv[1:]))
     except WriteFailed as e:
         log.error("%s. Nothing partial is visible: weights and checkpoints are written aside and renamed into "
                   "place, so LATEST and the last checkpoint are whole. Free space or fix permissions and restart; "

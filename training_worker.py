@@ -39,6 +39,7 @@ from grpo.files import RunFolderError, ensure_writable
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.model.logprobs import check_supported, verify_shared_prefix
+from grpo.objective import Objective
 from grpo.run.progress import log_milestone
 from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.run.tracking import open_tracker
@@ -47,7 +48,7 @@ from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extens
 from grpo.trainer.outputs import (CheckpointMismatch, MetricsLog, WriteFailed, base_fingerprint, check_base,
                                   check_resumable, load_trainable, publish_weights, save_checkpoint)
 from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm,
-                           train_step)
+                           train_step, within_age)
 from grpo.wire.behaviour import (BehaviourMismatch, behaviour_of, check_behaviour, check_staleness,
                             check_weights_digest, uncorrected_precision_gap)
 from grpo.wire.delivery import Inbox, TrainerState
@@ -107,6 +108,7 @@ def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None"
     anything is trained with it."""
     verified = not cfg.training.verify_shared_prefix
     shape = ModelShape.of(model)  # for the model FLOPs of each step (perf/ metrics)
+    objective = Objective.of(cfg)
     bad_in_row = skipped_total = 0
     checkpointed = state.step  # a start that trains nothing leaves no checkpoint (it would be resumed from)
     known_digests: dict[int, set[str]] = {}  # rank 0: weights/digests.jsonl as last read
@@ -132,8 +134,12 @@ def train(cfg: Config, engine, model, state: TrainerState, io: "RankZero | None"
                                  temperature=cfg.sampling.temperature)
             verified = True
 
+        aged_out = {}
+        if cfg.training.max_token_age >= 0:  # every rank decodes the same batch: they mask alike
+            batch, fraction = within_age(batch, state.step, cfg.training.max_token_age, objective)
+            aged_out = {"staleness/aged_out_token_fraction": fraction}
         t1 = time.perf_counter()
-        step_metrics = train_step(engine, batch, cfg, rank, world, device, updates=state.updates)
+        step_metrics = {**train_step(engine, batch, cfg, rank, world, device, updates=state.updates), **aged_out}
         learning_rate = step_metrics.pop("learning_rate")
         timings["timing/train_s"] = time.perf_counter() - t1
         state.step += 1

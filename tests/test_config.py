@@ -127,9 +127,13 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["sampling.old_logps=cached"], "sampling.old_logps must be one of recompute, generation; got 'cached'"),
     (["sampling.in_flight_kv=reuse"], "sampling.in_flight_kv must be one of recompute, keep; got 'reuse'"),
     (["sampling.in_flight_updates=true", "sampling.old_logps=recompute"],
-     "sampling.in_flight_updates needs sampling.engine=hf with sampling.continuous_batching=true and "
+     "sampling.in_flight_updates needs sampling.continuous_batching=true and "
      "sampling.old_logps=generation (a recompute after generation would score every token with the newest "
-     "weights); got engine=hf, continuous_batching=True, old_logps=recompute"),
+     "weights); got continuous_batching=True, old_logps=recompute"),
+    (["sampling.in_flight_updates=true", "sampling.engine=vllm", "sampling.in_flight_kv=keep"],
+     "sampling.in_flight_updates on vLLM needs lora.enabled=true (its requests move to each new adapter; full "
+     "weights load between steps) and sampling.in_flight_kv=recompute (a moved request's prefix is prefilled "
+     "again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
     (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),
     (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),

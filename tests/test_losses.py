@@ -403,3 +403,68 @@ def test_a_batch_whose_every_completion_is_masked_has_a_zero_loss_not_nan(aggreg
                      max_completion_length=2, num_completions=2)
     loss.backward()
     assert loss.item() == 0.0 and per_token.grad.abs().sum().item() == 0.0
+
+
+def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
+    """training.max_token_age=1 at trainer version 5: of completions sampled with versions [3 3 4 4], [4 4 4]
+    and [3 3] (an in-flight load moved the first from v3 to v4), the v3 tokens leave the loss: 4 of 9 model
+    tokens, the last completion whole, so the loss sees 5 tokens of 2 completions. An environment's token
+    (version -1) stays out. Nothing that old: the batch itself, untouched."""
+    import dataclasses
+
+    from grpo.trainer.step import within_age
+    from helpers import make_batch
+
+    batch = make_batch(seed=1, group_sizes=(2, 1))
+    ids = [torch.arange(4), torch.arange(3), torch.arange(2)]
+    versions = [torch.tensor([3, 3, 4, 4], dtype=torch.int32), torch.tensor([4, -1, 4], dtype=torch.int32),
+                torch.tensor([3, 3], dtype=torch.int32)]
+    batch = dataclasses.replace(batch, completion_ids=ids, token_versions=versions, model_mask=[v >= 0 for v in versions],
+                                truncated=torch.zeros(3, dtype=torch.bool), num_tokens=8, num_sequences=3)
+    aged, fraction = within_age(batch, trainer_version=5, max_age=1, objective=Objective())
+    assert [m.int().tolist() for m in aged.model_mask] == [[0, 0, 1, 1], [1, 0, 1], [0, 0]]
+    assert (aged.num_tokens, aged.num_sequences, fraction) == (4, 2, 4 / 8)
+    assert within_age(batch, trainer_version=5, max_age=2, objective=Objective())[0] is batch
+    assert within_age(batch, trainer_version=4, max_age=1, objective=Objective())[0] is batch
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo"])
+def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_young_ones(aggregation):
+    """micro_batch_loss on a tiny model, a batch whose completions span versions 2-4 at trainer version 4
+    with max_token_age=1: the loss (whole, and summed over its groups as ranks would) equals the per-token
+    loop over the tokens of versions 3 and 4 alone, with their own counts as denominators."""
+    import dataclasses
+
+    from conftest import tiny_model
+    from grpo.config import load_config
+    from grpo.model.logprobs import completion_logprobs
+    from grpo.model.sharding import select_groups
+    from grpo.trainer.step import micro_batch_loss, within_age
+    from helpers import make_batch
+
+    model = tiny_model()
+    cfg = load_config(None, [f"training.aggregation={aggregation}", "training.beta=0", "training.max_token_age=1"])
+    batch = make_batch(seed=5, with_ref=False)
+    g = torch.Generator().manual_seed(6)
+    versions = [torch.sort(torch.randint(2, 5, (len(c),), generator=g, dtype=torch.int32)).values
+                for c in batch.completion_ids]
+    batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
+                                prompt_ids=[p % 101 for p in batch.prompt_ids], token_versions=versions,
+                                truncated=torch.zeros(5, dtype=torch.bool))
+    aged, fraction = within_age(batch, 4, 1, Objective.of(cfg))
+    young = [v >= 3 for v in versions]
+    assert 0 < fraction < 1 and aged.num_tokens == sum(int(y.sum()) for y in young)
+    with torch.no_grad():
+        whole = micro_batch_loss(model, aged, cfg)[0]
+        pieces = sum(micro_batch_loss(model, select_groups(aged, [k]), cfg, batch_completions=5)[0] for k in (0, 1))
+        logps = completion_logprobs(model, aged.prompt_ids, aged.completion_ids, aged.group_sizes,
+                                    temperature=cfg.sampling.temperature)
+    width = max(len(c) for c in aged.completion_ids)
+    pad = lambda rows, value: torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=r.dtype)])
+                                           for r in rows])  # noqa: E731
+    slow = slow_policy_loss(pad(logps, 0.0), pad(aged.old_logps, 0.0), aged.advantages, pad(young, False), None,
+                            level="token", aggregation=aggregation, clip_low=0.2, clip_high=0.2, beta=0, estimator="k3",
+                            num_sequences=aged.num_sequences, num_tokens=aged.num_tokens, max_len=width)
+    assert abs(slow.item()) > 1e-3
+    torch.testing.assert_close(whole, slow, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pieces, slow, rtol=1e-5, atol=1e-6)

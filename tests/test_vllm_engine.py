@@ -298,6 +298,81 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
 
 
 @needs_vllm
+def test_in_flight_live_requests_move_to_a_new_adapter_and_each_token_is_its_versions(served, tmp_path):
+    """sampling.in_flight_updates on vLLM: a version published while a call decodes is loaded mid-way, and
+    each live request is made again from its tokens so far with the new adapter. Completions span both
+    versions, each token's recorded log-prob is its token's under its own version given its whole prefix
+    (the trainer's recompute with that version's adapter), the adapter before is removed once no request
+    uses it, and the call counts the load and the moved requests."""
+    import time
+
+    cfg, model, tokenizer, engine, prompts = served
+    old, new = trained_adapter(cfg, seed=21), trained_adapter(cfg, seed=22)
+    watcher = WeightWatcher(tmp_path, [engine.stage_weights])
+    publish(old, tmp_path, version=1, step=1)
+    assert watcher.poll().loaded
+    started = time.monotonic()
+
+    def poll() -> bool:  # v2 is published 1 s into the call (its 2 x 4 x 96 tokens take seconds here)
+        if watcher.version == 1 and time.monotonic() - started > 1.0:
+            publish(new, tmp_path, version=2, step=2)
+        result = watcher.poll()
+        return result is not None and result.loaded
+    engine.poll_weights = poll
+    try:
+        engine.loop_metrics.take()
+        rollouts = engine.generate(prompts, 4, seed=31, max_new_tokens=[96, 96])
+    finally:
+        engine.poll_weights = None
+    metrics = engine.loop_metrics.take()
+    assert engine.version == 2 and metrics["sampler/in_flight_loads"] == 1
+    assert set(engine.adapters()) == {engine.lora_request.lora_int_id}  # v1's removed
+    versions = rollouts.token_versions
+    spanning = [j for j, v in enumerate(versions) if set(v.tolist()) == {1, 2}]
+    assert spanning and metrics["sampler/in_flight_resumed"] >= len(spanning)
+    assert all(bool((v[1:] >= v[:-1]).all()) for v in versions)  # a sequence moves forward only
+    with torch.no_grad():
+        under = {version: completion_logprobs(m, [torch.tensor(p) for p in prompts], rollouts.completion_ids,
+                                              [4, 4], temperature=cfg.sampling.temperature)
+                 for version, m in ((1, old), (2, new))}
+    gaps = torch.cat([(logps - torch.where(v == 1, under[1][j], under[2][j])).abs()
+                      for j, (logps, v) in enumerate(zip(rollouts.logps, versions))])
+    print(f"{len(spanning)} of 8 completions span v1 and v2, {int(metrics['sampler/in_flight_resumed'])} requests "
+          f"moved; recorded vs recompute under each token's version: max {gaps.max():.2e}")
+    assert gaps.max() < LOGP_BOUND, gaps.max()
+    # and the moved tokens are not what the old adapter gives them: the check above tells the versions apart
+    moved = torch.cat([(under[1][j] - under[2][j])[versions[j] == 2].abs() for j in spanning])
+    assert moved.max() > 100 * LOGP_BOUND
+
+
+@needs_vllm
+def test_in_flight_the_next_steps_completions_move_to_a_newer_adapter_and_a_step_back_drops_them(served, tmp_path):
+    """With in-flight updates, the completions started for the next step follow a newer adapter loaded
+    between steps (the next step finds them, their tokens of both versions); a version that moves back (a
+    trainer resumed from an older checkpoint) drops them: their versions no longer name those weights."""
+    from grpo.sampler.rollout.continuous import NextCall
+
+    cfg, model, tokenizer, engine, prompts = served
+    watcher = WeightWatcher(tmp_path, [engine.stage_weights])
+    publish(trained_adapter(cfg, seed=23), tmp_path, version=1, step=1)
+    assert watcher.poll().loaded
+    engine.poll_weights = lambda: False  # in-flight updates on; nothing new while the calls decode
+    try:
+        engine.generate(prompts[:1], 2, seed=1, then=NextCall(prompts[1:], 2, 2, [64]))
+        publish(trained_adapter(cfg, seed=24), tmp_path, version=2, step=2)
+        assert watcher.poll().loaded and engine.carried is not None  # moved on, not dropped
+        engine.loop_metrics.take()
+        carried = engine.generate(prompts[1:], 2, seed=2, max_new_tokens=[64])
+        assert engine.loop_metrics.take()["sampler/started_ahead_fraction"] == 1.0
+        assert all(set(v.tolist()) <= {1, 2} for v in carried.token_versions)  # v2's if they were still decoding
+        engine.generate(prompts[:1], 2, seed=3, then=NextCall(prompts[1:], 2, 4, [64]))
+        publish(trained_adapter(cfg, seed=25), tmp_path, version=1, step=1)  # LATEST back at v1, other weights
+        assert watcher.poll().loaded and engine.version == 1 and engine.carried is None
+    finally:
+        engine.poll_weights = None
+
+
+@needs_vllm
 def test_each_prompt_and_each_step_draws_its_own_noise(served):
     """vLLM seeds sample j of a request with seed + j. With one seed per call, the same prompt twice
     in a call got the same G samples, and sample j + 1 of seed s was sample j of seed s + 1."""
@@ -395,6 +470,27 @@ def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["staleness"] == 0 and r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
+
+
+@needs_vllm
+def test_a_vllm_run_with_in_flight_updates_trains_batches_whose_every_token_is_within_the_bound(tmp_path):
+    """sampling.in_flight_updates on vLLM at max_staleness 2: each trained batch's oldest token is its
+    policy_version, within the bound, and every version its tokens name is one the trainer published."""
+    from test_launch import launch
+
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=4",
+                  "sampling.max_new_tokens=48", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_staleness=2", "sampling.in_flight_updates=true", "weights.keep_last=4")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    published = {int(p.name[1:]) for p in (tmp_path / "weights").glob("v*")} | {0}
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["staleness/token_max"] == row["staleness"] <= 2 and row["policy_version"] in published
+    print("in-flight loads per step:", [r.get("sampler/in_flight_loads", 0) for r in rows],
+          "spanning:", [r["staleness/multi_version_fraction"] for r in rows])
 
 
 def test_vllm_on_the_cpu_gets_the_samplers_threads_unless_the_user_set_them():

@@ -74,9 +74,9 @@ ALLOWED = (
     "training.min_lr_ratio", "training.weight_decay", "training.max_grad_norm", "training.max_bad_steps",
     "training.beta", "training.reference_on", "training.kl_estimator", "training.clip_low", "training.clip_high",
     "training.aggregation", "training.num_iterations", "training.max_tokens_per_micro_batch",
-    "training.importance_sampling", "training.importance_sampling_cap", "training.shared_prefix",
-    "training.verify_shared_prefix", "deepspeed.backend", "weights.keep_last", "checkpoint.every",
-    "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
+    "training.importance_sampling", "training.importance_sampling_cap", "training.max_token_age",
+    "training.shared_prefix", "training.verify_shared_prefix", "deepspeed.backend", "weights.keep_last",
+    "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
 )
 NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak"}
 SECRETS = ("transport.secret",)

@@ -105,11 +105,11 @@ def _choice_and_count_errors(cfg: Config) -> list[str]:
 
 
 def _value_errors(cfg: Config) -> list[str]:
-    return (_sampling_errors(cfg.sampling, cfg.weights.publish_every) + _data_errors(cfg.data)
+    return (_sampling_errors(cfg.sampling, cfg.weights.publish_every, cfg.lora.enabled) + _data_errors(cfg.data)
             + _training_errors(cfg.training, cfg.lora.enabled) + _model_errors(cfg) + _process_errors(cfg))
 
 
-def _sampling_errors(s, publish_every: int) -> list[str]:
+def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
     errors = []
     if not s.temperature > 0:
         errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
@@ -125,11 +125,15 @@ def _sampling_errors(s, publish_every: int) -> list[str]:
     if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
         errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
                       f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
-    if s.in_flight_updates and (s.engine != "hf" or not s.continuous_batching or s.old_logps != "generation"):
-        errors.append("sampling.in_flight_updates needs sampling.engine=hf with sampling.continuous_batching=true and "
+    if s.in_flight_updates and (not s.continuous_batching or s.old_logps != "generation"):
+        errors.append("sampling.in_flight_updates needs sampling.continuous_batching=true and "
                       "sampling.old_logps=generation (a recompute after generation would score every token with "
-                      f"the newest weights); got engine={s.engine}, continuous_batching={s.continuous_batching}, "
-                      f"old_logps={s.old_logps}")
+                      f"the newest weights); got continuous_batching={s.continuous_batching}, old_logps={s.old_logps}")
+    if s.in_flight_updates and s.engine == "vllm" and (not lora_enabled or s.in_flight_kv != "recompute"):
+        errors.append("sampling.in_flight_updates on vLLM needs lora.enabled=true (its requests move to each new "
+                      "adapter; full weights load between steps) and sampling.in_flight_kv=recompute (a moved "
+                      f"request's prefix is prefilled again); got lora.enabled={lora_enabled}, "
+                      f"in_flight_kv={s.in_flight_kv}")
     if s.max_staleness < 0:
         errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
     elif s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
@@ -166,6 +170,8 @@ def _training_errors(t, lora_enabled: bool) -> list[str]:
                       "off; a full fine-tune would need a second copy of the model in every rank)")
     if t.beta < 0:
         errors.append(f"training.beta must be >= 0; got {t.beta}")
+    if t.max_token_age < -1:
+        errors.append(f"training.max_token_age must be >= 0, or -1 (off); got {t.max_token_age}")
     if t.learning_rate <= 0:
         errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
     if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:

@@ -127,9 +127,9 @@ def next_call(loop: SamplerLoop, step: int):
 
 
 def in_flight_poll(cfg: Config, policy: SamplerPolicy, watcher) -> Callable[[], bool] | None:
-    """What the HF engine's loop calls between decode steps to load a newly published version
-    (sampling.in_flight_updates): single completions without dynamic sampling; None otherwise (new weights
-    load between steps)."""
+    """What the engine calls while a step decodes (HF: between decode steps; vLLM: every 0.1 s) to load a
+    newly published version (sampling.in_flight_updates): single completions without dynamic sampling; None
+    otherwise (new weights load between steps)."""
     if not cfg.sampling.in_flight_updates:
         return None
     if policy.episodes is not None or cfg.sampling.dynamic_sampling:
@@ -150,7 +150,8 @@ def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
     """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
     counted in global steps); the metrics of the wait, loading included. A newer version published
     meanwhile is loaded as at every step, and drops the completions the step before started for this
-    one (HFEngine.carried): they are made again with it."""
+    one (the engine's `carried`): they are made again with it (on vLLM with in-flight updates, they move
+    on to it instead)."""
     cfg, watcher = loop.cfg, loop.watcher
     t, loaded_before = time.perf_counter(), watcher.load_seconds
     g = global_step(cfg.sampling.worker_index, step, cfg.sampling.num_workers)

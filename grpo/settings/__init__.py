@@ -121,15 +121,17 @@ class SamplingConfig:
                                          "per sequence or episode. false = blocks of generation_batch_size rows, "
                                          "each decoded until its slowest sequence ends, environments called "
                                          "inside the loop; on vLLM, episodes turn by turn (for comparison).")
-    in_flight_updates: bool = _f(False, "HF engine, single completions, sampling.old_logps=generation: a version "
-                                        "published while a step decodes is loaded between two decode steps, "
-                                        "without waiting for its sequences to end; each token records the version "
-                                        "that drew it (the batch's token_versions; policy_version is the oldest).")
+    in_flight_updates: bool = _f(False, "Single completions, sampling.old_logps=generation: a version published "
+                                        "while a step decodes is loaded without waiting for its sequences to end "
+                                        "(HF engine: between two decode steps; vLLM, LoRA: within 0.1 s, each live "
+                                        "request made again from its tokens so far with the new adapter); each "
+                                        "token records the version that drew it (the batch's token_versions; "
+                                        "policy_version is the oldest).")
     in_flight_kv: str = _f("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
                                         "column again under the new weights (each recorded log-prob is its token's "
                                         "under its own version given its whole prefix); 'keep' goes on from the "
                                         "KV of the weights before (cheaper, not exact: the sampler/trainer "
-                                        "mismatch metrics show the cost).")
+                                        "mismatch metrics show the cost; HF engine only).")
     episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
                                      "this many tokens a decode step, beside the other episodes' one token each, so "
                                      "a long tool output does not widen every episode's step; 0 = the whole reply in "
@@ -268,6 +270,10 @@ class TrainingConfig:
                                           "per sequence, truncated at the cap or masked above it: token_truncate, "
                                           "token_mask, sequence_truncate, sequence_mask.")
     importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).")
+    max_token_age: int = _f(-1, "Tokens sampled more than this many versions before the policy being trained leave "
+                                "the loss (they stay as context; the batch's denominators count what is left): with "
+                                "sampling.in_flight_updates a completion's early tokens can be older than its late "
+                                "ones, and sampling.max_staleness bounds the oldest. -1 = off.")
     shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
                                    "repeated-prompt forward, the fallback.")
     verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")

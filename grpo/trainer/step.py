@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import time
@@ -28,6 +29,23 @@ EXTREMES = {**{key: REDUCE_OPS[how] for key, how in LOSS_EXTREMES.items()},
             "sampling/sampling_logp_difference/max": dist.ReduceOp.MAX,
             "sampling/importance_sampling_ratio/min": dist.ReduceOp.MIN,
             "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
+
+
+def within_age(batch: RolloutBatch, trainer_version: int, max_age: int, objective: Objective
+               ) -> tuple[RolloutBatch, float]:
+    """training.max_token_age: `batch` with its model tokens sampled more than `max_age` versions before
+    `trainer_version` out of the loss (they stay as context), its denominators counted again; and the share
+    of its model tokens left out. The batch itself when none is that old."""
+    versions = batch.token_versions
+    model = [v >= 0 for v in versions]  # environment tokens carry no version and are out of the loss already
+    young = [m & (trainer_version - v <= max_age) for m, v in zip(model, versions)]
+    total, kept = sum(int(m.sum()) for m in model), sum(int(y.sum()) for y in young)
+    if kept == total:
+        return batch, 0.0
+    seen = [not (objective.mask_truncated and bool(t)) and bool(y.any()) for y, t in zip(young, batch.truncated)]
+    tokens = sum(int(y.sum()) for y, s in zip(young, seen) if s)
+    return (dataclasses.replace(batch, model_mask=young, num_tokens=tokens, num_sequences=sum(seen)),
+            (total - kept) / max(total, 1))
 
 
 def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = True, batch_completions: int | None = None,

@@ -1,7 +1,9 @@
 """End to end: a recipe trained for the same wall-clock budget with the HF engine's continuous decode
 loop and with the block loop (`sampling.continuous_batching=false`), or (`--variants in-flight`) with
 new weights loaded between steps, between decode steps with the KV computed again, and between decode
-steps on the KV before; one run after the other on the whole machine, each evaluated at the same marks.
+steps on the KV before, or (`--variants token-age`) with in-flight loads and tokens more than a version
+old out of the loss (training.max_token_age) against the whole-sequence bound; one run after the other
+on the whole machine, each evaluated at the same marks.
 
     .venv/bin/python scripts/benchmarks/bench_continuous_learn.py --config configs/needle_haystack.yaml \\
         --minutes 8 --marks 4,8 [--variants in-flight] [key=value ...]
@@ -32,6 +34,11 @@ VARIANT_SETS = {
                   "in-flight, KV kept": ["sampling.in_flight_updates=true", "sampling.in_flight_kv=keep"],
                   "between steps": []},
     "in-flight-exact": {"in-flight, KV recomputed": ["sampling.in_flight_updates=true"], "between steps": []},
+    # in-flight both: the oldest token bounded at 2 versions and tokens older than 1 out of the loss,
+    # against every token bounded at 1
+    "token-age": {"per-token age bound": ["sampling.in_flight_updates=true", "sampling.max_staleness=2",
+                                          "training.max_token_age=1"],
+                  "whole-sequence bound": ["sampling.in_flight_updates=true", "sampling.max_staleness=1"]},
 }
 
 
@@ -45,7 +52,11 @@ def idle_shares(run_dir: Path) -> dict[str, float]:
     return {"trainer idle": wait / max(wait + train, 1e-9), "sampler idle": weights / max(weights + generate, 1e-9),
             "loads per step": sum(r.get("sampler/in_flight_loads", 0) for r in rows) / max(len(rows), 1),
             "KV recompute / generation": sum(r.get("timing/kv_recompute_s", 0) for r in rows) / max(generate, 1e-9),
+            "requests moved per step (vLLM)": sum(r.get("sampler/in_flight_resumed", 0) for r in rows)
+            / max(len(rows), 1),
             "completions spanning versions": sum(r.get("staleness/multi_version_fraction", 0) for r in rows)
+            / max(len(rows), 1),
+            "tokens aged out of the loss": sum(r.get("staleness/aged_out_token_fraction", 0) for r in rows)
             / max(len(rows), 1)}
 
 

@@ -11,6 +11,15 @@ later messages with `episode_seed`, so a sequence's tokens do not depend on what
 With `then`, the next step's completions start as this step's end, one for each that ends, with the
 weights served now; new weights, or another sampled call, abort them.
 
+In-flight updates (`sampling.in_flight_updates`, LoRA): while a sampled call decodes, a poller looks for
+a newly published version every IN_FLIGHT_POLL_S and loads its adapter; each live request is then
+aborted and made again from its tokens so far with the new adapter (as AReaL resumes), so its prefix is
+prefilled under the new weights and every recorded log-prob is its token's under the version that drew
+it (the KV is recomputed: vLLM's prefix cache is keyed by adapter). The rest of a resumed sequence draws
+with a seed of its own (`resumed_seed`): the first seed again would reuse the draws of its first tokens.
+The completions started for the next step follow a newer adapter too, rather than being made again
+(a step back, a trainer resumed from an older checkpoint, still aborts them).
+
 Prefix caching serves the G samples of a prompt from one prefill. Log-probs
 are vLLM's "processed" ones: those of the distribution the token was drawn from, after
 temperature, as the trainer computes them. The checkpoint's generation_config is ignored
@@ -34,13 +43,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -54,6 +64,7 @@ if TYPE_CHECKING:
     from grpo.settings import Config
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+IN_FLIGHT_POLL_S = 0.1  # how often a sampled call looks for a new version (in-flight updates): a decode step or two
 CPU_BATCHED_TOKENS = 4096  # the CPU build's own default budget of tokens per engine step
 ENGINE_CALL_TIMEOUT_S = 600.0  # a weight reload or adapter load on a large model: minutes at most
 INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
@@ -159,13 +170,21 @@ class VllmEngine:
         self.carried: CarriedRequests | None = None
         self.loop_metrics = StepCounts()  # started ahead, environment waits: the step's metrics
         self._request_ids = itertools.count()
+        # sampling.in_flight_updates: loads a newly published version (the sampler's watcher), True when it did;
+        # polled while a sampled call decodes
+        self.poll_weights: Callable[[], bool] | None = None
+        self.digests = {0: INITIAL_DIGEST}  # each version served: the oldest token's is the batch's
+        self._users: dict[int | None, int] = {}  # live requests per adapter id (None: the base model)
+        self._moved = asyncio.Event()  # set (and replaced) when the served adapter changes
+        self._resumed = 0  # requests made again on a new adapter, in the call under way
 
     # ------------------------------------------------------------------ weights
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         """LoRA: the adapter is loaded now (a bad one fails here) and served from the commit on.
         Full weights are reloaded in place at the commit: nothing can hold them beside the served ones.
-        The commit aborts the completions started for the next step with the weights before."""
+        The commit aborts the completions started for the next step with the weights before (with in-flight
+        updates, a newer adapter's moves them on to it instead)."""
         if manifest["kind"] == "lora":
             return self._stage_adapter(folder, manifest, version)
 
@@ -177,6 +196,7 @@ class VllmEngine:
                 raise RuntimeError("vLLM could not reset its prefix cache after loading new weights (requests still "
                                    "hold its blocks): the prompts' cached KV would be served with the old weights")
             self.version, self.weights_digest = version, manifest["digest"]
+            self.digests[version] = manifest["digest"]
         return Staged(reload)
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
@@ -193,12 +213,25 @@ class VllmEngine:
             raise RuntimeError(f"vLLM could not load the adapter in {folder}")
 
         def serve():
-            self.drop_carried()  # started with the adapter before: made again with this one
-            previous, self.lora_request = self.lora_request, request
-            self.version, self.weights_digest = version, manifest["digest"]
-            if previous is not None:
-                self._ask("to remove an adapter", self.llm.remove_lora(previous.lora_int_id))
+            if self.poll_weights is None or version <= self.version:  # a step back: their versions are gone
+                self.drop_carried()  # started with the adapter before: made again with this one
+            self._ask("to serve the new adapter", self._serve(request, version, manifest["digest"]))
         return Staged(serve, discard=lambda: self._ask("to remove an adapter", self.llm.remove_lora(request.lora_int_id)))
+
+    async def _serve(self, request, version: int, digest: str) -> None:
+        """`request`'s adapter served from now on (on the loop, where the requests read it); the requests that
+        follow the served adapter told to move on to it (in-flight updates); the adapter before removed once
+        no request uses it."""
+        previous, self.lora_request = self.lora_request, request
+        self.version, self.weights_digest = version, digest
+        self.digests[version] = digest
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+        if previous is None:
+            return
+        while self._users.get(previous.lora_int_id, 0):
+            await asyncio.sleep(0.005)
+        await self.llm.remove_lora(previous.lora_int_id)
 
     def adapters(self) -> set[int]:
         """The ids of the adapters vLLM holds now."""
@@ -255,7 +288,8 @@ class VllmEngine:
             raise
         if nxt is not None:
             self.carried = nxt
-        return Rollouts([o[0] for o in outputs], [o[2] for o in outputs], [o[1] for o in outputs])
+        return Rollouts([o[0] for o in outputs], [o[2] for o in outputs], [o[1] for o in outputs],
+                        token_versions=[o[3] for o in outputs])
 
     def _samples(self, call: NextCall) -> tuple[tuple, list[Sample]]:
         limits = list(call.max_new_tokens) if call.max_new_tokens is not None else \
@@ -267,6 +301,8 @@ class VllmEngine:
 
     async def _generate(self, samples: list[Sample], greedy: bool, carried: CarriedRequests | None,
                         nxt: CarriedRequests | None) -> list[tuple]:
+        poller = None if greedy or self.poll_weights is None else InFlightPoller(self.poll_weights)
+        self._resumed = 0
         if carried is not None:
             self.loop_metrics.add({"sampler/started_ahead_fraction": len(carried.started) / max(len(samples), 1)})
             tasks = carried.started + [self._start(s, greedy) for s in carried.rest]
@@ -278,48 +314,106 @@ class VllmEngine:
                     nxt.started.append(self._start(nxt.rest.popleft(), greedy))
             for task in tasks:
                 task.add_done_callback(refill)
+        gathered = asyncio.gather(*tasks)
+        if poller is not None:
+            poller.start(on_error=gathered.cancel)  # a failed load ends the call at once, with its error
         try:
-            return await asyncio.gather(*tasks)
+            return await gathered
         except BaseException:
             if nxt is not None:
                 nxt.rest.clear()
             await cancelled(tasks + (nxt.started if nxt is not None else []))
             raise
+        finally:
+            if poller is not None:
+                self.loop_metrics.add({"sampler/in_flight_loads": float(await poller.stop()),
+                                       "sampler/in_flight_resumed": float(self._resumed)})
 
     def _start(self, sample: Sample, greedy: bool) -> asyncio.Task:
-        return asyncio.ensure_future(self._complete(sample, greedy, self.lora_request))
+        follow = not greedy and self.poll_weights is not None
+        return asyncio.ensure_future(self._complete(sample, greedy, self.served, follow=follow))
 
-    async def _complete(self, sample: Sample, greedy: bool, lora, calls: EnvironmentCalls | None = None) -> tuple:
-        """One request to its end: (token ids, their log-probs, truncated)."""
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+    @property
+    def served(self) -> tuple:
+        """(the adapter served, its version), read together: a request's tokens carry the version of its adapter."""
+        return self.lora_request, self.version
 
-        s = self.cfg.sampling
-        params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize), none is read
-            n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=sample.limit, logprobs=0, seed=sample.seed, stop_token_ids=self.eos_ids,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
-        final = None
+    async def _complete(self, sample: Sample, greedy: bool, served: tuple, calls: EnvironmentCalls | None = None,
+                        follow: bool = False) -> tuple:
+        """One request to its end, with `served` = (adapter, version): (token ids, their log-probs, truncated,
+        the version of each token). `follow`: when the served adapter changes, the request is made again from
+        its tokens so far with the new one (in-flight updates)."""
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        lora, version = served
         if calls is not None:
             calls.request(1)
         try:
-            async for out in self.llm.generate(tokens_input(sample.prompt), params,
-                                               str(next(self._request_ids)), lora_request=lora):
-                final = out
+            while True:
+                if follow:
+                    lora, version = self.served
+                seed = sample.seed if not ids or sample.seed is None else resumed_seed(sample.seed, len(ids))
+                before = len(ids)
+                reason = await self._request(sample.prompt + ids, sample.limit - len(ids), seed, greedy, lora,
+                                             self._moved if follow else None, ids, logps)
+                versions += [version] * (len(ids) - before)
+                if reason is not None:
+                    break
+                self._resumed += 1
         finally:
             if calls is not None:
                 calls.request(-1)
-        done = final.outputs[0]
-        if done.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
-        ids = list(done.token_ids)
-        logps = [step[t].logprob for step, t in zip(done.logprobs, ids)]
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(logps, dtype=torch.float32), \
-            done.finish_reason == "length"
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(logps, dtype=torch.float32), reason == "length", \
+            torch.tensor(versions, dtype=torch.int32)
+
+    async def _request(self, prompt: list[int], limit: int, seed: int | None, greedy: bool, lora,
+                       moved: asyncio.Event | None, ids: list[int], logps: list[float]) -> str | None:
+        """One vLLM request, its tokens and log-probs appended to `ids` and `logps` as they come: its
+        finish reason, or None when `moved` was set first (the request aborted)."""
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        if limit <= 0:  # its tokens so far reached the limit as the adapter changed
+            return "length"
+        s = self.cfg.sampling
+        params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize), none is read
+            n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+            max_tokens=limit, logprobs=0, seed=seed, stop_token_ids=self.eos_ids, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY if moved is None else RequestOutputKind.DELTA)
+
+        async def run() -> str:
+            reason = None
+            async for out in self.llm.generate(tokens_input(prompt), params, str(next(self._request_ids)),
+                                               lora_request=lora):
+                new = out.outputs[0]
+                ids.extend(new.token_ids)  # both in one go: a move between two outputs finds them alike
+                logps.extend(step[t].logprob for step, t in zip(new.logprobs, new.token_ids))
+                reason = new.finish_reason
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
+            return reason
+
+        key = lora.lora_int_id if lora is not None else None
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            if moved is None:
+                return await run()
+            request, waiter = asyncio.ensure_future(run()), asyncio.ensure_future(moved.wait())
+            try:
+                await asyncio.wait([request, waiter], return_when=asyncio.FIRST_COMPLETED)
+                if request.done():
+                    return request.result()
+                await cancelled([request])  # vLLM aborts it
+                return None
+            finally:
+                await cancelled([request, waiter])
+        finally:
+            self._users[key] -= 1
 
     def complete(self, prompt: list[int], seed: int | None, limit: int, greedy: bool = False) -> tuple:
         """One request on its own: (token ids, their log-probs, truncated)."""
-        return self.loop.run(self._complete(Sample(list(prompt), seed, limit), greedy, self.lora_request))
+        return self.loop.run(self._complete(Sample(list(prompt), seed, limit), greedy, self.served))[:3]
 
     def drop_carried(self) -> None:
         """The completions started for the next call, aborted."""
@@ -355,10 +449,10 @@ class VllmEngine:
 
     async def _episode(self, j: int, prompt: list[int], budget: int, first: int | None, seed: int | None,
                        greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls) -> None:
-        context, used, turn, lora = list(prompt), 0, 0, self.lora_request
+        context, used, turn, served = list(prompt), 0, 0, self.served
         while True:
             turn_seed = first if turn == 0 or greedy else episode_seed(seed, j, turn)
-            ids, logps, cut = await self._complete(Sample(context, turn_seed, budget - used), greedy, lora, calls)
+            ids, logps, cut, _ = await self._complete(Sample(context, turn_seed, budget - used), greedy, served, calls)
             reply = await calls.call(executor, on_turn, j, ids, logps, cut)
             if reply is None:
                 return
@@ -366,6 +460,40 @@ class VllmEngine:
             check_room(j, len(reply), budget, used)
             context += ids.tolist() + reply
             turn += 1
+
+
+def resumed_seed(seed: int, position: int) -> int:
+    """The seed of a sequence seeded `seed` made again from its first `position` tokens (in-flight updates)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/resumed-at{position}".encode()).digest()[:8], "big") >> 2
+
+
+class InFlightPoller:
+    """While a sampled call decodes, `poll` (the watcher's: it loads a newly published version, True when it
+    did) every IN_FLIGHT_POLL_S on a thread; `stop` waits for a poll under way and says how many loaded."""
+
+    def __init__(self, poll: Callable[[], bool]):
+        self.poll, self.loads = poll, 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self, on_error: Callable[[], object]) -> None:
+        """Polls from now on; `on_error()` when a poll raises (`stop` raises its error)."""
+        self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(lambda task: task.cancelled() or task.exception() is None or on_error())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), IN_FLIGHT_POLL_S)
+                return
+            except TimeoutError:
+                pass
+            self.loads += bool(await asyncio.to_thread(self.poll))  # loads run there: they call into this loop
+
+    async def stop(self) -> int:
+        self._stop.set()
+        await asyncio.shield(self._task)  # a load under way ends first: none lands after its call
+        return self.loads
 
 
 async def cancelled(tasks: list) -> None:

@@ -19,6 +19,7 @@ update is then the whole batch's gradient, however the batch was split.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
 import os
@@ -93,6 +94,7 @@ def main(argv: list[str]) -> int:
         failed, code = str(e), EXIT_BEHAVIOUR_MISMATCH
     if failed:
         log.error(failed)
+    engine.destroy()  # DeepSpeed's own release (a decoupled checkpoint writer commits its last checkpoint here)
     if io is not None:
         io.close()
     dist.barrier()
@@ -373,13 +375,16 @@ def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, 
 
 
 def leave(code: int) -> None:
-    """Exit once main has closed the run's files and destroyed the process group, skipping the
-    interpreter's teardown: there a C++ thread of the distributed stack that is still woken can
-    abort the process ("terminate called without an active exception", SIGABRT) and turn a
-    finished run into a failed one."""
+    """Exit with `code` once the run's files are closed, skipping the interpreter's teardown: there a
+    C++ thread of the distributed stack that is still woken can abort the process ("terminate called
+    without an active exception", SIGABRT) and turn a finished run into a failed one."""
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
+            pass
+    ctypes.CDLL(None).fflush(None)  # what native code printed into the C library's buffers
     os._exit(code)
 
 
@@ -390,4 +395,4 @@ if __name__ == "__main__":
         log.error("%s. Nothing partial is visible: weights and checkpoints are written aside and renamed into "
                   "place, so LATEST and the last checkpoint are whole. Free space or fix permissions and restart; "
                   "it resumes from the last checkpoint", e)
-        sys.exit(EXIT_WRITE_FAILED)
+        leave(EXIT_WRITE_FAILED)

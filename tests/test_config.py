@@ -135,6 +135,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "weights load between steps) and sampling.in_flight_kv=recompute (a moved request's prefix is prefilled "
      "again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
+    (["training.max_token_age=-2"], "training.max_token_age must be >= 0, or -1 (off); got -2"),
+    (["training.max_token_age=1", "weights.publish_every=3", "sampling.max_staleness=2"],
+     "training.max_token_age=1 with weights.publish_every=3 would leave every token of some steps out of the loss"),
     (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),
     (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),

@@ -406,10 +406,10 @@ def test_a_batch_whose_every_completion_is_masked_has_a_zero_loss_not_nan(aggreg
 
 
 def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
-    """training.max_token_age=1 at trainer version 5: of completions sampled with versions [3 3 4 4], [4 4 4]
-    and [3 3] (an in-flight load moved the first from v3 to v4), the v3 tokens leave the loss: 4 of 9 model
-    tokens, the last completion whole, so the loss sees 5 tokens of 2 completions. An environment's token
-    (version -1) stays out. Nothing that old: the batch itself, untouched."""
+    """training.max_token_age=1 at trainer version 5: of completions sampled with versions [3 3 4 4], [4 -1 4]
+    (an environment's token in the middle) and [3 3] (an in-flight load moved the first from v3 to v4), the
+    v3 tokens leave the loss: 4 of 8 model tokens, the last completion whole, so the loss sees 4 tokens of 2
+    completions. The environment's token stays out. Nothing that old: the batch itself, untouched."""
     import dataclasses
 
     from grpo.trainer.step import within_age

@@ -106,7 +106,7 @@ def _choice_and_count_errors(cfg: Config) -> list[str]:
 
 def _value_errors(cfg: Config) -> list[str]:
     return (_sampling_errors(cfg.sampling, cfg.weights.publish_every, cfg.lora.enabled) + _data_errors(cfg.data)
-            + _training_errors(cfg.training, cfg.lora.enabled) + _model_errors(cfg) + _process_errors(cfg))
+            + _training_errors(cfg.training, cfg.lora.enabled, cfg.weights.publish_every) + _model_errors(cfg) + _process_errors(cfg))
 
 
 def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
@@ -163,7 +163,7 @@ def _data_errors(d) -> list[str]:
     return errors
 
 
-def _training_errors(t, lora_enabled: bool) -> list[str]:
+def _training_errors(t, lora_enabled: bool, publish_every: int) -> list[str]:
     errors = []
     if t.reference_on == "trainer" and not lora_enabled:
         errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
@@ -172,6 +172,10 @@ def _training_errors(t, lora_enabled: bool) -> list[str]:
         errors.append(f"training.beta must be >= 0; got {t.beta}")
     if t.max_token_age < -1:
         errors.append(f"training.max_token_age must be >= 0, or -1 (off); got {t.max_token_age}")
+    elif 0 <= t.max_token_age < publish_every - 1:  # some steps' newest tokens would be older than that
+        errors.append(f"training.max_token_age={t.max_token_age} with weights.publish_every={publish_every} would "
+                      f"leave every token of some steps out of the loss (versions are published every "
+                      f"{publish_every} steps); set it >= {publish_every - 1} or publish more often")
     if t.learning_rate <= 0:
         errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
     if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:

@@ -252,6 +252,8 @@ class MetricSums:
         self.tokens += tokens
         for key, value in metrics.items():
             if key in EXTREMES:
+                if not tokens:  # no loss token (every one masked or aged out): its 1.0 placeholder is no extreme
+                    continue
                 pick = min if EXTREMES[key] == dist.ReduceOp.MIN else max
                 self.extremes[key] = pick(self.extremes.get(key, value), value)
             else:

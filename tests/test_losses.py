@@ -419,8 +419,9 @@ def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
     ids = [torch.arange(4), torch.arange(3), torch.arange(2)]
     versions = [torch.tensor([3, 3, 4, 4], dtype=torch.int32), torch.tensor([4, -1, 4], dtype=torch.int32),
                 torch.tensor([3, 3], dtype=torch.int32)]
-    batch = dataclasses.replace(batch, completion_ids=ids, token_versions=versions, model_mask=[v >= 0 for v in versions],
-                                truncated=torch.zeros(3, dtype=torch.bool), num_tokens=8, num_sequences=3)
+    batch = dataclasses.replace(batch, completion_ids=ids, token_versions=versions,
+                                model_mask=[v >= 0 for v in versions], truncated=torch.zeros(3, dtype=torch.bool),
+                                num_tokens=8, num_sequences=3)
     aged, fraction = within_age(batch, trainer_version=5, max_age=1, objective=Objective())
     assert [m.int().tolist() for m in aged.model_mask] == [[0, 0, 1, 1], [1, 0, 1], [0, 0]]
     assert (aged.num_tokens, aged.num_sequences, fraction) == (4, 2, 4 / 8)

@@ -348,7 +348,7 @@ def test_in_flight_live_requests_move_to_a_new_adapter_and_each_token_is_its_ver
 @needs_vllm
 def test_in_flight_the_next_steps_completions_move_to_a_newer_adapter_and_a_step_back_drops_them(served, tmp_path):
     """With in-flight updates, the completions started for the next step follow a newer adapter loaded
-    between steps (the next step finds them, their tokens of both versions); a version that moves back (a
+    between steps (the next step finds them all started, their tokens v1's or v2's); a version that moves back (a
     trainer resumed from an older checkpoint) drops them: their versions no longer name those weights."""
     from grpo.sampler.rollout.continuous import NextCall
 

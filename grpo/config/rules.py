@@ -105,8 +105,9 @@ def _choice_and_count_errors(cfg: Config) -> list[str]:
 
 
 def _value_errors(cfg: Config) -> list[str]:
-    return (_sampling_errors(cfg.sampling, cfg.weights.publish_every, cfg.lora.enabled) + _data_errors(cfg.data)
-            + _training_errors(cfg.training, cfg.lora.enabled, cfg.weights.publish_every) + _model_errors(cfg) + _process_errors(cfg))
+    publish_every, lora = cfg.weights.publish_every, cfg.lora.enabled
+    return (_sampling_errors(cfg.sampling, publish_every, lora) + _data_errors(cfg.data)
+            + _training_errors(cfg.training, lora, publish_every) + _model_errors(cfg) + _process_errors(cfg))
 
 
 def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:

@@ -49,15 +49,15 @@ def idle_shares(run_dir: Path) -> dict[str, float]:
     rows = [r for r in rows if "timing/train_s" in r]
     wait, train = sum(r["timing/wait_s"] for r in rows), sum(r["timing/train_s"] for r in rows)
     weights, generate = sum(r.get("timing/weights_wait_s", 0) for r in rows), sum(r["timing/generate_s"] for r in rows)
+
+    def per_step(key: str) -> float:
+        return sum(r.get(key, 0) for r in rows) / max(len(rows), 1)
     return {"trainer idle": wait / max(wait + train, 1e-9), "sampler idle": weights / max(weights + generate, 1e-9),
-            "loads per step": sum(r.get("sampler/in_flight_loads", 0) for r in rows) / max(len(rows), 1),
+            "loads per step": per_step("sampler/in_flight_loads"),
             "KV recompute / generation": sum(r.get("timing/kv_recompute_s", 0) for r in rows) / max(generate, 1e-9),
-            "requests moved per step (vLLM)": sum(r.get("sampler/in_flight_resumed", 0) for r in rows)
-            / max(len(rows), 1),
-            "completions spanning versions": sum(r.get("staleness/multi_version_fraction", 0) for r in rows)
-            / max(len(rows), 1),
-            "tokens aged out of the loss": sum(r.get("staleness/aged_out_token_fraction", 0) for r in rows)
-            / max(len(rows), 1)}
+            "requests moved per step (vLLM)": per_step("sampler/in_flight_resumed"),
+            "completions spanning versions": per_step("staleness/multi_version_fraction"),
+            "tokens aged out of the loss": per_step("staleness/aged_out_token_fraction")}
 
 
 def main(argv: list[str]) -> int:

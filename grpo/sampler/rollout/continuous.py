@@ -150,10 +150,14 @@ def masked_gap(model) -> float:
     return math.inf if diff.isnan().any() else float(diff.max())  # NaN: masked columns that poison the rest
 
 
+def hashed_seed(name: str) -> int:
+    """A seed of its own for what `name` names (below 2**62): the same name, the same seed."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 2
+
+
 def episode_seed(seed: int, episode: int, turn: int) -> int:
     """The seed of episode `episode`'s turn `turn` (0: its first message) in a step seeded `seed`."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/episode{episode}/turn{turn}".encode()).digest()[:8], "big") >> 2
-
+    return hashed_seed(f"{seed}/episode{episode}/turn{turn}")
 
 
 

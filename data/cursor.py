@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.files import write_atomically
+from common.files import write_atomically
 
 
 @dataclass

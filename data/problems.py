@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
 from data.procedural import TaskError, check_task, is_procedural, task_rows
-from grpo.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class Problem:
     question: str  # the user's question (the last user turn when the prompt is chat messages)
     answer: str  # the reference answer: GSM8K's final number with commas removed (e.g. "1234"), or the text
     reasoning: str = ""  # the worked solution before '####', calculator notes removed (few-shot examples)
-    messages: tuple = field(default=(), hash=False)  # the prompt as chat messages ({"role", "content"}), when the dataset gives them
+    # the prompt as chat messages ({"role", "content"}), when the dataset gives them
+    messages: tuple = field(default=(), hash=False)
     row: dict = field(default_factory=dict, compare=False, hash=False)  # the row's JSON columns, for rewards
 
 
@@ -274,7 +275,8 @@ def _read_procedural(path: str, split: str, task_args: dict) -> list:
         raise DataError(str(e)) from None
 
 
-def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None, task_args: dict | None = None) -> list:
+def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None,
+               task_args: dict | None = None) -> list:
     if path == EMBEDDED_GSM8K:
         return _read_embedded(split)
     if is_procedural(path):

@@ -59,12 +59,14 @@ def split_settings(task_args: dict, split: str) -> dict:
     """The keyword arguments of `reasoning_gym.create_dataset` for one split (a pure function).
     The held-out seed defaults to the train seed + TEST_SEED_OFFSET: rows the train split never draws."""
     if split not in SPLITS:
-        raise TaskError(f"a reasoning-gym task has the splits {', '.join(SPLITS)}; got {split!r} (data.split / eval.split)")
+        raise TaskError(f"a reasoning-gym task has the splits {', '.join(SPLITS)}; got {split!r} "
+                        "(data.split / eval.split)")
     settings = {k: v for k, v in task_args.items() if k not in OWN_KEYS}
     seed = task_args.get("seed", DEFAULT_SEED)
     if split == "train":
         return {**settings, "size": task_args.get("size", DEFAULT_SIZE), "seed": seed}
-    return {**settings, "size": task_args.get("test_size", DEFAULT_TEST_SIZE), "seed": task_args.get("test_seed", seed + TEST_SEED_OFFSET)}
+    return {**settings, "size": task_args.get("test_size", DEFAULT_TEST_SIZE),
+            "seed": task_args.get("test_seed", seed + TEST_SEED_OFFSET)}
 
 
 def create(task: str, settings: dict):

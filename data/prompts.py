@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.sources import ModelError
 from data.problems import Problem
-from grpo.sources import ModelError
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def render(tokenizer, turns: list[dict], prefill: str, tools: tuple | list = ())
 def check_template_offers_tools(tokenizer, tools: list[dict]) -> None:
     """A chat template that ignores `tools` would train a model never told of them: ModelError."""
     turns = [{"role": "user", "content": "q"}]
-    if not getattr(tokenizer, "chat_template", None) or render(tokenizer, turns, "", tools) == render(tokenizer, turns, ""):
+    if (not getattr(tokenizer, "chat_template", None)
+            or render(tokenizer, turns, "", tools) == render(tokenizer, turns, "")):
         raise ModelError("the model's chat template does not offer tools (env.tools): set model.chat_template to "
                          "a template that does, e.g. model.chat_template=chatml-tools for a ChatML model such as "
                          "the embedded SmolLM2 (docs/environments.md)")

@@ -1,1 +1,15 @@
-"""A two-process off-policy GRPO/GSPO trainer: the library behind the two workers."""
+"""A two-process off-policy GRPO/GSPO trainer: the library behind the `grpo` command and the two workers.
+
+The Python API (grpo/api.py): `grpo.launch(config, overrides)` starts a run and returns its handle;
+`grpo.evaluate(...)` and `grpo.export(...)` do what the commands of those names do."""
+
+API = ("launch", "evaluate", "export", "Run", "RunFailed", "import_path")
+
+
+def __getattr__(name: str):
+    """The API loads on first use, so the workers' imports of grpo.* do not pay for it."""
+    if name in API:
+        from grpo import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'grpo' has no attribute {name!r}")

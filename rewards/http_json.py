@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 BACKOFF_S = 0.5  # the first retry waits this long, each later one twice as long as the one before
 MAX_ANSWER_BYTES = 16 * 2**20  # 16 MiB: far more than a batch of scores or a judge's verdict
 RETRIED_STATUSES = {408, 425, 429, 500, 502, 503, 504}  # the server may answer next time; other 4xx will not
-RATE_LIMITED = 429  # the server is up and asks us to slow down: honoured; a failure for the breaker only once retries are spent
+# the server is up and asks us to slow down: honoured; a failure for the breaker only once retries are spent
+RATE_LIMITED = 429
 BREAKER_COOLDOWN_S = 30.0  # an open breaker fails calls at once this long: the rest of a batch, not the next step
 
 

@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo.child import failure_text
-from grpo.imports import import_object, is_import_path
+from common.child import failure_text
+from common.imports import import_object, is_import_path
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.http_json import BreakerOpen, ServiceError, Unreachable
 from rewards.procedural import reasoning_gym_score
@@ -81,7 +81,8 @@ def get_reward(name: str, services: ServiceSettings | None = None):
     try:
         builtin = REWARD_FUNCTIONS[name]
     except KeyError:
-        raise ValueError(f"unknown reward '{name}'; valid names: {', '.join(sorted({*REWARD_FUNCTIONS, *ROW_FUNCTIONS}))}, "
+        raise ValueError(f"unknown reward '{name}'; valid names: "
+                         f"{', '.join(sorted({*REWARD_FUNCTIONS, *ROW_FUNCTIONS}))}, "
                          "or an import path 'package.module:function'; services: reward_model:<folder or Hub id>, "
                          "an http(s):// URL, judge") from None
     return lambda completion, row: builtin(completion, row[REFERENCE])
@@ -184,8 +185,8 @@ def with_environment_failures(values: list, environment_failures: Sequence[tuple
                               errors: list[str]) -> list:
     """env_reward's values with FAILED where the sample's environment failed on its messages,
     UNSCORED where it could not be asked (it did not open, or a rebuild another episode caused
-    replayed otherwise): such an episode has no reward of the environment's to give, not a reward of 0. Each entry: (the failure, whether the environment could not be asked)
-    or None where it answered."""
+    replayed otherwise): such an episode has no reward of the environment's to give, not a reward of 0.
+    Each entry: (the failure, whether the environment could not be asked) or None where it answered."""
     errors += [f"the environment failed: {failure[0]}" for failure in environment_failures if failure is not None]
     return [v if failure is None else UNSCORED if failure[1] else FAILED
             for v, failure in zip(values, environment_failures, strict=True)]
@@ -261,8 +262,8 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     with `fallback` None, the batch's worst total (`worst`, grpo.objective.advantages.worst_of_batch:
     no failure ever scores above an honest answer). Where a reward could not be asked (a service
     down, an environment that did not open), the sample gets `fallback`, or with `fallback` None it
-    is left out (`scored` False: no advantage from a score nobody gave it). Both are counted (the first failure kept in `errors`) and marked in
-    `failed`. A reward of weight 0 (logged only) decides neither.
+    is left out (`scored` False: no advantage from a score nobody gave it). Both are counted (the first
+    failure kept in `errors`) and marked in `failed`. A reward of weight 0 (logged only) decides neither.
 
     `call(name, completion, row)` (or `call(name, completions, rows)` for a batched reward) runs
     the function elsewhere (rewards.sandbox.RewardSandbox, which also times it out). `prompts`

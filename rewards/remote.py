@@ -60,7 +60,8 @@ class RemoteReward:
                                       "rows": list(rows)}, self.timeout_s, self.retries, breaker=self.breaker)
         values = answer.get("rewards") if isinstance(answer, dict) else answer
         if not isinstance(values, list):
-            raise ServiceError(f"{self.url} answered {_shown(answer)}; expected a JSON list of numbers, one per completion")
+            raise ServiceError(f"{self.url} answered {_shown(answer)}; "
+                               "expected a JSON list of numbers, one per completion")
         if len(values) != len(completions):
             raise ServiceError(f"{self.url} answered {len(values)} values for {len(completions)} completions")
         wrong = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]

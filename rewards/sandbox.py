@@ -1,4 +1,4 @@
-"""Reward functions in a child process (grpo/child.py), so that one that hangs on a sample can be
+"""Reward functions in a child process (common/child.py), so that one that hangs on a sample can be
 stopped: a hang costs that sample's score (it fails there: rewards.on_failure), never the run.
 
 The child is forked, so it has every function in `REWARD_FUNCTIONS` and every imported user module
@@ -6,12 +6,12 @@ as the parent had them (a test's too); a row must be JSON (the data loader keeps
 On a timeout the child is killed, with every process the reward started (the child is a session
 of its own, ended as one), and a fresh one forked for the next call; a batched reward gets
 `rewards.timeout_s` per completion. The child sees the environment variables every child does
-(grpo/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones named in `pass_env`.
+(common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones named in `pass_env`.
 """
 
 from __future__ import annotations
 
-from grpo.child import Child, ChildFailed
+from common.child import Child, ChildFailed
 from rewards.registry import get_reward
 
 

@@ -127,7 +127,8 @@ def service_problems(name: str, settings: ServiceSettings) -> list[str]:
 def judge_problems(j: JudgeSettings) -> list[str]:
     if not j.url:
         return ["rewards.names holds 'judge', which needs rewards.judge.url, an OpenAI-compatible endpoint (e.g. "
-                "rewards.judge.url=http://127.0.0.1:8000/v1, which serves /v1/chat/completions), and rewards.judge.model"]
+                "rewards.judge.url=http://127.0.0.1:8000/v1, which serves /v1/chat/completions), "
+                "and rewards.judge.model"]
     problems = [f"rewards.judge.url: {p}" for p in [url_problem(j.url)] if p]
     if j.url.rstrip("/").endswith("/chat/completions"):
         problems.append(f"rewards.judge.url={j.url} names the endpoint; give its base, e.g. "

@@ -17,11 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_model  # noqa: E402
+
 from grpo.config import LoraConfig, load_config  # noqa: E402
 from grpo.model.loading import add_lora  # noqa: E402
 from grpo.model.logprobs import completion_logprobs  # noqa: E402
-from grpo.trainer.step import (PolicyObjective, deepspeed_config, make_optimizer, micro_batch_loss,  # noqa: E402
-                           release_deepspeed_shm, train_step)
+from grpo.trainer.step import (  # noqa: E402
+    PolicyObjective,
+    deepspeed_config,
+    make_optimizer,
+    micro_batch_loss,
+    release_deepspeed_shm,
+    train_step,
+)
 from grpo.wire.batch import RolloutBatch  # noqa: E402
 
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
@@ -108,7 +115,8 @@ def main(out_path: str) -> None:
         if rank == 0:
             ref_loss, ref_norm, ref_delta = reference_update(dataclasses.replace(cfg, training=dataclasses.replace(
                 cfg.training, reference_on="sampler")), given)
-            results.append({"case": [level, aggregation, stage, reference_on], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            results.append({"case": [level, aggregation, stage, reference_on], "loss": metrics["loss"],
+                            "grad_norm": metrics["grad_norm"],
                             "delta": {n: (after[n] - before[n]).tolist() for n in before},
                             "ref_loss": ref_loss, "ref_grad_norm": ref_norm, "ref_delta": ref_delta})
         dist.barrier()

@@ -3,11 +3,13 @@
 import subprocess
 import sys
 
+from conftest import REPO
+
+from common import model_files as models
 from grpo import objective
 from grpo.config import option_lists
-from grpo.model import loading as models, logprobs
+from grpo.model import logprobs
 from grpo.sampler import rollout
-from conftest import REPO
 
 IMPORTED_AFTER = '''
 import sys
@@ -42,3 +44,42 @@ def test_each_choice_is_validated_against_the_list_its_implementing_module_owns(
     assert lists["sampling.engine"] is rollout.ENGINES
     assert lists["sampling.old_logps"] is logprobs.OLD_LOGPS_SOURCES
     assert lists["model.dtype"] == tuple(models.DTYPES)
+
+
+def imported_modules(path) -> set[str]:
+    """Every module a file imports (at the top or inside functions), by absolute name."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def imports_between(importer: str, imported: tuple[str, ...]) -> dict[str, set[str]]:
+    """{file of `importer` (a package folder): the modules under `imported` it imports}, files that import
+    none left out."""
+    found = {}
+    for path in sorted((REPO / importer).rglob("*.py")):
+        hits = {name for name in imported_modules(path)
+                if any(name == prefix or name.startswith(prefix + ".") for prefix in imported)}
+        if hits:
+            found[str(path.relative_to(REPO))] = hits
+    return found
+
+
+def test_the_top_level_packages_import_one_way():
+    """grpo uses rewards, data and common; rewards uses data and common; data uses common; common none."""
+    assert imports_between("common", ("grpo", "rewards", "data")) == {}
+    assert imports_between("data", ("grpo", "rewards")) == {}
+    assert imports_between("rewards", ("grpo",)) == {}
+    assert imports_between("grpo", ("rewards",))  # the check above sees imports (it is not vacuous)
+
+
+def test_the_wire_imports_neither_the_objective_nor_the_model_and_they_not_the_wire():
+    assert imports_between("grpo/wire", ("grpo.objective", "grpo.model", "grpo.trainer", "grpo.sampler")) == {}
+    assert imports_between("grpo/objective", ("grpo.wire",)) == {}
+    assert imports_between("grpo/model", ("grpo.wire",)) == {}

@@ -8,10 +8,11 @@ import dataclasses
 import json
 
 import pytest
-
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
+from test_episodes import chatty_model_dir  # noqa: F401 (a fixture: ends a message about one token in eleven)
+from test_launch import launch
 
 from data.cursor import PromptCursor
 from data.problems import load_problems
@@ -22,8 +23,6 @@ from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, make_batch
 from grpo.trainer.step import micro_batch_loss
 from grpo.wire.weights import version_dir
-from test_episodes import chatty_model_dir  # noqa: F401 (a fixture: ends a message about one token in eleven)
-from test_launch import launch
 
 STEPS = 3
 
@@ -71,7 +70,8 @@ def test_the_processes_at_staleness_zero_publish_what_one_synchronous_loop_compu
                                                                        for g in range(STEPS)]
 
     cfg = load_config(tmp_path / "config.yaml")
-    adapters, outcomes = synchronous_run(dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
+    adapters, outcomes = synchronous_run(dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, num_workers=1)))
     # the same tokens were sampled (and the same update made from them: the adapters below)
     assert [(r["reward"], r["completions/mean_length"]) for r in rows] == outcomes
     difference = 0.0
@@ -117,7 +117,8 @@ def test_a_step_started_by_the_step_before_is_the_batch_its_weights_make_alone(t
         chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
         batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
         metrics = batch.meta["metrics"]
-        assert (metrics["reward"], metrics["completions/mean_length"]) == (row["reward"], row["completions/mean_length"])
+        assert ((metrics["reward"], metrics["completions/mean_length"])
+                == (row["reward"], row["completions/mean_length"]))
 
 
 def test_a_run_loading_weights_between_decode_steps_trains_batches_whose_every_token_is_within_the_bound(

@@ -3,12 +3,18 @@ ranks a ZeRO checkpoint was split over; and that a LoRA checkpoint leaves the fr
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from grpo.config import LoraConfig, load_config
 from grpo.model.loading import add_lora
-from grpo.trainer.outputs import (CheckpointMismatch, base_fingerprint, check_base, check_resumable, frozen_names,
-                                  load_trainable)
+from grpo.trainer.outputs import (
+    CheckpointMismatch,
+    base_fingerprint,
+    check_base,
+    check_resumable,
+    frozen_names,
+    load_trainable,
+)
 
 
 def lora(seed: int = 0):
@@ -56,5 +62,6 @@ def test_a_state_without_the_frozen_base_loads_and_one_of_another_adapter_is_ref
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
     other = {k: v for k, v in add_lora(tiny_model("qwen2"), LoraConfig(r=4, alpha=8, target_modules=["k_proj"])
                                        ).state_dict().items() if "lora_" in k}
-    with pytest.raises(CheckpointMismatch, match=r"does not hold this model's trained weights: 8 missing .*, 4 unexpected"):
+    with pytest.raises(CheckpointMismatch,
+                       match=r"does not hold this model's trained weights: 8 missing .*, 4 unexpected"):
         load_trainable(other, lora(0))

@@ -4,11 +4,20 @@ import re
 
 import pytest
 import yaml
-
-from grpo.config import (Config, ConfigError, all_keys, load_config, parse_cli, reference_markdown, save_config,
-                         to_dict, validate)
-from grpo.settings.foreign import FOREIGN_KEYS, FOREIGN_NAMES
 from conftest import REPO
+
+from grpo.config import (
+    Config,
+    ConfigError,
+    all_keys,
+    load_config,
+    parse_cli,
+    reference_markdown,
+    save_config,
+    to_dict,
+    validate,
+)
+from grpo.settings.foreign import FOREIGN_KEYS, FOREIGN_NAMES
 
 REQUIRED_KEYS = [
     "model.name_or_path", "model.dtype", "lora.enabled", "lora.r", "data.path", "sampling.engine",
@@ -143,7 +152,8 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3; got 4"),
     (["rewards.weights=[1.0]"], "rewards.weights has 1 entries but rewards.names has 2; give one weight per"),
-    (["rewards.names=[gsm8k_answer,nope]"], "rewards.names: unknown reward 'nope'; valid names: answer_format, env_reward, gsm8k_answer"),
+    (["rewards.names=[gsm8k_answer,nope]"],
+     "rewards.names: unknown reward 'nope'; valid names: answer_format, env_reward, gsm8k_answer"),
     (["rewards.accuracy_reward=nope"], "rewards.accuracy_reward: unknown reward 'nope'; valid names: answer_format"),
     (["lora.target_modules=[]"], "lora.target_modules is empty"),
     (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),

@@ -6,8 +6,18 @@ from pathlib import Path
 import yaml
 
 from grpo.config import all_keys, load_config, save_config
-from grpo.config.history import (ALLOWED, LAUNCH_SET, REFUSED, UNDECIDED, allowed_line, changed_settings,
-                                 refused_changes, resume_changes, save_run_config, settings_a_resume_keeps)
+from grpo.config.history import (
+    ALLOWED,
+    LAUNCH_SET,
+    REFUSED,
+    UNDECIDED,
+    allowed_line,
+    changed_settings,
+    refused_changes,
+    resume_changes,
+    save_run_config,
+    settings_a_resume_keeps,
+)
 from grpo.run.start import earlier_outputs, planned_start, prepare_run_folder, resume_source
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
 from grpo.wire.delivery import Spool
@@ -72,7 +82,8 @@ def test_two_workers_writing_at_once_leave_whole_files_and_no_copy_of_an_equal_c
     assert kept_configs(run_dir) == ["config.001.yaml"]
     assert yaml.safe_load((run_dir / "config.001.yaml").read_text())["lora"]["r"] == 16
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["lora"]["r"] == 8
-    assert sorted(p.name for p in run_dir.iterdir()) == [".config.lock", "config.001.yaml", "config.yaml"]  # no temporary files
+    # no temporary files
+    assert sorted(p.name for p in run_dir.iterdir()) == [".config.lock", "config.001.yaml", "config.yaml"]
 
 
 def test_changed_settings_pairs_old_and_new_values():

@@ -9,18 +9,18 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, tiny_model
+from test_episodes import CharTokenizer
+from test_episodes import chatty_model as chatty
+
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.environments.lanes import Lanes
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
-from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.continuous import episode_loop, episode_seed, masked_gap, run_episodes
-from test_episodes import CharTokenizer
-from test_episodes import chatty_model as chatty
+from grpo.sampler.rollout.hf_engine import HFEngine
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # not bit for bit: a message's KV comes from forwards of other shapes than the reference's one
@@ -215,7 +215,8 @@ def test_the_next_calls_completions_fill_the_rows_a_call_leaves_free_and_are_wha
     assert engine.carried is None and engine.decode_rows.take()["sampler/decode_steps"] < from_scratch
     for got, alone in ((got_a, alone_a), (got_b, alone_b)):
         for j in range(len(alone.completion_ids)):
-            assert torch.equal(got.completion_ids[j], alone.completion_ids[j]) and got.truncated[j] == alone.truncated[j]
+            assert (torch.equal(got.completion_ids[j], alone.completion_ids[j])
+                    and got.truncated[j] == alone.truncated[j])
             gap = ((got.logps[j] - alone.logps[j]).abs() / alone.logps[j].abs().clamp(min=1)).max().item()
             assert gap <= TOLERANCE[dtype], gap
 
@@ -462,8 +463,9 @@ def test_episodes_of_a_model_whose_keys_and_values_differ_in_size(monkeypatch, b
     """DeepSeek-V3's multi-head latent attention caches keys of 16 and values of 8 per position: repeated
     to the rows after the prefill (in place) or grown from one-token prompts, and squeezed at every masked
     column, the episodes are the reference's."""
-    import grpo.sampler.rollout.continuous as loop
     from transformers import DynamicCache
+
+    import grpo.sampler.rollout.continuous as loop
 
     model = tiny_mla(dtype)
     cache = DynamicCache(config=model.config)

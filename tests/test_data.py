@@ -108,9 +108,10 @@ def test_missing_empty_and_offline_datasets_say_what_to_do(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": null}\n')
     with pytest.raises(DataError, match="has no usable rows \\(1 read, skipped: {'missing answer': 1}\\)"):
         load_problems(str(tmp_path), "train")
-    with pytest.raises(DataError, match=r"data.path='no-such-user/no-such-dataset' is a Hugging Face Hub id and the Hub "
-                                        r"cannot be reached \(HF_HUB_OFFLINE is set and it is not in the local cache\); "
-                                        r"use the embedded copy \(data.path=gsm8k-embedded\) or a local folder"):
+    with pytest.raises(DataError, match=r"data.path='no-such-user/no-such-dataset' is a Hugging Face "
+                                        r"Hub id and the Hub cannot be reached \(HF_HUB_OFFLINE is "
+                                        r"set and it is not in the local cache\); use the embedded "
+                                        r"copy \(data.path=gsm8k-embedded\) or a local folder"):
         load_problems("no-such-user/no-such-dataset", "train")  # HF_HUB_OFFLINE=1 in tests
     with pytest.raises(DataError, match="data.path='/no/such/folder' is not a folder, a Hub dataset id"):
         load_problems("/no/such/folder", "train")

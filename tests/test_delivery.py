@@ -122,8 +122,9 @@ def test_a_restarted_sampler_generates_again_only_what_the_spool_lost(tmp_path):
 def test_the_inbox_trains_the_global_steps_of_two_samplers_once_and_in_order_on_real_sockets():
     """Sampler 0 sends 1, 0, 0 (early, then a duplicate); sampler 1 sends 1, 0. The inbox hands over
     global steps 0-3, i.e. 0:0, 1:0, 0:1, 1:1, each once and in that order."""
-    from grpo.wire.transport import BatchReceiver, BatchSender
     from helpers import free_tcp_address, make_batch
+
+    from grpo.wire.transport import BatchReceiver, BatchSender
 
     address = free_tcp_address()
     receiver = BatchReceiver(address)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, tiny_model
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
@@ -18,8 +18,8 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective, loss_counts
 from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_template, turn_seed
-from grpo.sampler.step import environment_failures
 from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.sampler.step import environment_failures
 from grpo.trainer.step import micro_batch_loss
 from grpo.wire.batch import RolloutBatch
 
@@ -164,7 +164,8 @@ def test_the_model_mask_covers_exactly_the_models_turns_and_their_log_probs_are_
             expected += [True] * (end - position)
             position = end
             if turn < e.turns or (position < len(ids)):
-                reply = runner.reply_tokens(f"reply {turn} to {e.messages[turn - 1][:3]!r}", "user")[:len(ids) - position]
+                reply = runner.reply_tokens(f"reply {turn} to {e.messages[turn - 1][:3]!r}",
+                                            "user")[:len(ids) - position]
                 assert ids[position:position + len(reply)].tolist() == reply
                 expected += [False] * len(reply)
                 position += len(reply)
@@ -178,7 +179,8 @@ def test_the_model_mask_covers_exactly_the_models_turns_and_their_log_probs_are_
     prompts = [torch.tensor(p.token_ids) for p in prompts_of(tokenizer)]
     with torch.no_grad():
         recomputed = completion_logprobs(model, prompts, run.rollouts.completion_ids, [4, 4])  # shared prefix
-    gap = max((a - b)[m].abs().max().item() for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
+    gap = max((a - b)[m].abs().max().item()
+              for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
     assert gap < 1e-5, gap
 
 
@@ -238,7 +240,8 @@ def test_one_hung_episode_fails_alone_while_the_others_are_rebuilt_after_it():
     pool = EnvironmentPool(f"{ENVS}:SlowCounter", {"delay": 0.6}, timeout_s=1.0)
     try:
         for key in "abc":
-            assert [pool.step(key, {}, [], "x")[0].text, pool.step(key, {}, ["x"], "y")[0].text] == ["count 1", "count 2"]
+            assert [pool.step(key, {}, [], "x")[0].text,
+                    pool.step(key, {}, ["x"], "y")[0].text] == ["count 1", "count 2"]
         reply, failure = pool.step("a", {}, ["x", "y"], "hang")
         assert failure == "no reply within env.timeout_s=1 s" and pool.restarts == 1
         for key in "bc":
@@ -538,7 +541,8 @@ def episode_step(chatty, step, *overrides):
 
     model, tokenizer = chatty
     cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=40", "sampling.temperature=1.0",
-                             "training.beta=0", "lora.enabled=false", "training.reference_on=sampler", f"env.name={ENVS}:Scripted",
+                             "training.beta=0", "lora.enabled=false", "training.reference_on=sampler",
+                             f"env.name={ENVS}:Scripted",
                              "env.args={length: 3}", "rewards.names=[env_reward]", "rewards.weights=[1.0]",
                              "rewards.accuracy_reward=env_reward", "rewards.format_reward=env_reward", "data.prefill=",
                              *overrides])
@@ -554,9 +558,10 @@ def episode_step(chatty, step, *overrides):
 
 
 def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_models_tokens(chatty):
-    from grpo.model.sharding import select_groups
-    from grpo.wire.transport import decode_batch, encode_batch
     from helpers import assert_batches_equal
+
+    from grpo.trainer.groups import select_groups
+    from grpo.wire.transport import decode_batch, encode_batch
 
     # the cut episodes stay in the loss (scored 0): most of the tiny model's episodes run out of tokens
     cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true", "env.truncated_reward=0")
@@ -612,8 +617,14 @@ def test_a_sampler_killed_mid_episode_restarts_and_loses_nothing(tmp_path, chatt
     import signal
 
     from helpers import free_tcp_address
-    from test_faults import COMMON, finish_with_each_step_trained_and_generated_once, kill_both, rows, \
-        start_trainer, wait_for
+    from test_faults import (
+        COMMON,
+        finish_with_each_step_trained_and_generated_once,
+        kill_both,
+        rows,
+        start_trainer,
+        wait_for,
+    )
     from test_sampling_worker import start_sampler
 
     pause = tmp_path / "pause"
@@ -766,17 +777,19 @@ def test_an_environment_that_fails_on_some_episodes_only_goes_on(chatty, tmp_pat
     finally:
         pool.close()
     assert [e.environment_failed for e in run.episodes] == [True] * 4 + [False] * 4
-    assert [e.env_error for e in run.episodes] == [f"KeyError: 'board' ({tmp_path}/board.py:8, in __init__)"] * 4 + [""] * 4
+    assert ([e.env_error for e in run.episodes]
+            == [f"KeyError: 'board' ({tmp_path}/board.py:8, in __init__)"] * 4 + [""] * 4)
 
 
 def test_the_well_formed_rate_counts_the_model_messages_that_made_a_tool_call(tiny_model_dir):
     """Worked episodes: 2 call messages, both well-formed; 2, of which the first is unreadable; 1 holding a good
     and an unreadable call (not well-formed); none (an answer at once): 3 of 5. Per episode (any call that
     could be read) it is 3 of 4."""
+    from test_tools import CALCULATE, CALL, ScriptedModel
+
     from data.prompts import build_prompts
     from grpo.environments import environment_args, prompt_options
     from grpo.model.loading import read_chat_template
-    from test_tools import CALCULATE, CALL, ScriptedModel
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = read_chat_template("chatml-tools")
@@ -1022,9 +1035,10 @@ def test_a_reply_that_leaves_no_room_to_answer_is_cut_and_scored_alike(tiny_mode
 def test_an_environments_reward_that_nothing_trains_on_is_said_once(tiny_model_dir, caplog):
     """env_reward is not among rewards.names: the first reward an environment gives is a warning line;
     env.truncated_reward without env_reward to score is a config error."""
+    from test_tools import ScriptedModel
+
     from grpo.sampler.episodes import episode_runner
     from grpo.settings.tree import ConfigError
-    from test_tools import ScriptedModel
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = load_config(None, [f"env.name={ENVS}:WinOrLose", "data.prefill="])

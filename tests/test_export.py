@@ -2,20 +2,16 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 import yaml
 
-from conftest import REPO
+from grpo.commands.export import export, main  # noqa: E402
 from grpo.config import load_config, run_config, save_config, to_dict
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_of_weights, version_folder
 from grpo.wire.weights import load_into, publish, verify, version_dir
-
-sys.path.insert(0, str(REPO / "scripts"))
-from export import export, main  # noqa: E402
 
 EVAL_ROW = {"step": 3, "eval/answer_accuracy": 0.25, "eval/answer_accuracy_stderr": 0.125, "eval/format_rate": 0.5,
             "eval/problems": 12.0}
@@ -113,8 +109,8 @@ def test_adapter_export_gives_the_logits_of_the_published_version(lora_run, tmp_
     assert (out / "adapter_model.safetensors").read_bytes() == \
         (version_dir(run / "weights", 3) / "adapter_model.safetensors").read_bytes()
     assert AutoTokenizer.from_pretrained(out).chat_template == load_tokenizer(cfg.model).chat_template
-    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(adapter_config["base_model_name_or_path"]),
-                                         str(out)).eval()
+    exported = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(adapter_config["base_model_name_or_path"]), str(out)).eval()
     ids = torch.randint(3, 1000, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = sampler_model(cfg, version_dir(run / "weights", 3))(ids).logits, exported(ids).logits
@@ -178,7 +174,8 @@ def test_model_card_names_the_version_the_evaluation_and_the_prompt(lora_run, tm
     saved["transport"]["secret"] = cfg.transport.secret
     assert saved == to_dict(cfg)
     export(run, 4, tmp_path / "v4")  # no evaluation at step 4: the last one, said so
-    assert "at step 3 (the last evaluation; the exported version is step 4)" in (tmp_path / "v4" / "README.md").read_text()
+    assert ("at step 3 (the last evaluation; the exported version is step 4)"
+            in (tmp_path / "v4" / "README.md").read_text())
 
 
 def test_a_non_empty_out_is_refused_and_force_moves_user_files_aside(lora_run, tmp_path, capsys):
@@ -267,7 +264,7 @@ def test_every_exported_file_is_0644_and_every_folder_0755(lora_run, tmp_path, t
 
 
 def test_an_export_of_the_embedded_model_names_its_public_base_not_a_cache_folder(tmp_path):
-    from grpo.model.loading import resolve_model_path
+    from common.model_files import resolve_model_path
 
     run = tmp_path / "embedded"
     cfg = make_run(run, "model.name_or_path=smollm2-135m-instruct")

@@ -19,20 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from conftest import PROCESS_CONFIG, REPO
+from helpers import free_tcp_address
 from safetensors.torch import load_file
+from test_sampling_worker import start_sampler, trained_adapter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import PROCESS_CONFIG, REPO
 from grpo.config import load_config
 from grpo.model.logprobs import completion_logprobs
+from grpo.objective import Objective
 from grpo.run.ports import free_local_port
+from grpo.trainer.worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import behaviour_of
 from grpo.wire.transport import BatchSender, encode_batch
 from grpo.wire.weights import publish, read_latest, verify, version_dir
-from helpers import free_tcp_address
-from test_sampling_worker import start_sampler, trained_adapter
-from training_worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -44,7 +45,8 @@ COMMON = ["sampling.max_new_tokens=1", "sampling.group_size=4", "sampling.prompt
 
 def start_trainer(run_dir, model_dir, data_dir, address, *extra, preexec_fn=None):
     """Two ranks in their own process group, so that a test can SIGKILL all of them at once."""
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()), str(REPO / "training_worker.py"),
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()),
+            str(REPO / "training_worker.py"),
             "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
             f"data.path={data_dir}", f"transport.address={address}", "lora.r=4", *COMMON, *extra]
     log = open(run_dir / "trainer.log", "ab")
@@ -146,7 +148,8 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
 def trainer_behaviour(run_dir, model_dir) -> dict:
     """The behaviour settings the trainer in `run_dir` expects (from the config it saved at start)."""
     wait_for(lambda: (run_dir / "config.yaml").is_file(), "the trainer's config.yaml")
-    return behaviour_of(load_config(run_dir / "config.yaml"), AutoTokenizer.from_pretrained(model_dir))
+    cfg = load_config(run_dir / "config.yaml")
+    return behaviour_of(cfg, AutoTokenizer.from_pretrained(model_dir), Objective.of(cfg).header())
 
 
 def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> RolloutBatch:

@@ -1,6 +1,7 @@
 """The FLOP accounting behind MFU, against the matmul FLOPs torch itself counts on the real passes."""
 
 import torch
+from conftest import tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from grpo.config import LoraConfig, SamplingConfig
@@ -8,7 +9,6 @@ from grpo.model.flops import ModelShape, generation_flops, logprob_pass_flops, m
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine
-from conftest import tiny_model
 
 PROMPT_LENS, COMPLETION_LENS, GROUPS = [7, 5], [3, 4, 2, 6], [2, 2]
 

@@ -1,15 +1,12 @@
 """The recipes in configs/: each loads and validates offline, and the GPU ones plan as their
 comments say (scripts/launch.py --dry-run with faked GPU counts)."""
 
-import sys
 
 import pytest
-
 from conftest import REPO
-from grpo.config import load_config
 
-sys.path.insert(0, str(REPO / "scripts"))
-from launch import main  # noqa: E402
+from grpo.commands.train import main  # noqa: E402
+from grpo.config import load_config
 
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
 GPU_RECIPES = {"qwen2.5-0.5b-gsm8k-1gpu.yaml": (1, "1 rank, CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=0"),

@@ -2,6 +2,7 @@
 episode always in the same one, each made when first used, a rebuild's cost counted for its own call."""
 
 from conftest import REPO
+
 from grpo.environments.lanes import Lanes, lane_of
 from grpo.environments.pool import EnvironmentPool
 

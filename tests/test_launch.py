@@ -14,16 +14,21 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from conftest import PROCESS_CONFIG, REPO
-from grpo.wire.weights import read_latest
 from helpers import free_tcp_address
 
-sys.path.insert(0, str(REPO / "scripts"))
-from grpo.run.progress import StepProgress, format_duration, progress_line, stop_summary  # noqa: E402
-from launch import EXIT_SAMPLER_FAILED, main, placement, placement_problem, rank_problem  # noqa: E402
-from launch import gpu_count, trainer_command  # noqa: E402
+from grpo.commands.train import (  # noqa: E402  # noqa: E402
+    EXIT_SAMPLER_FAILED,
+    gpu_count,
+    main,
+    placement,
+    placement_problem,
+    rank_problem,
+    trainer_command,
+)
 from grpo.run.preflight import planning_note  # noqa: E402
+from grpo.run.progress import StepProgress, format_duration, progress_line, stop_summary  # noqa: E402
+from grpo.wire.weights import read_latest
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [
@@ -52,13 +57,13 @@ def test_cpu_threads_do_not_oversubscribe_the_cores():
 def test_one_rank_runs_the_worker_itself_and_several_go_through_deepspeed():
     """One rank needs no DeepSpeed runner: the launcher gives it the environment the runner would."""
     command, env = trainer_command(placement(0, 0, 0, 2), ["a=1"], 29511)
-    assert command == [sys.executable, "-u", str(REPO / "training_worker.py"), "a=1"]
+    assert command == [sys.executable, "-u", "-m", "grpo.trainer.worker", "a=1"]
     assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RANK": "0",
                    "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": "29511"}
     command, env = trainer_command(placement(0, 0, 3, 16), ["a=1"], 29511)
     assert command == [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29511",
-                       str(REPO / "training_worker.py"), "a=1"]
+                       "--module", "grpo.trainer.worker", "a=1"]
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
@@ -67,8 +72,9 @@ def test_help_says_how_to_start_and_where_the_keys_are():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
     lines = proc.stdout.splitlines()
-    assert lines[0] == "usage: python scripts/launch.py [--config config.yaml] [--dry-run] [key=value ...]"
-    assert lines[1].startswith('       make train ARGS="..."    (passes the same')
+    assert lines[0] == "usage: grpo train [--config config.yaml] [--dry-run] [key=value ...]"
+    assert lines[1] == "       python scripts/launch.py ...    (the same, from a checkout)"
+    assert lines[2].startswith('       make train ARGS="..."    (passes the same')
     for text in ("config.yaml by default", "configs/ holds recipes", "--help-config", "docs/config.md", "--gpus N"):
         assert text in proc.stdout, text
 
@@ -133,18 +139,18 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys, gpus, ext
     assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", address) and not address.endswith(f":{port}")
     args = ["--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", *extra, f"sampling.num_workers={len(samplers)}",
             f"transport.address={address}"]
-    worker, ranks = str(REPO / "training_worker.py"), int(trainer.split()[0])
+    ranks = int(trainer.split()[0])
     if ranks == 1:  # the worker itself, with the environment DeepSpeed's runner would give it
-        command = [sys.executable, "-u", worker, *args]
+        command = [sys.executable, "-u", "-m", "grpo.trainer.worker", *args]
         trainer_env += f" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
     else:
         command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port,
-                   worker, *args]
+                   "--module", "grpo.trainer.worker", *args]
     assert list(processes) == ["trainer", *samplers]
     assert processes["trainer"] == {"what": trainer, "env": trainer_env, "command": command}
     for i, (name, (what, env)) in enumerate(samplers.items()):
         assert processes[name] == {"what": what, "env": env, "command": [
-            sys.executable, str(REPO / "sampling_worker.py"), *args, f"sampling.worker_index={i}"]}
+            sys.executable, "-m", "grpo.sampler.worker", *args, f"sampling.worker_index={i}"]}
 
 
 USED = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "weights/v000001/manifest.json": "{}"}
@@ -242,7 +248,8 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_m
         assert (tmp_path / name).exists(), name
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["staleness"] == 0 and first["sampling/sampling_logp_difference/max"] < 1e-3
-    assert 0.999 < first["sampling/importance_sampling_ratio/min"] <= first["sampling/importance_sampling_ratio/max"] < 1.001
+    assert (0.999 < first["sampling/importance_sampling_ratio/min"]
+            <= first["sampling/importance_sampling_ratio/max"] < 1.001)
 
 
 def make_used(run_dir: Path) -> None:
@@ -294,7 +301,8 @@ def test_two_runs_at_once_pick_their_own_addresses(tmp_path, digit_model_dir, ti
 
 @pytest.mark.parametrize("override, named", [
     ("data.path=openai/gsm8k", "data.path='openai/gsm8k' is a Hugging Face Hub id"),
-    ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct", "model.name_or_path='Qwen/Qwen2.5-0.5B-Instruct' is a Hugging Face Hub id"),
+    ("model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct",
+     "model.name_or_path='Qwen/Qwen2.5-0.5B-Instruct' is a Hugging Face Hub id"),
 ])
 def test_a_hub_id_without_the_hub_fails_in_one_line_before_anything_starts(tmp_path, override, named):
     """No HF_HUB_OFFLINE, an empty Hugging Face cache and a Hub that refuses connections (a closed
@@ -323,8 +331,8 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
             if line.startswith("step 1/500"):
                 break
         children = psutil.Process(proc.pid).children(recursive=True)
-        sampler = next(p for p in children if "sampling_worker.py" in " ".join(p.cmdline()))
-        trainers = [p for p in children if "training_worker.py" in " ".join(p.cmdline())]
+        sampler = next(p for p in children if "grpo.sampler.worker" in p.cmdline())
+        trainers = [p for p in children if "grpo.trainer.worker" in p.cmdline()]
         for worker in (sampler, *trainers):  # the venv's tools first, whatever the shell's PATH holds
             assert worker.environ()["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
         os.kill(sampler.pid, signal.SIGKILL)
@@ -370,7 +378,8 @@ def test_step_time_is_the_steps_own_and_start_up_is_not_in_it(tmp_path, capsys):
     metrics.write_text(json.dumps({"step": 1, "wall_time": now - 50}) + "\n")  # an earlier launch's: not shown again
     clock = iter([0.0, 400.0, 460.0, 525.0]).__next__
     progress = StepProgress(metrics, 10, clock=clock)
-    rows = [{"step": 2, "wall_time": now + 100, "timing/wait_s": 200.0, "timing/train_s": 20.0, "timing/publish_s": 1.5},
+    rows = [{"step": 2, "wall_time": now + 100, "timing/wait_s": 200.0, "timing/train_s": 20.0,
+             "timing/publish_s": 1.5},
             {"step": 3, "wall_time": now + 130, "timing/wait_s": 5.0, "timing/train_s": 20.0, "timing/publish_s": 1.5},
             {"step": 4, "wall_time": now + 170, "timing/wait_s": 15.0, "timing/train_s": 20.0, "timing/publish_s": 1.5}]
     with metrics.open("a") as f:
@@ -384,7 +393,7 @@ def test_step_time_is_the_steps_own_and_start_up_is_not_in_it(tmp_path, capsys):
 def test_a_resumed_trainers_rows_are_shown_though_it_rewrote_the_file_shorter(tmp_path, capsys):
     """A resume from the checkpoint of step 10 of 12 trained steps: the trainer rewrites metrics.jsonl
     with rows 1-10, then appends 11, 12 again; each is shown, no earlier row is."""
-    from grpo.files import write_atomically
+    from common.files import write_atomically
 
     metrics, now = tmp_path / "metrics.jsonl", time.time()
     old = [json.dumps({"step": i, "wall_time": now - 100 + i}) for i in range(1, 13)]
@@ -462,14 +471,16 @@ def test_data_columns_and_answer_format_are_checked_before_anything_starts(tmp_p
     (data / "train.jsonl").write_text("".join(json.dumps({"problem": f"Capital {i}?", "solution": "Paris"}) + "\n"
                                               for i in range(30)))
     code, _, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", f"data.path={data}", gpus=None)
-    assert code == 2 and err == (f"error: {data} split 'train' has no column 'question' or 'answer' (data.prompt_column="
+    assert code == 2 and err == (f"error: {data} split 'train' has no column 'question' or 'answer' "
+                                 "(data.prompt_column="
                                  "'question', data.answer_column='answer'); its columns: problem, solution; set "
                                  "data.prompt_column=problem data.answer_column=solution\n")
     columns = [f"data.path={data}", "data.prompt_column=problem", "data.answer_column=solution", "data.few_shot=0"]
     code, _, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", *columns, gpus=None)
     assert code == 2 and err == (f"error: {data} split 'train': none of its first 30 rows is usable (skipped: "
                                  "{'non-numeric answer': 30}); 30 of 30 rows have no number after '####' in column "
-                                 "'solution' (data.answer_format=gsm8k reads GSM8K's '#### 42'): data.answer_format=text "
+                                 "'solution' (data.answer_format=gsm8k reads GSM8K's '#### 42'): "
+                                 "data.answer_format=text "
                                  "takes the column as it is\n")
     code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", *columns, "data.answer_format=text", gpus=None)
     assert code == 0 and err == "" and read_plan(out)[0]["start"] == "fresh start"

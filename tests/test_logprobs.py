@@ -122,9 +122,9 @@ def test_a_sliding_window_within_the_sequence_is_why_the_shared_prefix_path_refu
 def test_check_supported_refuses_at_start_in_one_line_naming_the_field():
     import transformers
 
+    from common.sources import ModelError
     from grpo.config import load_config
     from grpo.model.logprobs import check_supported
-    from grpo.sources import ModelError
 
     cfg = load_config(None, ["model.name_or_path=tiny-gemma2"])
     model = transformers.Gemma2ForCausalLM(tiny_config("Gemma2"))

@@ -182,7 +182,8 @@ CASES = [(level, agg) for level in ("token", "sequence") for agg in ("grpo", "da
 @pytest.mark.parametrize("level, aggregation", CASES)
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_vectorised_loss_equals_the_slow_loop_values_and_gradients(level, aggregation, estimator):
-    logps, old, adv, mask, ref = random_batch(seed=zlib.crc32(f"{level}/{aggregation}/{estimator}".encode()) % 1000)  # hash() is salted
+    # hash() is salted
+    logps, old, adv, mask, ref = random_batch(seed=zlib.crc32(f"{level}/{aggregation}/{estimator}".encode()) % 1000)
     kwargs = dict(level=level, aggregation=aggregation, clip_low=0.1, clip_high=0.15, beta=0.05)
     loss, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, kl_estimator=estimator, max_completion_length=8,
                           **kwargs)
@@ -323,15 +324,17 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     import dataclasses
 
     from conftest import tiny_model
+    from helpers import make_batch
+
     from grpo.config import load_config
     from grpo.objective import loss_counts
-    from grpo.model.sharding import select_groups
+    from grpo.trainer.groups import select_groups
     from grpo.trainer.step import micro_batch_loss
-    from helpers import make_batch
 
     model = tiny_model()
     common = ["training.aggregation=dr_grpo", "training.beta=0", "sampling.max_new_tokens=8"]
-    cfg, masked_cfg = load_config(None, common), load_config(None, [*common, "training.mask_truncated_completions=true"])
+    cfg, masked_cfg = (load_config(None, common),
+                       load_config(None, [*common, "training.mask_truncated_completions=true"]))
     batch = make_batch(seed=4, with_ref=False)
     truncated = torch.tensor([False, True, False, False, True])
     batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
@@ -373,7 +376,8 @@ def test_the_batch_header_holds_what_the_batch_was_made_for_not_the_loss_setting
                                                  "training.importance_sampling=token_truncate"]))
     masked = Objective.of(load_config(None, ["training.mask_truncated_completions=true"]))
     scaled = Objective.of(load_config(None, ["training.advantage_scale=batch"]))
-    assert base.header() == loss_only.header() and json.loads(json.dumps(loss_only.header(), allow_nan=False)) == base.header()
+    assert (base.header() == loss_only.header()
+            and json.loads(json.dumps(loss_only.header(), allow_nan=False)) == base.header())
     assert masked.header() != base.header() != scaled.header()
 
 
@@ -412,8 +416,9 @@ def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
     completions. The environment's token stays out. Nothing that old: the batch itself, untouched."""
     import dataclasses
 
-    from grpo.trainer.step import within_age
     from helpers import make_batch
+
+    from grpo.trainer.step import within_age
 
     batch = make_batch(seed=1, group_sizes=(2, 1))
     ids = [torch.arange(4), torch.arange(3), torch.arange(2)]
@@ -437,11 +442,12 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
     import dataclasses
 
     from conftest import tiny_model
+    from helpers import make_batch
+
     from grpo.config import load_config
     from grpo.model.logprobs import completion_logprobs
-    from grpo.model.sharding import select_groups
+    from grpo.trainer.groups import select_groups
     from grpo.trainer.step import micro_batch_loss, within_age
-    from helpers import make_batch
 
     model = tiny_model()
     cfg = load_config(None, [f"training.aggregation={aggregation}", "training.beta=0", "training.max_token_age=1"])
@@ -461,8 +467,10 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
         logps = completion_logprobs(model, aged.prompt_ids, aged.completion_ids, aged.group_sizes,
                                     temperature=cfg.sampling.temperature)
     width = max(len(c) for c in aged.completion_ids)
-    pad = lambda rows, value: torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=r.dtype)])
-                                           for r in rows])  # noqa: E731
+
+    def pad(rows, value):
+        return torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=r.dtype)]) for r in rows])
+
     slow = slow_policy_loss(pad(logps, 0.0), pad(aged.old_logps, 0.0), aged.advantages, pad(young, False), None,
                             level="token", aggregation=aggregation, clip_low=0.2, clip_high=0.2, beta=0, estimator="k3",
                             num_sequences=aged.num_sequences, num_tokens=aged.num_tokens, max_len=width)

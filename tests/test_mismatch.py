@@ -36,8 +36,8 @@ def test_the_first_pass_mean_is_not_diluted_by_later_passes():
 
 
 def test_a_lower_precision_sampler_without_correction_is_pointed_out():
-    from grpo.wire.behaviour import uncorrected_precision_gap
     from grpo.config import load_config
+    from grpo.wire.behaviour import uncorrected_precision_gap
 
     warned = uncorrected_precision_gap(load_config(None, ["sampling.dtype=bfloat16"]))
     assert warned.startswith("the sampler runs in bfloat16 and the trainer in float32") and "token_truncate" in warned

@@ -11,11 +11,11 @@ import threading
 import time
 
 import pytest
-
 from conftest import REPO, wait_until_healthy
+from test_episodes import chatty, prompts_of  # noqa: F401 (chatty: a fixture)
+
 from grpo.config import load_config
-from grpo.environments import Reply
-from grpo.environments import remote
+from grpo.environments import Reply, remote
 from grpo.environments.openenv_adapter import row_seed
 from grpo.environments.pool import EnvironmentPool
 from grpo.environments.remote import RemotePool
@@ -23,7 +23,6 @@ from grpo.run.ports import free_local_port
 from grpo.sampler.episodes import episode_runner
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.settings.tree import ConfigError
-from test_episodes import chatty, prompts_of  # noqa: F401 (chatty: a fixture)
 
 SERVE = ["uvicorn", "--app-dir", "tests", "openenv_server:app", "--host", "127.0.0.1", "--port"]  # docs/environments.md
 IN_PROCESS = f"openenv:{REPO}/tests/openenv_envs.py:SlowGuessNumber"  # the class the server serves

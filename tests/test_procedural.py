@@ -55,7 +55,8 @@ def test_train_and_held_out_splits_are_disjoint_even_where_the_seeds_would_overl
 
 
 def test_load_split_reads_the_task_args_from_the_data_config():
-    cfg = load_config(None, [f"data.path={CHAIN_SUM}", "data.task_args={size: 40, test_size: 30, min_terms: 2, max_terms: 2}",
+    cfg = load_config(None, [f"data.path={CHAIN_SUM}",
+                             "data.task_args={size: 40, test_size: 30, min_terms: 2, max_terms: 2}",
                              "data.few_shot=0"])
     train, _ = load_split(cfg.data, "train")
     test, _ = load_split(cfg.data, "test")
@@ -124,7 +125,8 @@ def test_the_reported_rates_of_a_task_come_from_its_scorer():
 
 
 def test_the_held_out_split_asks_each_question_once():
-    test = [r["question"] for r in task_rows("reasoning-gym:gcd", "test", {"max_value": 30, "size": 100, "test_size": 300})]
+    test = [r["question"] for r in task_rows("reasoning-gym:gcd", "test",
+                                             {"max_value": 30, "size": 100, "test_size": 300})]
     assert len(test) == len(set(test)) and len(test) > 100
 
 
@@ -140,9 +142,11 @@ def test_a_task_whose_train_split_holds_every_question_says_so_instead_of_an_emp
 
 def test_the_recipe_config_loads_as_make_train_passes_it_after_the_default():
     from conftest import REPO
+
     from grpo.config import parse_cli
 
-    # make train ARGS="--config configs/needle_haystack.yaml" runs launch.py --config config.yaml --config configs/needle_haystack.yaml
+    # make train ARGS="--config configs/needle_haystack.yaml" runs launch.py --config config.yaml
+    # --config configs/needle_haystack.yaml
     cfg = parse_cli(["--config", str(REPO / "config.yaml"), "--config", str(REPO / "configs" / "needle_haystack.yaml")])
     assert cfg.data.path == "reasoning-gym:needle_haystack" and cfg.rewards.names == ["reasoning_gym"]
     assert (cfg.rewards.accuracy_reward, cfg.rewards.format_reward) == ("reasoning_gym", "answer_format")

@@ -2,25 +2,21 @@
 sampling, through the real processes; and the in-training evaluation against scripts/evaluate.py."""
 
 import json
-import sys
 
 import torch
+from test_launch import launch
+from test_training import LEARNING, run_both
 
-from conftest import REPO
 from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
+from grpo.commands.evaluate import evaluate  # noqa: E402
 from grpo.config import load_config
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.outputs import MetricsLog
 from grpo.wire.weights import WeightWatcher, publish, version_dir
-from test_launch import launch
-from test_training import LEARNING, run_both
-
-sys.path.insert(0, str(REPO / "scripts"))
-from evaluate import evaluate  # noqa: E402
 
 SCORING = '''
 def digit_match(completion, row):
@@ -138,7 +134,8 @@ def test_a_restarted_trainer_writes_each_evaluation_row_once(tmp_path):
     """Rows after the checkpoint go (those steps train again); an evaluation row a re-sent batch
     carries again is not written twice, one of a later version is."""
     rows = [{"step": 0, "eval/answer_accuracy": 0.25}, {"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4},
-            {"step": 2, "eval/answer_accuracy": 0.5}, {"step": 3, "loss": 0.3}, {"step": 4, "eval/answer_accuracy": 0.75}]
+            {"step": 2, "eval/answer_accuracy": 0.5}, {"step": 3, "loss": 0.3},
+            {"step": 4, "eval/answer_accuracy": 0.75}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "lo')
     log = MetricsLog(tmp_path, resumed_step=2, tensorboard=False)
     assert log.evaluated == {0, 2}

@@ -14,22 +14,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-
 from conftest import REPO, tiny_model
+from test_sampler_step import DigitTokenizer, FailureStreaks, FakeEngine, config, steps
+
 from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
-from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
 from grpo.model.loading import add_lora
-from grpo.sampler.step import SamplerPolicy, make_batch
-from grpo.settings.tree import ConfigError
 from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.sampler.step import SamplerPolicy, make_batch
+from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
+from grpo.settings.tree import ConfigError
 from rewards import score_completions
 from rewards.http_json import Breaker, ServiceError, post_json, retry_after
-from rewards.sandbox import RewardSandbox
 from rewards.judge import fenced
+from rewards.sandbox import RewardSandbox
 from rewards.services import JudgeSettings, ServiceSettings, service_reward
-from test_sampler_step import DigitTokenizer, FailureStreaks, FakeEngine, config, steps
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
 TURNS = ({"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "What is 3 + 4?"})
@@ -103,7 +103,8 @@ REMOTE_ANSWERS = {
     "/nulls": lambda body, seen, service: (200, [None if r.get("skip") else 3.0 for r in body["rows"]]),
     "/forbidden": lambda body, seen, service: (403, {"error": "no"}),
     "/all-null": lambda body, seen, service: (200, [None] * len(body["completions"])),
-    "/busy": lambda body, seen, service: (429, {"error": "slow down"}, {"Retry-After": "1"}) if seen == 0 else (200, [1.0]),
+    "/busy": lambda body, seen, service: ((429, {"error": "slow down"}, {"Retry-After": "1"}) if seen == 0
+                                          else (200, [1.0])),
     "/down-an-hour": lambda body, seen, service: (503, {"error": "maintenance"}, {"Retry-After": "3600"}),
 }
 
@@ -177,7 +178,8 @@ def test_service_rewards_run_in_the_sampler_not_in_the_sandbox_child(service):
     """The forked child could not score them (it has no prompts or settings): their scores prove the route."""
     sandbox = RewardSandbox(timeout_s=5)
     try:
-        scores = score_completions([GOOD, "x"], [{"reference_answer": "7"}] * 2, [service.url("/score"), "gsm8k_answer"],
+        scores = score_completions([GOOD, "x"], [{"reference_answer": "7"}] * 2,
+                                   [service.url("/score"), "gsm8k_answer"],
                                    [1.0, 1.0], fallback=-9.0, call=sandbox, prompts=[TURNS] * 2, services=FAST)
     finally:
         sandbox.close()
@@ -211,13 +213,14 @@ def test_the_example_reward_server_scores_with_gsm8k_answer():
             assert line, "scripts/reward_server.py ended before it listened"
             started = re.search(r"http://127.0.0.1:\d+/score", line)
         url = started.group(0)
-        scores = score_completions([GOOD, "<answer>8</answer>", "7"], [{"reference_answer": "7"}, {"reference_answer": "7"},
-                                                                      {"id": 3}],
+        scores = score_completions([GOOD, "<answer>8</answer>", "7"],
+                                   [{"reference_answer": "7"}, {"reference_answer": "7"}, {"id": 3}],
                                    [url], [1.0], fallback=-9.0, prompts=[TURNS] * 3, services=FAST)
     finally:
         process.kill()
         process.wait()
-    assert scores.per_function[:, 0].tolist() == [1.0, -1.0, 0.0] and scores.applies[:, 0].tolist() == [True, True, False]
+    assert (scores.per_function[:, 0].tolist() == [1.0, -1.0, 0.0]
+            and scores.applies[:, 0].tolist() == [True, True, False])
     assert scores.failures == {url: 0}
 
 
@@ -227,11 +230,14 @@ def chat_completions(body, seen, service):
     """A judge that says Score: 10 when the answer given is 7, refuses to score 'dunno', and is
     down (503) for the first request of a completion that says 'flaky'."""
     text = body["messages"][0]["content"]
-    if "flaky" in text and not any("flaky" in b["messages"][0]["content"] for b in service.bodies("/v1/chat/completions")[:-1]):
+    if "flaky" in text and not any("flaky" in b["messages"][0]["content"]
+                                   for b in service.bodies("/v1/chat/completions")[:-1]):
         return 503, {"error": "busy"}
-    verdict = "I cannot judge this." if "dunno" in text else f"Reasoning... Score: 2\nScore: {10 if '<answer>7' in text else 0}"
+    verdict = ("I cannot judge this." if "dunno" in text
+               else f"Reasoning... Score: 2\nScore: {10 if '<answer>7' in text else 0}")
     return 200, {"id": "x", "object": "chat.completion", "model": body["model"],
-                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": verdict}}]}
+                 "choices": [{"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": verdict}}]}
 
 
 @pytest.fixture
@@ -242,7 +248,8 @@ def judge_server():
 
 
 def judge_settings(server, **kw):
-    judge = JudgeSettings(url=server.url("/v1"), model="judge-model", prompt="Q: {question}\nRef: {answer}\nA: {completion}\n"
+    judge = JudgeSettings(url=server.url("/v1"), model="judge-model",
+                          prompt="Q: {question}\nRef: {answer}\nA: {completion}\n"
                           "{not a placeholder}", pattern=r"Score:\s*(\d+)", api_key_env="JUDGE_TEST_KEY", max_tokens=16,
                           concurrency=2)
     return ServiceSettings(timeout_s=2.0, retries=1, judge=JudgeSettings(**{**vars(judge), **kw}))
@@ -259,7 +266,8 @@ def test_the_judge_fills_its_prompt_reads_the_last_score_and_fails_alone_per_sam
     first = next(b for h, b in requests if "<answer>8" in b["messages"][0]["content"])
     nonce = re.search(r"<completion-([0-9a-f]{16})>", first["messages"][0]["content"]).group(1)
     assert first == {"model": "judge-model", "max_tokens": 16, "temperature": 0.0, "messages": [
-        {"role": "user", "content": f"Q: What is 3 + 4?\nRef: 7\nA: <completion-{nonce}>\n<answer>8</answer> {{answer}}\n"
+        {"role": "user", "content": f"Q: What is 3 + 4?\nRef: 7\nA: <completion-{nonce}>\n"
+                                    f"<answer>8</answer> {{answer}}\n"
                                     f"</completion-{nonce}>\n{{not a placeholder}}"}]}
     assert {h["Authorization"] for h, b in requests} == {"Bearer sk-test"}
     assert len(requests) == 5  # the 503 was retried
@@ -278,7 +286,8 @@ def test_a_judge_that_is_not_there_falls_back_for_every_sample_in_bounded_time()
 
 def chat(content: str, finish_reason: str | None = "stop") -> dict:
     return {"id": "x", "object": "chat.completion", "model": "judge-model",
-            "choices": [{"index": 0, "finish_reason": finish_reason, "message": {"role": "assistant", "content": content}}]}
+            "choices": [{"index": 0, "finish_reason": finish_reason,
+                         "message": {"role": "assistant", "content": content}}]}
 
 
 def gullible(body, seen, service):
@@ -329,7 +338,8 @@ def test_a_completion_that_talks_the_judge_into_a_score_outside_its_range_scores
     scores = score_completions(completions, [{"reference_answer": "7"}] * 4, ["judge", "gsm8k_answer"], [0.1, 1.0],
                                fallback=None, prompts=[TURNS] * 4, services=default_judge(judges, "/gullible"))
     assert scores.per_function.tolist() == [[7.0, 1.0], [0.0, -1.0], [2.0, -1.0], [7.0, 1.0]]
-    assert scores.failed[:, 0].tolist() == [False, True, False, False] and scores.worst.tolist() == [False, True, False, False]
+    assert (scores.failed[:, 0].tolist() == [False, True, False, False]
+            and scores.worst.tolist() == [False, True, False, False])
     total, scored = worst_of_batch(scores.total, scores.scored, scores.worst)
     assert total.tolist() == pytest.approx([1.7, -0.8, -0.8, 1.7]) and scored.all()
     assert scores.errors["judge"] == "ServiceError: the judge's verdict 1000 is outside rewards.judge.range [0, 10]"
@@ -388,7 +398,8 @@ def test_the_completion_is_fenced_by_a_tag_it_cannot_close(judges):
     contents = [b["messages"][0]["content"] for b in judges.bodies("/scripted/chat/completions")]
     nonces = [re.search(r"<completion-([0-9a-f]{16})>", c).group(1) for c in contents]
     assert sorted(nonces.count(n) for n in set(nonces)) == [1, 2] and "0123456789abcdef" not in nonces
-    contents, nonces = [c for c in contents if "other" not in c], [n for c, n in zip(contents, nonces) if "other" not in c]
+    contents, nonces = ([c for c in contents if "other" not in c],
+                        [n for c, n in zip(contents, nonces) if "other" not in c])
     for content, nonce in zip(contents, nonces):
         fence = f"<completion-{nonce}>\n{escaped}\n</completion-{nonce}>"
         assert content == DEFAULT_JUDGE_PROMPT.format(question="What is 3 + 4?", answer="7", completion=fence)
@@ -451,7 +462,8 @@ def test_a_hung_judge_costs_a_batch_two_time_limits_not_one_per_sample(judges):
     assert len(judges.bodies("/hangs/chat/completions")) == 2 and elapsed < 2.5  # 0.5 + 0.5 backoff + 0.5
     assert all(isinstance(v, ServiceError) for v in values)
     assert str(values[0]).startswith(f"{endpoint} gave no whole answer within 0.5 s")
-    assert re.fullmatch(rf"{re.escape(endpoint)} failed 2 times in a row \(.*\); not called again for 30 s", str(values[-1]))
+    assert re.fullmatch(rf"{re.escape(endpoint)} failed 2 times in a row \(.*\); not called again for 30 s",
+                        str(values[-1]))
 
 
 def test_an_open_breaker_lets_calls_through_again_after_its_cooldown(service):
@@ -486,7 +498,8 @@ def test_a_service_that_answers_null_for_every_sample_is_warned_of_once(service,
                                    prompts=[TURNS] * 2, services=FAST)
         assert scores.applies[:, 0].tolist() == [False, False] and scores.failures[url] == 0
     warnings = [r.getMessage() for r in caplog.records if "answered null" in r.getMessage()]
-    assert warnings == [f"reward {url} answered null (does not apply) for all 2 samples of a batch: it gives no signal. "
+    assert warnings == [f"reward {url} answered null (does not apply) for all 2 samples of a batch: "
+                        "it gives no signal. "
                         "Check that it reads the request's fields (prompts, completions, rows) and that its rows are "
                         "the ones it scores (said once per run)"]
 
@@ -548,8 +561,7 @@ def test_a_service_reward_config_loads_without_calling_anything():
 
 def test_check_run_flags_a_service_reward_that_failed_on_every_sample_of_every_step():
     """scripts/check_run.py, as CI runs it after training against the example server."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from check_run import service_problems
+    from grpo.commands.check import service_problems
 
     url = "http://127.0.0.1:8123/score"
     cfg = load_config(None, [f"rewards.names=[{url},think_answer_format_partial]"])  # 2 prompts x 8 per step

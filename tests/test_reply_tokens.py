@@ -7,16 +7,16 @@ The Qwen2-style tokenizer is built here: a byte-level BPE with Qwen2's pre-token
 a few lines, and the ChatML special tokens; the template is the shipped chatml-tools (Qwen2.5's)."""
 
 import pytest
+from conftest import REPO
+from test_tools import ScriptedModel
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from conftest import REPO
 from data.problems import Problem
 from data.prompts import encode_prompts
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.loading import read_chat_template
 from grpo.sampler.episodes import EpisodeRunner
-from test_tools import ScriptedModel
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # Qwen2's pre-tokenizer (tokenizer.json of Qwen2/2.5/3): punctuation runs take the newlines after them

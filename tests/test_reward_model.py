@@ -28,7 +28,8 @@ def save_classifier(folder, tokenizer_dir, num_labels: int = 1, chat_template: b
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
-                         num_labels=num_labels, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         num_labels=num_labels, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.bos_token_id)
     model = LlamaForSequenceClassification(config)
     with torch.no_grad():
@@ -90,7 +91,8 @@ def test_a_template_that_refuses_a_system_turn_gets_its_text_in_the_first_user_t
         text = model.text("<answer>7</answer>", PROMPTS[0])
     finally:
         model.tokenizer.chat_template = template
-    assert "<|im_start|>system\nAnswer in tags." not in text and "<|im_start|>user\nAnswer in tags.\n\nWhat is 3 + 4?" in text
+    assert ("<|im_start|>system\nAnswer in tags." not in text
+            and "<|im_start|>user\nAnswer in tags.\n\nWhat is 3 + 4?" in text)
 
 
 def test_one_bad_chunk_fails_alone(reward_model_dir):
@@ -154,8 +156,8 @@ def test_an_encoder_reward_model_keeps_its_cls_token_the_system_prompt_and_the_c
         alone = [fresh(torch.tensor([seq])).logits[0, 0].item() for seq in (kept, model.token_ids("seven", short))]
     assert model([COMPLETION, "seven"], [{}, {}], [CHAT, short]) == pytest.approx(alone, abs=1e-5)  # one padded batch
     assert [r.getMessage() for r in caplog.records if "longer than" in r.getMessage()] == [
-        "reward model: a text of 23 tokens is longer than the 16 the model reads; it is cut in the prompt's middle, its "
-        "oldest turns first (the head tokens, the system turn and the completion are kept). Said once"]
+        "reward model: a text of 23 tokens is longer than the 16 the model reads; it is cut in the prompt's middle, "
+        "its oldest turns first (the head tokens, the system turn and the completion are kept). Said once"]
 
 
 def test_a_decoder_reward_model_keeps_the_system_turn_and_the_completions_turn_whole(tiny_model_dir, tmp_path):
@@ -165,7 +167,9 @@ def test_a_decoder_reward_model_keeps_the_system_turn_and_the_completions_turn_w
     folder = save_classifier(tmp_path / "short-llama", tiny_model_dir, positions=32)
     model = load_reward_model(str(folder), "cpu", "float32", 4)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    render = lambda chat: tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+    def render(chat):
+        return tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+
     full = render([*CHAT, {"role": "assistant", "content": COMPLETION}])
     system, prompt = render(CHAT[:1]), render(CHAT)
     completion_turn = full[len(prompt):]

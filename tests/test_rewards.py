@@ -12,11 +12,11 @@ import time
 import psutil
 import pytest
 import torch
-
 from conftest import REPO
+
 from grpo.config import load_config
-from grpo.settings.tree import ConfigError
 from grpo.objective.advantages import worst_of_batch
+from grpo.settings.tree import ConfigError
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from rewards.overlong import overlong_penalty
@@ -144,8 +144,8 @@ def rows(*answers):
 
 
 def test_registry_lists_valid_names_on_unknown():
-    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: answer_format, env_reward, gsm8k_answer, "
-                                         "gsm8k_answer_lenient, reasoning_gym, think_answer_format"):
+    with pytest.raises(ValueError, match="unknown reward 'answer'; valid names: answer_format, env_reward, "
+                                         "gsm8k_answer, gsm8k_answer_lenient, reasoning_gym, think_answer_format"):
         get_reward("answer")
     assert set(REWARD_FUNCTIONS) >= {"gsm8k_answer", "think_answer_format"}
 
@@ -360,7 +360,8 @@ def test_a_users_reward_module_by_path_with_rows_none_and_the_batch_form(tmp_pat
         assert scores.total.tolist() == [2.0, 0.0, 0.0]
     texts[0] = "7 and then some"  # 15 characters, 12 past the limit
     assert score_completions(texts, rows, names[:1], [1.0], -3.0).total[0].item() == pytest.approx(-0.12)
-    assert broken.per_function[:, 0].tolist() == [-3.0] * 3 and broken.failures == {f"{tmp_path}/my_rewards.py:short": 3}
+    assert (broken.per_function[:, 0].tolist() == [-3.0] * 3
+            and broken.failures == {f"{tmp_path}/my_rewards.py:short": 3})
 
 
 def test_a_batched_reward_that_fails_on_one_sample_costs_that_sample_alone(tmp_path):

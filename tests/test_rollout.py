@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from grpo.config import Config, LoraConfig, SamplingConfig
 from grpo.model.completions import cut_at_eos
 from grpo.model.loading import add_lora, unwrap_causal_lm
 from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine, chunk_plan, prompt_blocks
-from conftest import tiny_model
 
 
 class FakeTokenizer:
@@ -28,7 +28,8 @@ def test_chunk_plan_covers_the_group():
 def test_no_decode_chunk_has_more_rows_than_generation_batch_size(prompts, group_size, limit):
     """Every block and chunk together: each prompt gets its G completions, no chunk more than the
     limit's rows (a later turn of 16 prompts x G 8 episodes is 128 prompts of one completion)."""
-    rows = [len(block) * k for block in prompt_blocks(prompts, limit) for k in chunk_plan(len(block), group_size, limit)]
+    rows = [len(block) * k for block in prompt_blocks(prompts, limit)
+            for k in chunk_plan(len(block), group_size, limit)]
     assert max(rows) <= limit and sum(rows) == prompts * group_size
     assert [i for block in prompt_blocks(prompts, limit) for i in block] == list(range(prompts))
 
@@ -48,7 +49,8 @@ def plain_greedy(model, prompts, group_size, max_new_tokens):
 def test_prefill_once_greedy_equals_plain_generate_on_repeated_prompts():
     model = tiny_model("llama", vocab_size=101)
     for max_sequences in (64, 4):  # one chunk, and chunked generation reordered to prompt-major
-        engine = HFEngine(model, FakeTokenizer(), SamplingConfig(max_new_tokens=12, generation_batch_size=max_sequences))
+        engine = HFEngine(model, FakeTokenizer(),
+                          SamplingConfig(max_new_tokens=12, generation_batch_size=max_sequences))
         rollouts = engine.generate(PROMPTS, 3, greedy=True)
         expected = plain_greedy(model, PROMPTS, 3, 12)
         assert len(rollouts.completion_ids) == 9

@@ -14,14 +14,20 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-
 from conftest import PROCESS_CONFIG, REPO
+from helpers import free_tcp_address
+
 from grpo.config import load_config
 from grpo.run.ports import free_local_port
-from grpo.run.start import (RunFolderInUse, earlier_outputs, hold_run_folder, planned_start, prepare_run_folder,
-                            resume_source)
+from grpo.run.start import (
+    RunFolderInUse,
+    earlier_outputs,
+    hold_run_folder,
+    planned_start,
+    prepare_run_folder,
+    resume_source,
+)
 from grpo.wire.delivery import Spool
-from helpers import free_tcp_address
 
 
 def finished_run(folder: Path, checkpoint: bool = True) -> Path:
@@ -224,7 +230,8 @@ def test_help_config_prints_every_key_with_its_default(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "sampling_worker.py"), "--help-config"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    printed = [line.split(" = ", 1)[0] for line in proc.stdout.splitlines() if " = " in line and not line.startswith(" ")]
+    printed = [line.split(" = ", 1)[0] for line in proc.stdout.splitlines()
+               if " = " in line and not line.startswith(" ")]
     assert printed == all_keys()
     assert "training.learning_rate = 0.0002" in proc.stdout and "checkpoint.resume = auto" in proc.stdout
 

@@ -5,6 +5,7 @@ import hashlib
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from data.cursor import PromptCursor
 from data.problems import Problem
@@ -12,16 +13,15 @@ from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
+from grpo.run.ports import free_local_port
 from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
 from grpo.sampler.episodes import Episode
+from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.run.ports import free_local_port
-from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.step import SamplerPolicy, environment_failures, make_batch, step_seed
 from grpo.wire.weights import Staged
 from rewards import score_completions
-from conftest import tiny_model
 
 
 class FakeEngine:

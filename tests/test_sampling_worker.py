@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from conftest import PROCESS_CONFIG, REPO
+from helpers import free_tcp_address
 
 from data.cursor import PromptCursor
 from grpo.config import LoraConfig, ModelConfig
@@ -15,8 +17,6 @@ from grpo.model.logprobs import completion_logprobs
 from grpo.wire.staleness import required_version
 from grpo.wire.transport import BatchReceiver, TransportTimeout
 from grpo.wire.weights import publish, version_dir
-from conftest import PROCESS_CONFIG, REPO
-from helpers import free_tcp_address
 
 
 def start_sampler(run_dir, model_dir, data_dir, address, *extra, log_name="sampler.log"):
@@ -196,7 +196,7 @@ def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_a
     """rewards.max_failed_steps=2: step 0 is sent (its samples left out: no score, advantage 0), step 1
     is not; exit code 8, one error line naming the reward, the error and the line of the user's file
     that raised it (the reward runs in the sandbox child)."""
-    from sampling_worker import EXIT_REWARD_FAILED
+    from grpo.sampler.worker import EXIT_REWARD_FAILED
 
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text(UNREADABLE_REWARD)

@@ -17,10 +17,10 @@ import uuid
 
 import psutil
 import pytest
+from conftest import REPO
 
 import grpo.environments.pool as pool_module
-from conftest import REPO
-from grpo.child import PASSED_ENVIRONMENT, landlock_abi
+from common.child import PASSED_ENVIRONMENT, landlock_abi
 from grpo.environments.pool import EnvironmentPool, Limits
 from rewards import REWARD_FUNCTIONS
 from rewards.sandbox import RewardFailed, RewardSandbox
@@ -121,7 +121,8 @@ def test_a_process_that_starts_a_session_of_its_own_still_ends_with_the_child(ki
                 f"if pid == 0:\n"
                 f"    os.setsid()\n"
                 f"    if os.fork() == 0:\n"
-                f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {daemon!r}])\n"
+                f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', "
+                f"{daemon!r}])\n"
                 f"    os._exit(0)\n"
                 f"os.waitpid(pid, 0)\n"
                 f"print('started')\n")
@@ -314,12 +315,13 @@ def test_the_child_cannot_signal_the_sampler(confinement, monkeypatch):
                 f"attempt('parent', lambda: os.kill(os.getppid(), signal.SIGUSR1))\n"
                 f"attempt('sampler', lambda: os.kill({sampler}, signal.SIGUSR1))\n"
                 f"attempt('sampler group', lambda: os.killpg({os.getpgid(0)}, 0))\n"
-                f"attempt('sampler pidfd', lambda: signal.pidfd_send_signal(os.pidfd_open({sampler}), signal.SIGUSR1))\n"
+                f"attempt('sampler pidfd', "
+                f"lambda: signal.pidfd_send_signal(os.pidfd_open({sampler}), signal.SIGUSR1))\n"
                 f"attempt('victim', lambda: os.kill({victim.pid}, signal.SIGKILL))\n"
                 f"libc = ctypes.CDLL(None, use_errno=True)\n"
                 f"print('ptrace', libc.ptrace(0x4206, {sampler}, 0, 0), ctypes.get_errno())\n"  # PTRACE_SEIZE: no stop
                 + (f"attempt('memory', lambda: open('/proc/{sampler}/mem', 'rb').close())\n" if landlock else "") +
-                f"attempt('own subprocess', lambda: subprocess.run(['sleep', '10'], timeout=0.5))\n")
+                "attempt('own subprocess', lambda: subprocess.run(['sleep', '10'], timeout=0.5))\n")
         text, failure = run(pool, code)
         assert failure is None and text.splitlines() == [
             "parent PermissionError", "sampler PermissionError", "sampler group PermissionError",

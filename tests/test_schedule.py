@@ -16,7 +16,8 @@ def test_warmup_then_constant():
 @pytest.mark.parametrize("schedule, expected", [
     # warm-up 2 of 10 updates, then 8 updates of decay to the floor 0.1
     ("linear", [0.5, 1.0, 1.0, 0.8875, 0.775, 0.1, 0.1]),
-    ("cosine", [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)),
+    ("cosine", [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)),
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)),
                 0.1, 0.1]),
 ])
 def test_decay_from_the_end_of_warmup_to_the_floor(schedule, expected):

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 from grpo.config import LoraConfig, ModelConfig, load_config, save_config, to_dict
 from grpo.model.loading import add_lora, load_model
 from grpo.wire.weights import publish, version_dir
-from conftest import REPO
 
 
 def run_script(name, *args):
@@ -22,7 +22,8 @@ def run_script(name, *args):
 
 
 def test_evaluate_writes_a_summary_for_the_base_model_and_a_published_adapter(tmp_path, digit_model_dir, tiny_gsm8k):
-    common = [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "data.prefill=", "sampling.max_new_tokens=1",
+    common = [f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}", "data.prefill=",
+              "sampling.max_new_tokens=1",
               "lora.r=4", "--limit", "5", "--batch-size", "2"]
     run_script("evaluate.py", "--out", str(tmp_path / "base.json"), *common)
     base = json.loads((tmp_path / "base.json").read_text())
@@ -62,7 +63,8 @@ def test_evaluate_a_run_uses_the_runs_config_and_lists_the_versions_on_disk(tmp_
     run_script("evaluate.py", "--run", str(run), "--batch-size", "6", "sampling.max_new_tokens=2",
                "--out", str(tmp_path / "run.json"))
     summary = json.loads((tmp_path / "run.json").read_text())
-    assert (summary["model"], summary["problems"], summary["config"]) == (str(digit_model_dir), 12, str(run / "config.yaml"))
+    assert ((summary["model"], summary["problems"], summary["config"])
+            == (str(digit_model_dir), 12, str(run / "config.yaml")))
     assert summary["weights"] == str(version_dir(run / "weights", 3))  # LATEST
     assert summary["max_new_tokens"] == 2  # an override on top of the run's config
     run_script("evaluate.py", "--weights", str(version_dir(run / "weights", 2)), "--limit", "3",
@@ -70,9 +72,7 @@ def test_evaluate_a_run_uses_the_runs_config_and_lists_the_versions_on_disk(tmp_
     summary = json.loads((tmp_path / "v2.json").read_text())
     assert (summary["model"], summary["problems"], summary["max_new_tokens"]) == (str(digit_model_dir), 3, 1)
     assert summary["weights"] == str(version_dir(run / "weights", 2))
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    from evaluate import main, resolve_inputs
+    from grpo.commands.evaluate import main, resolve_inputs
 
     no_flags = argparse.Namespace(run=None, version=None, config=None, weights=None)
     cfg, weights, source = resolve_inputs(argparse.Namespace(**{**vars(no_flags), "weights": run / "weights"}),
@@ -136,8 +136,7 @@ def test_plot_metrics_overlays_runs_into_pngs(tmp_path):
 
 
 def test_plot_panels_follow_the_runs_reward_names_and_leave_out_what_no_run_has():
-    sys.path.insert(0, str(REPO / "scripts"))
-    from plot_metrics import panels
+    from grpo.commands.plot import panels
 
     # a run of your own rewards, no KL (beta 0) and no evaluation; beside it one with a file reward and evaluations
     own = step_rows(0.0, rewards=("my_rewards.py:exact_match",), kl=False)
@@ -161,8 +160,7 @@ def test_plot_panels_follow_the_runs_reward_names_and_leave_out_what_no_run_has(
 
 
 def test_smoothing_and_series_worked_numbers():
-    sys.path.insert(0, str(REPO / "scripts"))
-    from plot_metrics import series, smooth
+    from grpo.commands.plot import series, smooth
 
     assert smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
@@ -221,12 +219,17 @@ def test_bench_vs_trl_names_each_process_of_a_run():
     assert process_label(rank, ds_launch) == "trainer rank"
     assert process_label([py, "scripts/benchmarks/bench_vs_trl.py", "--trl-worker", "gsm8k"], ["bash"]) == "TRL"
     assert process_label(["/bin/sh", "-c", "nvidia-smi"], launcher) == "other"
-    direct_rank = [py, "-u", "/repo/training_worker.py", "--config", "c.yaml"]  # one rank, started by the launcher
+    direct_rank = [py, "-u", "-m", "grpo.trainer.worker", "--config", "c.yaml"]  # one rank, started by the launcher
     assert process_label(direct_rank, launcher) == "trainer rank"
+    module_sampler = [py, "-m", "grpo.sampler.worker", "--config", "c.yaml", "sampling.worker_index=0"]
+    assert process_label(module_sampler, launcher) == "sampler"
+    assert process_label(module_sampler, module_sampler) == "reward sandbox"
+    module_runner = [py, "/repo/.venv/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.trainer.worker"]
+    assert process_label(module_runner, launcher) == "DeepSpeed runner"
+    assert process_label([py, "/repo/.venv/bin/grpo", "train"], ["bash"]) == "launcher"
 
 
 def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
-    sys.path.insert(0, str(REPO / "scripts"))
     from vllm_requirements import merged
 
     base = ["# comment", "torch==2.13.0", "transformers==5.23.0", "peft==0.21.2", "", "Py_Yaml==6.0"]
@@ -243,10 +246,12 @@ def test_every_project_name_the_scripts_import_exists():
     missing = []
     for path in sorted((REPO / "scripts").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("grpo", "data", "rewards"):
+            if (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] in ("grpo", "data", "rewards")):
                 module = importlib.import_module(node.module)
                 missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
-                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+                            if not hasattr(module, a.name)
+                            and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert missing == []
 
 

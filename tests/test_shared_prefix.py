@@ -5,12 +5,12 @@ import zlib
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from grpo.config import LoraConfig
 from grpo.model.loading import add_lora, enable_gradient_checkpointing
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.shared_prefix import pack_groups
-from conftest import tiny_model
 
 
 def random_groups(seed, prompt_lens, group_sizes, max_completion=9, vocab=101):
@@ -76,7 +76,8 @@ def relative_error(a, b):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_lora_gradients_equal_the_plain_path(kind, checkpointing):
-    model = add_lora(tiny_model(kind), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = add_lora(tiny_model(kind),
+                     LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # non-zero B so every LoRA matrix gets a gradient
@@ -217,7 +218,8 @@ def test_verify_shared_prefix_passes_on_a_supported_model_and_stops_a_broken_one
 
     monkeypatch.setattr(prefix_attention, "available", lambda device: False)  # the masked kernel
     monkeypatch.setattr(shared_prefix.GroupSpan, "completion_mask", prompt_hidden)
-    with pytest.raises(SharedPrefixMismatch, match="differ from the plain forward by .* Set training.shared_prefix=false"):
+    with pytest.raises(SharedPrefixMismatch,
+                       match="differ from the plain forward by .* Set training.shared_prefix=false"):
         verify_shared_prefix(model, prompts, completions, [2, 3, 2])
 
 

@@ -12,11 +12,11 @@ import sys
 import time
 
 import psutil
+from test_launch import launch
 
+from grpo.commands.train import EXIT_SAMPLER_FAILED
 from grpo.run.watchdog import catches_sigusr1, where
 from grpo.trainer.build_locks import LockWaitReporter, build_locks, clear_stale_locks, lock_holders
-from test_launch import launch  # noqa: I001 (it puts scripts/ on the path)
-from launch import EXIT_SAMPLER_FAILED  # noqa: E402
 
 
 def hold_open(path):
@@ -60,7 +60,8 @@ def test_a_lock_a_live_build_holds_is_named_while_waited_on_and_removed_once_its
                 time.sleep(1.0)
                 assert len(caplog.records) == 1
                 first = caplog.records[0].getMessage()
-                assert first.startswith(f"waiting for the build lock {lock}: held by pid {holder.pid} ({sys.executable} -c")
+                assert first.startswith(f"waiting for the build lock {lock}: held by pid {holder.pid} "
+                                        f"({sys.executable} -c")
                 assert first.endswith("), building deepspeed_shm_comm; a build takes about a minute")
                 holder.kill()  # killed mid-build: the file stays, and nobody holds it
                 holder.wait()
@@ -140,17 +141,19 @@ def test_a_planted_build_lock_in_the_runs_extension_cache_does_not_hang_the_star
 def test_a_reward_that_fails_on_every_sample_stops_the_launch_with_its_line(tmp_path, digit_model_dir, tiny_gsm8k):
     """The console names the reward, its error and its line, and shows this launch's part of the log
     alone (an earlier launch's error in the same sampler.log is not shown)."""
-    (tmp_path / "my_rewards.py").write_text("def exact(completion, row):\n    return float(row['solution'] in completion)\n")
+    (tmp_path / "my_rewards.py").write_text("def exact(completion, row):\n"
+                                            "    return float(row['solution'] in completion)\n")
     run = tmp_path / "run"
     run.mkdir()
     (run / "sampler.log").write_text("2026-01-01 00:00:00 sampler ERROR an earlier launch's failure\n")
-    proc = launch(run, digit_model_dir, tiny_gsm8k, "training.steps=5", f"rewards.names=[{tmp_path}/my_rewards.py:exact]",
+    proc = launch(run, digit_model_dir, tiny_gsm8k, "training.steps=5",
+                  f"rewards.names=[{tmp_path}/my_rewards.py:exact]",
                   "rewards.weights=[1.0]", f"rewards.accuracy_reward={tmp_path}/my_rewards.py:exact")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_SAMPLER_FAILED, out
     assert "the sampler failed (exit code 8)" in out and "an earlier launch's failure" not in out
     shown = out.split("(this launch):\n", 1)[1]
-    assert shown.startswith("===== launch ") and "sampling_worker.py" in shown.splitlines()[0]
+    assert shown.startswith("===== launch ") and "grpo.sampler.worker" in shown.splitlines()[0]
     assert (f"reward {tmp_path}/my_rewards.py:exact failed on all 8 samples in each of the last 2 steps: KeyError: "
             f"'solution' ({tmp_path}/my_rewards.py:2, in exact); stopped.") in shown
 
@@ -169,8 +172,8 @@ def test_a_kill_9_at_start_up_then_the_same_command_finishes_the_run(tmp_path, d
     first) the sampler killed while it loads its prompts: each time the same command again runs the
     run to its end, with nothing left behind that blocks or hijacks the next start."""
     run = tmp_path / "run"
-    for steps, victim, log, moment in ((2, "training_worker.py", "trainer.log", "Setting accelerator"),
-                                       (4, "sampling_worker.py", "sampler.log", "prompts from")):
+    for steps, victim, log, moment in ((2, "grpo.trainer.worker", "trainer.log", "Setting accelerator"),
+                                       (4, "grpo.sampler.worker", "sampler.log", "prompts from")):
         command = [run, digit_model_dir, tiny_gsm8k, f"training.steps={steps}"]
         before = (run / log).read_text() if (run / log).is_file() else ""
         proc = launch(*command)

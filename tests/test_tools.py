@@ -4,9 +4,10 @@ tool messages, token for token."""
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import AutoTokenizer
 
-from conftest import REPO
+from common.sources import ModelError
 from data.problems import Problem
 from data.prompts import build_prompts, check_template_offers_tools
 from grpo.config import load_config
@@ -19,7 +20,6 @@ from grpo.model.loading import read_chat_template
 from grpo.sampler.episodes import EpisodeRunner, episode_metrics
 from grpo.sampler.rollout import Rollouts
 from grpo.settings.tree import ConfigError
-from grpo.sources import ModelError
 
 TOOLS = str(REPO / "tests" / "tool_functions.py")
 CALCULATE = "grpo.environments.calculator:calculate"
@@ -31,7 +31,8 @@ CALCULATE = "grpo.environments.calculator:calculate"
     ("The answer is 4.", []),
     ('x\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "48 / 2"}}\n</tool_call>',
      [ToolCall("calculate", {"expression": "48 / 2"})]),
-    ('<tool_call>{"name": "a", "arguments": {}}</tool_call> and <tool_call>{"name": "b", "arguments": {"n": 1}}</tool_call>',
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call> and '
+     '<tool_call>{"name": "b", "arguments": {"n": 1}}</tool_call>',
      [ToolCall("a", {}), ToolCall("b", {"n": 1})]),
     ('<tool_call>{"name": "a", "arguments": {"n": 2}}', [ToolCall("a", {"n": 2})]),  # unclosed at the EOS: read
     ('<tool_call>{"name": "a", "arguments": {"n": 2</tool_call>',
@@ -49,8 +50,8 @@ def test_hermes_calls_are_read_as_written(message, calls):
     ('{"name": "calculate", "parameters": {"expression": "2 + 2"}}', [ToolCall("calculate", {"expression": "2 + 2"})]),
     ('<|python_tag|>{"name": "a", "arguments": {"n": 1}}; {"name": "b", "arguments": {}}',
      [ToolCall("a", {"n": 1}), ToolCall("b", {})]),
-    ('{"name": "a", "arguments": {"n": 1}', [ToolCall("", {}, "the tool call is not valid JSON (Expecting ',' delimiter "
-                                                               "at character 35)")]),
+    ('{"name": "a", "arguments": {"n": 1}',
+     [ToolCall("", {}, "the tool call is not valid JSON (Expecting ',' delimiter at character 35)")]),
     ('{"tool": "a"}', [ToolCall("", {}, 'a tool call is a JSON object with a "name" string')]),
     ('<think>\n{"name": "a", "arguments": {"n": 1}', [ToolCall("", {}, "the tool call is not valid JSON (Expecting "
                                                                           "',' delimiter at character 35)")]),
@@ -150,7 +151,8 @@ CALL = '<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{}"}}}
 
 
 @pytest.mark.parametrize("special_tags", [False, True], ids=["plain-tags", "special-token-tags"])
-def test_the_trainer_sees_the_sampled_tokens_and_the_templates_tool_messages_token_for_token(tiny_model_dir, special_tags):
+def test_the_trainer_sees_the_sampled_tokens_and_the_templates_tool_messages_token_for_token(tiny_model_dir,
+                                                                                             special_tags):
     """Also where the model's <tool_call> tags are special tokens (decoding for the rewards drops
     them; the environment reads them, as vLLM's parsers do)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -160,7 +162,8 @@ def test_the_trainer_sees_the_sampled_tokens_and_the_templates_tool_messages_tok
     cfg = load_config(None, [f"env.tools=[{CALCULATE}]", "data.few_shot=0"])
     problem = Problem("train-0", "Natalia sold 48 clips in April and half as many in May. How many in all?", "72")
     prompts, _ = build_prompts(tokenizer, cfg.data, [problem], **prompt_options(cfg.env))
-    scripts = [["ep0 half of 48 is\n" + CALL.format("48 / 2"), "ep0 then\n" + CALL.format("48 + 24"), "<answer>72</answer>"],
+    scripts = [["ep0 half of 48 is\n" + CALL.format("48 / 2"), "ep0 then\n" + CALL.format("48 + 24"),
+                "<answer>72</answer>"],
                ["ep1 both at once\n" + CALL.format("48 / 2") + "\n" + CALL.format("48 * 1.5"), "<answer>72</answer>"],
                ["ep2 " + CALL.format("48 / 0") + " and <tool_call>{oops}</tool_call>", "<answer>0</answer>"],
                ["ep3 <answer>72</answer>"]]
@@ -241,7 +244,8 @@ def hermes(name: str, arguments) -> str:
     ("calculate", {"expression": 48}, "error: bad arguments for calculate: 'expression' must be a string"),
     ("scale", {"values": [1, "2"], "factor": 2}, "error: bad arguments for scale: 'values'[1] must be an integer"),
     ("scale", {"values": [1], "factor": True}, "error: bad arguments for scale: 'factor' must be a number"),
-    ("scale", {"values": [1], "factor": 2, "exact": 1}, "error: bad arguments for scale: 'exact' must be true or false"),
+    ("scale", {"values": [1], "factor": 2, "exact": 1},
+     "error: bad arguments for scale: 'exact' must be true or false"),
     ("scale", {"values": 3, "factor": 2}, "error: bad arguments for scale: 'values' must be an array"),
 ])
 def test_arguments_that_do_not_fit_the_tools_schema_are_a_malformed_call_the_tool_never_sees(tool, arguments, text):
@@ -284,8 +288,9 @@ NAMED_TOOL_TURN = ("{% for m in messages %}{% if m['role'] == 'tool' %}<|tool na
 def test_the_template_probe_renders_tool_messages_with_their_tools_name(tiny_model_dir):
     """A template that shows each tool message's name (as the few-shot examples carry it): rendered
     with the name, never an empty one; refused at start where the name is not known."""
-    from grpo.sampler.episodes import TemplateRoleError
     from test_episodes import reply_parts
+
+    from grpo.sampler.episodes import TemplateRoleError
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = NAMED_TOOL_TURN

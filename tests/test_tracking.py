@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from grpo.run.tracking import numeric, run_id, trackio_name
 
 WRITE_ROWS = """
@@ -27,11 +27,14 @@ run_dir = Path({run_dir!r})
 log = MetricsLog(run_dir, 0, False, open_tracker(cfg.logging, run_dir, cfg.run.name, to_dict(cfg)))
 log.write({{"step": 1, "loss": 0.5, "reward": -1.25, "timing/train_s": 2.0, "note": "text", "skipped": False}})
 log.write({{"step": 2, "loss": 0.25, "reward": -0.75, "timing/train_s": 1.5}})
-log.write_evaluation({{"step": 1, "eval/answer_accuracy": 0.125}})  # a version already past: W&B's own step grows anyway
+# a version already past: W&B's own step grows anyway
+log.write_evaluation({{"step": 1, "eval/answer_accuracy": 0.125}})
 log.close()
-append_metrics_row(run_dir, {{"step": 2, "eval/answer_accuracy": 0.25}}, cfg.logging, cfg.run.name)  # the sampler's last
+# the sampler's last
+append_metrics_row(run_dir, {{"step": 2, "eval/answer_accuracy": 0.25}}, cfg.logging, cfg.run.name)
 """
-EXPECTED = [(1, {"loss": 0.5, "reward": -1.25, "timing/train_s": 2.0}), (2, {"loss": 0.25, "reward": -0.75, "timing/train_s": 1.5}),
+EXPECTED = [(1, {"loss": 0.5, "reward": -1.25, "timing/train_s": 2.0}),
+            (2, {"loss": 0.25, "reward": -0.75, "timing/train_s": 1.5}),
             (1, {"eval/answer_accuracy": 0.125}), (2, {"eval/answer_accuracy": 0.25})]
 
 
@@ -127,7 +130,8 @@ def test_a_raising_tracker_is_counted_and_never_stops_the_caller(caplog):
         tracker.log({"step": step})
     tracker.finish()
     assert tracker.failures == 6
-    assert sum("the tracker's log failed (ConnectionError" in r.message for r in caplog.records) == 3  # said, not spammed
+    # said, not spammed
+    assert sum("the tracker's log failed (ConnectionError" in r.message for r in caplog.records) == 3
 
 
 def test_an_unknown_backend_is_a_config_error():

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PROCESS_CONFIG, REPO
+from helpers import free_tcp_address
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
+from test_sampling_worker import start_sampler
 from transformers import AutoModelForCausalLM
 
 from grpo.config import LoraConfig
@@ -17,9 +20,6 @@ from grpo.model.loading import add_lora
 from grpo.run.ports import free_local_port
 from grpo.run.tracking import run_id
 from grpo.wire.weights import read_latest, version_dir
-from conftest import PROCESS_CONFIG, REPO
-from helpers import free_tcp_address
-from test_sampling_worker import start_sampler
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -44,12 +44,14 @@ def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
         delta = torch.tensor([x for n in case["delta"] for x in torch.tensor(case["delta"][n]).flatten().tolist()])
-        ref = torch.tensor([x for n in case["ref_delta"] for x in torch.tensor(case["ref_delta"][n]).flatten().tolist()])
+        ref = torch.tensor([x for n in case["ref_delta"]
+                            for x in torch.tensor(case["ref_delta"][n]).flatten().tolist()])
         assert ((delta - ref).norm() / ref.norm()).item() <= 1e-6, case["case"]
 
 
 def start_trainer(run_dir, model_dir, data_dir, address, *extra):
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()), str(REPO / "training_worker.py"),
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()),
+            str(REPO / "training_worker.py"),
             "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}", f"model.name_or_path={model_dir}",
             f"data.path={data_dir}", f"transport.address={address}", "sampling.prompts_per_step=2",
             "sampling.group_size=3", "sampling.max_new_tokens=6", "lora.r=4", "transport.recv_timeout_s=300",
@@ -101,7 +103,8 @@ def test_sampler_and_two_rank_trainer_train_together(tmp_path, digit_model_dir, 
         assert TRAINER_KEYS | SAMPLER_KEYS <= set(row), TRAINER_KEYS | SAMPLER_KEYS - set(row)
         assert 0 <= row["staleness"] <= 1
         assert row["perf/trainer_gflop_per_s"] == pytest.approx(row["perf/trainer_model_gflop"] / row["timing/train_s"])
-        assert row["perf/trainer_model_gflop"] > row["perf/trainer_recomputed_gflop"] > 0  # tests/test_flops.py: the values
+        # tests/test_flops.py: the values
+        assert row["perf/trainer_model_gflop"] > row["perf/trainer_recomputed_gflop"] > 0
     assert any(r["frac_reward_zero_std"] < 1 for r in rows)  # some group had a learning signal
     assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # v0 is the reference itself (LoRA B starts at 0)
     weights = tmp_path / "weights"
@@ -155,8 +158,9 @@ def test_stopped_run_resumes_without_training_a_sampler_step_twice_or_skipping_o
     zero = f"deepspeed.zero_stage={stage}"
     first = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2", "checkpoint.every=1", zero, *LEARNING)
     v1, v2 = (load_file(version_dir(tmp_path / "weights", v) / "adapter_model.safetensors") for v in (1, 2))
-    fresh = get_peft_model_state_dict(add_lora(AutoModelForCausalLM.from_pretrained(digit_model_dir),
-                                               LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
+    fresh = get_peft_model_state_dict(add_lora(
+        AutoModelForCausalLM.from_pretrained(digit_model_dir),
+        LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
     assert {k: v.shape for k, v in v2.items()} == {k.replace(".default", ""): v.shape for k, v in fresh.items()}
     assert any(not torch.equal(v1[k], v2[k]) for k in v1)  # whole tensors, and step 2 changed them
     rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=4", "checkpoint.every=1", zero, *LEARNING)

@@ -9,12 +9,11 @@ import time
 import pytest
 import torch
 import zmq
-
 from conftest import REPO
-from grpo.config import load_config
-from grpo.wire.transport import (BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch,
-                            encode_batch)
 from helpers import assert_batches_equal, free_tcp_address, make_batch
+
+from grpo.config import load_config
+from grpo.wire.transport import BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch, encode_batch
 
 
 def test_codec_round_trip_is_bit_exact_with_and_without_reference():
@@ -67,13 +66,15 @@ def malformed_messages():
         "empty message": ([], "non-empty list of byte frames"),
         "not json": ([b"\x80garbage"] + good[1:], "header is not JSON"),
         "json but not an object": ([b"[1, 2]"] + good[1:], "header must be a JSON object"),
-        "unknown schema": (_with_header(good, schema="grpo.sampler.rollout/99"), "unknown schema 'grpo.sampler.rollout/99'"),
+        "unknown schema": (_with_header(good, schema="grpo.sampler.rollout/99"),
+                           "unknown schema 'grpo.sampler.rollout/99'"),
         "a batch without token versions": (_with_header(good, schema="grpo.rollout/1"),
                                            "a batch of schema grpo.rollout/1, from a sampler older than this trainer, "
                                            "which speaks grpo.rollout/2 .*run the sampler of the same version"),
         "policy_version not the oldest token's": (_with_header(good, policy_version=3),
                                                   "policy_version 3 is not the oldest token's version 0"),
-        "a model token without a version": (encode_batch(unversioned), "token_versions: a model token without a version"),
+        "a model token without a version": (encode_batch(unversioned),
+                                            "token_versions: a model token without a version"),
         "an environment token with a version": (encode_batch(episodes),
                                                 "token_versions: an environment's token must be -1"),
         "missing field": ([json.dumps({k: v for k, v in _header(good).items() if k != "step"}).encode()] + good[1:],
@@ -89,11 +90,13 @@ def malformed_messages():
         "missing tensor field": (_with_header(good[:-1], tensors=_header(good)["tensors"][:-1]),
                                  "missing tensor field 'token_versions'"),
         "unknown tensor field": (_mutate_spec(good, 0, name="weights"), "unknown tensor field 'weights'"),
-        "duplicate tensor field": (_mutate_spec(good, 1, name="prompt_ids", lengths=_header(good)["tensors"][0]["lengths"],
+        "duplicate tensor field": (_mutate_spec(good, 1, name="prompt_ids",
+                                                lengths=_header(good)["tensors"][0]["lengths"],
                                                 nbytes=len(good[1])) [:2] + [good[1]] + good[3:],
                                    "appears twice"),
         "group sizes disagree": (_with_header(good, group_sizes=[2, 2]), "5 completions but group sizes sum to 4"),
-        "reward names disagree": (_with_header(good, reward_names=["a"]), "rewards has shape \\[5, 2\\], expected \\[5, 1\\]"),
+        "reward names disagree": (_with_header(good, reward_names=["a"]),
+                                  "rewards has shape \\[5, 2\\], expected \\[5, 1\\]"),
         "non-finite values": (encode_batch(nan_logps), "old_logps: holds NaN or infinite values"),
         "denominators out of range": (_with_header(good, num_sequences=99), "num_sequences / num_tokens out of range"),
         "NaN literal in header": ([_header_text(good).replace('"a": 1.5', '"a": NaN').encode()] + good[1:],

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import PROCESS_CONFIG, REPO
+from helpers import free_tcp_address
+from safetensors.torch import load_file
+from test_sampling_worker import start_sampler
+
 from grpo.run.ports import free_local_port
 from grpo.wire.weights import read_latest, version_dir
-from helpers import free_tcp_address
-from test_sampling_worker import start_sampler
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -51,7 +51,8 @@ def test_engine_arguments_fit_the_machine_and_refuse_what_the_trainer_cannot_mat
         engine_arguments(vllm_config(), cuda=False, available_bytes=int(1.5 * 2**30))
     with pytest.raises(VllmUnavailable, match="use sampling.old_logps=recompute with top-p/top-k"):
         engine_arguments(vllm_config("sampling.top_k=20"), cuda=False, available_bytes=16 * 2**30)
-    assert "max_lora_rank" not in engine_arguments(vllm_config("lora.enabled=false", "training.reference_on=sampler"), False, 16 * 2**30)
+    assert "max_lora_rank" not in engine_arguments(vllm_config("lora.enabled=false", "training.reference_on=sampler"),
+                                                   False, 16 * 2**30)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,7 @@ def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(serv
     shared-prefix recompute of the whole episode within the single-turn bound, and the environment's
     tokens sit exactly where the mask says."""
     from conftest import REPO
+
     from grpo.environments.pool import EnvironmentPool
     from grpo.sampler.episodes import EpisodeRunner
 
@@ -171,9 +173,11 @@ def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(serv
         for segment, reply in zip(segments, shown):  # only the last one may be cut, at the token budget
             assert segment == reply[:len(segment)] and (len(segment) == len(reply) or e.truncated)
     with torch.no_grad():
-        recomputed = completion_logprobs(model, [torch.tensor(p.token_ids) for p in prompts], run.rollouts.completion_ids,
+        recomputed = completion_logprobs(model, [torch.tensor(p.token_ids) for p in prompts],
+                                         run.rollouts.completion_ids,
                                          [3, 3], temperature=cfg.sampling.temperature)
-    gap = max((a - b)[m].abs().max().item() for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
+    gap = max((a - b)[m].abs().max().item()
+              for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
     print(f"vLLM episodes: largest model-token log-prob gap {gap:.2e} over "
           f"{sum(int(m.sum()) for m in run.rollouts.model_masks)} tokens, turns {[e.turns for e in run.episodes]}")
     assert gap < LOGP_BOUND
@@ -186,12 +190,13 @@ def test_vllm_episodes_call_a_slow_environment_at_once_and_draw_what_each_draws_
     (each message seeded for its episode and turn, from the whole context so far): the same tokens,
     log-probs within the engine's kernel tolerance. The step's metrics say how many waited."""
     from conftest import REPO
+    from test_continuous import TimedLanes, most_at_once
+
     from grpo.environments.lanes import Lanes
     from grpo.environments.pool import EnvironmentPool
     from grpo.sampler.episodes import EpisodeRunner
     from grpo.sampler.rollout import prompt_seeds
     from grpo.sampler.rollout.continuous import episode_seed
-    from test_continuous import TimedLanes, most_at_once
 
     cfg, model, tokenizer, engine, _ = served
     prompts = chat_prompts(tokenizer)
@@ -207,7 +212,8 @@ def test_vllm_episodes_call_a_slow_environment_at_once_and_draw_what_each_draws_
     assert most_at_once(lanes.steps) >= 2 and len(lanes.steps) >= 6
     assert metrics["env/waiting_mean"] > 0 and metrics["timing/env_idle_s"] >= 0
     firsts, compared = prompt_seeds(5, 2), 0
-    for j, (ids, mask, logps) in enumerate(zip(run.rollouts.completion_ids, run.rollouts.model_masks, run.rollouts.logps)):
+    for j, (ids, mask, logps) in enumerate(zip(run.rollouts.completion_ids, run.rollouts.model_masks,
+                                               run.rollouts.logps)):
         context, turn = list(prompts[j // 3].token_ids), 0
         for model_s, a, b in runs_of(mask):
             if model_s:
@@ -254,7 +260,8 @@ def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
     rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
     assert all(torch.equal(a, b) for a, b in zip(batches["generation"].completion_ids, rollouts.completion_ids))
     # within the kernel tolerance: the repeat reads the prompts' KV from the prefix cache (see above)
-    assert all(torch.allclose(a, b, rtol=0, atol=LOGP_BOUND) for a, b in zip(batches["generation"].old_logps, rollouts.logps))
+    assert all(torch.allclose(a, b, rtol=0, atol=LOGP_BOUND)
+               for a, b in zip(batches["generation"].old_logps, rollouts.logps))
     with torch.no_grad():
         ours = completion_logprobs(model, batches["recompute"].prompt_ids, batches["recompute"].completion_ids,
                                    batches["recompute"].group_sizes, temperature=cfg.sampling.temperature,
@@ -276,7 +283,8 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
     assert engine.carried is not None
     publish(trained_adapter(cfg, seed=1), tmp_path, version=1, step=1)
     watcher = WeightWatcher(tmp_path, [into_model(model), engine.stage_weights])
-    assert watcher.poll().loaded and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"])
+    assert (watcher.poll().loaded
+            and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"]))
     assert engine.carried is None
     swapped = engine.generate(prompts, 1, greedy=True).completion_ids
     hf = HFEngine(model, tokenizer, cfg.sampling).generate(prompts, 1, greedy=True).completion_ids
@@ -294,7 +302,8 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
     with pytest.raises(Exception):
         engine.load_weights(version_dir(bad, 3), verify(version_dir(bad, 3)), 3)
     assert engine.version == 1
-    assert [t.tolist() for t in engine.generate(prompts, 1, greedy=True).completion_ids] == [t.tolist() for t in swapped]
+    assert ([t.tolist() for t in engine.generate(prompts, 1, greedy=True).completion_ids]
+            == [t.tolist() for t in swapped])
 
 
 @needs_vllm
@@ -506,18 +515,14 @@ def test_vllm_serves_a_merged_export_as_transformers_does(tmp_path):
     engine settings of the sampler) loads it by path, and its greedy tokens equal transformers'
     greedy tokens on the same folder."""
     import os
-    import sys
 
     import psutil
     import vllm
     from transformers import AutoModelForCausalLM, GenerationConfig
     from vllm.inputs import TokensPrompt
 
-    from conftest import REPO
+    from grpo.commands.export import export
     from grpo.config import save_config
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    from export import export
 
     cfg = vllm_config(f"run.dir={tmp_path / 'run'}")
     save_config(cfg, tmp_path / "run" / "config.yaml")
@@ -554,7 +559,8 @@ def test_vllm_serves_a_merged_export_as_transformers_does(tmp_path):
 TOOL_CALL_TEXTS = [
     'The answer is 4.',
     'x\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "48 / 2"}}\n</tool_call>',
-    '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {"n": [1, 2]}}</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call> then '
+    '<tool_call>{"name": "b", "arguments": {"n": [1, 2]}}</tool_call>',
     '<tool_call>{"name": "a", "arguments": {"s": "é"}}',  # unclosed at the end of the message
     '{"name": "calculate", "parameters": {"expression": "2 + 2"}}',
     '<|python_tag|>{"name": "a", "arguments": {"n": 1}}; {"name": "b", "arguments": {}}',

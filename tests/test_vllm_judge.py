@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import wait_until_healthy
-from grpo.model.loading import resolve_model_path
+
+from common.model_files import resolve_model_path
 from grpo.run.ports import free_local_port
 from grpo.sampler.rollout.vllm_engine import cpu_threads_environment
 from rewards import score_completions
@@ -35,7 +35,8 @@ def vllm_server(tmp_path_factory):
     repeatable: no prefix cache (a cached prefix takes another kernel path), one request at a time."""
     port = free_local_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ)}
+    env = {**os.environ,
+           **cpu_threads_environment(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.environ)}
     log = tmp_path_factory.mktemp("vllm-judge") / "server.log"
     with open(log, "w+") as out:
         process = subprocess.Popen(
@@ -66,7 +67,8 @@ def test_the_judge_scores_completions_through_vllms_chat_completions(vllm_server
                                  "Give the student a grade from 0 to 10. Reply with the number only.")
     settings = ServiceSettings(timeout_s=120, retries=0, judge=judge)
     completions, rows = ["<answer>7</answer>", "<answer>12</answer>"], [{"reference_answer": "7"}] * 2
-    scores = score_completions(completions, rows, ["judge"], [1.0], fallback=-5.0, prompts=[TURNS] * 2, services=settings)
+    scores = score_completions(completions, rows, ["judge"], [1.0], fallback=-5.0, prompts=[TURNS] * 2,
+                               services=settings)
 
     asker = Judge(judge, 120, 0)
     choices = [post_json(asker.endpoint, asker.request(c, r, TURNS), 120, 0)["choices"][0]

@@ -8,15 +8,29 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, tiny_model
 
 from grpo.config import LoraConfig
 from grpo.model.loading import add_lora
 from grpo.settings.tree import get_key
 from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
-from grpo.wire.weights import (DIGESTS, INITIAL_DIGEST, LATEST, MANIFEST, Staged, WeightWatcher, WeightsDiverged,
-                          WeightsError, publish,
-                          published_digests, published_versions, read_latest, verify, into_model, version_dir)
-from conftest import REPO, tiny_model
+from grpo.wire.weights import (
+    DIGESTS,
+    INITIAL_DIGEST,
+    LATEST,
+    MANIFEST,
+    Staged,
+    WeightsDiverged,
+    WeightsError,
+    WeightWatcher,
+    into_model,
+    publish,
+    published_digests,
+    published_versions,
+    read_latest,
+    verify,
+    version_dir,
+)
 
 
 def lora_model(seed=0, r=4):
@@ -252,8 +266,8 @@ def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
 def test_a_sampler_with_another_lora_alpha_is_named_before_its_batch_is_trained():
     """The sampler's scoring copy scales a loaded adapter by its own lora.alpha / r: with another
     alpha it would sample and score a policy the trainer never had, and no shape check sees it."""
-    from grpo.wire.behaviour import check_behaviour
     from grpo.config import load_config
+    from grpo.wire.behaviour import check_behaviour
 
     def settings(*overrides):
         cfg = load_config(None, list(overrides))

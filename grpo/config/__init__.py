@@ -17,11 +17,38 @@ import yaml
 
 from grpo.config.rules import option_lists, validate
 from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
-from grpo.settings import (DEFAULT_SYSTEM_PROMPT, CheckpointConfig, Config, DataConfig, DeepSpeedConfig, EnvConfig,
-                           EvalConfig, LaunchConfig, LoggingConfig, LoraConfig, ModelConfig, RewardsConfig, RunConfig,
-                           SamplingConfig, TrainingConfig, TransportConfig, WeightsConfig, save_config, to_dict)
-from grpo.settings.tree import REMOVED_KEYS, ConfigError, all_keys as _all_keys, apply_mapping, get_key, markdown_table
-from grpo.settings.tree import parse_override, reference_text as _reference_text, set_key
+from grpo.settings import (
+    DEFAULT_SYSTEM_PROMPT,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DeepSpeedConfig,
+    EnvConfig,
+    EvalConfig,
+    LaunchConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    RewardsConfig,
+    RunConfig,
+    SamplingConfig,
+    TrainingConfig,
+    TransportConfig,
+    WeightsConfig,
+    save_config,
+    to_dict,
+)
+from grpo.settings.tree import (
+    REMOVED_KEYS,
+    ConfigError,
+    apply_mapping,
+    get_key,
+    markdown_table,
+    parse_override,
+    set_key,
+)
+from grpo.settings.tree import all_keys as _all_keys
+from grpo.settings.tree import reference_text as _reference_text
 
 # the tree's names too: importers take the whole config from here
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",

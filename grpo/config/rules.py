@@ -24,14 +24,14 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def option_lists() -> dict[str, tuple]:
     """The valid values of each choice key, from the module that implements the choice (imported
     late: they need torch). Both workers validate, so none of these is a worker's own module."""
-    from grpo.objective import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+    from common.model_files import DTYPES
     from data.problems import ANSWER_FORMATS
-    from grpo.model.loading import DTYPES
-    from grpo.sampler.rollout import ENGINES
-    from grpo.model.logprobs import OLD_LOGPS_SOURCES
-    from grpo.trainer.schedule import SCHEDULES
-    from grpo.run.tracking import TRACKERS, WANDB_MODES
     from grpo.environments.pool import NETWORK_MODES
+    from grpo.model.logprobs import OLD_LOGPS_SOURCES
+    from grpo.objective import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+    from grpo.run.tracking import TRACKERS, WANDB_MODES
+    from grpo.sampler.rollout import ENGINES
+    from grpo.trainer.schedule import SCHEDULES
     from rewards.registry import ON_FAILURE
 
     return {
@@ -146,7 +146,11 @@ def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
 
 
 def _data_errors(d) -> list[str]:
-    from data.procedural import TaskError, check_task, is_procedural  # late: reasoning-gym is imported only for its tasks
+    from data.procedural import (  # late: reasoning-gym is imported only for its tasks
+        TaskError,
+        check_task,
+        is_procedural,
+    )
 
     errors = [f"data.few_shot must be >= 0 (0 = none); got {d.few_shot}"] if d.few_shot < 0 else []
     if d.few_shot > 0 and d.answer_format != "gsm8k" and not is_procedural(d.path):
@@ -204,8 +208,8 @@ def _model_errors(cfg: Config) -> list[str]:
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:
         errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
     if cfg.model.chat_template:
+        from common.sources import ModelError
         from grpo.model.loading import TEMPLATES, read_chat_template
-        from grpo.sources import ModelError
 
         try:
             read_chat_template(cfg.model.chat_template)
@@ -372,7 +376,7 @@ def _transport_errors(cfg: Config) -> list[str]:
 
 def _run_errors(cfg: Config) -> list[str]:
     """How a run starts and where its trainer ranks find work."""
-    from grpo.files import is_checkpoint_folder
+    from common.files import is_checkpoint_folder
 
     errors = []
     resume = cfg.checkpoint.resume

@@ -8,8 +8,8 @@ in the completion as context and out of the loss.
 
 An environment is a class (or factory) `make(row: dict, **env.args)` -> an object with
 `step(message: str) -> Reply` and optionally `opening` (a str: a message the model reads after the
-question before its first turn, the same for the G episodes of a prompt); one instance per episode, stepped in a child process
-(grpo/environments/pool.py) with a time limit and no network. `env.name` picks it:
+question before its first turn, the same for the G episodes of a prompt); one instance per episode,
+stepped in a child process (grpo/environments/pool.py) with a time limit and no network. `env.name` picks it:
   calculator                           the shipped GSM8K example (grpo/environments/calculator.py)
   tools                                Python functions as tools, env.tools (grpo/environments/tools.py);
                                        the name env.tools alone picks
@@ -26,7 +26,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from typing import Callable
-
 
 MAX_RESULT_CHARS = 4000  # a tool's result or error, an environment's error, beyond this is cut: context the model reads
 
@@ -74,7 +73,7 @@ OPENENV = ("openenv:", "openenv+")  # OpenEnv's environments: in-process, or ser
 
 def _environment_class(name: str):
     """The class or factory a built-in name or an import path names (not an openenv: one)."""
-    from grpo.imports import import_object
+    from common.imports import import_object
 
     if name not in BUILT_IN and ":" not in name:
         raise ValueError(f"env.name: unknown environment {name!r}; valid: {', '.join(VALID_NAMES)}")
@@ -96,7 +95,7 @@ def args_problems(name: str, args: dict) -> list[str]:
 
 
 def _openenv_class(name: str):
-    from grpo.imports import import_object
+    from common.imports import import_object
 
     return import_object(name.removeprefix("openenv:"), "env.name")
 
@@ -138,7 +137,7 @@ def prompt_options(env_cfg) -> dict:
         demonstration = env_cfg.args.get("demonstration")
         demonstrate = None
         if demonstration:
-            from grpo.imports import import_object
+            from common.imports import import_object
 
             demonstrate = import_object(demonstration, "env.args.demonstration")
         return {"demonstrate": demonstrate, "tools": tool_schemas(list(env_cfg.tools))}

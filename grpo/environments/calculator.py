@@ -144,7 +144,8 @@ def tool_demonstration(row: dict, answer: str) -> list[dict] | None:
         except (ValueError, ArithmeticError, TypeError):
             return None
         opening = NOTE.sub("", solution[start:note.start()]).strip()
-        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": note.group(1).strip()}}}
+        call = {"type": "function",
+                "function": {"name": "calculate", "arguments": {"expression": note.group(1).strip()}}}
         turns += [{"role": "assistant", "content": f"<think>\n{opening}", "tool_calls": [call]},
                   {"role": "tool", "name": "calculate", "content": value}]
         start = note.end()

@@ -32,11 +32,13 @@ def openenv_factory(path: str, args: dict):
     """row -> an episode of the OpenEnv Environment class at `path` (ValueError naming what is wrong)."""
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action
-    from grpo.imports import import_object
+
+    from common.imports import import_object
 
     unknown = sorted(set(args) - set(SETTINGS))
     if unknown:
-        raise ValueError(f"env.args: {', '.join(unknown)} unknown for an OpenEnv environment; valid: {', '.join(SETTINGS)}")
+        raise ValueError(f"env.args: {', '.join(unknown)} unknown for an OpenEnv environment; "
+                         f"valid: {', '.join(SETTINGS)}")
     cls = import_object(path, "env.name")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"env.name: {path!r} is not an OpenEnv Environment class")
@@ -85,8 +87,8 @@ class OpenEnvEpisode:
 
     def step(self, message: str) -> Reply:
         observation = self.env.step(self.action_cls(**{self.action_field: message}))
-        return step_reply(observation.model_dump(mode="json"), observation.done, observation.reward, self.observation_field,
-                          self.role)
+        return step_reply(observation.model_dump(mode="json"), observation.done, observation.reward,
+                          self.observation_field, self.role)
 
     def text_of(self, observation, skip_empty: bool = False) -> str | None:
         return observation_text(observation.model_dump(mode="json"), self.observation_field, skip_empty)

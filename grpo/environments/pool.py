@@ -1,7 +1,7 @@
 """The episodes' environments in a child process: a step that hangs or raises costs that step,
 never the run.
 
-The child is the reward sandbox's kind (grpo/child.py: forked, JSON over a pipe, never pickle, a
+The child is the reward sandbox's kind (common/child.py: forked, JSON over a pipe, never pickle, a
 time limit per call, replaced when it hangs or dies, a session of its own ended as one, an
 allow-list of environment variables: PATH, HOME, LANG, LC_*, its own TMPDIR, env.pass_env). It is
 cut off from the network at start (a network namespace of its own where the kernel allows
@@ -30,8 +30,15 @@ import logging
 import os
 from dataclasses import dataclass
 
-from grpo.child import (NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets, landlock_scope,
-                        seccomp_deny)
+from common.child import (
+    NO_ANSWER,
+    Child,
+    ChildFailed,
+    ChildRefused,
+    close_inherited_sockets,
+    landlock_scope,
+    seccomp_deny,
+)
 from grpo.environments import Reply, cut, environment_factory
 
 log = logging.getLogger(__name__)
@@ -266,7 +273,7 @@ class Limits:
     memory_mb: int = 4096
     processes: int = 64
     cpu_s: int = 3600
-    pass_env: tuple[str, ...] = ()  # environment variables the child sees besides grpo.child.PASSED_ENVIRONMENT
+    pass_env: tuple[str, ...] = ()  # environment variables the child sees besides common.child.PASSED_ENVIRONMENT
 
     @classmethod
     def of(cls, env_cfg) -> "Limits":
@@ -427,7 +434,8 @@ class EnvironmentPool(Replays):
     def _rebuild(self, key: str, row: dict, history: list[str], shown: list[str | None] | None) -> None:
         """Episode `key` made from its row, its earlier messages replayed one call at a time, each
         reply checked against what the episode was shown; ReplayMismatch (the environment dropped)."""
-        self.replay(shown, self._open(key, row), history, lambda message: Reply.from_json(self._call("step", key, message)),
+        self.replay(shown, self._open(key, row), history,
+                    lambda message: Reply.from_json(self._call("step", key, message)),
                     lambda: self.forget([key]))
 
     def forget(self, keys: list[str]) -> None:

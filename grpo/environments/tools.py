@@ -33,7 +33,7 @@ class ToolError(ValueError):
 def load_tools(paths: list[str]) -> dict[str, tuple[dict, Callable]]:
     """The functions env.tools names, by name, each with its schema (built once: the chat template
     offers it, the environment calls the function); ToolError naming a bad one."""
-    from grpo.imports import import_object
+    from common.imports import import_object
 
     tools = {}
     for path in paths:

@@ -19,8 +19,8 @@ CUDA_KEYS = ("sampling.device", "rewards.reward_model_device")
 def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the model and the data: the model can be had, the data source exists,
     and its first rows parse with the configured columns and answer format."""
+    from common.sources import SourceError, check_model_source
     from data.problems import check_rows, check_source
-    from grpo.sources import SourceError, check_model_source
 
     problems, warnings = [], []
     for check in (lambda: check_model_source(cfg.model.name_or_path),

@@ -10,11 +10,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-from grpo.files import CHECKPOINT_MARK
+from common.files import CHECKPOINT_MARK
 from grpo.run.rows import is_evaluation_row
 
 ZERO_SPREAD = "sampling/zero_spread_fraction"  # the share of a step's groups whose rewards are all equal
-CALL_RATE = "env/tool_messages/well_formed_rate"  # episodes: of the model messages that called a tool, the share that parsed
+# episodes: of the model messages that called a tool, the share that parsed
+CALL_RATE = "env/tool_messages/well_formed_rate"
 FLAT_STEPS_WARNING = 3  # steps in a row with every group scored alike before the console says so
 
 
@@ -83,7 +84,8 @@ class StepProgress:
             print(f"warning: nothing to learn from: every group scored alike in the last {FLAT_STEPS_WARNING} steps "
                   "(all completions of each prompt got the same reward, so the loss and the update are 0). Raise "
                   "sampling.temperature or sampling.group_size, give the rewards partial credit, or use prompts the "
-                  "model sometimes solves; rewards/<name>/mean in metrics.jsonl shows what each reward gives", flush=True)
+                  "model sometimes solves; rewards/<name>/mean in metrics.jsonl shows what each reward gives",
+                  flush=True)
 
 
 def format_duration(seconds: float) -> str:
@@ -152,7 +154,8 @@ def log_milestone(logger: logging.Logger, message: str, *args) -> None:
 # start-up lines worth showing before the first step (which takes a few minutes on a CPU), and the
 # line after which a worker's start-up is over (the sampler holds its prompts, the trainer its engine)
 MILESTONES = {"sampler": ("converting ", "prompts from", "resuming at step"),
-              "trainer": ("trainable parameters", "resumed from", "removed the build lock", "waiting for the build lock")}
+              "trainer": ("trainable parameters", "resumed from", "removed the build lock",
+                          "waiting for the build lock")}
 READY = {"sampler": "prompts from", "trainer": "trainable parameters"}
 
 

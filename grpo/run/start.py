@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.files import CHECKPOINT_MARK, RunFolderError, aside_name, is_checkpoint_folder
+from common.files import CHECKPOINT_MARK, RunFolderError, aside_name, is_checkpoint_folder
 
 if TYPE_CHECKING:
     from grpo.settings import Config

@@ -429,10 +429,9 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     runner of episodes."""
     if not cfg.env.name:
         return None
+    from grpo.environments import environment_args, reply_roles
     from grpo.environments.pool import EnvironmentPool, Limits
     from grpo.environments.remote import RemotePool, is_served
-
-    from grpo.environments import environment_args, reply_roles
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
     runner = EpisodeRunner(None, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns, cfg.data.prefill,

@@ -34,8 +34,9 @@ from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
 from grpo.wire.staleness import required_version, wait_for_version
 from rewards import RewardScores, score_completions
+from rewards.overlong import NAME as OVERLONG
+from rewards.overlong import overlong_penalty
 from rewards.registry import ENV_REWARD
-from rewards.overlong import NAME as OVERLONG, overlong_penalty
 from rewards.services import ServiceSettings
 from rewards.strict import checks_of, reward_rows, strict_rates
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.files import CHECKPOINT_MARK, write_atomically
+from common.files import CHECKPOINT_MARK, write_atomically
 from grpo.run.rows import is_evaluation_row
 from grpo.wire.delivery import TrainerState
 from grpo.wire.weights import publish

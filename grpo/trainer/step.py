@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from grpo.model.logprobs import completion_logprobs, pad_right
-from grpo.model.sharding import group_costs, pack_micro_batches, select_groups, shard_groups
-from grpo.objective import ADDITIVE, EXTREMES as LOSS_EXTREMES, Denominators, Objective, loss_mask, policy_loss
+from grpo.model.sharding import pack_micro_batches, shard_groups
+from grpo.objective import ADDITIVE, Denominators, Objective, loss_mask, policy_loss
+from grpo.objective import EXTREMES as LOSS_EXTREMES
+from grpo.trainer.groups import group_costs, select_groups
 from grpo.trainer.schedule import learning_rate_at
 from grpo.wire.batch import RolloutBatch
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
-from grpo.objective import Objective
 from grpo.settings.tree import get_key
 from grpo.wire.staleness import too_stale
 from grpo.wire.weights import INITIAL_DIGEST
@@ -41,11 +40,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def behaviour_of(cfg: Config, tokenizer) -> dict:
+def behaviour_of(cfg: Config, tokenizer, objective: dict) -> dict:
     """What the sampler records in each batch header (and the trainer expects): the settings above,
-    the tokenizer, and the objective the batch's loss tokens, denominators and advantages were made for."""
+    the tokenizer, and the objective (its header) the batch's loss tokens, denominators and
+    advantages were made for."""
     return {**{key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}, "tokenizer": tokenizer_fingerprint(tokenizer),
-            "objective": Objective.of(cfg).header()}
+            "objective": objective}
 
 
 def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> None:

@@ -29,9 +29,9 @@ import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from grpo.files import write_atomically
+from common.files import write_atomically
 
 MAGIC = b"GRPOSPL1"
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for a batch says so
@@ -217,21 +217,22 @@ class Redelivery:
 class Inbox:
     """Rank 0's half of rule 3: the next batch in order, whichever sampler it comes from.
 
-    `receive(timeout_s) -> (frames, (sampler, step))` reads one validated message (it raises
-    `TimeoutError` when none came); `stop()` says whether to give up waiting (SIGTERM).
+    `receive(timeout_s) -> (message, (sampler, step))` reads one validated message (it raises
+    `TimeoutError` when none came; the message is kept as it came, e.g. its frames and the batch they
+    decode to); `stop()` says whether to give up waiting (SIGTERM).
     """
 
-    def __init__(self, receive: Callable[[float], tuple[list[bytes], tuple[int, int]]], describe: str,
+    def __init__(self, receive: Callable[[float], tuple[Any, tuple[int, int]]], describe: str,
                  stop: Callable[[], bool] = lambda: False, num_samplers: int = 1):
         self.receive, self.describe, self.stop, self.num_samplers = receive, describe, stop, num_samplers
-        self.pending: dict[tuple[int, int], list[bytes]] = {}  # (sampler, step) -> frames that arrived early
+        self.pending: dict[tuple[int, int], Any] = {}  # (sampler, step) -> the message that arrived early
 
     def _ready(self, state: TrainerState) -> tuple[int, int] | None:
         wanted = owner(state.step, self.num_samplers)  # global order (rule 3)
         return wanted if wanted in self.pending and wanted[1] == state.next_step(wanted[0]) else None
 
-    def next(self, state: TrainerState, timeout_s: float) -> list[bytes] | None:
-        """The frames of a batch that is next in order for its sampler; None when stopped."""
+    def next(self, state: TrainerState, timeout_s: float) -> Any:
+        """The message of a batch that is next in order for its sampler; None when stopped."""
         for key in [k for k in self.pending if k[1] < state.next_step(k[0])]:
             del self.pending[key]
         start = time.monotonic()
@@ -247,11 +248,11 @@ class Inbox:
                             "running?)", self._wanted(state), self.describe, now - start, timeout_s)
                 next_note += note_every
             try:  # short polls, so that SIGTERM is noticed while waiting
-                frames, (sampler, step) = self.receive(min(1.0, max(start + timeout_s - now, 0.01)))
+                message, (sampler, step) = self.receive(min(1.0, max(start + timeout_s - now, 0.01)))
             except TimeoutError:
                 if time.monotonic() >= start + timeout_s:
                     raise TimeoutError(f"no batch ({self._wanted(state)}) arrived on {self.describe} in "
-                                       f"{timeout_s:g} s (is sampling_worker.py running? transport.recv_timeout_s)"
+                                       f"{timeout_s:g} s (is the sampler running? transport.recv_timeout_s)"
                                        ) from None
                 continue
             wanted = state.next_step(sampler)
@@ -259,7 +260,7 @@ class Inbox:
                 log.info("dropping sampler %d step %d: already %s", sampler, step,
                          "trained" if step < wanted else "held")
             else:
-                self.pending[(sampler, step)] = frames
+                self.pending[(sampler, step)] = message
                 if step > wanted:
                     log.info("holding sampler %d step %d until step %d arrives", sampler, step, wanted)
         return None

@@ -310,7 +310,7 @@ class BatchReceiver:
                 continue
             return (frames[1:] if self._secret else frames), batch
         raise TransportTimeout(f"no valid batch arrived on {self.address} in {timeout_s:g} s "
-                               "(is sampling_worker.py running with the same transport.address?)")
+                               "(is the sampler running with the same transport.address?)")
 
     def close(self) -> None:
         self._socket.close()

@@ -74,10 +74,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
+    from common.model_files import resolve_device
     from data.problems import load_split
     from data.prompts import build_prompts
     from grpo.config import load_config
-    from grpo.model.loading import add_lora, load_model, load_tokenizer, resolve_device
+    from grpo.model.loading import add_lora, load_model, load_tokenizer
 
     slow = args.workload == "slow-env"
     overrides = ["sampling.generation_batch_size=32", "sampling.group_size=4" if slow else "sampling.group_size=8",
@@ -107,17 +108,20 @@ def main(argv: list[str]) -> int:
             for step in range(args.steps):
                 then = batches[step + 1] if variant == "across steps" and step + 1 < args.steps else None
                 measured[variant].append(run(variant, batches[step], seed=1000 + step, then=then))
-                print(f"  step {step} {variant:12s} " + ", ".join(f"{k} {v:.4g}" for k, v in measured[variant][-1].items()),
+                print(f"  step {step} {variant:12s} "
+                      + ", ".join(f"{k} {v:.4g}" for k, v in measured[variant][-1].items()),
                       flush=True)
     finally:
         run.close()
     unit = "episodes_per_s" if slow else "tokens_per_s"
-    rate = {variant: sum(m["done"] for m in rows) / sum(m["seconds"] for m in rows) for variant, rows in measured.items()}
+    rate = {variant: sum(m["done"] for m in rows) / sum(m["seconds"] for m in rows)
+            for variant, rows in measured.items()}
     print(f"{unit}: " + ", ".join(f"{variant} {rate[variant]:.3g} ({rate[variant] / rate[run.base]:.2f}x {run.base})"
                                   for variant in variants))
     for variant, rows in measured.items():
         if vllm and slow and variant == "continuous":  # the turn-by-turn path counts no waits
-            print(f"  {variant}: episodes waiting on environments {statistics.mean(m['env_waiting'] for m in rows):.1f}, "
+            print(f"  {variant}: episodes waiting on environments "
+                  f"{statistics.mean(m['env_waiting'] for m in rows):.1f}, "
                   f"vLLM idle while they waited {sum(m['env_idle_s'] for m in rows):.1f} s")
         if vllm:
             continue
@@ -141,8 +145,10 @@ def eos_at_every_token(model, eos: int, p: float) -> None:
 
 def decode_metrics(engine) -> dict[str, float]:
     m = engine.loop_metrics.take()
-    return {"decode_steps": m.get("sampler/decode_steps", 0.0), "live_rows": m.get("sampler/live_rows_per_decode_step", 0.0),
-            "full_steps": m.get("sampler/full_decode_step_fraction", 0.0), "env_idle_s": m.get("timing/env_idle_s", 0.0),
+    return {"decode_steps": m.get("sampler/decode_steps", 0.0),
+            "live_rows": m.get("sampler/live_rows_per_decode_step", 0.0),
+            "full_steps": m.get("sampler/full_decode_step_fraction", 0.0),
+            "env_idle_s": m.get("timing/env_idle_s", 0.0),
             "env_waiting": m.get("env/waiting_mean", 0.0)}
 
 
@@ -163,8 +169,8 @@ class Completions:
         self.device = getattr(self.engine, "device", None)
         self.llm = None
         if self.vllm:  # vLLM's synchronous engine beside the async one, as its own generate runs a step
-            import vllm
             import psutil
+            import vllm
 
             from grpo.sampler.rollout.vllm_engine import engine_arguments
 

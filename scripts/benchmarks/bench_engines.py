@@ -3,7 +3,8 @@
     .venv/bin/python scripts/benchmarks/bench_engines.py                       # after make install-vllm
     .venv/bin/python scripts/benchmarks/bench_engines.py --repeats 3 --few-shot 0,2 --rounds 2
     .venv/bin/python scripts/benchmarks/bench_engines.py --engines hf,hf@model.dtype=bfloat16 --few-shot 2
-    .venv/bin/python scripts/benchmarks/bench_engines.py --engines hf@rev=c5eb412,hf --few-shot 2   # against an earlier HF engine
+    # against an earlier HF engine
+    .venv/bin/python scripts/benchmarks/bench_engines.py --engines hf@rev=c5eb412,hf --few-shot 2
 
 Each (engine, workload) runs in a fresh subprocess, each engine in the environment the launcher
 gives it (HF: this Python, .venv; vLLM: launch.vllm_python, .venv-vllm), the engines alternating, so that start-up
@@ -133,7 +134,8 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
         for step in range(repeats + 1):
             chosen = prompts[step * B:(step + 1) * B]
             t = time.perf_counter()
-            rollouts = engine.generate([p.token_ids for p in chosen], cfg.sampling.group_size, seed=step_seed(cfg, step))
+            rollouts = engine.generate([p.token_ids for p in chosen], cfg.sampling.group_size,
+                                       seed=step_seed(cfg, step))
             steps.append((sum(len(c) for c in rollouts.completion_ids), time.perf_counter() - t))
     engine.close()
     prompt_tokens = statistics.mean(len(p.token_ids) for p in prompts[:B * (repeats + 1)])

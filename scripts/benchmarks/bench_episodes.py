@@ -10,7 +10,8 @@ The sampled runs of the two paths differ in their tokens (below); `--greedy` run
     .venv/bin/python scripts/benchmarks/bench_episodes.py --prompts 4 --repeats 3 --threads 2
     .venv/bin/python scripts/benchmarks/bench_episodes.py --config configs/gsm8k_tools.yaml
     .venv/bin/python scripts/benchmarks/bench_episodes.py --check-exact --repeats 0 --prompts 1 --group-size 4
-    .venv/bin/python scripts/benchmarks/bench_episodes.py "env.name=tests/scripted_envs.py:Scripted" "env.args={length: 4}"
+    .venv/bin/python scripts/benchmarks/bench_episodes.py "env.name=tests/scripted_envs.py:Scripted" \\
+        "env.args={length: 4}"
 
 Both paths run the same prompts (default configs/gsm8k_calculator.yaml: the embedded model, the
 calculator in its child process, two solved examples in every prompt) under the same step seed, in
@@ -47,11 +48,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
+from common.model_files import resolve_device  # noqa: E402
 from data.problems import load_split  # noqa: E402
 from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.environments import prompt_options  # noqa: E402
-from grpo.model.loading import load_model, load_tokenizer, resolve_device  # noqa: E402
+from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo.sampler.episodes import EpisodeRunner, episode_runner  # noqa: E402
 from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402
 
@@ -211,7 +213,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--check-exact", action="store_true", help="also compare the loop with its reference")
     parser.add_argument("--greedy", action="store_true",
-                        help="greedy episodes: both paths draw the same tokens (one episode per prompt, --group-size 1)")
+                        help="greedy episodes: both paths draw the same tokens "
+                             "(one episode per prompt, --group-size 1)")
     parser.add_argument("--reply-tokens", default="",
                         help="comma-separated reply lengths in tokens (e.g. 20,100,400): replies of the scripted "
                              "environment tests/scripted_envs.py:LongReplies, turn by turn against the loop at "

@@ -122,10 +122,12 @@ def published_versions(folder: Path) -> list[tuple[float, str]]:
             for manifest in sorted((folder / "ours" / "weights").glob("v*/manifest.json"))]
 
 
-def run_trl(config: Path, minutes: float, marks: list[float], overrides: list[str], folder: Path) -> dict[float, str | None]:
+def run_trl(config: Path, minutes: float, marks: list[float], overrides: list[str],
+            folder: Path) -> dict[float, str | None]:
     """TRL's GRPOTrainer for `minutes` in its own process; the adapter at each mark."""
-    from grpo.config import parse_cli
     from trl_recipe import trl_prompt_rows
+
+    from grpo.config import parse_cli
 
     cfg = parse_cli(["--config", str(config), *overrides])
     rows_file = folder / "trl-rows.json"
@@ -145,9 +147,9 @@ def trl_worker(rows_file: Path, config: Path, minutes: float, marks: list[float]
                overrides: list[str]) -> None:
     """In the TRL process: train until the budget, keeping the adapter of the last step before each mark."""
     from transformers import TrainerCallback
+    from trl_recipe import trl_trainer
 
     from grpo.config import parse_cli
-    from trl_recipe import trl_trainer
 
     cfg = parse_cli(["--config", str(config), *overrides])
     snapshots = out.parent / "trl-snapshots"
@@ -188,8 +190,8 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
                    folder: Path) -> dict[str, list[dict]]:
     """Each system's held-out accuracy at each mark (weights evaluated once each; the base once for all)."""
     import torch
-
     from evaluate import evaluate
+
     from grpo.config import parse_cli
     from grpo.sampler.evaluation import summary
 
@@ -239,7 +241,8 @@ def report(curves: dict[str, list[dict]]) -> tuple[str, dict]:
                  + (f" (ours / TRL time: {ratio:.2f}x)" if ratio is not None else "")
                  + f"; ours within one combined standard error of it from minute "
                    f"{bounds['ours']['earliest'] if bounds['ours']['earliest'] is not None else 'never'}, above it by "
-                   f"more than one from minute {bounds['ours']['surely'] if bounds['ours']['surely'] is not None else 'never'}")
+                   f"more than one from minute "
+                   f"{bounds['ours']['surely'] if bounds['ours']['surely'] is not None else 'never'}")
     return "\n".join(lines), {"target_accuracy": target, "target_stderr": final["answer_accuracy_stderr"],
                                "minutes_to_target": reach, "time_ratio": ratio, "crossing": bounds}
 
@@ -275,7 +278,8 @@ def main(argv: list[str]) -> int:
                         help="ours' budget when it differs from TRL's: longer (one run: its first --minutes are the "
                              "side-by-side; marks every --late-mark-every after them) or shorter (enough to pass "
                              "TRL's final accuracy)")
-    parser.add_argument("--late-mark-every", type=float, default=15.0, help="minutes between ours' marks after --minutes")
+    parser.add_argument("--late-mark-every", type=float, default=15.0,
+                        help="minutes between ours' marks after --minutes")
     parser.add_argument("--eval-problems", type=int, default=500)
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "learn")
@@ -298,7 +302,8 @@ def main(argv: list[str]) -> int:
     try:
         import trl  # noqa: F401
     except ImportError:
-        print("TRL is not installed: make bench-learn (or .venv/bin/pip install -r requirements-bench.txt)", file=sys.stderr)
+        print("TRL is not installed: make bench-learn (or .venv/bin/pip install -r requirements-bench.txt)",
+              file=sys.stderr)
         return 2
     folder = args.out
     marks = mark_minutes(args.minutes, args.mark_every, args.fine_until, args.fine_every)
@@ -335,7 +340,8 @@ def main(argv: list[str]) -> int:
     title = f"{args.config.stem}: held-out accuracy against wall-clock time"
     plot(curves, folder / "accuracy_vs_minutes.png", title)
     (folder / "result.json").write_text(json.dumps({"config": str(args.config), "overrides": overrides,
-                                                    "minutes": args.minutes, "ours_minutes": ours_minutes, "marks": marks,
+                                                    "minutes": args.minutes, "ours_minutes": ours_minutes,
+                                                    "marks": marks,
                                                     "ours_marks": ours_marks, "cpu_count": os.cpu_count(),
                                                     "curves": curves, **summary}, indent=1))
     print(f"wrote {folder / 'result.json'} and {folder / 'accuracy_vs_minutes.png'}")

@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     s = cfg.sampling
     tokenizer = load_tokenizer(cfg.model)
     problems, _ = load_split(cfg.data, cfg.data.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + s.prompts_per_step])  # shots: not asked
+    # shots: not asked
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + s.prompts_per_step])
     ids = [p.token_ids for p in prompts]
     print(f"{len(ids)} prompts x G {s.group_size}, up to {s.max_new_tokens} tokens, temperature {s.temperature}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -122,8 +122,10 @@ def print_table(times: dict[str, list[tuple[float, float, int]]]) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     rate = {v: statistics.median(n / t for t, _, n in x) for v, x in times.items()}
     for variant, x in times.items():
-        print(f"| {variant} | {statistics.median(t for t, _, _ in x):.2f} | {statistics.median(g for _, g, _ in x):.2f} "
-              f"| {statistics.median(n for _, _, n in x):.0f} | {rate[variant]:.1f} | {rate[variant] / rate[VARIANTS[0]]:.2f}x |")
+        print(f"| {variant} | {statistics.median(t for t, _, _ in x):.2f} "
+              f"| {statistics.median(g for _, g, _ in x):.2f} "
+              f"| {statistics.median(n for _, _, n in x):.0f} | {rate[variant]:.1f} "
+              f"| {rate[variant] / rate[VARIANTS[0]]:.2f}x |")
 
 
 if __name__ == "__main__":

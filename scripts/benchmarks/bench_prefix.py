@@ -67,8 +67,8 @@ def measure(spec: dict) -> dict:
     import torch
 
     from grpo.config import Config
-    from grpo.model.logprobs import completion_logprobs
     from grpo.model.loading import load_policy
+    from grpo.model.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     cfg = Config()
@@ -117,7 +117,7 @@ def main() -> None:
 
     import torch
 
-    from grpo.model.loading import convert_embedded
+    from common.model_files import convert_embedded
 
     convert_embedded("smollm2-135m-instruct")  # convert before timing anything
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "

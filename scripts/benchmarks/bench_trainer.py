@@ -53,7 +53,8 @@ def worker(batch_path: Path, overrides: list[str]) -> dict:
     from grpo.config import load_config
     from grpo.model.flops import ModelShape, batch_step_flops
     from grpo.model.loading import load_policy
-    from grpo.model.sharding import group_costs, pack_micro_batches, select_groups
+    from grpo.model.sharding import pack_micro_batches
+    from grpo.trainer.groups import group_costs, select_groups
     from grpo.trainer.step import micro_batch_loss
     from grpo.wire.transport import decode_batch
 
@@ -87,6 +88,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(worker(args.worker, overrides)))
         return 0
     from bench_importance_sampling import default_batch
+
     from grpo.config import load_config
     from grpo.model.flops import ModelShape, measure_matmul_rate
     from grpo.model.loading import load_policy
@@ -121,7 +123,8 @@ def main(argv: list[str]) -> int:
         rss = max(r["peak_rss"] for r in runs)
         kernel = statistics.median(r["kernel_s"] for r in runs)
         faults = statistics.median(r["page_faults"] for r in runs)
-        print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {kernel:.2f} | {faults:,.0f} | {rate:.1f} | {rate / ceiling:.0%} | "
+        print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {kernel:.2f} | {faults:,.0f} | "
+              f"{rate:.1f} | {rate / ceiling:.0%} | "
               f"{rss / 2**20:.0f} | {s / base_s:.2f} | {rss / base_rss:.2f} |")
     return 0
 

@@ -65,15 +65,15 @@ def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "--trl-worker" in text:
         return "TRL"
-    if "sampling_worker.py" in text:
+    if "grpo.sampler.worker" in cmdline or "sampling_worker.py" in text:
         return "reward sandbox" if cmdline == parent_cmdline else "sampler"  # forked by the sampler
-    if "training_worker.py" in text:
+    if "grpo.trainer.worker" in cmdline or "training_worker.py" in text:
         if "deepspeed.launcher.launch" in text:
             return "DeepSpeed launcher"
         if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":
             return "DeepSpeed runner"
         return "trainer rank"
-    if "launch.py" in text:
+    if "launch.py" in text or "grpo.commands.train" in text or Path(cmdline[min(1, len(cmdline) - 1)]).name == "grpo":
         return "launcher"
     return "other"
 
@@ -214,7 +214,8 @@ def run_ours(workload: str, args, overrides: list[str], folder: Path, name: str 
            "logging.tensorboard=false", f"transport.address={free_loopback_address()}", *overrides]
     measured = run_measured(cmd, folder / f"{name}-{workload}.log", dict(os.environ))
     if measured["exit_code"] != 0:
-        raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'{name}-{workload}.log'} and {run_dir}")
+        raise SystemExit(f"our run failed ({measured['exit_code']}); see {folder / f'{name}-{workload}.log'} "
+                         f"and {run_dir}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     result = summarize([r["wall_time"] for r in rows], [r["trainer/completion_tokens"] for r in rows], args.warmup)
     return {**measured, **result, **overlap_efficiency(rows, args.warmup), **model_flops_rates(rows, args.warmup)}
@@ -273,20 +274,23 @@ def table(workload: str, results: dict, args) -> str:
                      f"{r['peak_rss'] / 2**20:>13.0f} {r['peak_pss'] / 2**20:>13.0f}")
     lines.append(f"ours/TRL: tokens/s x{ours['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f}, "
                  f"step time x{ours['median_step_s'] / trl['median_step_s']:.2f}, "
-                 f"peak RSS x{ours['peak_rss'] / trl['peak_rss']:.2f}, peak PSS x{ours['peak_pss'] / trl['peak_pss']:.2f}")
+                 f"peak RSS x{ours['peak_rss'] / trl['peak_rss']:.2f}, "
+                 f"peak PSS x{ours['peak_pss'] / trl['peak_pss']:.2f}")
     ceiling = results["ceiling"]
     one, every = ceiling["gflop_per_s"][ceiling["per_process_threads"]], ceiling["gflop_per_s"][ceiling["cores"]]
     lines.append(f"ceiling: fp32 matmuls of the model's shapes {one:.1f} GFLOP/s on {ceiling['per_process_threads']} "
                  f"thread(s), {every:.1f} on {ceiling['cores']}")
     lines.append(f"ours, model GFLOP per step: trainer {ours['trainer_model_gflop_per_step']:.0f}, generation "
-                 f"{ours['generation_model_gflop_per_step']:.0f}; MFU: trainer {ours['trainer_gflop_per_s'] / one:.0%}, "
-                 f"generation {ours['generation_gflop_per_s'] / one:.0%} (of {ceiling['per_process_threads']} thread(s), "
-                 f"busy time), end to end {ours['end_to_end_gflop_per_s'] / every:.0%} (of {ceiling['cores']}, wall time)")
+                 f"{ours['generation_model_gflop_per_step']:.0f}; MFU: trainer "
+                 f"{ours['trainer_gflop_per_s'] / one:.0%}, generation {ours['generation_gflop_per_s'] / one:.0%} "
+                 f"(of {ceiling['per_process_threads']} thread(s), busy time), end to end "
+                 f"{ours['end_to_end_gflop_per_s'] / every:.0%} (of {ceiling['cores']}, wall time)")
     if "variant" in results:
         lines.append(variant_line(f"ours with {' '.join(args.variant)}", results["variant"], ours, trl, one, every))
     if "sync" in results:
         sync = results["sync"]
-        lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
+        lines.append(f"ours async/sync (max_staleness 1 vs 0): tokens/s "
+                     f"x{ours['completion_tokens_per_s'] / sync['completion_tokens_per_s']:.2f} "
                      f"({ours['completion_tokens_per_s']:.2f} vs {sync['completion_tokens_per_s']:.2f}), step time "
                      f"{ours['median_step_s']:.2f} vs {sync['median_step_s']:.2f} s")
     if "bf16" in results:
@@ -296,7 +300,8 @@ def table(workload: str, results: dict, args) -> str:
         lines.append(f"TRL in bfloat16 (its weights in bf16, GRPOConfig bf16=True): tokens/s "
                      f"{trl16['completion_tokens_per_s']:.2f}, step {trl16['median_step_s']:.2f} s, peak RSS "
                      f"{trl16['peak_rss'] / 2**20:.0f} MiB")
-        lines.append(f"ours/TRL, both in bfloat16: tokens/s x{bf16['completion_tokens_per_s'] / trl16['completion_tokens_per_s']:.2f}, "
+        lines.append(f"ours/TRL, both in bfloat16: tokens/s "
+                     f"x{bf16['completion_tokens_per_s'] / trl16['completion_tokens_per_s']:.2f}, "
                      f"step time x{bf16['median_step_s'] / trl16['median_step_s']:.2f}, "
                      f"peak RSS x{bf16['peak_rss'] / trl16['peak_rss']:.2f}")
     for name, r in (("ours", ours), ("TRL", trl)):
@@ -305,18 +310,22 @@ def table(workload: str, results: dict, args) -> str:
                      + ", ".join(f"{label} {value / 2**20:.0f}" for label, value in parts))
     m = ours["medians"]
     lines.append("ours, median per step (s): " + ", ".join(f"{k.split('/')[1][:-2]} {v:.2f}" for k, v in m.items()))
-    lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, trainer busy {ours['trainer_busy_s']:.2f} s, "
+    lines.append(f"ours, overlap: sampler busy {ours['sampler_busy_s']:.2f} s, "
+                 f"trainer busy {ours['trainer_busy_s']:.2f} s, "
                  f"step / max(busy) = {ours['overlap_efficiency']:.2f}")
     return "\n".join(lines)
 
 
 def variant_line(label: str, r: dict, ours: dict, trl: dict, one: float, every: float) -> str:
     """A variant of ours against ours and TRL: throughput, step time, MFU, busy times, memory."""
-    return (f"{label}: tokens/s {r['completion_tokens_per_s']:.2f}, x{r['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} "
-            f"ours, x{r['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f} TRL; step {r['median_step_s']:.2f} s; "
-            f"MFU trainer {r['trainer_gflop_per_s'] / one:.0%}, generation {r['generation_gflop_per_s'] / one:.0%}, end to end "
+    return (f"{label}: tokens/s {r['completion_tokens_per_s']:.2f}, "
+            f"x{r['completion_tokens_per_s'] / ours['completion_tokens_per_s']:.2f} ours, "
+            f"x{r['completion_tokens_per_s'] / trl['completion_tokens_per_s']:.2f} TRL; "
+            f"step {r['median_step_s']:.2f} s; MFU trainer {r['trainer_gflop_per_s'] / one:.0%}, "
+            f"generation {r['generation_gflop_per_s'] / one:.0%}, end to end "
             f"{r['end_to_end_gflop_per_s'] / every:.0%}; sampler busy {r['sampler_busy_s']:.2f} s, trainer busy "
-            f"{r['trainer_busy_s']:.2f} s; peak RSS {r['peak_rss'] / 2**20:.0f} MiB (x{r['peak_rss'] / ours['peak_rss']:.2f})")
+            f"{r['trainer_busy_s']:.2f} s; peak RSS {r['peak_rss'] / 2**20:.0f} MiB "
+            f"(x{r['peak_rss'] / ours['peak_rss']:.2f})")
 
 
 def main(argv: list[str]) -> int:

@@ -95,7 +95,8 @@ def solution_samples() -> list[dict]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("samples", nargs="*", type=Path)
-    parser.add_argument("--solutions", action="store_true", help="GSM8K test's worked solutions, last sentence as the answer")
+    parser.add_argument("--solutions", action="store_true",
+                        help="GSM8K test's worked solutions, last sentence as the answer")
     args = parser.parse_args(argv)
     sets = {str(p): [json.loads(line) for line in p.read_text().splitlines() if line.strip()] for p in args.samples}
     if args.solutions:

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.config import load_config  # noqa: E402
+from grpo.objective import Objective  # noqa: E402
 from grpo.run.ports import free_local_port  # noqa: E402
 from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.wire.behaviour import behaviour_of  # noqa: E402
@@ -88,7 +89,8 @@ def fixed_batch(behaviour: dict) -> RolloutBatch:
 
 def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float, errors: list) -> None:
     served = {"digest": INITIAL_DIGEST}
-    watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version: Staged(lambda: served.update(digest=manifest["digest"]))])
+    watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version:
+                                              Staged(lambda: served.update(digest=manifest["digest"]))])
     sender = BatchSender(cfg.transport.address, send_timeout_s=300)
     try:
         for step in range(steps_of_sampler(index, cfg.training.steps, cfg.sampling.num_workers)):
@@ -114,7 +116,7 @@ def simulate(samplers: int, generate_s: float, staleness: int, steps: int, ranks
     cfg = load_config(ROOT / "config.yaml", overrides)
     from grpo.model.loading import load_tokenizer
 
-    batch = fixed_batch(behaviour_of(cfg, load_tokenizer(cfg.model)))
+    batch = fixed_batch(behaviour_of(cfg, load_tokenizer(cfg.model), Objective.of(cfg).header()))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "trainer.log", "wb") as log:

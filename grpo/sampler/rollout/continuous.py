@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 

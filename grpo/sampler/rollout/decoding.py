@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from transformers.cache_utils import DynamicLayer
 
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from grpo.model.loading import resolve_model_path
+from common.model_files import resolve_model_path
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed, hashed_seed
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts

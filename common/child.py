@@ -95,7 +95,8 @@ INT_MASK = 0xFFFFFFFF  # the kernel reads these arguments as ints: compare the l
 
 
 class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
 
 
 def seccomp_deny(rules: list[tuple[str, int, dict]]) -> bool:
@@ -264,7 +265,8 @@ def _handle(conn, setup: Callable) -> None:
     try:
         handler, info = setup(conn.fileno())
     except Exception as e:  # ChildRefused, or a setup that broke: the parent is told, not left waiting
-        conn.send_bytes(json.dumps(["refused", str(e) if isinstance(e, ChildRefused) else f"{type(e).__name__}: {e}"]).encode())
+        conn.send_bytes(json.dumps(["refused", str(e) if isinstance(e, ChildRefused)
+                                    else f"{type(e).__name__}: {e}"]).encode())
         return
     conn.send_bytes(json.dumps(["ready", info]).encode())
     while True:

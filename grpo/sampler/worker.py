@@ -1,0 +1,225 @@
+"""The sampling process: rollouts, rewards, advantages, old/ref log-probs, batches over ZeroMQ.
+
+    python sampling_worker.py [--config config.yaml] [key=value ...]   (or python -m grpo.sampler.worker)
+
+One loop, one step per training step k (with N samplers, sampler i makes the global steps
+g = i, i + N, i + 2N, ...: prompts, seeds and the staleness gate follow g, so N samplers make
+the batches one sampler would; grpo/wire/delivery.py):
+  wait until weights v >= g - max_staleness are loaded -> take B prompts -> G completions each
+  -> rewards (per function and weighted) -> group-relative advantages -> old log-probs (the
+  generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
+  and training.reference_on=sampler) with the shared-prefix forward at the sampling
+  temperature -> spool and send the RolloutBatch -> save the data cursor (after the send, so a
+  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler/step.py;
+  delivery (spool, re-sending to a restarted trainer): grpo/wire/delivery.py.
+
+Old log-probs: `sampling.old_logps=recompute` runs the forward the trainer uses, so the
+importance ratio is exactly 1 for on-policy data; `generation` uses the log-probs the engine
+recorded while sampling (one forward pass fewer; they differ from the recompute by float
+rounding, ~5e-5 on the embedded model, logged on the first step). The policy may be up to
+`sampling.max_staleness` versions behind.
+
+Exit codes: 0 done; 2 a config, run folder, model, data or start-up error (one line);
+EXIT_REWARD_FAILED (8) a reward failed on every sample of rewards.max_failed_steps steps in a row;
+EXIT_ENVIRONMENT_FAILED (9) the environment failed on every episode of env.max_failed_steps steps
+in a row (each one line: what failed, its error and where it was raised, what to do).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import faulthandler
+import logging
+import signal
+import sys
+
+import torch
+
+from common.files import RunFolderError, ensure_writable
+from common.model_files import resolve_device
+from common.sources import SourceError
+from data.cursor import PromptCursor
+from data.problems import load_split
+from data.prompts import build_prompts
+from grpo.config import Config, exit_code, help_requested, parse_cli
+from grpo.config.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
+from grpo.environments import prompt_options
+from grpo.environments.pool import IsolationError
+from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.model.logprobs import check_supported
+from grpo.objective import Objective
+from grpo.run.progress import log_milestone
+from grpo.run.start import trained_nothing
+from grpo.sampler.episodes import TemplateRoleError, episode_runner
+from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
+from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
+from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
+from grpo.sampler.step import SamplerLoop, SamplerPolicy, in_flight_poll, make_engine, run_step
+from grpo.wire.behaviour import behaviour_of
+from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
+from grpo.wire.staleness import oldest_version, wait_for_version
+from grpo.wire.transport import BatchSender
+from grpo.wire.weights import WeightWatcher, into_model
+from rewards.reward_model import RewardModelError
+from rewards.sandbox import RewardSandbox
+from rewards.services import ServiceSettings, ServiceStartError, start_services
+from rewards.strict import checks_of
+
+log = logging.getLogger("sampler")
+EXIT_REWARD_FAILED = 8  # a reward failed on every sample of rewards.max_failed_steps steps in a row
+EXIT_ENVIRONMENT_FAILED = 9  # the environment failed on every episode of env.max_failed_steps steps in a row
+
+
+def main(argv: list[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
+    cfg = parse_cli(argv)
+    sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
+    name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
+    try:  # a run folder, model or data that cannot be had: one line, no traceback
+        run_dir = ensure_writable(cfg.run_dir)
+        policy, prompts = load_policy_and_prompts(cfg)
+        eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
+        start_services(cfg.rewards.names, ServiceSettings.of(cfg))
+    except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
+        log.error("%s", e)
+        return 2
+    try:  # before this sampler writes anything, as the trainer does
+        changed = refuse_a_changed_resume(cfg)
+    except ResumeRefused as e:
+        log.error("%s", e)
+        return 2
+    if changed:
+        log.info("%s", changed)
+    if trained_nothing(run_dir, cfg.weights_dir):  # else the trainer has recorded the config
+        if drop_a_start_made_otherwise(run_dir, sampler, settings_a_resume_keeps(cfg)):
+            log.info("no step of this run was trained and an earlier start with other settings left a position and "
+                     "spooled batches: dropped; starting at step 0")
+        if sampler == 0:
+            save_run_config(cfg)
+    spool = Spool.of_sampler(run_dir, sampler)
+    state = SamplerState.of_sampler(run_dir, sampler)
+    cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
+    watcher = WeightWatcher(cfg.weights_dir, weight_stagers(cfg, policy))
+    if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
+        policy.engine.poll_weights = in_flight_poll(cfg, policy, watcher)
+    sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
+                         send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
+    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
+    sandbox = policy.sandbox = (RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0
+                                else None)
+    evaluator = None
+    if eval_prompts is not None:
+        # resumed: the step before start_step served at least version g - 1 - max_staleness and
+        # evaluated every mark up to it (their rows exist)
+        g = global_step(sampler, start_step, cfg.sampling.num_workers)
+        served = oldest_version(g - 1, cfg.sampling.max_staleness) if start_step else None
+        evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
+                                      evaluated_through=evaluated_through_at_start(cfg.eval, served),
+                                      checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
+
+    end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
+    loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
+                       end_step)
+    try:
+        for step in range(start_step, end_step):
+            run_step(loop, step)
+    except AlwaysFailing as e:  # a reward or an environment that never works: one line, not a run of hours
+        log.error("%s", e)
+        return EXIT_REWARD_FAILED if isinstance(e, RewardAlwaysFails) else EXIT_ENVIRONMENT_FAILED
+
+    if sandbox is not None:
+        sandbox.close()
+    if policy.episodes is not None:
+        policy.episodes.pool.close()
+    redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
+    if evaluator is not None:
+        evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)
+    sender.close()
+    policy.engine.close()
+    log.info("done: %d steps", end_step)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the steps of main
+
+def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
+    """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
+    fine-tune with beta > 0, the rollout engine, and the tokenised training prompts."""
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.sampling.device)
+    tokenizer = load_tokenizer(cfg.model)
+    base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
+    check_supported(base, cfg)
+    problems, _ = load_split(cfg.data, cfg.data.split)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
+    log_milestone(log, "%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
+                  cfg.data.split, dropped, cfg.data.max_prompt_tokens)
+    objective = Objective.of(cfg)
+    reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
+    model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
+    policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
+                           behaviour_of(cfg, tokenizer, objective.header()), episodes=episode_runner(cfg, tokenizer))
+    return policy, prompts
+
+
+def evaluation_prompts(cfg: Config, tokenizer) -> list:
+    """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
+    problems, _ = load_split(cfg.data, cfg.eval.split)
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems], **prompt_options(cfg.env))
+    log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), cfg.data.path,
+             cfg.eval.split)
+    return prompts
+
+
+def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
+    """The data cursor and the first step to generate: after the last one sent, unless the
+    trainer needs steps the spool no longer holds (grpo/wire/delivery.py, rule 5). The loop seeks the
+    cursor to each step's global position; a saved cursor still refuses other data or seed."""
+    cursor = PromptCursor(num_prompts, cfg.seed)
+    saved = state.load()
+    saved_step = 0
+    if saved is not None:
+        cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
+        saved_step = saved["next_step"]
+    sampler = cfg.sampling.worker_index
+    start_step = resume_step(spool, TrainerState.load(run_dir / "trainer_state.json"), sampler, saved_step)
+    if start_step:
+        log.info("resuming at step %d (global step %d)", start_step,
+                 global_step(sampler, start_step, cfg.sampling.num_workers))
+    return cursor, start_step
+
+
+def evaluate_to_the_end(cfg: Config, evaluator: TrainingEvaluator, watcher, engine, run_dir) -> None:
+    """After the last step, once the trainer has written its last row: the marks no step served (the
+    trainer published them after the sampler's last step), then the final weights; each row
+    appended after the trainer's."""
+    last = cfg.training.steps - cfg.training.steps % cfg.weights.publish_every  # the last version published
+    while evaluator.next_mark < last:
+        wait_for_version(watcher, evaluator.next_mark, cfg.sampling.wait_timeout_s, prefer=evaluator.next_mark)
+        if engine.version >= last:
+            break
+        append_metrics_row(run_dir, evaluator.run(engine, engine.version), cfg.logging, cfg.run.name)
+    wait_for_version(watcher, last, cfg.sampling.wait_timeout_s)
+    append_metrics_row(run_dir, evaluator.run(engine, engine.version), cfg.logging, cfg.run.name)
+
+
+def weight_stagers(cfg: Config, policy: SamplerPolicy) -> list:
+    """The HF engine generates with the scoring model itself; an engine with its own copy of the
+    weights (vLLM) takes each version together with the scoring model (recomputed and reference
+    log-probs), or neither does (grpo.wire.weights.WeightWatcher)."""
+    if cfg.sampling.engine == "hf":
+        return [policy.engine.stage_weights]
+    return [into_model(policy.model), policy.engine.stage_weights]
+
+
+def entry(argv: list[str] | None = None) -> None:
+    """The sampler process, as `python sampling_worker.py` and the launcher start it."""
+    sys.exit(exit_code(main, sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    entry()

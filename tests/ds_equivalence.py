@@ -61,8 +61,7 @@ def make_batch(model, sizes=(3, 1, 4, 2, 3)) -> RolloutBatch:
     return RolloutBatch(step=0, policy_version=0, prompt_ids=prompts, completion_ids=completions,
                         group_sizes=list(sizes), old_logps=noise(), ref_logps=noise(),
                         rewards=torch.zeros(sum(sizes), 1), reward_names=["r"],
-                        advantages=torch.randn(sum(sizes), generator=g), truncated=truncated,
-                        num_tokens=sum(lengths), num_sequences=sum(sizes))
+                        advantages=torch.randn(sum(sizes), generator=g), truncated=truncated)
 
 
 def lora_params(model):

@@ -23,12 +23,11 @@ def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool 
         ref_logps=[-torch.rand(c, generator=g) for c in lengths] if with_ref else None,
         rewards=torch.randn(n, 2, generator=g), reward_names=["gsm8k_answer", "think_answer_format"],
         advantages=torch.randn(n, generator=g), truncated=torch.rand(n, generator=g) > 0.5,
-        num_tokens=sum(lengths), num_sequences=n, meta={"sample_ids": ["train-1", "train-2"], "metrics": {"a": 1.5}})
+        meta={"sample_ids": ["train-1", "train-2"], "metrics": {"a": 1.5}})
 
 
 def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
-    for name in ("schema", "step", "sampler", "policy_version", "group_sizes", "reward_names", "num_tokens",
-                 "num_sequences", "meta"):
+    for name in ("schema", "step", "sampler", "policy_version", "group_sizes", "reward_names", "meta"):
         assert getattr(a, name) == getattr(b, name), name
     for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps", "token_versions"):
         x, y = getattr(a, name), getattr(b, name)

@@ -16,11 +16,11 @@ from grpo.environments import Reply
 from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
-from grpo.objective import Objective, loss_counts
+from grpo.objective import Denominators, Objective, batch_denominators
 from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_template, turn_seed
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import environment_failures
-from grpo.trainer.step import micro_batch_loss
+from grpo.trainer.step import denominators_of, micro_batch_loss
 from grpo.wire.batch import RolloutBatch
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
@@ -347,12 +347,11 @@ def test_the_loss_and_its_counts_see_only_the_models_tokens(chatty):
     wild = [torch.tensor([0, 0, 9.0, -9.0, 0]), torch.tensor([0, 9.0, 0])]
     old = [n - x + w for n, x, w in zip(new, d, wild)]
     advantages = torch.tensor([1.0, -0.5])
-    tokens, sequences = loss_counts(Objective(), completions, torch.tensor([False, False]), masks)
-    assert (tokens, sequences) == (5, 2)
+    counts = batch_denominators(Objective(), completions, torch.tensor([False, False]), masks)
+    assert counts == Denominators(sequences=2, tokens=5, completions=2)
     batch = RolloutBatch(step=0, policy_version=0, prompt_ids=prompt, completion_ids=completions, group_sizes=[2],
                          old_logps=old, ref_logps=None, rewards=torch.zeros(2, 1), reward_names=["r"],
-                         advantages=advantages, truncated=torch.tensor([False, False]), num_tokens=tokens,
-                         num_sequences=sequences, model_mask=masks)
+                         advantages=advantages, truncated=torch.tensor([False, False]), model_mask=masks)
     loss, metrics, counted = micro_batch_loss(model, batch, cfg)
     e = torch.exp
     expected = -(((e(torch.tensor(0.1)) + e(torch.tensor(-0.1)) + e(torch.tensor(0.05))) / 3 * 1.0
@@ -567,7 +566,8 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true", "env.truncated_reward=0")
     masks = batch.model_mask
     assert [len(m) for m in masks] == [len(c) for c in batch.completion_ids]
-    assert batch.num_tokens == sum(int(m.sum()) for m in masks) < sum(len(c) for c in batch.completion_ids)
+    counted = denominators_of(batch, Objective.of(cfg)).tokens
+    assert counted == sum(int(m.sum()) for m in masks) < sum(len(c) for c in batch.completion_ids)
     metrics = batch.meta["metrics"]
     assert metrics["sampler/engine_logp_gap_max"] < 1e-5  # recorded vs recomputed, over the model's tokens
     done = [j for j, c in enumerate(batch.completion_ids) if not batch.truncated[j]]
@@ -988,7 +988,7 @@ def test_an_episode_cut_at_the_budget_scores_the_batchs_worst_by_default(tiny_mo
     assert torch.allclose(batch.advantages, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-4), atol=1e-6)
     m = batch.meta["metrics"]
     assert (m["rewards/env_reward/failures"], m["rewards/worst_fraction"]) == (0.0, 0.25)
-    assert (batch.num_sequences, batch.num_tokens) == (4, sum(int(m.sum()) for m in batch.model_mask))
+    assert denominators_of(batch, Objective.of(cfg)) == Denominators(4, sum(int(m.sum()) for m in batch.model_mask), 4)
 
 
 def test_an_episode_cut_at_the_budget_scores_the_batchs_worst_whatever_its_earlier_turns_earned(tiny_model_dir):
@@ -1012,7 +1012,7 @@ def test_an_episode_cut_at_the_budget_scores_env_truncated_reward_when_it_is_set
     assert batch.truncated.tolist() == [False, False, False, True]
     assert batch.rewards[:, 0].tolist() == [1.0, -1.0, -1.0, -1.0]
     assert torch.allclose(batch.advantages, torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-4), atol=1e-6)
-    assert (batch.num_sequences, batch.num_tokens) == (4, sum(int(m.sum()) for m in batch.model_mask))
+    assert denominators_of(batch, Objective.of(cfg)) == Denominators(4, sum(int(m.sum()) for m in batch.model_mask), 4)
 
 
 def test_a_reply_that_leaves_no_room_to_answer_is_cut_and_scored_alike(tiny_model_dir):

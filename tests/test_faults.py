@@ -163,8 +163,7 @@ def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> Rollou
     return RolloutBatch(step=step, policy_version=0, prompt_ids=prompts, completion_ids=completions,
                         group_sizes=[4, 4], old_logps=logps, ref_logps=logps, rewards=torch.zeros(8, 1),
                         reward_names=["r"], advantages=torch.tensor([advantage, -advantage] * 4),
-                        truncated=torch.zeros(8, dtype=torch.bool), num_tokens=24, num_sequences=8,
-                        behaviour=behaviour)
+                        truncated=torch.zeros(8, dtype=torch.bool), behaviour=behaviour)
 
 
 def feed_trainer(trainer, address, model_dir, advantages: list[float], run_dir) -> tuple[int, str]:

@@ -327,9 +327,8 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     from helpers import make_batch
 
     from grpo.config import load_config
-    from grpo.objective import loss_counts
     from grpo.trainer.groups import select_groups
-    from grpo.trainer.step import micro_batch_loss
+    from grpo.trainer.step import denominators_of, micro_batch_loss
 
     model = tiny_model()
     common = ["training.aggregation=dr_grpo", "training.beta=0", "sampling.max_new_tokens=8"]
@@ -339,17 +338,16 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
     truncated = torch.tensor([False, True, False, False, True])
     batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
                                 prompt_ids=[p % 101 for p in batch.prompt_ids], truncated=truncated)
-    tokens, sequences = loss_counts(Objective(mask_truncated=True), batch.completion_ids, truncated)
-    masked = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences)
-    tokens, sequences = loss_counts(Objective(mask_truncated=False), batch.completion_ids, truncated)
-    zeroed = dataclasses.replace(batch, num_tokens=tokens, num_sequences=sequences,
-                                 advantages=torch.where(truncated, 0.0, batch.advantages))
+    counts = denominators_of(batch, Objective.of(masked_cfg))  # what the trainer counts for the whole batch
+    zeroed = dataclasses.replace(batch, advantages=torch.where(truncated, 0.0, batch.advantages))
     with torch.no_grad():
         expected = micro_batch_loss(model, zeroed, cfg)[0]
-        whole = micro_batch_loss(model, masked, masked_cfg)[0]
-        pieces = sum(micro_batch_loss(model, select_groups(masked, [g]), masked_cfg, batch_completions=5)[0]
+        whole = micro_batch_loss(model, batch, masked_cfg)[0]
+        pieces = sum(micro_batch_loss(model, select_groups(batch, [g]), masked_cfg, denominators=counts)[0]
                      for g in (0, 1))
-    assert masked.num_sequences == 3 and abs(expected.item()) > 1e-3
+    assert counts == Denominators(sequences=3, tokens=sum(len(c) for c, t in zip(batch.completion_ids, truncated)
+                                                          if not t), completions=5)
+    assert abs(expected.item()) > 1e-3
     torch.testing.assert_close(whole, expected)
     torch.testing.assert_close(pieces, expected)
 
@@ -418,20 +416,20 @@ def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
 
     from helpers import make_batch
 
-    from grpo.trainer.step import within_age
+    from grpo.trainer.step import denominators_of, within_age
 
     batch = make_batch(seed=1, group_sizes=(2, 1))
     ids = [torch.arange(4), torch.arange(3), torch.arange(2)]
     versions = [torch.tensor([3, 3, 4, 4], dtype=torch.int32), torch.tensor([4, -1, 4], dtype=torch.int32),
                 torch.tensor([3, 3], dtype=torch.int32)]
     batch = dataclasses.replace(batch, completion_ids=ids, token_versions=versions,
-                                model_mask=[v >= 0 for v in versions], truncated=torch.zeros(3, dtype=torch.bool),
-                                num_tokens=8, num_sequences=3)
-    aged, fraction = within_age(batch, trainer_version=5, max_age=1, objective=Objective())
+                                model_mask=[v >= 0 for v in versions], truncated=torch.zeros(3, dtype=torch.bool))
+    assert denominators_of(batch, Objective()) == Denominators(sequences=3, tokens=8, completions=3)
+    aged, fraction = within_age(batch, trainer_version=5, max_age=1)
     assert [m.int().tolist() for m in aged.model_mask] == [[0, 0, 1, 1], [1, 0, 1], [0, 0]]
-    assert (aged.num_tokens, aged.num_sequences, fraction) == (4, 2, 4 / 8)
-    assert within_age(batch, trainer_version=5, max_age=2, objective=Objective())[0] is batch
-    assert within_age(batch, trainer_version=4, max_age=1, objective=Objective())[0] is batch
+    assert fraction == 4 / 8 and denominators_of(aged, Objective()) == Denominators(sequences=2, tokens=4, completions=3)
+    assert within_age(batch, trainer_version=5, max_age=2)[0] is batch
+    assert within_age(batch, trainer_version=4, max_age=1)[0] is batch
 
 
 @pytest.mark.parametrize("aggregation", ["grpo", "dapo"])
@@ -447,7 +445,7 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
     from grpo.config import load_config
     from grpo.model.logprobs import completion_logprobs
     from grpo.trainer.groups import select_groups
-    from grpo.trainer.step import micro_batch_loss, within_age
+    from grpo.trainer.step import denominators_of, micro_batch_loss, within_age
 
     model = tiny_model()
     cfg = load_config(None, [f"training.aggregation={aggregation}", "training.beta=0", "training.max_token_age=1"])
@@ -458,12 +456,13 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
     batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
                                 prompt_ids=[p % 101 for p in batch.prompt_ids], token_versions=versions,
                                 truncated=torch.zeros(5, dtype=torch.bool))
-    aged, fraction = within_age(batch, 4, 1, Objective.of(cfg))
+    aged, fraction = within_age(batch, 4, 1)
     young = [v >= 3 for v in versions]
-    assert 0 < fraction < 1 and aged.num_tokens == sum(int(y.sum()) for y in young)
+    counts = denominators_of(aged, Objective.of(cfg))
+    assert 0 < fraction < 1 and counts.tokens == sum(int(y.sum()) for y in young)
     with torch.no_grad():
         whole = micro_batch_loss(model, aged, cfg)[0]
-        pieces = sum(micro_batch_loss(model, select_groups(aged, [k]), cfg, batch_completions=5)[0] for k in (0, 1))
+        pieces = sum(micro_batch_loss(model, select_groups(aged, [k]), cfg, denominators=counts)[0] for k in (0, 1))
         logps = completion_logprobs(model, aged.prompt_ids, aged.completion_ids, aged.group_sizes,
                                     temperature=cfg.sampling.temperature)
     width = max(len(c) for c in aged.completion_ids)
@@ -473,7 +472,7 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
 
     slow = slow_policy_loss(pad(logps, 0.0), pad(aged.old_logps, 0.0), aged.advantages, pad(young, False), None,
                             level="token", aggregation=aggregation, clip_low=0.2, clip_high=0.2, beta=0, estimator="k3",
-                            num_sequences=aged.num_sequences, num_tokens=aged.num_tokens, max_len=width)
+                            num_sequences=counts.sequences, num_tokens=counts.tokens, max_len=width)
     assert abs(slow.item()) > 1e-3
     torch.testing.assert_close(whole, slow, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pieces, slow, rtol=1e-5, atol=1e-6)

@@ -21,10 +21,12 @@ from data.problems import Problem
 from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.model.loading import add_lora
+from grpo.objective import Denominators, Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.sampler.step import SamplerPolicy, make_batch
 from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
 from grpo.settings.tree import ConfigError
+from grpo.trainer.step import denominators_of
 from rewards import score_completions
 from rewards.http_json import Breaker, ServiceError, post_json, retry_after
 from rewards.judge import fenced
@@ -437,7 +439,7 @@ def test_a_judge_down_for_one_sample_scores_it_the_batchs_worst_and_down_for_all
         every, m = step("/all")
         assert every.advantages.tolist() == [0.0] * 8 and "reward" not in m
         assert (m["rewards/left_out_fraction"], m["rewards/worst_fraction"]) == (1.0, 0.0)
-        assert (every.num_sequences, every.num_tokens) == (8, 16)  # in the batch and the loss's denominators
+        assert denominators_of(every, Objective()) == Denominators(8, 16, 8)  # in the batch and the loss's denominators
     finally:
         judge.close()
 

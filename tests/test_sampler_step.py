@@ -13,6 +13,7 @@ from data.prompts import Prompt
 from grpo.config import load_config
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
+from grpo.objective import Denominators, Objective
 from grpo.run.ports import free_local_port
 from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
 from grpo.sampler.episodes import Episode
@@ -20,6 +21,7 @@ from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, environment_failures, make_batch, step_seed
+from grpo.trainer.step import denominators_of
 from grpo.wire.weights import Staged
 from rewards import score_completions
 
@@ -299,7 +301,7 @@ def test_a_sample_a_reward_failed_on_scores_its_groups_worst_honest_total(tmp_pa
     assert (m["rewards/left_out_fraction"], m["rewards/worst_fraction"]) == (0.0, 0.25)
     assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3)  # the reward's own values: the failure is not one
     assert m["reward"] == pytest.approx(8.25) and m["reward_std"] == pytest.approx(1.5)  # what trains
-    assert (batch.num_sequences, batch.num_tokens) == (8, 16)
+    assert denominators_of(batch, Objective()) == Denominators(sequences=8, tokens=16, completions=8)  # in the loss
 
 
 def test_with_on_failure_fallback_a_failed_sample_is_scored_as_the_fallback(tmp_path):

@@ -70,7 +70,10 @@ def malformed_messages():
                            "unknown schema 'grpo.sampler.rollout/99'"),
         "a batch without token versions": (_with_header(good, schema="grpo.rollout/1"),
                                            "a batch of schema grpo.rollout/1, from a sampler older than this trainer, "
-                                           "which speaks grpo.rollout/2 .*run the sampler of the same version"),
+                                           "which speaks grpo.rollout/3: run the sampler of the same version"),
+        "a batch with denominators": (_with_header(good, schema="grpo.rollout/2"),
+                                      "a batch of schema grpo.rollout/2, from a sampler older than this trainer, "
+                                      "which speaks grpo.rollout/3: run the sampler of the same version"),
         "policy_version not the oldest token's": (_with_header(good, policy_version=3),
                                                   "policy_version 3 is not the oldest token's version 0"),
         "a model token without a version": (encode_batch(unversioned),
@@ -98,7 +101,6 @@ def malformed_messages():
         "reward names disagree": (_with_header(good, reward_names=["a"]),
                                   "rewards has shape \\[5, 2\\], expected \\[5, 1\\]"),
         "non-finite values": (encode_batch(nan_logps), "old_logps: holds NaN or infinite values"),
-        "denominators out of range": (_with_header(good, num_sequences=99), "num_sequences / num_tokens out of range"),
         "NaN literal in header": ([_header_text(good).replace('"a": 1.5', '"a": NaN').encode()] + good[1:],
                                   "header holds NaN"),
     }
@@ -181,7 +183,6 @@ def test_high_water_mark_applies_back_pressure():
     big.completion_ids[0] = torch.zeros(1_000_000, dtype=torch.long)  # 8 MB: beyond the kernel's socket buffers
     big.old_logps[0] = big.ref_logps[0] = torch.zeros(1_000_000)
     big.token_versions[0] = torch.zeros(1_000_000, dtype=torch.int32)
-    big.num_tokens = sum(len(c) for c in big.completion_ids)
 
     def produce():
         for step in range(6):
@@ -281,8 +282,9 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     pickling_calls = {"recv_pyobj", "recv_serialized", "recv", "unsafe_load"}  # Connection.recv unpickles
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
     wire = REPO / "grpo" / "wire"
-    paths = [wire / "transport.py", wire / "batch.py", wire / "delivery.py", REPO / "training_worker.py",
-             REPO / "sampling_worker.py", REPO / "rewards" / "sandbox.py", REPO / "grpo" / "child.py",
+    paths = [wire / "transport.py", wire / "batch.py", wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
+             REPO / "grpo" / "trainer" / "loop.py", REPO / "grpo" / "trainer" / "ranks.py",
+             REPO / "grpo" / "sampler" / "worker.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
              REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in
                                                             ("http_json", "remote", "judge")),
              REPO / "scripts" / "reward_server.py"]  # the HTTP rewards' client and the example server

@@ -101,12 +101,14 @@ class Denominators(NamedTuple):
     completions: float  # every completion of the batch, masked ones too (dr_grpo's normaliser, as TRL's)
 
 
-def loss_counts(objective: Objective, completion_ids, truncated, model_masks=None) -> tuple[int, int]:
-    """The sampler's global denominators: (loss tokens, completions the loss sees); with episodes'
-    `model_masks`, only the model's tokens count."""
+def batch_denominators(objective: Objective, completion_ids, truncated, model_masks=None) -> Denominators:
+    """The whole batch's counts, from its completions: the loss tokens (with episodes' or an age
+    bound's `model_masks`, only the tokens they keep), the completions with any of them, and every
+    completion (dr_grpo's normaliser)."""
     keep = [not (objective.mask_truncated and bool(t)) for t in truncated]
     sizes = [int(m.sum()) for m in model_masks] if model_masks is not None else [len(c) for c in completion_ids]
-    return sum(size for size, k in zip(sizes, keep) if k), sum(keep)
+    return Denominators(sequences=sum(1 for size, k in zip(sizes, keep) if k and size > 0),
+                        tokens=sum(size for size, k in zip(sizes, keep) if k), completions=len(completion_ids))
 
 
 def loss_mask(objective: Objective, mask: torch.Tensor, truncated: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 from grpo.model.completions import eos_token_ids
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
-from grpo.objective import Objective, loss_counts
+from grpo.objective import Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed, round_start, rounds_per_step
 from grpo.sampler.episodes import episode_metrics
@@ -440,14 +440,13 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
         version = min((int(v.min()) for v in rollouts.token_versions if len(v)), default=version)
         digest = policy.engine.digests[version]
     truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
-    num_tokens, num_sequences = loss_counts(objective, rollouts.completion_ids, truncated, rollouts.model_masks)
     batch = RolloutBatch(
         step=step, sampler=sampler, policy_version=version, prompt_ids=prompt_ids,
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
         old_logps=[x.float().cpu() for x in old_logps],
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
         rewards=scores.per_function, reward_names=reward_names(cfg.rewards), advantages=advantages,
-        truncated=truncated, num_tokens=num_tokens, num_sequences=num_sequences,
+        truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
         token_versions=rollouts.token_versions if rollouts.model_masks is None else None)

@@ -128,7 +128,7 @@ class TrainingLoop:
         cfg, state = self.cfg, self.state
         aged_out = {}
         if cfg.training.max_token_age >= 0:  # every rank decodes the same batch: they mask alike
-            batch, fraction = within_age(batch, state.step, cfg.training.max_token_age, self.objective)
+            batch, fraction = within_age(batch, state.step, cfg.training.max_token_age)
             aged_out = {"staleness/aged_out_token_fraction": fraction}
         started = time.perf_counter()
         step_metrics = {**train_step(self.engine, batch, cfg, self.rank, self.world, self.device,

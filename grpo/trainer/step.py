@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from grpo.model.logprobs import completion_logprobs, pad_right
 from grpo.model.sharding import pack_micro_batches, shard_groups
-from grpo.objective import ADDITIVE, Denominators, Objective, loss_mask, policy_loss
+from grpo.objective import ADDITIVE, Denominators, Objective, batch_denominators, loss_mask, policy_loss
 from grpo.objective import EXTREMES as LOSS_EXTREMES
 from grpo.trainer.groups import group_costs, select_groups
 from grpo.trainer.schedule import learning_rate_at
@@ -33,28 +33,31 @@ EXTREMES = {**{key: REDUCE_OPS[how] for key, how in LOSS_EXTREMES.items()},
             "sampling/importance_sampling_ratio/max": dist.ReduceOp.MAX}
 
 
-def within_age(batch: RolloutBatch, trainer_version: int, max_age: int, objective: Objective
-               ) -> tuple[RolloutBatch, float]:
+def within_age(batch: RolloutBatch, trainer_version: int, max_age: int) -> tuple[RolloutBatch, float]:
     """training.max_token_age: `batch` with its model tokens sampled more than `max_age` versions before
-    `trainer_version` out of the loss (they stay as context), its denominators counted again; and the share
-    of its model tokens left out. The batch itself when none is that old."""
+    `trainer_version` out of the loss (they stay as context; the denominators, counted from the model
+    mask, leave them out too); and the share of its model tokens left out. The batch itself when none
+    is that old."""
     versions = batch.token_versions
     model = [v >= 0 for v in versions]  # environment tokens carry no version and are out of the loss already
     young = [m & (trainer_version - v <= max_age) for m, v in zip(model, versions)]
     total, kept = sum(int(m.sum()) for m in model), sum(int(y.sum()) for y in young)
     if kept == total:
         return batch, 0.0
-    seen = [not (objective.mask_truncated and bool(t)) and bool(y.any()) for y, t in zip(young, batch.truncated)]
-    tokens = sum(int(y.sum()) for y, s in zip(young, seen) if s)
-    return (dataclasses.replace(batch, model_mask=young, num_tokens=tokens, num_sequences=sum(seen)),
-            (total - kept) / max(total, 1))
+    return dataclasses.replace(batch, model_mask=young), (total - kept) / max(total, 1)
 
 
-def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = True, batch_completions: int | None = None,
-                     objective: Objective | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
+def denominators_of(batch: RolloutBatch, objective: Objective) -> Denominators:
+    """The whole batch's loss denominators (every rank holds the whole batch, so each counts alike)."""
+    return batch_denominators(objective, batch.completion_ids, batch.truncated, batch.model_mask)
+
+
+def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = True,
+                     denominators: Denominators | None = None, objective: Objective | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float], int]:
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
-    batch_completions: the whole batch's completions (default: `mb` is the whole batch); objective:
-    default the config's. On the first pass the metrics include the sampler/trainer mismatch."""
+    denominators: the whole batch's (default: `mb` is the whole batch); objective: default the
+    config's. On the first pass the metrics include the sampler/trainer mismatch."""
     t, objective = cfg.training, objective or Objective.of(cfg)
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                            shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
@@ -68,8 +71,8 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
     model_mask = pad_right([m.to(device) for m in mb.model_mask], value=False)[0] if mb.model_mask is not None else None
     mask = loss_mask(objective, mask, mb.truncated.to(device), model_mask)
-    denominators = Denominators(max(1, mb.num_sequences), max(1, mb.num_tokens),
-                                len(mb.completion_ids) if batch_completions is None else batch_completions)
+    counts = denominators or denominators_of(mb, objective)
+    denominators = Denominators(max(1, counts.sequences), max(1, counts.tokens), counts.completions)
     loss, metrics = policy_loss(objective, new, old, mb.advantages.to(device), mask, ref_logps=ref,
                                 denominators=denominators)
     tokens = int(mask.sum())
@@ -121,10 +124,11 @@ class PolicyObjective(torch.nn.Module):
         super().__init__()
         self.policy, self.cfg, self.objective = policy, cfg, Objective.of(cfg)
 
-    def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True):
+    def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True,
+                denominators: Denominators | None = None):
         if mb is None:
             return dummy_loss(self.policy, batch, self.cfg), {}, 0
-        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, batch_completions=len(batch.completion_ids),
+        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, denominators or denominators_of(batch, self.objective),
                                 objective=self.objective)
 
 
@@ -193,7 +197,9 @@ def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, 
     the last backward of a pass reduces (ZeRO-2/3 reduce-scatter along the way, as in plain
     accumulation). Each loss already carries the whole batch's denominators and is multiplied
     by the world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
+    Every rank counts the denominators from the whole batch it holds.
     """
+    denominators = denominators_of(batch, Objective.of(cfg))
     costs = group_costs(batch)
     micro = pack_micro_batches(shard_groups(costs, world)[rank], costs, cfg.training.max_tokens_per_micro_batch)
     count = torch.tensor([len(micro)], device=device)
@@ -207,7 +213,7 @@ def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, 
         for i in range(int(count)):
             engine.set_gradient_accumulation_boundary(i == int(count) - 1)  # reduce after the last one only
             loss, metrics, tokens = engine(select_groups(batch, micro[i]) if i < len(micro) else None, batch,
-                                           pass_index == 0)
+                                           pass_index == 0, denominators)
             if metrics:  # not a padding forward
                 sums.add(metrics, tokens)
             if not torch.isfinite(loss):

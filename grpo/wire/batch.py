@@ -15,7 +15,9 @@ import torch
 
 from grpo.wire.weights import INITIAL_DIGEST
 
-SCHEMA = "grpo.rollout/2"  # /2: every token carries the weights version that sampled it (token_versions)
+# /2: every token carries the weights version that sampled it (token_versions); /3: no loss denominators
+# (the trainer counts them from the batch it holds)
+SCHEMA = "grpo.rollout/3"
 ENVIRONMENT_TOKEN = -1  # token_versions of a token an environment wrote (episodes): no version sampled it
 
 
@@ -32,8 +34,6 @@ class RolloutBatch:
     reward_names: list[str]  # [R]
     advantages: torch.Tensor  # float32 [N], group-relative
     truncated: torch.Tensor  # bool [N], hit max_new_tokens without EOS
-    num_tokens: int  # completion tokens in the loss, over the whole batch (global denominator)
-    num_sequences: int  # completions in the loss, over the whole batch (global denominator)
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/wire/delivery.py)
     behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/wire/behaviour.py), checked by the trainer
@@ -101,8 +101,6 @@ FIELDS = (
     Field("truncated", "tensor", "|b1", rows="completion"),
     Field("model_mask", "ragged", "|b1", rows="token", optional=True),
     Field("token_versions", "ragged", "<i4", rows="token"),
-    Field("num_tokens", "header", int),
-    Field("num_sequences", "header", int),
     Field("meta", "header", dict),
     Field("behaviour", "header", dict),
     Field("weights_digest", "header", str),

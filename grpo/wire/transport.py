@@ -95,9 +95,9 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header is not JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("schema") == "grpo.rollout/1":
-        raise MessageError(f"a batch of schema grpo.rollout/1, from a sampler older than this trainer, which speaks "
-                           f"{SCHEMA} (a weights version on every token): run the sampler of the same version")
+    if header.get("schema") in ("grpo.rollout/1", "grpo.rollout/2"):
+        raise MessageError(f"a batch of schema {header['schema']}, from a sampler older than this trainer, which "
+                           f"speaks {SCHEMA}: run the sampler of the same version")
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
     for key, kind in HEADER_TYPES.items():
@@ -165,8 +165,6 @@ def _check_consistency(h: dict, dims: dict) -> None:
             shape = [n] + ([len(h[f.columns])] if f.columns else [])
             if dims[f.name] != shape:
                 raise MessageError(f"{f.name} has shape {dims[f.name]}, expected {shape}")
-    if not 0 <= h["num_sequences"] <= n or not 0 <= h["num_tokens"] <= sum(dims["completion_ids"]):
-        raise MessageError("num_sequences / num_tokens out of range")
     if h["step"] < 0 or h["sampler"] < 0 or h["policy_version"] < 0:
         raise MessageError("step, sampler and policy_version must be >= 0")
 

@@ -84,7 +84,7 @@ def fixed_batch(behaviour: dict) -> RolloutBatch:
                         group_sizes=[8] * 4, old_logps=[torch.full((24,), -6.0) for _ in completions],
                         ref_logps=None, rewards=torch.randn(32, 1, generator=g), reward_names=["r"],
                         advantages=torch.randn(32, generator=g), truncated=torch.zeros(32, dtype=torch.bool),
-                        num_tokens=24 * 32, num_sequences=32, behaviour=behaviour)
+                        behaviour=behaviour)
 
 
 def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float, errors: list) -> None:

@@ -41,7 +41,7 @@ def test_each_choice_is_validated_against_the_list_its_implementing_module_owns(
     assert lists["training.aggregation"] is objective.AGGREGATIONS
     assert lists["training.kl_estimator"] is objective.KL_ESTIMATORS
     assert lists["training.advantage_scale"] is objective.ADVANTAGE_SCALES
-    assert lists["sampling.engine"] is rollout.ENGINES
+    assert lists["sampling.engine"] == tuple(rollout.ENGINES)
     assert lists["sampling.old_logps"] is logprobs.OLD_LOGPS_SOURCES
     assert lists["model.dtype"] == tuple(models.DTYPES)
 

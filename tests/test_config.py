@@ -345,3 +345,19 @@ def test_defaults_are_not_shared_between_instances():
     a, b = Config(), Config()
     a.lora.target_modules.append("x")
     assert "x" not in b.lora.target_modules
+
+
+def test_an_engine_setting_that_moved_names_its_new_key_and_a_saved_config_reads_it_there(tmp_path):
+    """The vLLM engine's settings are sampling.vllm.*: a config with an old flat key is told the new
+    one; a run's saved config of an earlier version (flat keys) resumes with them in their new place."""
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["sampling.vllm_gpu_memory_utilization=0.3", "launch.vllm_python=/x/python"])
+    assert "config key 'sampling.vllm_gpu_memory_utilization' is now 'sampling.vllm.gpu_memory_utilization'" in \
+        str(raised.value)
+    assert "config key 'launch.vllm_python' is now 'sampling.vllm.python'" in str(raised.value)
+    saved = tmp_path / "config.yaml"
+    saved.write_text("sampling: {vllm_gpu_memory_utilization: 0.3, vllm_kv_cache_gb: 1.5}\n"
+                     "launch: {vllm_python: /x/python}\n")
+    cfg = load_config(saved, written_by_a_run=True)
+    assert (cfg.sampling.vllm.gpu_memory_utilization, cfg.sampling.vllm.kv_cache_gb, cfg.sampling.vllm.python) == \
+        (0.3, 1.5, "/x/python")

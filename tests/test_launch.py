@@ -488,11 +488,11 @@ def test_data_columns_and_answer_format_are_checked_before_anything_starts(tmp_p
 
 def test_a_missing_vllm_is_an_error_with_the_install_command(tmp_path, capsys):
     code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "sampling.engine=vllm",
-                             f"launch.vllm_python={tmp_path / 'no-venv' / 'python'}", gpus=None)
+                             f"sampling.vllm.python={tmp_path / 'no-venv' / 'python'}", gpus=None)
     if code == 0:
         pytest.skip("this Python has vLLM")
     assert code == 2 and out == "" and err == (
-        f"error: sampling.engine=vllm needs vLLM, and neither launch.vllm_python={tmp_path / 'no-venv' / 'python'} "
+        f"error: sampling.engine=vllm needs vLLM, and neither sampling.vllm.python={tmp_path / 'no-venv' / 'python'} "
         f"exists nor does {sys.executable} have it: run `make install-vllm` (the CUDA build where nvidia-smi sees a "
         "GPU, the CPU build elsewhere), or set sampling.engine=hf\n")
 

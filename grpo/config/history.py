@@ -67,7 +67,7 @@ for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.a
 ALLOWED = (
     "run.name", "run.dir", "model.attn_implementation", "model.gradient_checkpointing", "model.cache_dir",
     "model.trust_remote_code", "sampling.engine", "sampling.device", "sampling.group_size",
-    "sampling.vllm_gpu_memory_utilization", "sampling.vllm_kv_cache_gb", "sampling.generation_batch_size",
+    "sampling.vllm.gpu_memory_utilization", "sampling.vllm.kv_cache_gb", "sampling.vllm.python", "sampling.generation_batch_size",
     "sampling.old_logps", "sampling.wait_timeout_s", "sampling.episode_feed_tokens", "sampling.continuous_batching",
     "sampling.in_flight_updates", "sampling.in_flight_kv",
     "training.steps", "training.learning_rate", "training.lr_schedule", "training.warmup_steps",

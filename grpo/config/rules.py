@@ -38,7 +38,7 @@ def option_lists() -> dict[str, tuple]:
         "model.dtype": tuple(DTYPES),
         "data.answer_format": ANSWER_FORMATS,
         "sampling.dtype": ("auto", *DTYPES),
-        "sampling.engine": ENGINES,
+        "sampling.engine": tuple(ENGINES),
         "sampling.old_logps": OLD_LOGPS_SOURCES,
         "sampling.in_flight_kv": ("recompute", "keep"),
         "training.reference_on": REFERENCE_SOURCES,
@@ -123,9 +123,9 @@ def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
     if not 0 <= s.worker_index < s.num_workers:
         errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
                       f"{s.worker_index} and {s.num_workers}")
-    if not 0 < s.vllm_gpu_memory_utilization <= 1 or s.vllm_kv_cache_gb <= 0:
-        errors.append(f"sampling.vllm_gpu_memory_utilization must be in (0, 1] and sampling.vllm_kv_cache_gb > 0; got "
-                      f"{s.vllm_gpu_memory_utilization} and {s.vllm_kv_cache_gb}")
+    if not 0 < s.vllm.gpu_memory_utilization <= 1 or s.vllm.kv_cache_gb <= 0:
+        errors.append(f"sampling.vllm.gpu_memory_utilization must be in (0, 1] and sampling.vllm.kv_cache_gb > 0; "
+                      f"got {s.vllm.gpu_memory_utilization} and {s.vllm.kv_cache_gb}")
     if s.in_flight_updates and (not s.continuous_batching or s.old_logps != "generation"):
         errors.append("sampling.in_flight_updates needs sampling.continuous_batching=true and "
                       "sampling.old_logps=generation (a recompute after generation would score every token with "

@@ -42,12 +42,12 @@ def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
 
 
 def vllm_problem(cfg: Config, sampler_python: str) -> str | None:
-    """sampling.engine=vllm with no vLLM to run it: neither launch.vllm_python nor this Python has it."""
+    """sampling.engine=vllm with no vLLM to run it: neither sampling.vllm.python nor this Python has it."""
     if cfg.sampling.engine != "vllm" or sampler_python != sys.executable:
         return None  # the vLLM environment exists (make install-vllm checked that vllm imports there)
     if importlib.util.find_spec("vllm") is not None:
         return None
-    return (f"sampling.engine=vllm needs vLLM, and neither launch.vllm_python={cfg.launch.vllm_python} exists nor "
+    return (f"sampling.engine=vllm needs vLLM, and neither sampling.vllm.python={cfg.sampling.vllm.python} exists nor "
             f"does {sys.executable} have it: run `make install-vllm` (the CUDA build where nvidia-smi sees a GPU, "
             "the CPU build elsewhere), or set sampling.engine=hf")
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from grpo.model.completions import eos_token_ids
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
@@ -212,17 +211,6 @@ def generation_detail(m: dict[str, float]) -> str:
     if m.get("timing/env_idle_s"):
         parts.append(f"{m['timing/env_idle_s']:.1f}s waiting on environments")
     return ", ".join(parts)
-
-
-def make_engine(cfg: Config, model, tokenizer) -> RolloutEngine:
-    """The configured rollout engine (sampling.engine); vLLM is imported only when selected."""
-    if cfg.sampling.engine == "vllm":
-        from grpo.sampler.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(cfg, eos_token_ids(tokenizer, model))
-    from grpo.sampler.rollout.hf_engine import HFEngine
-
-    return HFEngine(model, tokenizer, cfg.sampling)
 
 
 def step_seed(cfg: Config, step: int) -> int:

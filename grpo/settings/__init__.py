@@ -87,6 +87,16 @@ class DataConfig:
 
 
 @dataclass
+class VllmSettings:
+    gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM takes "
+                                            "(weights and KV cache); leave room for a trainer on the same GPU.")
+    kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
+    python: str = _f(".venv-vllm/bin/python", "The Python the launcher runs a vLLM sampler with (make install-vllm "
+                                              "builds it; relative to the working folder, else to the project). When "
+                                              "it does not exist, the launcher's own Python.")
+
+
+@dataclass
 class SamplingConfig:
     engine: str = _f("hf", "Rollout engine: 'hf' (transformers, any device) or "
                            "'vllm' (optional: make install-vllm; CUDA or CPU build).")
@@ -116,10 +126,7 @@ class SamplingConfig:
                              "scripts/launch.py starts this many). Together they make the batches one sampler would: "
                              "global step g is made by sampler g % N.")
     worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
-    vllm_gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM "
-                                                  "takes (weights and KV cache); leave room for a trainer on the "
-                                                  "same GPU.")
-    vllm_kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
+    vllm: VllmSettings = field(default_factory=lambda: VllmSettings())
     generation_batch_size: int = _f(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
                                         "refilled at once with the step's next one (sampling.continuous_batching).")
     continuous_batching: bool = _f(True, "HF engine: one decode loop per call whose rows are refilled as sequences "
@@ -412,9 +419,6 @@ class LaunchConfig:
                                "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.")
     cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = "
                              "the cores split between sampler and trainer.")
-    vllm_python: str = _f(".venv-vllm/bin/python", "The Python scripts/launch.py runs a sampler with when "
-                                                   "sampling.engine=vllm (make install-vllm builds it; relative to "
-                                                   "the project). When it does not exist, the launcher's own Python.")
     max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both "
                                  "processes cleanly (the trainer checkpoints; the last published weights are the "
                                  "result). 0 = none.")

@@ -162,7 +162,18 @@ REMOVED_KEYS = {
 }
 
 
+# keys that moved, and where: a config that names the old key is told the new one; a run's saved
+# config with the old key is read as if it named the new one
+RENAMED_KEYS = {
+    "sampling.vllm_gpu_memory_utilization": "sampling.vllm.gpu_memory_utilization",
+    "sampling.vllm_kv_cache_gb": "sampling.vllm.kv_cache_gb",
+    "launch.vllm_python": "sampling.vllm.python",
+}
+
+
 def _unknown_key(key: str, root: type) -> str:
+    if key in RENAMED_KEYS:
+        return f"config key '{key}' is now '{RENAMED_KEYS[key]}'"
     if key in REMOVED_KEYS:
         return f"config key '{key}' is gone: {REMOVED_KEYS[key]}"
     hint = suggestion(key, root)

@@ -161,7 +161,7 @@ def synchronize(device) -> None:
 
 class Completions:
     def __init__(self, cfg, model, tokenizer):
-        from grpo.sampler.step import make_engine
+        from grpo.sampler.rollout import make_engine
 
         self.cfg, self.engine = cfg, make_engine(cfg, model, tokenizer)
         self.vllm = cfg.sampling.engine == "vllm"
@@ -224,8 +224,8 @@ class Episodes:
         import dataclasses
 
         from grpo.sampler.episodes import episode_runner
+        from grpo.sampler.rollout import make_engine
         from grpo.sampler.rollout.hf_engine import HFEngine
-        from grpo.sampler.step import make_engine
 
         self.cfg, self.vllm = cfg, cfg.sampling.engine == "vllm"
         self.base = "turn by turn" if self.vllm else "blocks"

@@ -7,7 +7,7 @@
     .venv/bin/python scripts/benchmarks/bench_engines.py --engines hf@rev=c5eb412,hf --few-shot 2
 
 Each (engine, workload) runs in a fresh subprocess, each engine in the environment the launcher
-gives it (HF: this Python, .venv; vLLM: launch.vllm_python, .venv-vllm), the engines alternating, so that start-up
+gives it (HF: this Python, .venv; vLLM: sampling.vllm.python, .venv-vllm), the engines alternating, so that start-up
 and peak memory are that engine's own and drift of the machine hits both alike. A subprocess
 starts the engine (timed: for vLLM this includes its engine-core process and its warm-up),
 publishes a LoRA adapter and swaps it in (timed), then generates `--repeats` steps of B prompts
@@ -103,13 +103,14 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.model.loading import add_lora, load_model, load_tokenizer
-    from grpo.sampler.step import make_engine, step_seed
+    from grpo.sampler.rollout import make_engine
+    from grpo.sampler.step import step_seed
     from grpo.wire.weights import WeightWatcher, into_model, publish
 
     revision = next((o.split("=", 1)[1] for o in overrides if o.startswith("rev=")), None)
     overrides = [o for o in overrides if not o.startswith("rev=")]
     cfg = load_config(ROOT / "config.yaml", [f"sampling.engine={engine_name}", f"data.few_shot={few_shot}",
-                                             "sampling.vllm_kv_cache_gb=2", *overrides])
+                                             "sampling.vllm.kv_cache_gb=2", *overrides])
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(cfg.seed)
     model = add_lora(load_model(cfg.model), cfg.lora).eval()
@@ -161,7 +162,7 @@ def main(argv: list[str]) -> int:
 
     from grpo.config import load_config
 
-    vllm_python = ROOT / load_config(ROOT / "config.yaml", args.overrides).launch.vllm_python
+    vllm_python = ROOT / load_config(ROOT / "config.yaml", args.overrides).sampling.vllm.python
     pythons = {"hf": sys.executable, "vllm": str(vllm_python) if vllm_python.is_file() else sys.executable}
     print(f"# {os.cpu_count()} CPUs, each engine with its default threads (all of them); hf in {pythons['hf']}, "
           f"vllm in {pythons['vllm']}; overrides: {' '.join(args.overrides) or '(none)'}")

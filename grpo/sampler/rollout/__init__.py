@@ -8,6 +8,7 @@ version that is.
 from __future__ import annotations
 
 import hashlib
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
@@ -17,7 +18,11 @@ import torch
 if TYPE_CHECKING:
     from grpo.wire.weights import Staged
 
-ENGINES = ("hf", "vllm")  # sampling.engine: grpo/sampler/rollout/hf_engine.py, grpo/sampler/rollout/vllm_engine.py
+# sampling.engine: each name's RolloutEngine class, imported only when chosen. An engine is one module
+# with a class that has `build(cfg, model, tokenizer)` and the RolloutEngine interface, and one line
+# here; its settings, if any, are the section sampling.<name> (a `python` key there runs the sampler
+# with that Python: an engine in an environment of its own).
+ENGINES = {"hf": "grpo.sampler.rollout.hf_engine:HFEngine", "vllm": "grpo.sampler.rollout.vllm_engine:VllmEngine"}
 SEED_BLOCK = 1 << 20  # seeds a prompt's samples may take: vLLM seeds sample j of a request with seed + j
 
 
@@ -53,6 +58,13 @@ class Rollouts:
 class RolloutEngine(Protocol):
     version: int  # the published weights version it serves (0: the initial weights)
     weights_digest: str  # that version's manifest sha256 (grpo.wire.weights.INITIAL_DIGEST for version 0)
+    # True: it generates with the sampler's scoring model itself, so a new version is loaded once;
+    # False: it holds its own copy, and the scoring model takes each version with it
+    generates_with_scoring_model: bool
+
+    @classmethod
+    def build(cls, cfg, model, tokenizer) -> RolloutEngine:
+        """The engine for the run's config, on the sampler's scoring `model` and `tokenizer`."""
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
@@ -69,3 +81,9 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's processes and memory."""
+
+
+def make_engine(cfg, model, tokenizer) -> RolloutEngine:
+    """The configured rollout engine (sampling.engine), its module imported only now."""
+    module, _, name = ENGINES[cfg.sampling.engine].partition(":")
+    return getattr(importlib.import_module(module), name).build(cfg, model, tokenizer)

@@ -72,6 +72,11 @@ class HFEngine:
     """The `RolloutEngine` on a transformers model, which is also the sampler's scoring model."""
 
     decodes_continuously = True  # grpo/sampler/rollout/continuous.py may run its loop on it (`runs_continuously`)
+    generates_with_scoring_model = True
+
+    @classmethod
+    def build(cls, cfg, model, tokenizer) -> HFEngine:
+        return cls(model, tokenizer, cfg.sampling)
 
     def __init__(self, model, tokenizer, sampling_cfg):
         self.model, self.tokenizer, self.cfg = model, tokenizer, sampling_cfg

@@ -35,7 +35,7 @@ fine-tuning: the version's safetensors are reloaded in place by the engine's wor
 tied output head's CPU kernel made again: grpo/sampler/rollout/vllm_worker.py), and the prefix cache is reset.
 
 On the CPU, vLLM reserves `gpu_memory_utilization` of the *host's* memory at start; the engine
-asks instead for a KV cache of `sampling.vllm_kv_cache_gb`, and says plainly when that does not
+asks instead for a KV cache of `sampling.vllm.kv_cache_gb`, and says plainly when that does not
 fit in the memory available.
 """
 
@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from common.model_files import resolve_model_path
+from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed, hashed_seed
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
@@ -92,11 +93,11 @@ def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
             raise VllmUnavailable(f"lora.r={cfg.lora.r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
         args.update(enable_lora=True, max_lora_rank=rank, max_loras=2)  # the serving version and the next
     if cuda:
-        args["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization
+        args["gpu_memory_utilization"] = s.vllm.gpu_memory_utilization
     else:
-        kv_bytes = int(s.vllm_kv_cache_gb * 2**30)
+        kv_bytes = int(s.vllm.kv_cache_gb * 2**30)
         if kv_bytes > available_bytes // 2:
-            raise VllmUnavailable(f"sampling.vllm_kv_cache_gb={s.vllm_kv_cache_gb:g} is more than half the memory "
+            raise VllmUnavailable(f"sampling.vllm.kv_cache_gb={s.vllm.kv_cache_gb:g} is more than half the memory "
                                   f"available ({available_bytes / 2**30:.1f} GiB): lower it")
         args["kv_cache_memory_bytes"] = kv_bytes
         # whole prompts only: a seeded request whose prompt is split across steps makes the CPU build rewind
@@ -138,6 +139,12 @@ class CarriedRequests:
 
 class VllmEngine:
     """The `RolloutEngine` on vLLM, with its own copy of the weights."""
+
+    generates_with_scoring_model = False
+
+    @classmethod
+    def build(cls, cfg: Config, model, tokenizer) -> VllmEngine:
+        return cls(cfg, eos_token_ids(tokenizer, model))
 
     def __init__(self, cfg: Config, eos_ids: list[int]):
         try:

@@ -157,7 +157,7 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["rewards.accuracy_reward=nope"], "rewards.accuracy_reward: unknown reward 'nope'; valid names: answer_format"),
     (["lora.target_modules=[]"], "lora.target_modules is empty"),
     (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),
-    (["transport.address=http://x"], "transport.address must start with tcp://, ipc:// or inproc://"),
+    (["transport.address=http://x"], "transport.address must start with one of tcp://, ipc://, inproc://"),
     (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1, got 0"),
     (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit), got -1.0"),
     (["rewards.max_failed_steps=-1"], "rewards.max_failed_steps must be >= 0 (0 = never stop); got -1"),

@@ -560,7 +560,7 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     from helpers import assert_batches_equal
 
     from grpo.trainer.groups import select_groups
-    from grpo.wire.transport import decode_batch, encode_batch
+    from grpo.wire.codec import decode_batch, encode_batch
 
     # the cut episodes stay in the loss (scored 0): most of the tiny model's episodes run out of tokens
     cfg, batch = episode_step(chatty, 0, "sampling.dynamic_sampling=true", "env.truncated_reward=0")

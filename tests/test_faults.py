@@ -32,7 +32,8 @@ from grpo.run.ports import free_local_port
 from grpo.trainer.worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import behaviour_of
-from grpo.wire.transport import BatchSender, encode_batch
+from grpo.wire.codec import encode_batch
+from grpo.wire.transport import BatchSender
 from grpo.wire.weights import publish, read_latest, verify, version_dir
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"

@@ -120,7 +120,7 @@ def test_a_step_whose_weights_changed_while_it_decoded_is_the_batch_of_its_oldes
     """policy_version and the digest are those of the oldest token's version; every token's version
     travels on the wire; the check of the recorded log-probs compares only the tokens of the version
     served now (the recompute's weights)."""
-    from grpo.wire.transport import decode_batch, encode_batch
+    from grpo.wire.codec import decode_batch, encode_batch
 
     cfg = config()
     model = add_lora(tiny_model(), cfg.lora).eval()

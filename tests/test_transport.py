@@ -13,7 +13,8 @@ from conftest import REPO
 from helpers import assert_batches_equal, free_tcp_address, make_batch
 
 from grpo.config import load_config
-from grpo.wire.transport import BatchReceiver, BatchSender, MessageError, TransportTimeout, decode_batch, encode_batch
+from grpo.wire.codec import MessageError, decode_batch, encode_batch
+from grpo.wire.transport import BatchReceiver, BatchSender, TransportTimeout
 
 
 def test_codec_round_trip_is_bit_exact_with_and_without_reference():
@@ -169,7 +170,7 @@ def test_timeouts_name_the_address_and_what_to_check():
             for step in range(10):  # nobody listens: the queue fills, then the send times out
                 sender.send(make_batch(step=step))
     finally:
-        sender._socket.setsockopt(zmq.LINGER, 0)
+        sender._frames._socket.setsockopt(zmq.LINGER, 0)
         sender.close()
 
 
@@ -282,7 +283,7 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     pickling_calls = {"recv_pyobj", "recv_serialized", "recv", "unsafe_load"}  # Connection.recv unpickles
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
     wire = REPO / "grpo" / "wire"
-    paths = [wire / "transport.py", wire / "batch.py", wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
+    paths = [wire / "transport.py", wire / "codec.py", wire / "zmq_transport.py", wire / "batch.py", wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
              REPO / "grpo" / "trainer" / "loop.py", REPO / "grpo" / "trainer" / "ranks.py",
              REPO / "grpo" / "sampler" / "worker.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
              REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in
@@ -299,7 +300,7 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
                     node.attr == "load" and isinstance(node.value, ast.Name) and node.value.id in loaders)):
                 hits.append(f"{path.name}:{node.lineno} uses .{node.attr}")
     assert hits == []
-    assert "recv_multipart" in (wire / "transport.py").read_text()  # the one way bytes come in
+    assert "recv_multipart" in (wire / "zmq_transport.py").read_text()  # the one way bytes come in
 
 
 def test_the_secret_can_come_from_the_environment(monkeypatch):

@@ -363,15 +363,18 @@ def _tool_errors(e) -> list[str]:
 
 
 def _transport_errors(cfg: Config) -> list[str]:
-    errors = []
+    from grpo.wire.transport import transport_name
+
     tr = cfg.transport
-    if not tr.address.startswith(("tcp://", "ipc://", "inproc://")):
-        errors.append(f"transport.address must start with tcp://, ipc:// or inproc://; got {tr.address!r}")
-    elif not is_loopback_address(tr.address) and not (tr.secret or os.environ.get("GRPO_TRANSPORT_SECRET")) \
+    try:
+        transport_name(tr.address)
+    except ValueError as e:
+        return [str(e)]
+    if not is_loopback_address(tr.address) and not (tr.secret or os.environ.get("GRPO_TRANSPORT_SECRET")) \
             and not tr.allow_insecure:
-        errors.append(f"transport.address {tr.address} is not loopback: set transport.secret (or "
-                      "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true")
-    return errors
+        return [f"transport.address {tr.address} is not loopback: set transport.secret (or "
+                "GRPO_TRANSPORT_SECRET) to sign messages, or transport.allow_insecure=true"]
+    return []
 
 
 def _run_errors(cfg: Config) -> list[str]:

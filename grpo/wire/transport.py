@@ -1,249 +1,55 @@
-"""RolloutBatch over ZeroMQ: a JSON header plus raw little-endian tensor frames. Never pickle.
+"""Batches between the processes: the codec (grpo/wire/codec.py) over a transport of byte frames,
+chosen by the address's scheme.
 
-Frames: [header, tensor_0, tensor_1, ...], or [signature, header, ...] with a shared secret
-(HMAC-SHA256 over every other frame). The decoder trusts nothing: it checks the signature,
-the schema, the size cap, a dtype allow-list per field, that every byte count matches its
-shape, that the pieces agree with each other, and that floats are finite, and answers any
-bad input with MessageError (a ValueError) naming the problem.
+A transport is a module with a sender (`connect(address, high_water_mark, send_timeout_s)`, then
+`send(frames)`, raising TransportTimeout when nobody takes them) and a receiver (`bind(address,
+high_water_mark, max_bytes)`, raising AddressInUse, then `receive(timeout_s) -> frames | None`),
+both with `close()`; TRANSPORTS names it for each scheme. ZeroMQ serves tcp://, ipc:// and
+inproc:// (grpo/wire/zmq_transport.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
+import importlib
 import logging
-import math
-import os
-import time
 
-import numpy as np
-import torch
-
-from grpo.wire.batch import ENVIRONMENT_TOKEN, FIELDS, HEADER_FIELDS, SCHEMA, TENSOR_FIELDS, RolloutBatch
+from grpo.wire.batch import RolloutBatch
+from grpo.wire.codec import DEFAULT_MAX_BYTES, MessageError, decode_batch, encode_batch, resolve_secret
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "GRPO_TRANSPORT_SECRET"
-DEFAULT_MAX_BYTES = 512 * 2**20
-MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
+TRANSPORTS = {"tcp": "grpo.wire.zmq_transport", "ipc": "grpo.wire.zmq_transport", "inproc": "grpo.wire.zmq_transport"}
 
-TENSORS = {f.name: f for f in TENSOR_FIELDS}
-TORCH_DTYPE = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
-HEADER_TYPES = {**{f.name: f.dtype for f in HEADER_FIELDS}, "tensors": list}  # "tensors": the frames' specs
-
-
-class MessageError(ValueError):
-    """A message that is not a valid RolloutBatch."""
-
-
-def resolve_secret(secret: str | None) -> bytes | None:
-    secret = secret or os.environ.get(SECRET_ENV)
-    return secret.encode() if secret else None
-
-
-def _signature(secret: bytes, frames: list[bytes]) -> bytes:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for frame in frames:
-        mac.update(len(frame).to_bytes(8, "little"))  # length-prefixed: frames cannot be re-split
-        mac.update(frame)
-    return mac.digest()
-
-
-# ----------------------------------------------------------------------------- encode
-
-def _flat(field, value) -> tuple[np.ndarray, list[int]]:
-    dtype = field.dtype
-    if field.wire == "ragged":
-        lengths = [int(t.numel()) for t in value]
-        flat = torch.cat([t.reshape(-1) for t in value]) if value else torch.zeros(0)
-        return flat.to(TORCH_DTYPE[dtype]).cpu().numpy().astype(dtype, copy=False), lengths
-    array = value.to(TORCH_DTYPE[dtype]).cpu().numpy().astype(dtype, copy=False)
-    return array, list(array.shape)
-
-
-def _json_scalar(value):
-    """numpy / torch integers and floats that reached a header field, as plain numbers."""
-    return value.item() if hasattr(value, "item") else int(value)
-
-
-def encode_batch(batch: RolloutBatch, secret: bytes | None = None) -> list[bytes]:
-    """The multipart frames of `batch`; signed when `secret` is given."""
-    specs, buffers = [], []
-    for f in TENSOR_FIELDS:
-        value = getattr(batch, f.name)
-        if value is None:
-            continue
-        array, shape = _flat(f, value)
-        key = "lengths" if f.wire == "ragged" else "shape"
-        specs.append({"name": f.name, "dtype": f.dtype, key: shape, "nbytes": array.nbytes})
-        buffers.append(np.ascontiguousarray(array).tobytes())
-    header = {f.name: getattr(batch, f.name) for f in HEADER_FIELDS}
-    header["tensors"] = specs
-    frames = [json.dumps(header, allow_nan=False, default=_json_scalar).encode()] + buffers
-    return [_signature(secret, frames)] + frames if secret else frames
-
-
-# ----------------------------------------------------------------------------- decode
-
-def _header(frame: bytes) -> dict:
-    if len(frame) > MAX_HEADER_BYTES:
-        raise MessageError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = json.loads(frame.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise MessageError(f"header is not JSON: {type(e).__name__}") from None
-    if not isinstance(header, dict):
-        raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("schema") in ("grpo.rollout/1", "grpo.rollout/2"):
-        raise MessageError(f"a batch of schema {header['schema']}, from a sampler older than this trainer, which "
-                           f"speaks {SCHEMA}: run the sampler of the same version")
-    if header.get("schema") != SCHEMA:
-        raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
-    for key, kind in HEADER_TYPES.items():
-        if key not in header:
-            raise MessageError(f"missing field '{key}'")
-        value = header[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise MessageError(f"field '{key}' must be {kind.__name__}, got {type(value).__name__}")
-    return header
-
-
-def _reject_constant(name: str):
-    raise MessageError(f"header holds {name}, which is not JSON")
-
-
-def _int_list(value, what: str, minimum: int) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-                                              for v in value):
-        raise MessageError(f"{what} must be a list of integers >= {minimum}")
-    return value
-
-
-def _tensor(spec, frame: bytes):
-    if not isinstance(spec, dict):
-        raise MessageError("tensor spec must be an object")
-    name = spec.get("name")
-    if not isinstance(name, str) or name not in TENSORS:
-        raise MessageError(f"unknown tensor field {str(name)[:80]!r}")
-    dtype, ragged = TENSORS[name].dtype, TENSORS[name].wire == "ragged"
-    if not isinstance(spec.get("dtype"), str) or spec["dtype"] != dtype:
-        raise MessageError(f"{name}: dtype {str(spec.get('dtype'))[:20]!r} not allowed, expected {dtype!r}")
-    dims = _int_list(spec.get("lengths" if ragged else "shape"), f"{name} {'lengths' if ragged else 'shape'}", 0)
-    count = sum(dims) if ragged else math.prod(dims)
-    expected = count * np.dtype(dtype).itemsize
-    if spec.get("nbytes") != expected or len(frame) != expected:
-        raise MessageError(f"{name}: {len(frame)} bytes do not match its shape ({expected} bytes expected)")
-    array = np.frombuffer(frame, dtype=dtype).copy()
-    tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=False))
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise MessageError(f"{name}: holds NaN or infinite values")
-    if name.endswith("_ids") and tensor.numel() and int(tensor.min()) < 0:
-        raise MessageError(f"{name}: negative token id")
-    if ragged:
-        return name, list(tensor.split(dims)), dims
-    return name, tensor.reshape(dims), dims
-
-
-def _check_consistency(h: dict, dims: dict) -> None:
-    sizes = _int_list(h["group_sizes"], "group_sizes", 1)
-    n = sum(sizes)
-    if len(dims["prompt_ids"]) != len(sizes):
-        raise MessageError(f"{len(dims['prompt_ids'])} prompts but {len(sizes)} group sizes")
-    if len(dims["completion_ids"]) != n:
-        raise MessageError(f"{len(dims['completion_ids'])} completions but group sizes sum to {n}")
-    if 0 in dims["prompt_ids"] or 0 in dims["completion_ids"]:
-        raise MessageError("empty prompt or completion")
-    if not all(isinstance(r, str) for r in h["reward_names"]):
-        raise MessageError("reward_names must be strings")
-    for f in TENSOR_FIELDS:
-        if f.name not in dims:
-            continue
-        if f.rows == "token" and dims[f.name] != dims["completion_ids"]:
-            raise MessageError(f"{f.name} lengths do not match the completions")
-        if f.wire == "tensor":
-            shape = [n] + ([len(h[f.columns])] if f.columns else [])
-            if dims[f.name] != shape:
-                raise MessageError(f"{f.name} has shape {dims[f.name]}, expected {shape}")
-    if h["step"] < 0 or h["sampler"] < 0 or h["policy_version"] < 0:
-        raise MessageError("step, sampler and policy_version must be >= 0")
-
-
-def _check_versions(policy_version: int, versions: list[torch.Tensor], model_mask: list[torch.Tensor] | None) -> None:
-    """Every model token has a version, environment tokens none, and policy_version is the oldest."""
-    model = torch.cat(versions)
-    if model_mask is not None:
-        mask = torch.cat(model_mask)
-        if bool((model[~mask] != ENVIRONMENT_TOKEN).any()):
-            raise MessageError(f"token_versions: an environment's token must be {ENVIRONMENT_TOKEN}")
-        model = model[mask]
-    if model.numel() and int(model.min()) < 0:
-        raise MessageError("token_versions: a model token without a version")
-    if model.numel() and int(model.min()) != policy_version:
-        raise MessageError(f"policy_version {policy_version} is not the oldest token's version {int(model.min())}")
-
-
-def decode_batch(frames, secret: bytes | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutBatch:
-    """Frames -> RolloutBatch, or MessageError for any bad input (never another exception)."""
-    try:
-        return _decode(frames, secret, max_bytes)
-    except MessageError:
-        raise
-    except Exception as e:  # a decoder bug must still read as a rejected message, not a crash
-        raise MessageError(f"malformed message ({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def _decode(frames, secret, max_bytes) -> RolloutBatch:
-    if not isinstance(frames, (list, tuple)) or not frames or not all(isinstance(f, (bytes, bytearray, memoryview))
-                                                                     for f in frames):
-        raise MessageError("a message is a non-empty list of byte frames")
-    frames = [bytes(f) for f in frames]
-    size = sum(len(f) for f in frames)
-    if size > max_bytes:
-        raise MessageError(f"message of {size} bytes exceeds the cap of {max_bytes}")
-    if secret is not None:
-        if len(frames) < 2 or not hmac.compare_digest(frames[0], _signature(secret, frames[1:])):
-            raise MessageError("bad or missing signature (is transport.secret the same on both sides?)")
-        frames = frames[1:]
-    header = _header(frames[0])
-    specs = header["tensors"]
-    if len(specs) != len(frames) - 1:
-        raise MessageError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames follow")
-    tensors, dims = {}, {}
-    for spec, frame in zip(specs, frames[1:]):
-        name, value, shape = _tensor(spec, frame)
-        if name in tensors:
-            raise MessageError(f"tensor field '{name}' appears twice")
-        tensors[name], dims[name] = value, shape
-    for f in TENSOR_FIELDS:
-        if f.name not in tensors and not f.optional:
-            raise MessageError(f"missing tensor field '{f.name}'")
-    _check_consistency(header, dims)
-    _check_versions(header["policy_version"], tensors["token_versions"], tensors.get("model_mask"))
-    return RolloutBatch(**{f.name: header[f.name] if f.wire == "header" else tensors.get(f.name) for f in FIELDS})
-
-
-# ----------------------------------------------------------------------------- sockets
 
 class TransportTimeout(TimeoutError):
     """Nobody received or sent within the configured time."""
 
 
+class AddressInUse(OSError):
+    """The trainer's transport.address is taken (another run, or a trainer still running)."""
+
+
+def transport_name(address: str) -> str:
+    """The module that carries frames for `address`, by its scheme; ValueError for a scheme none serves."""
+    scheme = address.split("://", 1)[0] if "://" in address else ""
+    if scheme not in TRANSPORTS:
+        raise ValueError(f"transport.address must start with one of {', '.join(f'{s}://' for s in TRANSPORTS)} "
+                         f"(a transport for each); got {address!r}")
+    return TRANSPORTS[scheme]
+
+
+def transport_of(address: str):
+    return importlib.import_module(transport_name(address))
+
+
 class BatchSender:
-    """The sampler's end: PUSH, connects to the trainer, blocks at the high-water mark."""
+    """The sampler's end: encodes (signed when a secret is set) and sends, blocking at the high-water mark."""
 
     def __init__(self, address: str, *, high_water_mark: int = 2, send_timeout_s: float = 600.0,
                  secret: str | None = None):
-        import zmq
-
-        self.address, self.send_timeout_s = address, send_timeout_s
+        self.address = address
         self._secret = resolve_secret(secret)
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
-        self._socket.setsockopt(zmq.LINGER, int(send_timeout_s * 1000))  # flush queued batches at close
-        self._socket.connect(address)
+        self._frames = transport_of(address).connect(address, high_water_mark, send_timeout_s)
 
     def encode(self, batch: RolloutBatch) -> list[bytes]:
         """The frames `send_frames` sends: signed when a secret is set."""
@@ -253,53 +59,31 @@ class BatchSender:
         self.send_frames(self.encode(batch))
 
     def send_frames(self, frames: list[bytes]) -> None:
-        import zmq
-
-        try:
-            self._socket.send_multipart(frames, copy=False)
-        except zmq.Again:
-            raise TransportTimeout(f"no trainer is receiving on {self.address} after {self.send_timeout_s:g} s "
-                                   "(is training_worker.py running with the same transport.address?)") from None
+        self._frames.send(frames)
 
     def close(self) -> None:
-        self._socket.close()
-        self._context.term()
-
-
-class AddressInUse(OSError):
-    """The trainer's transport.address is taken (another run, or a trainer still running)."""
+        self._frames.close()
 
 
 class BatchReceiver:
-    """The trainer's end: PULL, binds. A bad message is logged, counted and skipped."""
+    """The trainer's end: receives and decodes; a bad message is logged, counted and skipped."""
 
     def __init__(self, address: str, *, high_water_mark: int = 2, max_bytes: int = DEFAULT_MAX_BYTES,
                  secret: str | None = None):
-        import zmq
-
         self.address, self.max_bytes = address, max_bytes
         self.rejected = 0
         self._secret = resolve_secret(secret)
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PULL)
-        self._socket.setsockopt(zmq.RCVHWM, high_water_mark)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + MAX_HEADER_BYTES)  # zmq drops bigger ones unread
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(address)
-        except zmq.ZMQError as e:
-            self.close()
-            raise AddressInUse(f"transport.address {address} cannot be bound ({e}): another run or trainer uses it; "
-                               "set transport.address=tcp://127.0.0.1:<free port> for both processes (the launcher "
-                               "picks a free one by itself)") from None
+        self._frames = transport_of(address).bind(address, high_water_mark, max_bytes)
 
     def receive_frames(self, timeout_s: float) -> tuple[list[bytes], RolloutBatch]:
         """The next valid message's frames (signature stripped) and its decoded batch."""
+        import time
+
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            if not self._socket.poll(int(left * 1000)):
+            frames = self._frames.receive(left)
+            if frames is None:
                 break
-            frames = self._socket.recv_multipart(copy=True)
             try:
                 batch = decode_batch(frames, self._secret, self.max_bytes)
             except MessageError as e:
@@ -311,5 +95,4 @@ class BatchReceiver:
                                "(is the sampler running with the same transport.address?)")
 
     def close(self) -> None:
-        self._socket.close()
-        self._context.term()
+        self._frames.close()

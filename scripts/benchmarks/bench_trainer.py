@@ -56,7 +56,7 @@ def worker(batch_path: Path, overrides: list[str]) -> dict:
     from grpo.model.sharding import pack_micro_batches
     from grpo.trainer.groups import group_costs, select_groups
     from grpo.trainer.step import micro_batch_loss
-    from grpo.wire.transport import decode_batch
+    from grpo.wire.codec import decode_batch
 
     cfg = load_config(ROOT / "config.yaml", overrides)
     batch = decode_batch([bytes.fromhex(f) for f in json.loads(batch_path.read_text())])
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     from grpo.config import load_config
     from grpo.model.flops import ModelShape, measure_matmul_rate
     from grpo.model.loading import load_policy
-    from grpo.wire.transport import encode_batch
+    from grpo.wire.codec import encode_batch
 
     cfg = load_config(ROOT / "config.yaml", overrides)
     torch.manual_seed(cfg.seed)

@@ -83,3 +83,30 @@ def test_the_wire_imports_neither_the_objective_nor_the_model_and_they_not_the_w
     assert imports_between("grpo/wire", ("grpo.objective", "grpo.model", "grpo.trainer", "grpo.sampler")) == {}
     assert imports_between("grpo/objective", ("grpo.wire",)) == {}
     assert imports_between("grpo/model", ("grpo.wire",)) == {}
+
+
+def test_each_seam_names_implementations_that_give_its_interface():
+    """The registries of docs/architecture.md: every name's implementation has what its seam calls."""
+    import importlib
+    import inspect
+
+    from grpo.sampler.rollout import ENGINES, RolloutEngine
+    from grpo.weights import CHANNELS
+    from grpo.wire.transport import TRANSPORTS
+
+    engine_members = {"build", "generate", "stage_weights", "load_weights", "close"}
+    for name, path in ENGINES.items():
+        if name == "vllm":  # its module imports vLLM, which has its own environment (make test-vllm checks it)
+            continue
+        module, _, cls = path.partition(":")
+        engine = getattr(importlib.import_module(module), cls)
+        assert engine_members <= set(dir(engine)) and isinstance(engine.generates_with_scoring_model, bool), name
+        assert set(inspect.signature(engine.build).parameters) == {"cfg", "model", "tokenizer"}
+    assert engine_members <= set(dir(RolloutEngine))
+    for scheme, module in TRANSPORTS.items():
+        transport = importlib.import_module(module)
+        assert callable(transport.connect) and callable(transport.bind), scheme
+        assert {"send", "close"} <= set(dir(transport.Sender)) and {"receive", "close"} <= set(dir(transport.Receiver))
+    for name, module in CHANNELS.items():
+        channel = importlib.import_module(module)
+        assert callable(channel.publisher) and callable(channel.watcher), name

@@ -22,7 +22,7 @@ from grpo.model.loading import load_policy, load_tokenizer
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, make_batch
 from grpo.trainer.step import micro_batch_loss
-from grpo.wire.weights import version_dir
+from grpo.weights.folder import version_dir
 
 STEPS = 3
 

@@ -227,7 +227,7 @@ def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_t
     import copy
 
     from grpo.sampler.rollout.continuous import NextCall
-    from grpo.wire.weights import publish, verify
+    from grpo.weights.folder import publish, verify
 
     model = chatty_in("llama", torch.float32)
     cfg = load_config(None, ["sampling.max_new_tokens=20", "sampling.temperature=1.0",
@@ -563,7 +563,7 @@ def _in_flight_run(tmp_path, dtype, kv: str):
     decode steps. Returns the rollouts, the prompts and the two models."""
     import copy
 
-    from grpo.wire.weights import publish, verify
+    from grpo.weights.folder import publish, verify
 
     model = chatty_in("llama", dtype)
     old = copy.deepcopy(model)

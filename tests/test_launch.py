@@ -28,7 +28,7 @@ from grpo.commands.train import (  # noqa: E402  # noqa: E402
 )
 from grpo.run.preflight import planning_note  # noqa: E402
 from grpo.run.progress import StepProgress, format_duration, progress_line, stop_summary  # noqa: E402
-from grpo.wire.weights import read_latest
+from grpo.weights.folder import read_latest
 
 
 @pytest.mark.parametrize("ranks, threads, gpus, cores, samplers, expected_ranks, trainer_gpus, sampler_gpus", [

@@ -16,7 +16,7 @@ from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.outputs import MetricsLog
-from grpo.wire.weights import WeightWatcher, publish, version_dir
+from grpo.weights.folder import WeightWatcher, publish, version_dir
 
 SCORING = '''
 def digit_match(completion, row):

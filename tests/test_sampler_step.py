@@ -22,7 +22,7 @@ from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_see
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.step import SamplerPolicy, environment_failures, make_batch, step_seed
 from grpo.trainer.step import denominators_of
-from grpo.wire.weights import Staged
+from grpo.weights.folder import Staged
 from rewards import score_completions
 
 
@@ -387,7 +387,7 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
 def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, version=0, latest=None):
     """`next_call` for a sampler at `step` of `end_step` with the HF engine serving `version` (LATEST: `latest`)."""
     from grpo.sampler.step import SamplerLoop, next_call
-    from grpo.wire.weights import WeightWatcher
+    from grpo.weights.folder import WeightWatcher
 
     cfg = load_config(None, ["sampling.prompts_per_step=2", "sampling.group_size=2", "sampling.max_staleness=2",
                              *overrides])

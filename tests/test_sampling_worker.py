@@ -14,9 +14,9 @@ from grpo.config import LoraConfig, ModelConfig
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.loading import add_lora, load_model
 from grpo.model.logprobs import completion_logprobs
+from grpo.weights.folder import publish, version_dir
 from grpo.wire.staleness import required_version
 from grpo.wire.transport import BatchReceiver, TransportTimeout
-from grpo.wire.weights import publish, version_dir
 
 
 def start_sampler(run_dir, model_dir, data_dir, address, *extra, log_name="sampler.log"):

@@ -11,7 +11,7 @@ from conftest import REPO
 
 from grpo.config import LoraConfig, ModelConfig, load_config, save_config, to_dict
 from grpo.model.loading import add_lora, load_model
-from grpo.wire.weights import publish, version_dir
+from grpo.weights.folder import publish, version_dir
 
 
 def run_script(name, *args):

@@ -19,7 +19,7 @@ from grpo.config import LoraConfig
 from grpo.model.loading import add_lora
 from grpo.run.ports import free_local_port
 from grpo.run.tracking import run_id
-from grpo.wire.weights import read_latest, version_dir
+from grpo.weights.folder import read_latest, version_dir
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from test_sampling_worker import start_sampler
 
 from grpo.run.ports import free_local_port
-from grpo.wire.weights import read_latest, version_dir
+from grpo.weights.folder import read_latest, version_dir
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -17,7 +17,7 @@ from grpo.sampler.rollout import make_engine, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.step import SamplerPolicy, make_batch
-from grpo.wire.weights import WeightWatcher, into_model, publish, verify, version_dir
+from grpo.weights.folder import WeightWatcher, into_model, publish, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")

@@ -13,8 +13,7 @@ from conftest import REPO, tiny_model
 from grpo.config import LoraConfig
 from grpo.model.loading import add_lora
 from grpo.settings.tree import get_key
-from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
-from grpo.wire.weights import (
+from grpo.weights.folder import (
     DIGESTS,
     INITIAL_DIGEST,
     LATEST,
@@ -31,6 +30,7 @@ from grpo.wire.weights import (
     verify,
     version_dir,
 )
+from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_weights_digest
 
 
 def lora_model(seed=0, r=4):
@@ -235,7 +235,7 @@ CRASH_MID_PUBLISH = """
 import os, signal, sys
 import torch
 sys.path[:0] = [{repo!r}, {tests!r}]
-import grpo.wire.weights as weights
+import grpo.weights.folder as weights
 from test_weights import lora_model
 
 save = weights.save_weights

@@ -22,7 +22,7 @@ import torch
 from grpo.config import load_config
 from grpo.model.loading import load_model, load_tokenizer
 from grpo.run.rows import is_evaluation_row
-from grpo.wire.weights import read_latest, verify, version_dir
+from grpo.weights.folder import read_latest, verify, version_dir
 
 
 def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -> list[str]:

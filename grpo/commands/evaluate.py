@@ -38,7 +38,7 @@ from grpo.run.outputs import RunOutputsError, run_of_weights, version_folder
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.wire.weights import MANIFEST, WeightsError, load_into, verify
+from grpo.weights.folder import MANIFEST, WeightsError, load_into, verify
 from rewards.sandbox import RewardSandbox
 from rewards.strict import checks_of
 

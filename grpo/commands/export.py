@@ -35,7 +35,7 @@ from common.files import aside_name
 from common.sources import EMBEDDED_MODELS, SourceError
 from grpo.config import Config, ConfigError, run_config, to_dict
 from grpo.run.outputs import RunOutputsError, last_evaluation, version_folder, weights_root
-from grpo.wire.weights import MANIFEST, WeightsError, verify
+from grpo.weights.folder import MANIFEST, WeightsError, verify
 
 TRAINING_CONFIG = "training_config.yaml"
 FILE_MODE, FOLDER_MODE = 0o644, 0o755  # an export is meant to be shared: transformers writes its weights 0600

@@ -55,6 +55,7 @@ REFUSED = {
     "deepspeed.config": "the DeepSpeed settings the checkpoint was written under",
     "sampling.num_workers": "which sampler makes which step: the spools and the trainer's position",
     "weights.dir": "the published versions the spooled batches name",
+    "weights.channel": "the published versions the spooled batches name",
     "env.tools": TASK, "env.args": TASK, "env.tool_parser": TASK,
 }
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
@@ -67,7 +68,8 @@ for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.a
 ALLOWED = (
     "run.name", "run.dir", "model.attn_implementation", "model.gradient_checkpointing", "model.cache_dir",
     "model.trust_remote_code", "sampling.engine", "sampling.device", "sampling.group_size",
-    "sampling.vllm.gpu_memory_utilization", "sampling.vllm.kv_cache_gb", "sampling.vllm.python", "sampling.generation_batch_size",
+    "sampling.vllm.gpu_memory_utilization", "sampling.vllm.kv_cache_gb", "sampling.vllm.python",
+    "sampling.generation_batch_size",
     "sampling.old_logps", "sampling.wait_timeout_s", "sampling.episode_feed_tokens", "sampling.continuous_batching",
     "sampling.in_flight_updates", "sampling.in_flight_kv",
     "training.steps", "training.learning_rate", "training.lr_schedule", "training.warmup_steps",

@@ -32,6 +32,7 @@ def option_lists() -> dict[str, tuple]:
     from grpo.run.tracking import TRACKERS, WANDB_MODES
     from grpo.sampler.rollout import ENGINES
     from grpo.trainer.schedule import SCHEDULES
+    from grpo.weights import CHANNELS
     from rewards.registry import ON_FAILURE
 
     return {
@@ -53,6 +54,7 @@ def option_lists() -> dict[str, tuple]:
         "logging.wandb_mode": WANDB_MODES,
         "env.network": NETWORK_MODES,
         "rewards.on_failure": ON_FAILURE,
+        "weights.channel": tuple(CHANNELS),
     }
 
 

@@ -2,7 +2,7 @@
 
     runs/<name>/config.yaml       the resolved config the trainer wrote at its start (every key)
     runs/<name>/metrics.jsonl     one row per step; evaluation rows have eval/answer_accuracy
-    runs/<name>/weights/v000012/  a published version (grpo/wire/weights.py); weights/LATEST names the newest
+    runs/<name>/weights/v000012/  a published version (grpo/weights/folder.py); weights/LATEST names the newest
 
 Every failure is a `RunOutputsError` whose message names the path and says what to do. Nothing
 here writes or deletes anything.
@@ -20,7 +20,7 @@ import yaml
 
 from grpo.run.rows import is_evaluation_row
 from grpo.run.start import METRICS
-from grpo.wire.weights import WeightsError, published_versions, read_latest, version_dir
+from grpo.weights.folder import WeightsError, published_versions, read_latest, version_dir
 
 log = logging.getLogger(__name__)
 

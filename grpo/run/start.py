@@ -64,7 +64,7 @@ def continues_the_run(resume: str, run_dir: Path) -> bool:
 
 def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
     """What an earlier run left in the run folder that a fresh start would mix with its own or lose."""
-    from grpo.wire.weights import published_versions  # late: torch
+    from grpo.weights.folder import published_versions  # late: torch
 
     found = []
     versions = sorted(published_versions(weights_dir))

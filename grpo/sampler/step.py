@@ -71,7 +71,7 @@ class SamplerLoop:
     policy: SamplerPolicy
     prompts: list  # the training prompts, tokenised
     cursor: Any  # data.cursor.PromptCursor
-    watcher: Any  # grpo.wire.weights.WeightWatcher
+    watcher: Any  # grpo.weights.folder.WeightWatcher
     redelivery: Any  # grpo.wire.delivery.Redelivery
     sender: Any  # grpo.wire.transport.BatchSender
     spool: Any  # grpo.wire.delivery.Spool

@@ -57,11 +57,12 @@ from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.rollout import make_engine
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
 from grpo.sampler.step import SamplerLoop, SamplerPolicy, in_flight_poll, run_step
+from grpo.weights import open_watcher
+from grpo.weights.folder import into_model
 from grpo.wire.behaviour import behaviour_of
 from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.wire.transport import BatchSender
-from grpo.wire.weights import WeightWatcher, into_model
 from rewards.reward_model import RewardModelError
 from rewards.sandbox import RewardSandbox
 from rewards.services import ServiceSettings, ServiceStartError, start_services
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> int:
     spool = Spool.of_sampler(run_dir, sampler)
     state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
-    watcher = WeightWatcher(cfg.weights_dir, weight_stagers(policy))
+    watcher = open_watcher(cfg, weight_stagers(policy))
     if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
         policy.engine.poll_weights = in_flight_poll(cfg, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
@@ -211,7 +212,7 @@ def evaluate_to_the_end(cfg: Config, evaluator: TrainingEvaluator, watcher, engi
 def weight_stagers(policy: SamplerPolicy) -> list:
     """An engine that generates with the scoring model itself (HF) loads each version once; an engine
     with its own copy of the weights (vLLM) takes each version together with the scoring model
-    (recomputed and reference log-probs), or neither does (grpo.wire.weights.WeightWatcher)."""
+    (recomputed and reference log-probs), or neither does (grpo.weights.folder.WeightWatcher)."""
     if policy.engine.generates_with_scoring_model:
         return [policy.engine.stage_weights]
     return [into_model(policy.model), policy.engine.stage_weights]

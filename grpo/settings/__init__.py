@@ -388,6 +388,8 @@ class TransportConfig:
 
 @dataclass
 class WeightsConfig:
+    channel: str = _f("folder", "How the trainer's weights reach the samplers: folder (versions written to "
+                                "weights.dir, which the samplers watch; grpo/weights/).")
     dir: Optional[str] = _f(None, "Published weights folder. Default <run.dir>/weights.")
     publish_every: int = _f(1, "Publish every N optimizer steps.")
     keep_last: int = _f(3, "Published versions kept on disk.")

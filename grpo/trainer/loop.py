@@ -26,13 +26,13 @@ from grpo.run.tracking import open_tracker
 from grpo.trainer.outputs import MetricsLog, publish_weights, save_checkpoint
 from grpo.trainer.ranks import broadcast_frames, rank_zero_decides
 from grpo.trainer.step import train_step, within_age
+from grpo.weights.folder import published_digests
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch, check_behaviour, check_staleness, check_weights_digest
 from grpo.wire.codec import decode_batch
 from grpo.wire.delivery import Inbox, TrainerState
 from grpo.wire.staleness import token_staleness
 from grpo.wire.transport import BatchReceiver
-from grpo.wire.weights import published_digests
 
 log = logging.getLogger("trainer")
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from common.files import CHECKPOINT_MARK, write_atomically
 from grpo.run.rows import is_evaluation_row
+from grpo.weights import open_publisher
 from grpo.wire.delivery import TrainerState
-from grpo.wire.weights import publish
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -103,7 +103,7 @@ def publish_weights(model, cfg: Config, version: int, rank: int) -> None:
     with deepspeed.zero.GatheredParameters(params, enabled=cfg.deepspeed.zero_stage == 3):
         if rank == 0:
             with reported_write(f"weights v{version}", cfg.weights_dir):
-                publish(model, cfg.weights_dir, version, version, cfg.weights.keep_last)
+                open_publisher(cfg).publish(model, version, version)
 
 
 def save_checkpoint(engine, cfg: Config, state: TrainerState, rank: int) -> None:

@@ -51,10 +51,10 @@ from grpo.trainer.outputs import (
 )
 from grpo.trainer.ranks import rank_zero_decides
 from grpo.trainer.step import PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm
+from grpo.weights.folder import published_versions, version_dir
 from grpo.wire.behaviour import BehaviourMismatch, behaviour_of, uncorrected_precision_gap
 from grpo.wire.delivery import TrainerState
 from grpo.wire.transport import AddressInUse, BatchReceiver
-from grpo.wire.weights import published_versions, version_dir
 
 log = logging.getLogger("trainer")
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from grpo.wire.weights import INITIAL_DIGEST
+from grpo.weights.folder import INITIAL_DIGEST
 
 # /2: every token carries the weights version that sampled it (token_versions); /3: no loss denominators
 # (the trainer counts them from the batch it holds)
@@ -37,7 +37,7 @@ class RolloutBatch:
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/wire/delivery.py)
     behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/wire/behaviour.py), checked by the trainer
-    weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/wire/weights.py), checked too
+    weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/weights/folder.py), checked too
     model_mask: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens of multi-turn episodes
     # (grpo/sampler/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
     # N x int32 [C_j]: the weights version that sampled each token; ENVIRONMENT_TOKEN where an environment wrote it

@@ -4,7 +4,7 @@ sampled with travel in every batch header, and the trainer checks both before it
 A sampler started with `sampling.temperature=0.7` and a trainer with 0.9 would otherwise train
 with wrong importance ratios and say nothing; the same for top-p/top-k, the completion limit and
 its masking, the model, its dtype and the tokenizer. The weights digest (the sha256 of the
-version's manifest.json, grpo/wire/weights.py) proves per batch that the sampler ran a version this
+version's manifest.json, grpo/weights/folder.py) proves per batch that the sampler ran a version this
 run's trainer published, e.g. not one left in a `weights.dir` by another run.
 """
 
@@ -15,8 +15,8 @@ import json
 from typing import TYPE_CHECKING
 
 from grpo.settings.tree import get_key
+from grpo.weights.folder import INITIAL_DIGEST
 from grpo.wire.staleness import too_stale
-from grpo.wire.weights import INITIAL_DIGEST
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -70,7 +70,7 @@ def check_staleness(trainer_version: int, batch_version: int, max_staleness: int
 
 
 def check_weights_digest(version: int, digest: str, published: dict[int, set[str]], sampler: int, step: int) -> None:
-    """Raise unless `digest` is one this run published as `version` (`grpo.wire.weights.published_digests`)."""
+    """Raise unless `digest` is one this run published as `version` (`grpo.weights.folder.published_digests`)."""
     known = {INITIAL_DIGEST} if version == 0 else published.get(version, set())
     if digest not in known:
         raise BehaviourMismatch(

@@ -105,7 +105,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from grpo.model.loading import add_lora, load_model, load_tokenizer
     from grpo.sampler.rollout import make_engine
     from grpo.sampler.step import step_seed
-    from grpo.wire.weights import WeightWatcher, into_model, publish
+    from grpo.weights.folder import WeightWatcher, into_model, publish
 
     revision = next((o.split("=", 1)[1] for o in overrides if o.startswith("rev=")), None)
     overrides = [o for o in overrides if not o.startswith("rev=")]

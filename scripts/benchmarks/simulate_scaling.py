@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 from grpo.config import load_config  # noqa: E402
 from grpo.objective import Objective  # noqa: E402
 from grpo.run.ports import free_local_port  # noqa: E402
+from grpo.weights.folder import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
 from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.wire.behaviour import behaviour_of  # noqa: E402
 from grpo.wire.delivery import global_step, steps_of_sampler  # noqa: E402
 from grpo.wire.staleness import required_version, wait_for_version  # noqa: E402
 from grpo.wire.transport import BatchSender  # noqa: E402
-from grpo.wire.weights import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
 
 if TYPE_CHECKING:
     from grpo.config import Config

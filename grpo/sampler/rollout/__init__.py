@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from grpo.wire.weights import Staged
+    from grpo.weights.folder import Staged
 
 # sampling.engine: each name's RolloutEngine class, imported only when chosen. An engine is one module
 # with a class that has `build(cfg, model, tokenizer)` and the RolloutEngine interface, and one line
@@ -57,7 +57,7 @@ class Rollouts:
 @runtime_checkable
 class RolloutEngine(Protocol):
     version: int  # the published weights version it serves (0: the initial weights)
-    weights_digest: str  # that version's manifest sha256 (grpo.wire.weights.INITIAL_DIGEST for version 0)
+    weights_digest: str  # that version's manifest sha256 (grpo.weights.folder.INITIAL_DIGEST for version 0)
     # True: it generates with the sampler's scoring model itself, so a new version is loaded once;
     # False: it holds its own copy, and the scoring model takes each version with it
     generates_with_scoring_model: bool
@@ -72,9 +72,9 @@ class RolloutEngine(Protocol):
         prompt i's at most `max_new_tokens[i]` long (default: sampling.max_new_tokens each)."""
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
-        """Read and check a published version whose checksums were verified (`grpo.wire.weights.verify`,
+        """Read and check a published version whose checksums were verified (`grpo.weights.folder.verify`,
         which adds the manifest's "digest"), raising if it cannot be served; serve it from the
-        returned `grpo.wire.weights.Staged`'s commit on (the watcher commits once every copy staged it)."""
+        returned `grpo.weights.folder.Staged`'s commit on (the watcher commits once every copy staged it)."""
 
     def load_weights(self, folder: Path, manifest: dict, version: int) -> None:
         """Stage and commit at once (one copy of the weights: tests, scripts)."""

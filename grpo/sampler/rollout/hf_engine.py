@@ -35,7 +35,7 @@ from grpo.model.loading import unwrap_causal_lm
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import Call, Carried, ContinuousLoop, NextCall, runs_continuously
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, TokenSampler, left_pad
-from grpo.wire.weights import INITIAL_DIGEST, Staged, stage_into
+from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
 
 
 def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[int]:

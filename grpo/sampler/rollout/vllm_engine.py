@@ -58,7 +58,7 @@ from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed, hashed_seed
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
-from grpo.wire.weights import INITIAL_DIGEST, Staged
+from grpo.weights.folder import INITIAL_DIGEST, Staged
 
 if TYPE_CHECKING:
     from grpo.settings import Config

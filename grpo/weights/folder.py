@@ -318,3 +318,21 @@ class WeightWatcher:
         self.version = latest
         log.info("loaded weights v%d from %s", latest, folder)
         return LoadResult(latest, True)
+
+
+class Publisher:
+    """The trainer's end: each version into weights.dir, the oldest beyond weights.keep_last removed."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int):
+        self.root, self.keep_last = Path(root), keep_last
+
+    def publish(self, model, version: int, step: int) -> Path:
+        return publish(model, self.root, version, step, self.keep_last)
+
+
+def publisher(cfg) -> Publisher:
+    return Publisher(cfg.weights_dir, cfg.weights.keep_last)
+
+
+def watcher(cfg, stagers: list[Stager], initial_version: int = 0) -> WeightWatcher:
+    return WeightWatcher(cfg.weights_dir, stagers, initial_version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -69,3 +70,17 @@ CHECKPOINT_MARK = "latest"  # DeepSpeed writes it once a checkpoint is whole
 def is_checkpoint_folder(path: str | os.PathLike) -> bool:
     """A DeepSpeed checkpoint folder: it names its last whole checkpoint in `latest`."""
     return (Path(path) / CHECKPOINT_MARK).is_file()
+
+
+class WriteFailed(RuntimeError):
+    """Weights, a checkpoint or metrics could not be written (a full disk, lost permissions)."""
+
+
+@contextlib.contextmanager
+def reported_write(what: str, path: Path):
+    try:
+        yield
+    except OSError as e:
+        raise WriteFailed(f"cannot write {what} to {path}: {e}") from e
+    except RuntimeError as e:  # how torch.save reports a failed write
+        raise WriteFailed(f"cannot write {what} to {path} (a full disk or a file size limit?): {e}") from e

@@ -30,6 +30,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from common.run_folder import RunFolder
+
 Overrides = Mapping[str, Any] | Sequence[str] | None
 
 
@@ -141,7 +143,7 @@ class Run:
 
     def metrics(self) -> list[dict]:
         """The rows of metrics.jsonl so far (training steps and evaluations), a row being written left out."""
-        path = self.run_dir / "metrics.jsonl"
+        path = RunFolder(self.run_dir).metrics
         if not path.is_file():
             return []
         rows = []

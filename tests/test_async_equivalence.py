@@ -20,7 +20,7 @@ from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.step import SamplerPolicy, make_batch
+from grpo.sampler.step import SamplerModels, make_batch
 from grpo.trainer.step import micro_batch_loss
 from grpo.weights.folder import version_dir
 
@@ -39,13 +39,13 @@ def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[tuple[floa
     tokenizer = load_tokenizer(cfg.model)
     prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
     cursor = PromptCursor(len(prompts), cfg.seed)
-    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
     adapters, rewards = [adapter(model)], []
     for step in range(STEPS):
         chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
-        batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
+        batch = make_batch(cfg, policy, chosen, step, {}, measure_logp_gap=False)
         loss, _, _ = micro_batch_loss(model, batch, cfg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
@@ -108,14 +108,14 @@ def test_a_step_started_by_the_step_before_is_the_batch_its_weights_make_alone(t
     tokenizer = load_tokenizer(cfg.model)
     prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
     cursor = PromptCursor(len(prompts), cfg.seed)
-    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     for step, row in enumerate(rows):
         version = int(row["policy_version"])
         weights = initial if version == 0 else load_file(version_dir(tmp_path / "weights", version)
                                                          / "adapter_model.safetensors")
         set_peft_model_state_dict(model, weights)
         chosen = [prompts[i] for i in cursor.take(cfg.sampling.prompts_per_step)]
-        batch = make_batch(cfg, policy, chosen, step, {}, check_recorded=False)
+        batch = make_batch(cfg, policy, chosen, step, {}, measure_logp_gap=False)
         metrics = batch.meta["metrics"]
         assert ((metrics["reward"], metrics["completions/mean_length"])
                 == (row["reward"], row["completions/mean_length"]))

@@ -536,7 +536,7 @@ def test_an_openenv_class_without_a_text_action_is_named():
 # ----------------------------------------------------------------------------- a sampler step of episodes
 
 def episode_step(chatty, step, *overrides):
-    from grpo.sampler.step import SamplerPolicy, make_batch
+    from grpo.sampler.step import SamplerModels, make_batch
 
     model, tokenizer = chatty
     cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=40", "sampling.temperature=1.0",
@@ -548,10 +548,10 @@ def episode_step(chatty, step, *overrides):
     pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
     try:
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
-        policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
         more = lambda r: prompts_of(tokenizer, answers=(str(3 + 2 * r), str(4 + 2 * r)))  # noqa: E731
         return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step,
-                               metrics_so_far={}, check_recorded=True, more_prompts=more)
+                               metrics_so_far={}, measure_logp_gap=True, more_prompts=more)
     finally:
         pool.close()
 
@@ -732,7 +732,7 @@ class Board:
 def board_steps(chatty, tmp_path, count, *overrides):
     """`count` sampler steps of 2 prompts x 4 episodes of the Board environment, counted in one FailureStreaks."""
     from grpo.sampler.failures import FailureStreaks
-    from grpo.sampler.step import SamplerPolicy, make_batch
+    from grpo.sampler.step import SamplerModels, make_batch
 
     model, tokenizer = chatty
     (tmp_path / "board.py").write_text(BOARD_ENV)
@@ -744,9 +744,9 @@ def board_steps(chatty, tmp_path, count, *overrides):
     pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
     try:
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
-        policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
         streaks = FailureStreaks()
-        return [make_batch(cfg, policy, prompts_of(tokenizer), step=k, metrics_so_far={}, check_recorded=False,
+        return [make_batch(cfg, policy, prompts_of(tokenizer), step=k, metrics_so_far={}, measure_logp_gap=False,
                            streaks=streaks) for k in range(count)]
     finally:
         pool.close()
@@ -956,7 +956,7 @@ GAME_SCRIPTS = [["e0 I win"], ["e1 I lose"], ["e2 first", "e2 I lose"], ["e3 fir
 def game_batch(tiny_model_dir, *overrides):
     """One sampler step of the WinOrLose game (rewarded by env_reward alone, 40 tokens an episode)."""
     from grpo.sampler.episodes import episode_runner
-    from grpo.sampler.step import SamplerPolicy, make_batch
+    from grpo.sampler.step import SamplerModels, make_batch
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = load_config(None, ["sampling.group_size=4", "sampling.prompts_per_step=1", "sampling.max_new_tokens=40",
@@ -967,10 +967,10 @@ def game_batch(tiny_model_dir, *overrides):
     runner = episode_runner(cfg, tokenizer)
     try:
         engine = Budgeted(tokenizer, GAME_SCRIPTS, cfg.sampling.max_new_tokens)
-        policy = SamplerPolicy(engine, AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tokenizer, {},
+        policy = SamplerModels(engine, AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tokenizer, {},
                                episodes=runner)
         batch = make_batch(cfg, policy, prompts_of(tokenizer, answers=("1",)), step=0, metrics_so_far={},
-                           check_recorded=False)
+                           measure_logp_gap=False)
     finally:
         runner.pool.close()
     return cfg, batch

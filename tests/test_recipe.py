@@ -13,9 +13,9 @@ from data.prompts import build_prompts
 from grpo.commands.evaluate import evaluate  # noqa: E402
 from grpo.config import load_config
 from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.run.metrics_log import MetricsLog
 from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.trainer.outputs import MetricsLog
 from grpo.weights.folder import WeightWatcher, publish, version_dir
 
 SCORING = '''

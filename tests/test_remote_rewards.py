@@ -23,7 +23,7 @@ from grpo.config import load_config
 from grpo.model.loading import add_lora
 from grpo.objective import Denominators, Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
-from grpo.sampler.step import SamplerPolicy, make_batch
+from grpo.sampler.step import SamplerModels, make_batch
 from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
 from grpo.settings.tree import ConfigError
 from grpo.trainer.step import denominators_of
@@ -193,8 +193,8 @@ def test_a_sampler_step_sends_each_samples_prompt_turns_and_logs_the_service_rew
     cfg = config(f"rewards.names=[{service.url('/score')}]")
     questions = [({"role": "user", "content": f"q{i}"},) for i in range(2)]
     prompts = [Prompt(Problem(f"train-{i}", f"q{i}", str(7 + i)), [3, 4, 5 + i], questions[i]) for i in range(2)]
-    policy = SamplerPolicy(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
-    batch = make_batch(cfg, policy, prompts, step=1, metrics_so_far={}, check_recorded=False)
+    policy = SamplerModels(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, prompts, step=1, metrics_so_far={}, measure_logp_gap=False)
     [body] = service.bodies("/score")
     assert body["prompts"] == [list(questions[0])] * 2 + [list(questions[1])] * 2
     assert body["completions"] == ["7", "8", "7", "8"]  # FakeEngine's tokens 7 + j, decoded

@@ -20,7 +20,7 @@ from grpo.sampler.episodes import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.step import SamplerPolicy, environment_failures, make_batch, step_seed
+from grpo.sampler.step import SamplerModels, environment_failures, make_batch, step_seed
 from grpo.trainer.step import denominators_of
 from grpo.weights.folder import Staged
 from rewards import score_completions
@@ -81,9 +81,9 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     model = add_lora(tiny_model(), cfg.lora).eval()
     engine = FakeEngine()
     engine.load_weights(None, {"kind": "lora", "digest": "d3"}, 3)
-    policy = SamplerPolicy(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
+    policy = SamplerModels(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
     batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={"timing/x": 1.0},
-                       check_recorded=True)
+                       measure_logp_gap=True)
     assert (batch.step, batch.policy_version, batch.weights_digest, batch.behaviour) == \
         (5, 3, "d3", {"sampling.temperature": 0.9})
     expected = engine.generate([[0], [0]], 2).logps
@@ -98,7 +98,7 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     assert metrics["sampler/engine_logp_gap_max"] == gap and metrics["timing/x"] == 1.0
 
     recompute = make_batch(config("sampling.old_logps=recompute"), policy, prompts(), step=5, metrics_so_far={},
-                           check_recorded=False)
+                           measure_logp_gap=False)
     assert all(torch.equal(a, b) for a, b in zip(recompute.old_logps, recomputed))
 
 
@@ -124,8 +124,8 @@ def test_a_step_whose_weights_changed_while_it_decoded_is_the_batch_of_its_oldes
 
     cfg = config()
     model = add_lora(tiny_model(), cfg.lora).eval()
-    policy = SamplerPolicy(InFlightEngine(), model, None, DigitTokenizer(), {})
-    batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={}, check_recorded=True)
+    policy = SamplerModels(InFlightEngine(), model, None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={}, measure_logp_gap=True)
     assert (batch.policy_version, batch.weights_digest) == (2, "d2")
     assert [v.tolist() for v in decode_batch(encode_batch(batch)).token_versions] == [[2, 3]] * 4
     with torch.no_grad():
@@ -156,9 +156,9 @@ def numbered_prompts(*last_tokens):
 def dynamic_batch(rounds, *overrides):
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3", *overrides)
     engine = ScriptedEngine()
-    policy = SamplerPolicy(engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    policy = SamplerModels(engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
     batch = make_batch(cfg, policy, rounds[0], step=4, metrics_so_far={},
-                       check_recorded=False, more_prompts=lambda r: rounds[r])
+                       measure_logp_gap=False, more_prompts=lambda r: rounds[r])
     return cfg, engine, batch
 
 
@@ -246,13 +246,13 @@ def picky(completion, row):
 
 
 def fake_policy(cfg):
-    return SamplerPolicy(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    return SamplerModels(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
 
 
 def steps(cfg, count, streaks):
     """`count` steps of the fake engine's batches ("7" and "8" for answers 7 and 8), counted in `streaks`."""
     policy = fake_policy(cfg)
-    return [make_batch(cfg, policy, prompts(), step=k, metrics_so_far={}, check_recorded=False, streaks=streaks)
+    return [make_batch(cfg, policy, prompts(), step=k, metrics_so_far={}, measure_logp_gap=False, streaks=streaks)
             for k in range(count)]
 
 
@@ -375,8 +375,8 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
     std is 3.7e-8, not 0), prompt 11's "7", "8", "9" (0.45, -0.45, -0.45). Without dynamic sampling
     the generated groups are the trained ones: both shares are 1 / 2."""
     cfg = config("sampling.group_size=3", "rewards.weights=[0.45]")
-    policy = SamplerPolicy(ScriptedEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
-    batch = make_batch(cfg, policy, numbered_prompts(10, 11), step=0, metrics_so_far={}, check_recorded=False)
+    policy = SamplerModels(ScriptedEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, numbered_prompts(10, 11), step=0, metrics_so_far={}, measure_logp_gap=False)
     assert batch.rewards[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
     m = batch.meta["metrics"]
     assert (m["sampling/zero_spread_fraction"], m["frac_reward_zero_std"]) == (0.5, 0.5)
@@ -386,7 +386,7 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
 
 def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, version=0, latest=None):
     """`next_call` for a sampler at `step` of `end_step` with the HF engine serving `version` (LATEST: `latest`)."""
-    from grpo.sampler.step import SamplerLoop, next_call
+    from grpo.sampler.step import SamplerRun, next_call
     from grpo.weights.folder import WeightWatcher
 
     cfg = load_config(None, ["sampling.prompts_per_step=2", "sampling.group_size=2", "sampling.max_staleness=2",
@@ -396,8 +396,8 @@ def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, versio
     if latest is not None:
         (tmp_path / "LATEST").write_text(str(latest))
     table = [Prompt(Problem(f"train-{i}", f"q{i}", "1"), [3, 4, 5 + i]) for i in range(20)]
-    policy = SamplerPolicy(engine, None, None, DigitTokenizer(), {}, episodes=episodes)
-    loop = SamplerLoop(cfg, policy, table, PromptCursor(len(table), cfg.seed), WeightWatcher(tmp_path, []), None,
+    policy = SamplerModels(engine, None, None, DigitTokenizer(), {}, episodes=episodes)
+    loop = SamplerRun(cfg, policy, table, PromptCursor(len(table), cfg.seed), WeightWatcher(tmp_path, []), None,
                        None, None, None, None, 0, end_step)
     return cfg, loop, next_call(loop, step)
 
@@ -447,7 +447,7 @@ def test_in_flight_loads_take_newer_versions_only():
             self.polls += 1
             return type("Loaded", (), {"loaded": True})()
 
-    policy = SamplerPolicy(FakeEngine(), None, None, DigitTokenizer(), {})
+    policy = SamplerModels(FakeEngine(), None, None, DigitTokenizer(), {})
     cfg = load_config(None, ["sampling.in_flight_updates=true"])
     for latest, loads in ((6, True), (5, False), (3, False), (None, False)):
         watcher = Watcher(latest)

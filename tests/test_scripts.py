@@ -230,6 +230,7 @@ def test_bench_vs_trl_names_each_process_of_a_run():
 
 
 def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
+    sys.path.insert(0, str(REPO / "scripts"))
     from vllm_requirements import merged
 
     base = ["# comment", "torch==2.13.0", "transformers==5.23.0", "peft==0.21.2", "", "Py_Yaml==6.0"]

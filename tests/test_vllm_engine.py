@@ -16,8 +16,8 @@ from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout import make_engine, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
-from grpo.sampler.step import SamplerPolicy, make_batch
-from grpo.weights.folder import WeightWatcher, into_model, publish, verify, version_dir
+from grpo.sampler.step import SamplerModels, make_batch
+from grpo.weights.folder import WeightWatcher, publish, stager_for_model, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
@@ -252,10 +252,10 @@ def test_vllm_starts_the_next_calls_completions_as_this_ones_end_and_they_are_wh
 def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
     """sampling.old_logps=generation sends vLLM's recorded log-probs; recompute the scoring model's."""
     cfg, model, tokenizer, engine, prompts = served
-    policy = SamplerPolicy(engine, model, None, tokenizer, {})
+    policy = SamplerModels(engine, model, None, tokenizer, {})
     chosen = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])[0]
     batches = {source: make_batch(vllm_config(f"sampling.old_logps={source}", "training.beta=0"), policy, chosen,
-                                  step=4, metrics_so_far={}, check_recorded=True)
+                                  step=4, metrics_so_far={}, measure_logp_gap=True)
                for source in ("generation", "recompute")}
     rollouts = engine.generate(prompts, cfg.sampling.group_size, seed=cfg.seed * 1_000_003 + 4)  # the step's seed
     assert all(torch.equal(a, b) for a, b in zip(batches["generation"].completion_ids, rollouts.completion_ids))
@@ -282,7 +282,7 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
     engine.generate(prompts[:1], 2, seed=1, then=NextCall(prompts[1:], 2, 2))
     assert engine.carried is not None
     publish(trained_adapter(cfg, seed=1), tmp_path, version=1, step=1)
-    watcher = WeightWatcher(tmp_path, [into_model(model), engine.stage_weights])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(model), engine.stage_weights])
     assert (watcher.poll().loaded
             and (engine.version, engine.weights_digest) == (1, verify(version_dir(tmp_path, 1))["digest"]))
     assert engine.carried is None
@@ -422,7 +422,7 @@ def test_an_adapter_the_scoring_copy_refuses_is_dropped_by_vllm_too(served, tmp_
     serving, before = (engine.version, engine.weights_digest), engine.generate(prompts, 1, greedy=True).completion_ids
     narrow = add_lora(load_model(cfg.model), load_config(None, ["lora.r=4"]).lora)
     publish(trained_adapter(cfg, seed=4), tmp_path / "other", version=2, step=2)
-    watcher = WeightWatcher(tmp_path / "other", [engine.stage_weights, into_model(narrow)], initial_version=1)
+    watcher = WeightWatcher(tmp_path / "other", [engine.stage_weights, stager_for_model(narrow)], initial_version=1)
     assert not watcher.poll().loaded
     assert (engine.version, engine.weights_digest) == serving
     after = engine.generate(prompts, 1, greedy=True).completion_ids

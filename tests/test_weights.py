@@ -22,11 +22,11 @@ from grpo.weights.folder import (
     WeightsDiverged,
     WeightsError,
     WeightWatcher,
-    into_model,
     publish,
     published_digests,
     published_versions,
     read_latest,
+    stager_for_model,
     verify,
     version_dir,
 )
@@ -73,7 +73,7 @@ def test_full_model_versions_hold_the_whole_model(tmp_path):
     folder = publish(model, tmp_path, version=3, step=3)
     assert verify(folder)["kind"] == "full" and (folder / "model.safetensors").is_file()
     target = tiny_model("qwen2", seed=1)
-    watcher = WeightWatcher(tmp_path, [into_model(target)])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(target)])
     assert watcher.poll().loaded and watcher.version == 3
     for (name, a), b in zip(target.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -88,7 +88,7 @@ def test_keep_last_prunes_old_versions_but_never_latest(tmp_path):
 
 def test_watcher_loads_a_new_version_into_the_live_model(tmp_path):
     trained, live = lora_model(seed=1), lora_model(seed=2)
-    watcher = WeightWatcher(tmp_path, [into_model(live)])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(live)])
     assert watcher.poll() is None and watcher.version == 0  # nothing published yet
     publish(trained, tmp_path, version=1, step=1)
     result = watcher.poll()
@@ -104,7 +104,7 @@ def test_an_evaluation_mark_is_served_on_the_way_to_latest_so_eval_every_1_sees_
     published, it loads LATEST as before."""
     models = {v: lora_model(seed=10 + v) for v in (1, 2, 3)}
     live = lora_model(seed=2)
-    watcher = WeightWatcher(tmp_path, [into_model(live)])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(live)])
     for v, model in models.items():
         publish(model, tmp_path, version=v, step=v)
     watcher.version = 1
@@ -133,12 +133,12 @@ def test_a_version_one_copy_refuses_is_served_by_neither(tmp_path):
     def recorded(folder, manifest, version):
         events.append("staged")
         return Staged(lambda: events.append("committed"), discard=lambda: events.append("discarded"))
-    watcher = WeightWatcher(tmp_path, [recorded, into_model(first), into_model(second)])
+    watcher = WeightWatcher(tmp_path, [recorded, stager_for_model(first), stager_for_model(second)])
     result = watcher.poll()
     assert not result.loaded and watcher.version == 0 and "weights do not fit the model" in result.error
     assert events == ["staged", "discarded"]
     assert all(torch.equal(lora_state(first)[k], v) for k, v in before.items())
-    assert WeightWatcher(tmp_path, [into_model(first)]).poll().loaded  # the first copy alone takes it
+    assert WeightWatcher(tmp_path, [stager_for_model(first)]).poll().loaded  # the first copy alone takes it
     assert not all(torch.equal(lora_state(first)[k], v) for k, v in before.items())
 
 
@@ -150,7 +150,7 @@ def test_a_commit_that_fails_after_another_copy_took_the_version_stops_the_sampl
         def commit():
             raise RuntimeError("engine died mid-reload")
         return Staged(commit)
-    watcher = WeightWatcher(tmp_path, [into_model(live), breaks_at_commit])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(live), breaks_at_commit])
     with pytest.raises(WeightsDiverged, match="serving weights v1 from .* failed in copy 2 of 2 after the others "
                                               r"took it \(engine died mid-reload\); the sampler stops"):
         watcher.poll()
@@ -186,7 +186,7 @@ def test_each_publish_records_its_manifest_digest_and_only_recorded_digests_pass
 
 def test_sampler_never_loads_half_written_or_corrupted_weights(tmp_path, caplog):
     live = lora_model(seed=2)
-    watcher = WeightWatcher(tmp_path, [into_model(live)])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(live)])
     publish(lora_model(seed=1), tmp_path, version=1, step=1)
     watcher.poll()
     serving = lora_state(live)
@@ -250,7 +250,7 @@ weights.publish(lora_model(seed=2), {root!r}, version=2, step=2)
 def test_a_publisher_killed_mid_write_leaves_no_visible_version(tmp_path):
     publish(lora_model(seed=1), tmp_path, version=1, step=1)
     model = lora_model(seed=9)
-    watcher = WeightWatcher(tmp_path, [into_model(model)])
+    watcher = WeightWatcher(tmp_path, [stager_for_model(model)])
     assert watcher.poll().loaded and watcher.version == 1
     code = subprocess.run([sys.executable, "-c", CRASH_MID_PUBLISH.format(
         repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path))], timeout=120).returncode

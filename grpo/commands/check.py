@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from common.run_folder import RunFolder
 from grpo.config import load_config
 from grpo.model.loading import load_model, load_tokenizer
 from grpo.run.rows import is_evaluation_row
@@ -28,11 +29,11 @@ from grpo.weights.folder import read_latest, verify, version_dir
 def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -> list[str]:
     """What is wrong with the run folder (empty when nothing is)."""
     problems = []
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in RunFolder(run_dir).metrics.read_text().splitlines() if line.strip()]
     rows = [row for row in rows if not is_evaluation_row(row)]
     if [row["step"] for row in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[row['step'] for row in rows]}, expected 1..{steps}")
-    cfg = load_config(run_dir / "config.yaml", written_by_a_run=True)
+    cfg = load_config(RunFolder(run_dir).config, written_by_a_run=True)
     if cfg.env.name:  # episodes: every row reports them
         missing = [row["step"] for row in rows if "env/turns/mean" not in row]
         if missing:

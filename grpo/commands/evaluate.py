@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from common.model_files import resolve_device
+from common.run_folder import RunFolder
 from common.sources import SourceError
 from data.problems import load_split
 from data.prompts import build_prompts
@@ -92,7 +93,7 @@ def resolve_inputs(args, overrides: list[str]) -> tuple:
     if args.run is not None:
         if args.weights is not None or args.config is not None:
             raise RunOutputsError("--run evaluates a run with its own config and weights: leave out --weights and --config")
-        return run_config(args.run, overrides), version_folder(args.run, args.version), str(args.run / "config.yaml")
+        return run_config(args.run, overrides), version_folder(args.run, args.version), str(RunFolder(args.run).config)
     if args.version is not None:
         raise RunOutputsError("--version picks a version of a run: use it with --run runs/<name>")
     if args.weights is not None and not args.weights.exists():
@@ -100,7 +101,7 @@ def resolve_inputs(args, overrides: list[str]) -> tuple:
     run = run_of_weights(args.weights) if args.weights is not None and args.config is None else None
     if run is not None:  # a run's weights folder (its LATEST) or one of its versions, as that run was trained
         weights = args.weights if (args.weights / MANIFEST).is_file() else version_folder(args.weights)
-        return run_config(run, overrides), weights, str(run / "config.yaml")
+        return run_config(run, overrides), weights, str(RunFolder(run).config)
     path = args.config or "config.yaml"
     source = path if Path(path).is_file() or args.config else "built-in defaults"
     return parse_cli(["--config", path, *overrides]), args.weights, source

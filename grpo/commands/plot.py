@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.run_folder import RunFolder
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -46,7 +48,7 @@ ERROR_BARS = {"eval/answer_accuracy": "eval/answer_accuracy_stderr"}  # eval row
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl" if run.is_dir() else run
+    path = RunFolder(run).metrics if run.is_dir() else run
     rows = []
     for line in path.read_text().splitlines():
         try:

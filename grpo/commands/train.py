@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from common.files import RunFolderError, ensure_writable, write_atomically
+from common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text
 from grpo.config.history import resume_changes
 from grpo.run.ports import free_local_port, free_loopback_address
@@ -319,12 +320,12 @@ def start_run(cfg: Config, plan: dict) -> int:
         return EXIT_USAGE
     if moved:
         print(f"run.overwrite=true: the old contents of {run_dir} were moved to {moved}", flush=True)
-    write_atomically(run_dir / "address", plan["address"] + "\n")  # for whoever attaches to this run
-    logs = WorkerLogs({name: run_dir / f"{name}.log" for name in plan["processes"]})  # this launch's part of each
+    write_atomically(RunFolder(run_dir).address, plan["address"] + "\n")  # for whoever attaches to this run
+    logs = WorkerLogs({name: RunFolder(run_dir).log(name) for name in plan["processes"]})  # this launch's part of each
     procs = start_processes(plan, logs.logs)
     print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(procs) - 1} sampler(s) started; "
           f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.logs.values())}", flush=True)
-    return supervise(cfg, procs, logs, StepProgress(run_dir / "metrics.jsonl", cfg.training.steps))
+    return supervise(cfg, procs, logs, StepProgress(RunFolder(run_dir).metrics, cfg.training.steps))
 
 
 def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.Popen]:

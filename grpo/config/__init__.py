@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from common.run_folder import RunFolder
 from grpo.config.rules import option_lists, validate
-from grpo.run.outputs import CONFIG, RunOutputsError, is_run_folder
+from grpo.run.outputs import RunOutputsError, is_run_folder
 from grpo.settings import (
     DEFAULT_SYSTEM_PROMPT,
     CheckpointConfig,
@@ -184,13 +185,13 @@ def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ())
     if not run_dir.is_dir():
         raise RunOutputsError(f"{run_dir} is not a folder; pass a run folder such as runs/<name>")
     if not is_run_folder(run_dir):
-        raise RunOutputsError(f"{run_dir} is not a run folder: it has no {CONFIG} (the trainer writes it when a run "
+        raise RunOutputsError(f"{run_dir} is not a run folder: it has no config.yaml (the trainer writes it when a run "
                               "starts); pass runs/<name>, or --config for weights outside a run folder")
     try:
         # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
-        return load_config(run_dir / CONFIG, ["checkpoint.resume=auto", *overrides], written_by_a_run=True)
+        return load_config(RunFolder(run_dir).config, ["checkpoint.resume=auto", *overrides], written_by_a_run=True)
     except ConfigError as e:
-        raise RunOutputsError(f"{run_dir / CONFIG}: {e}") from None
+        raise RunOutputsError(f"{RunFolder(run_dir).config}: {e}") from None
 
 
 def exit_code(main: typing.Callable[[list[str]], int], argv: list[str]) -> int:

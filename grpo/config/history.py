@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from common.files import CHECKPOINT_MARK, RunFolderError, fsync_path, write_atomically
+from common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, all_keys, get_key, load_config, save_config
-from grpo.run.outputs import CONFIG
-from grpo.run.start import CHECKPOINTS, continues_the_run
+from grpo.run.start import continues_the_run
 from grpo.wire.behaviour import BEHAVIOUR_KEYS
 
 # set by every launch itself (the launcher's address, the sampler's index, how this start treats the folder)
@@ -145,10 +145,10 @@ def resume_changes(cfg: Config) -> tuple[str | None, str | None]:
     against the run folder's config.yaml; both None unless the start continues the run. Changes
     nothing on disk."""
     run_dir = Path(cfg.run_dir)
-    if not continues_the_run(cfg.checkpoint.resume, run_dir) or not (run_dir / CONFIG).is_file():
+    if not continues_the_run(cfg.checkpoint.resume, run_dir) or not RunFolder(run_dir).config.is_file():
         return None, None
     try:
-        old = saved_config(run_dir / CONFIG)
+        old = saved_config(RunFolder(run_dir).config)
     except ConfigError as e:
         return unreadable_message(cfg, e), None
     changes = changed_settings(settings_of(old), settings_of(cfg))
@@ -179,7 +179,7 @@ def refusal_message(cfg: Config, refused: Mapping[str, tuple[Any, Any, str]]) ->
     """One line: each refused key with its old and new value and what depends on it, and the ways on."""
     changes = ", ".join(f"{key} {shown(key, old)} -> {shown(key, new)} ({why})"
                         for key, (old, new, why) in refused.items())
-    olds = " ".join(f"{key}={shown(key, old)}" if not shown(key, old).endswith("...") else f"{key} as in {CONFIG}"
+    olds = " ".join(f"{key}={shown(key, old)}" if not shown(key, old).endswith("...") else f"{key} as in config.yaml"
                     for key, (old, _, _) in refused.items())
     return (f"run folder {cfg.run_dir} (run.name={cfg.run.name}) resumes from its {checkpoint_name(cfg.run_dir)}, "
             f"which depends on settings this start changes: {changes}; nothing was changed. Run the same command "
@@ -189,7 +189,7 @@ def refusal_message(cfg: Config, refused: Mapping[str, tuple[Any, Any, str]]) ->
 
 def unreadable_message(cfg: Config, error: Exception) -> str:
     return (f"run folder {cfg.run_dir} (run.name={cfg.run.name}) resumes from its {checkpoint_name(cfg.run_dir)}, "
-            f"but its {CONFIG}, the settings the checkpoint was made with, cannot be read "
+            f"but its config.yaml, the settings the checkpoint was made with, cannot be read "
             f"({' '.join(str(error).split())}); nothing was "
             "changed. Restore it, or start a new run: a new run.name, or checkpoint.resume=never "
             "run.overwrite=true to move this one aside")
@@ -204,7 +204,7 @@ def allowed_line(changes: Mapping[str, tuple[Any, Any]]) -> str:
 
 def checkpoint_name(run_dir: Path) -> str:
     """'checkpoint of step 2' (what DeepSpeed's `latest` names in the run's checkpoints)."""
-    tag = (Path(run_dir) / CHECKPOINTS / CHECKPOINT_MARK).read_text().strip()
+    tag = (RunFolder(run_dir).checkpoints / CHECKPOINT_MARK).read_text().strip()
     match = re.fullmatch(r"step(\d+)", tag)
     return f"checkpoint of step {int(match.group(1))}" if match else f"checkpoint {tag}"
 
@@ -231,7 +231,7 @@ def save_run_config(cfg: Config) -> Path | None:
     there (other than `LAUNCH_SET`), the old one is first kept as config.NNN.yaml (returned);
     equal settings write nothing. Safe while the other worker does the same."""
     run_dir = Path(cfg.run_dir)
-    path = run_dir / CONFIG
+    path = RunFolder(run_dir).config
     kept = None
     with _locked(run_dir):
         if path.is_file():

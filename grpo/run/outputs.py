@@ -18,14 +18,12 @@ from pathlib import Path
 
 import yaml
 
+from common.run_folder import RunFolder
 from grpo.run.rows import is_evaluation_row
-from grpo.run.start import METRICS
 from grpo.weights.folder import WeightsError, published_versions, read_latest, version_dir
 
 log = logging.getLogger(__name__)
 
-CONFIG = "config.yaml"
-WEIGHTS = "weights"
 _VERSION_NAME = re.compile(r"^v\d+$")
 
 
@@ -34,27 +32,27 @@ class RunOutputsError(ValueError):
 
 
 def is_run_folder(path: str | os.PathLike) -> bool:
-    return (Path(path) / CONFIG).is_file()
+    return RunFolder(path).config.is_file()
 
 
 def weights_root(path: str | os.PathLike) -> Path:
     """The published-weights folder of a run folder (its weights/, or the weights.dir its config
     names), or `path` itself when it is a weights folder."""
     path = Path(path)
-    if (path / WEIGHTS).is_dir():
-        return path / WEIGHTS
+    if RunFolder(path).weights.is_dir():
+        return RunFolder(path).weights
     if is_run_folder(path):
         custom = saved_weights_dir(path)
-        return Path(custom) if custom else path / WEIGHTS
+        return Path(custom) if custom else RunFolder(path).weights
     return path
 
 
 def saved_weights_dir(run_dir: Path) -> str:
     """The weights.dir a run folder's config names ("": its own weights/)."""
     try:
-        saved = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
+        saved = yaml.safe_load(RunFolder(run_dir).config.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
-        raise RunOutputsError(f"{run_dir / CONFIG} cannot be read ({e})") from None
+        raise RunOutputsError(f"{RunFolder(run_dir).config} cannot be read ({e})") from None
     weights = saved.get("weights") if isinstance(saved, dict) else None
     return str(weights.get("dir") or "") if isinstance(weights, dict) else ""
 
@@ -94,7 +92,7 @@ def run_of_weights(path: str | os.PathLike) -> Path | None:
         return None
     if _VERSION_NAME.match(path.name):
         path = path.parent
-    if path.name == WEIGHTS and is_run_folder(path.parent):
+    if path.name == RunFolder(path.parent).weights.name and is_run_folder(path.parent):
         return path.parent
     return None
 
@@ -102,7 +100,7 @@ def run_of_weights(path: str | os.PathLike) -> Path | None:
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The rows of run_dir/metrics.jsonl ([] when there is none). A line a running trainer is
     still writing (cut short) is skipped."""
-    path = Path(run_dir) / METRICS
+    path = RunFolder(run_dir).metrics
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:

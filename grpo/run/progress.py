@@ -11,6 +11,7 @@ from collections import deque
 from pathlib import Path
 
 from common.files import CHECKPOINT_MARK
+from common.run_folder import RunFolder
 from grpo.run.rows import is_evaluation_row
 
 ZERO_SPREAD = "sampling/zero_spread_fraction"  # the share of a step's groups whose rewards are all equal
@@ -118,7 +119,7 @@ def eval_line(row: dict) -> str:
 def last_trained_and_saved(run_dir: Path) -> tuple[int, int]:
     """(the last step in metrics.jsonl, the step of the last whole checkpoint), 0 where none."""
     trained = 0
-    metrics = Path(run_dir) / "metrics.jsonl"
+    metrics = RunFolder(run_dir).metrics
     if metrics.is_file():
         for line in metrics.read_text(errors="replace").splitlines():
             try:
@@ -127,7 +128,7 @@ def last_trained_and_saved(run_dir: Path) -> tuple[int, int]:
                 continue
             if not is_evaluation_row(row):
                 trained = max(trained, int(row.get("step", 0)))
-    mark = Path(run_dir) / "checkpoints" / CHECKPOINT_MARK
+    mark = RunFolder(run_dir).checkpoints / CHECKPOINT_MARK
     saved = int("".join(filter(str.isdigit, mark.read_text()))) if mark.is_file() else 0
     return trained, saved
 

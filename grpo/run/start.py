@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.files import CHECKPOINT_MARK, RunFolderError, aside_name, is_checkpoint_folder
+from common.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from grpo.settings import Config
 
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
 UNTRAINED_TAG = "step000000"  # the checkpoint of a start stopped before its first step (written until this version)
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside a ZeRO checkpoint
 
@@ -48,7 +47,7 @@ class RunFolderInUse(RunFolderError):
 def resume_source(resume: str, run_dir: Path) -> Path | None:
     """The checkpoint folder a trainer with `checkpoint.resume=resume` loads; None: from the model.
     A folder elsewhere starts this run from it only until the run has a checkpoint of its own."""
-    own = Path(run_dir) / CHECKPOINTS
+    own = RunFolder(run_dir).checkpoints
     if resume == "never":
         return None
     if is_checkpoint_folder(own) and latest_tag(own) != UNTRAINED_TAG:  # auto, or a folder elsewhere
@@ -59,7 +58,7 @@ def resume_source(resume: str, run_dir: Path) -> Path | None:
 def continues_the_run(resume: str, run_dir: Path) -> bool:
     """True when the start resumes from the run folder's own checkpoints (not a fresh start)."""
     source = resume_source(resume, run_dir)
-    return source is not None and source.resolve() == (Path(run_dir) / CHECKPOINTS).resolve()
+    return source is not None and source.resolve() == (RunFolder(run_dir).checkpoints).resolve()
 
 
 def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
@@ -71,12 +70,12 @@ def earlier_outputs(run_dir: Path, weights_dir: Path) -> list[str]:
     if versions:
         found.append(f"published weights v{versions[0]}..v{versions[-1]}" if len(versions) > 1
                      else f"published weights v{versions[0]}")
-    checkpoints = Path(run_dir) / CHECKPOINTS
+    checkpoints = RunFolder(run_dir).checkpoints
     if checkpoints.is_dir() and not all(untrained_checkpoint_file(p) for p in checkpoints.iterdir()):
         found.append("checkpoints")
-    rows = metrics_rows(Path(run_dir) / METRICS)
+    rows = metrics_rows(RunFolder(run_dir).metrics)
     if any(row.get("step") != 0 for row in rows):
-        found.append(f"{METRICS} ({len(rows)} rows)")
+        found.append(f"{RunFolder(run_dir).metrics.name} ({len(rows)} rows)")
     return found
 
 
@@ -224,7 +223,7 @@ def _move_untrained_metrics_aside(run_dir: Path) -> None:
     """A fresh start over a start that trained nothing: its rows (evaluations of its starting
     weights, maybe of another model) go to metrics.jsonl.replaced-<date>, so that this start
     evaluates its own (the trainer writes one evaluation row per version)."""
-    metrics = Path(run_dir) / METRICS
+    metrics = RunFolder(run_dir).metrics
     if metrics_rows(metrics):
         os.rename(metrics, aside_name(metrics, time.strftime("%Y%m%d-%H%M%S")))
 

@@ -8,7 +8,6 @@ two agree on the same weights. The result's rates are those the configured rewar
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -109,22 +108,15 @@ def evaluated_through_at_start(eval_cfg, served_at_least: int | None) -> int:
 
 
 def append_metrics_row(run_dir: Path, row: dict, logging_cfg, run_name: str) -> None:
-    """The final evaluation's row, appended by the sampler once the trainer has written its last
-    one (a single O_APPEND write of one line), its TensorBoard scalars in a file of its own, and
-    the row to the tracker (logging.backend: a W&B run of its own in the run folder's group)."""
+    """The final evaluation's row, written by the sampler once the trainer has written its last one
+    (the run's one metrics writer, appending only; its TensorBoard events in a file of their own, its
+    tracker rows in a tracker run of its own in the run folder's group)."""
+    from grpo.run.metrics_log import MetricsLog
     from grpo.run.tracking import open_tracker
 
-    row = {"wall_time": time.time(), **row}
-    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if logging_cfg.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(str(Path(run_dir) / "tb"), filename_suffix=".eval") as writer:
-            for key, value in row.items():
-                if key.startswith("eval/"):
-                    writer.add_scalar(key, value, row["step"])
     tracker = open_tracker(logging_cfg, run_dir, run_name, {}, writer=f"eval-{uuid.uuid4().hex[:12]}")
-    if tracker is not None:
-        tracker.log(row)
-        tracker.finish()
+    log = MetricsLog(run_dir, None, logging_cfg.tensorboard, tracker, events_suffix=".eval")
+    try:
+        log.write({"wall_time": time.time(), **row})
+    finally:
+        log.close()

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SamplerPolicy:
+class SamplerModels:
     """What a step generates and scores with."""
 
     engine: RolloutEngine  # generates, and says which weights version it serves
@@ -64,11 +64,11 @@ class SamplerPolicy:
 
 
 @dataclass
-class SamplerLoop:
+class SamplerRun:
     """What every step of a sampler uses (sampling_worker.py builds it)."""
 
     cfg: Config
-    policy: SamplerPolicy
+    policy: SamplerModels
     prompts: list  # the training prompts, tokenised
     cursor: Any  # data.cursor.PromptCursor
     watcher: Any  # grpo.weights.folder.WeightWatcher
@@ -83,7 +83,7 @@ class SamplerLoop:
     streaks: FailureStreaks = field(default_factory=FailureStreaks)
 
 
-def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
+def run_step(loop: SamplerRun, step: int) -> RolloutBatch:
     """Sampler step `step`: the batch it sent."""
     cfg, policy = loop.cfg, loop.policy
     loop.redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
@@ -96,7 +96,7 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
     prompts_of_round = round_prompts(cfg.sampling, loop.cursor, loop.prompts, g)
     # the recorded log-probs are checked against a recompute once per start, on its second step: the
     # first batch, which the trainer waits for, goes out without the extra forward (~5 s on 2 CPU cores)
-    batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, check_recorded=step == loop.start_step + 1,
+    batch = make_batch(cfg, policy, prompts_of_round(0), step, metrics, measure_logp_gap=step == loop.start_step + 1,
                        more_prompts=prompts_of_round, streaks=loop.streaks, then=then)
     if evaluated:
         batch.meta["eval"] = evaluated  # the trainer writes it as its own metrics.jsonl row
@@ -104,7 +104,7 @@ def run_step(loop: SamplerLoop, step: int) -> RolloutBatch:
     return batch
 
 
-def next_call(loop: SamplerLoop, step: int):
+def next_call(loop: SamplerRun, step: int):
     """The next step's generate call, to start in the rows this step's completions leave free at its end
     (the engines' `generate(then=...)`), where the weights served now may generate it (sampling.max_staleness)
     and are the newest published (a newer one is loaded at the next step): continuous batching (the HF
@@ -126,7 +126,7 @@ def next_call(loop: SamplerLoop, step: int):
     return NextCall([p.token_ids for p in prompts], s.group_size, step_seed(cfg, g))
 
 
-def in_flight_poll(cfg: Config, policy: SamplerPolicy, watcher) -> Callable[[], bool] | None:
+def in_flight_poll(cfg: Config, policy: SamplerModels, watcher) -> Callable[[], bool] | None:
     """What the engine calls while a step decodes (HF: between decode steps; vLLM: every 0.1 s) to load a
     newly published version (sampling.in_flight_updates): single completions without dynamic sampling; None
     otherwise (new weights load between steps)."""
@@ -146,7 +146,7 @@ def in_flight_poll(cfg: Config, policy: SamplerPolicy, watcher) -> Callable[[], 
     return poll
 
 
-def wait_for_weights(loop: SamplerLoop, step: int) -> dict[str, float]:
+def wait_for_weights(loop: SamplerRun, step: int) -> dict[str, float]:
     """Block until the weights this sampler's step `step` may use are served (sampling.max_staleness,
     counted in global steps); the metrics of the wait, loading included. A newer version published
     meanwhile is loaded as at every step, and drops the completions the step before started for this
@@ -183,7 +183,7 @@ def round_prompts(s: SamplingConfig, cursor, prompts: list, g: int):
     return prompts_of_round
 
 
-def send(loop: SamplerLoop, step: int, batch: RolloutBatch) -> None:
+def send(loop: SamplerRun, step: int, batch: RolloutBatch) -> None:
     """Spool the batch, send it, then save the data cursor: after the send, so that a restart
     neither repeats nor skips prompts."""
     t = time.perf_counter()
@@ -239,7 +239,7 @@ class Round:
     failed_on_all: FailedOnAll | None = None  # set by generate_and_score
 
 
-def generate_and_score(cfg: Config, policy: SamplerPolicy, prompts: list, seed: int, sandbox, then=None) -> Round:
+def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: int, sandbox, then=None) -> Round:
     t = time.perf_counter()
     G = cfg.sampling.group_size
     episodes = None
@@ -336,7 +336,7 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
 
 
-def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompts, step: int, sandbox,
+def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompts, step: int, sandbox,
                   then=None) -> tuple[Round, dict]:
     """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
     have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that, and always the
@@ -365,15 +365,15 @@ def sample_groups(cfg: Config, policy: SamplerPolicy, prompts: list, more_prompt
         "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
 
 
-def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
-                    check_recorded: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, float | None]:
+def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
+                    measure_logp_gap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, float | None]:
     """(old log-probs, reference log-probs or None, the largest gap between the engine's recorded
     log-probs and the recompute, or None when nothing was recomputed)."""
     args = (prompt_ids, rollouts.completion_ids, [cfg.sampling.group_size] * len(prompt_ids))
     kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix)
     recorded = cfg.sampling.old_logps == "generation"
     with torch.no_grad():
-        recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or check_recorded else None
+        recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or measure_logp_gap else None
         ref_logps = None
         if Objective.of(cfg).beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
             with policy.model.disable_adapter():
@@ -390,8 +390,8 @@ def policy_logprobs(cfg: Config, policy: SamplerPolicy, prompt_ids: list[torch.T
     return (rollouts.logps if recorded else recomputed), ref_logps, gap
 
 
-def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, metrics_so_far: dict[str, float],
-               check_recorded: bool, more_prompts=None, streaks: FailureStreaks | None = None,
+def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, metrics_so_far: dict[str, float],
+               measure_logp_gap: bool, more_prompts=None, streaks: FailureStreaks | None = None,
                then=None) -> RolloutBatch:
     """Sampler step `step` on `prompts` (and with dynamic sampling, `more_prompts(round)` for the
     rounds after the first): the batch to send, its metrics (those of the step so far, e.g. the
@@ -421,7 +421,7 @@ def make_batch(cfg: Config, policy: SamplerPolicy, prompts: list, step: int, met
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()
-    old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, check_recorded)
+    old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
     timings["timing/logprobs_s"] = time.perf_counter() - t
 
     if rollouts.token_versions is not None and rollouts.model_masks is None:  # the batch's version: its oldest token's

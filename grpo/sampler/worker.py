@@ -38,6 +38,7 @@ import torch
 
 from common.files import RunFolderError, ensure_writable
 from common.model_files import resolve_device
+from common.run_folder import RunFolder
 from common.sources import SourceError
 from data.cursor import PromptCursor
 from data.problems import load_split
@@ -56,9 +57,9 @@ from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evalu
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.rollout import make_engine
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
-from grpo.sampler.step import SamplerLoop, SamplerPolicy, in_flight_poll, run_step
+from grpo.sampler.step import SamplerModels, SamplerRun, in_flight_poll, run_step
 from grpo.weights import open_watcher
-from grpo.weights.folder import into_model
+from grpo.weights.folder import stager_for_model
 from grpo.wire.behaviour import behaviour_of
 from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.wire.staleness import oldest_version, wait_for_version
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
         policy.engine.poll_weights = in_flight_poll(cfg, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
-    redelivery = Redelivery(spool, sender.send_frames, run_dir / "trainer_state.json", sampler)
+    redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler)
     sandbox = policy.sandbox = (RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0
                                 else None)
     evaluator = None
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> int:
                                       checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
 
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
-    loop = SamplerLoop(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
+    loop = SamplerRun(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
                        end_step)
     try:
         for step in range(start_step, end_step):
@@ -148,7 +149,7 @@ def main(argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- the steps of main
 
-def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
+def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
     fine-tune with beta > 0, the rollout engine, and the tokenised training prompts."""
     torch.manual_seed(cfg.seed)
@@ -163,7 +164,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerPolicy, list]:
     objective = Objective.of(cfg)
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
-    policy = SamplerPolicy(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
+    policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), episodes=episode_runner(cfg, tokenizer))
     return policy, prompts
 
@@ -188,7 +189,7 @@ def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts:
         cursor.load_state_dict(saved["cursor"])  # refuses a cursor from other data or another seed
         saved_step = saved["next_step"]
     sampler = cfg.sampling.worker_index
-    start_step = resume_step(spool, TrainerState.load(run_dir / "trainer_state.json"), sampler, saved_step)
+    start_step = resume_step(spool, TrainerState.load(RunFolder(run_dir).trainer_state), sampler, saved_step)
     if start_step:
         log.info("resuming at step %d (global step %d)", start_step,
                  global_step(sampler, start_step, cfg.sampling.num_workers))
@@ -209,13 +210,13 @@ def evaluate_to_the_end(cfg: Config, evaluator: TrainingEvaluator, watcher, engi
     append_metrics_row(run_dir, evaluator.run(engine, engine.version), cfg.logging, cfg.run.name)
 
 
-def weight_stagers(policy: SamplerPolicy) -> list:
+def weight_stagers(policy: SamplerModels) -> list:
     """An engine that generates with the scoring model itself (HF) loads each version once; an engine
     with its own copy of the weights (vLLM) takes each version together with the scoring model
     (recomputed and reference log-probs), or neither does (grpo.weights.folder.WeightWatcher)."""
     if policy.engine.generates_with_scoring_model:
         return [policy.engine.stage_weights]
-    return [into_model(policy.model), policy.engine.stage_weights]
+    return [stager_for_model(policy.model), policy.engine.stage_weights]
 
 
 def entry(argv: list[str] | None = None) -> None:

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from common.run_folder import RunFolder
 from grpo.config import Config, TrainingConfig, to_dict
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.logprobs import verify_shared_prefix
 from grpo.objective import Objective
+from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
-from grpo.trainer.outputs import MetricsLog, publish_weights, save_checkpoint
+from grpo.trainer.outputs import publish_weights, save_checkpoint
 from grpo.trainer.ranks import broadcast_frames, rank_zero_decides
 from grpo.trainer.step import train_step, within_age
 from grpo.weights.folder import published_digests
@@ -54,7 +56,7 @@ class RunEnds:
         tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg),
                                writer=f"trainer-{state.incarnation}")
         ends = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
-        state.save(cfg.run_dir / "trainer_state.json")  # bound and ready: the samplers re-send (grpo/wire/delivery.py)
+        state.save(RunFolder(cfg.run_dir).trainer_state)  # bound and ready: the samplers re-send (grpo/wire/delivery.py)
         return ends
 
     def close(self) -> None:

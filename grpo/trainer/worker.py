@@ -29,7 +29,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from common.files import RunFolderError, ensure_writable
+from common.files import RunFolderError, WriteFailed, ensure_writable
 from common.sources import SourceError
 from grpo.config import Config, exit_code, help_requested, parse_cli
 from grpo.config.history import refuse_a_changed_resume, save_run_config
@@ -42,7 +42,6 @@ from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extens
 from grpo.trainer.loop import RunEnds, TrainingLoop
 from grpo.trainer.outputs import (
     CheckpointMismatch,
-    WriteFailed,
     base_fingerprint,
     check_base,
     check_resumable,

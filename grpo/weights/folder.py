@@ -246,7 +246,7 @@ class WeightsDiverged(RuntimeError):
     """A commit failed after others succeeded: the copies of the weights serve different versions."""
 
 
-def into_model(model) -> Stager:
+def stager_for_model(model) -> Stager:
     """Stages each version for a live transformers/PEFT model (the sampler's scoring copy)."""
     return lambda folder, manifest, version: stage_into(model, folder, manifest)
 

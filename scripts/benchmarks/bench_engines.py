@@ -105,7 +105,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from grpo.model.loading import add_lora, load_model, load_tokenizer
     from grpo.sampler.rollout import make_engine
     from grpo.sampler.step import step_seed
-    from grpo.weights.folder import WeightWatcher, into_model, publish
+    from grpo.weights.folder import WeightWatcher, publish, stager_for_model
 
     revision = next((o.split("=", 1)[1] for o in overrides if o.startswith("rev=")), None)
     overrides = [o for o in overrides if not o.startswith("rev=")]
@@ -126,7 +126,7 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
             torch.nn.init.normal_(p, std=0.01)
     with tempfile.TemporaryDirectory() as weights:
         publish(trained, weights, version=1, step=1)
-        stagers = [engine.stage_weights] if engine_name == "hf" else [into_model(model), engine.stage_weights]
+        stagers = [engine.stage_weights] if engine_name == "hf" else [stager_for_model(model), engine.stage_weights]
         t = time.perf_counter()
         assert WeightWatcher(weights, stagers).poll().loaded
         swap_s = time.perf_counter() - t

@@ -38,15 +38,15 @@ def default_batch(cfg: Config, model):
     from data.prompts import build_prompts
     from grpo.model.loading import load_tokenizer
     from grpo.sampler.rollout.hf_engine import HFEngine
-    from grpo.sampler.step import SamplerPolicy, make_batch
+    from grpo.sampler.step import SamplerModels, make_batch
 
     tokenizer = load_tokenizer(cfg.model)
     problems = load_split(cfg.data, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)  # the shots themselves are not asked
-    policy = SamplerPolicy(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     with torch.no_grad():
         return make_batch(cfg, policy, prompts, step=0, metrics_so_far={},
-                          check_recorded=False)
+                          measure_logp_gap=False)
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,7 @@
     run = grpo.launch("config.yaml", {"training.steps": 50, "rewards.names": [my_reward]})
     run.wait()                      # or run.stop(): the trainer checkpoints, a later launch resumes
     run.metrics()[-1]["reward"]     # the rows of runs/<name>/metrics.jsonl
-    grpo.evaluate(run=run.run_dir, limit=100)["accuracy"]
+    grpo.evaluate(run=run.run_dir, limit=100)["answer_accuracy"]
     grpo.export(run.run_dir, "exported/", merge=True)
 
 A run's processes are the command's: `launch` starts `grpo train` as a child process (it starts the

@@ -62,7 +62,8 @@ def test_a_function_of_a_script_run_as_main_is_named_by_its_file(tmp_path):
 
 def test_a_two_step_run_started_from_python(tmp_path, digit_model_dir, tiny_gsm8k):
     """grpo.launch with a dict of overrides and a reward function object: the run trains 2 steps,
-    the handle's metrics are metrics.jsonl's rows, and each step was scored by that function."""
+    the handle's metrics are metrics.jsonl's rows, and each step was scored by that function; then
+    grpo.evaluate and grpo.export on the run's last version."""
     run = grpo.launch(PROCESS_CONFIG, {
         "run.dir": tmp_path / "run", "model.name_or_path": digit_model_dir, "data.path": tiny_gsm8k,
         "transport.address": free_tcp_address(), "sampling.max_new_tokens": 1, "launch.cpu_threads": 1,
@@ -75,6 +76,12 @@ def test_a_two_step_run_started_from_python(tmp_path, digit_model_dir, tiny_gsm8
     assert all("rewards/api_rewards:digit_matches/mean" in row
                and row["rewards/api_rewards:digit_matches/failures"] == 0 for row in rows), sorted(rows[0])
     assert (run.run_dir / "weights" / "LATEST").read_text().strip() == "2"
+    result = grpo.evaluate(run=run.run_dir, limit=3, batch_size=3)  # in this process, with the run's config
+    assert (result["problems"], len(result["samples"]), result["weights"]) == (3, 3, str(run.run_dir / "weights" /
+                                                                                          "v000002"))
+    exported = grpo.export(run.run_dir, tmp_path / "exported")
+    assert (exported["version"], exported["kind"]) == (2, "lora")
+    assert (tmp_path / "exported" / "adapter_config.json").is_file()
 
 
 def test_a_config_mistake_is_raised_before_anything_starts(tmp_path):
@@ -83,3 +90,22 @@ def test_a_config_mistake_is_raised_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="training.stepz"):
         grpo.launch(PROCESS_CONFIG, {"run.dir": tmp_path / "run", "training.stepz": 2})
     assert not (tmp_path / "run").exists()
+
+
+def test_stop_ends_the_run_as_ctrl_c_does_and_the_same_launch_resumes_it(tmp_path, digit_model_dir, tiny_gsm8k):
+    import time
+
+    overrides = {"run.dir": tmp_path / "run", "model.name_or_path": digit_model_dir, "data.path": tiny_gsm8k,
+                 "sampling.max_new_tokens": 1, "launch.cpu_threads": 1, "training.steps": 1000,
+                 "checkpoint.every": 1000}
+    run = grpo.launch(PROCESS_CONFIG, overrides, echo=False)
+    deadline = time.monotonic() + 300
+    while not run.metrics() and time.monotonic() < deadline:
+        assert run.running, "".join(run.output)
+        time.sleep(0.5)
+    assert run.stop(timeout=300) == 130
+    trained = run.metrics()[-1]["step"]
+    assert "the checkpoint of step" in "".join(run.output)  # saved at the stop, though checkpoint.every is 1000
+    again = grpo.launch(PROCESS_CONFIG, {**overrides, "training.steps": trained + 1}, echo=False)
+    assert again.wait(timeout=600) == 0
+    assert [row["step"] for row in again.metrics()] == list(range(1, trained + 2))

@@ -110,3 +110,20 @@ def test_each_seam_names_implementations_that_give_its_interface():
     for name, module in CHANNELS.items():
         channel = importlib.import_module(module)
         assert callable(channel.publisher) and callable(channel.watcher), name
+
+
+def test_no_module_over_450_lines_and_no_function_over_70():
+    import ast
+
+    packages = ("grpo", "rewards", "data", "common", "scripts")
+    files = [path for package in packages for path in (REPO / package).rglob("*.py")]
+    long_modules, long_functions = [], []
+    for path in files:
+        text = path.read_text()
+        if len(text.splitlines()) > 450:
+            long_modules.append(f"{path.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 70:
+                long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
+                                      f"{node.end_lineno - node.lineno + 1} lines")
+    assert (long_modules, long_functions) == ([], [])

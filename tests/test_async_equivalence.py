@@ -19,8 +19,8 @@ from data.problems import load_problems
 from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.model.loading import load_policy, load_tokenizer
+from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.step import SamplerModels, make_batch
 from grpo.trainer.step import micro_batch_loss
 from grpo.weights.folder import version_dir
 

@@ -19,8 +19,10 @@ from grpo.config import load_config
 from grpo.environments.lanes import Lanes
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
-from grpo.sampler.rollout.continuous import episode_loop, episode_seed, masked_gap, run_episodes
+from grpo.sampler.rollout.continuous import episode_loop, run_episodes
 from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.sampler.rollout.loop_cache import masked_gap
+from grpo.sampler.rollout.sequences import episode_seed
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # not bit for bit: a message's KV comes from forwards of other shapes than the reference's one
@@ -448,10 +450,10 @@ def test_a_model_whose_attention_depends_on_a_columns_place_goes_turn_by_turn():
 
 
 def test_the_probe_runs_once_per_model(monkeypatch):
-    import grpo.sampler.rollout.continuous as loop
+    import grpo.sampler.rollout.loop_cache as probe
 
     calls = []
-    monkeypatch.setattr(loop, "masked_gap", lambda model: calls.append(model) or 0.0)
+    monkeypatch.setattr(probe, "masked_gap", lambda model: calls.append(model) or 0.0)
     model, cfg = tiny_model("llama"), load_config(None, []).sampling
     assert all(episode_loop(HFEngine(model, CharTokenizer(), cfg)) is not None for _ in range(3))
     assert calls == [model]

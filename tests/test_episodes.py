@@ -17,9 +17,10 @@ from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Denominators, Objective, batch_denominators
-from grpo.sampler.episodes import EpisodeRunner, episode_metrics, reply_template, turn_seed
+from grpo.sampler.batches import environment_failures
+from grpo.sampler.episode_records import episode_metrics
+from grpo.sampler.episodes import EpisodeRunner, reply_template, turn_seed
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.step import environment_failures
 from grpo.trainer.step import denominators_of, micro_batch_loss
 from grpo.wire.batch import RolloutBatch
 
@@ -536,7 +537,7 @@ def test_an_openenv_class_without_a_text_action_is_named():
 # ----------------------------------------------------------------------------- a sampler step of episodes
 
 def episode_step(chatty, step, *overrides):
-    from grpo.sampler.step import SamplerModels, make_batch
+    from grpo.sampler.batches import SamplerModels, make_batch
 
     model, tokenizer = chatty
     cfg = load_config(None, ["sampling.group_size=4", "sampling.max_new_tokens=40", "sampling.temperature=1.0",
@@ -731,8 +732,8 @@ class Board:
 
 def board_steps(chatty, tmp_path, count, *overrides):
     """`count` sampler steps of 2 prompts x 4 episodes of the Board environment, counted in one FailureStreaks."""
+    from grpo.sampler.batches import SamplerModels, make_batch
     from grpo.sampler.failures import FailureStreaks
-    from grpo.sampler.step import SamplerModels, make_batch
 
     model, tokenizer = chatty
     (tmp_path / "board.py").write_text(BOARD_ENV)
@@ -955,8 +956,8 @@ GAME_SCRIPTS = [["e0 I win"], ["e1 I lose"], ["e2 first", "e2 I lose"], ["e3 fir
 
 def game_batch(tiny_model_dir, *overrides):
     """One sampler step of the WinOrLose game (rewarded by env_reward alone, 40 tokens an episode)."""
+    from grpo.sampler.batches import SamplerModels, make_batch
     from grpo.sampler.episodes import episode_runner
-    from grpo.sampler.step import SamplerModels, make_batch
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = load_config(None, ["sampling.group_size=4", "sampling.prompts_per_step=1", "sampling.max_new_tokens=40",

@@ -316,7 +316,7 @@ REBUILD_METRICS = ("env/child_restarts", "env/rebuilds", "env/replayed_steps", "
 def test_a_session_lost_on_an_unseeded_server_fails_its_episodes_when_the_replay_differs(secret_server, tiny_model_dir):
     """Both sessions are lost between turns 1 and 2; each new session replays the first message and is
     told another secret: both episodes end there, failed, having been shown one secret."""
-    from grpo.sampler.episodes import episode_metrics
+    from grpo.sampler.episode_records import episode_metrics
 
     run = episodes_across_a_restart(secret_server, tiny_model_dir)
     mismatch = ("its environment, rebuilt after it was lost, replied to message 1 otherwise than the episode was "
@@ -333,7 +333,7 @@ def test_a_session_lost_on_an_unseeded_server_fails_its_episodes_when_the_replay
 def test_a_session_lost_on_a_deterministic_server_replays_exactly_and_goes_on(running, tiny_model_dir):
     """The guessing game resets from the row's seed: the rebuilt sessions replay the first message to the
     same reply, and both episodes play their three tries out (reward 0: no number was said)."""
-    from grpo.sampler.episodes import episode_metrics
+    from grpo.sampler.episode_records import episode_metrics
 
     run = episodes_across_a_restart(running, tiny_model_dir)
     assert [(e.turns, e.replay_mismatch, e.env_errors, e.reward) for e in run.episodes] == [(3, False, 0, 0.0)] * 2

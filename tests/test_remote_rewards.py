@@ -23,7 +23,7 @@ from grpo.config import load_config
 from grpo.model.loading import add_lora
 from grpo.objective import Denominators, Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
-from grpo.sampler.step import SamplerModels, make_batch
+from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
 from grpo.settings.tree import ConfigError
 from grpo.trainer.step import denominators_of

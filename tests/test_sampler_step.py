@@ -15,12 +15,12 @@ from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Denominators, Objective
 from grpo.run.ports import free_local_port
+from grpo.sampler.batches import SamplerModels, environment_failures, make_batch, step_seed
 from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
-from grpo.sampler.episodes import Episode
+from grpo.sampler.episode_records import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.step import SamplerModels, environment_failures, make_batch, step_seed
 from grpo.trainer.step import denominators_of
 from grpo.weights.folder import Staged
 from rewards import score_completions
@@ -29,8 +29,14 @@ from rewards import score_completions
 class FakeEngine:
     """Two fixed completions per prompt with fixed log-probs, as a remote engine would return them."""
 
+    generates_with_scoring_model = False  # a remote engine holds its own copy of the weights
+
     def __init__(self):
         self.version, self.weights_digest, self.loaded = 0, "initial", []
+
+    @classmethod
+    def build(cls, cfg, model, tokenizer):
+        return cls()
 
     def generate(self, prompts, group_size, *, seed=None, greedy=False):
         n = len(prompts) * group_size

@@ -17,7 +17,8 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.environments.tool_calls import ToolCall, parse_hermes, parse_llama3_json
 from grpo.environments.tools import ToolEnvironment, tool_schema
 from grpo.model.loading import read_chat_template
-from grpo.sampler.episodes import EpisodeRunner, episode_metrics
+from grpo.sampler.episode_records import episode_metrics
+from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout import Rollouts
 from grpo.settings.tree import ConfigError
 

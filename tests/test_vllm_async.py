@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
-from grpo.sampler.rollout.vllm_engine import all_of
+from grpo.sampler.rollout.vllm_tasks import all_of
 
 
 @pytest.fixture

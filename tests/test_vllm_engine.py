@@ -13,10 +13,10 @@ from data.prompts import build_prompts
 from grpo.config import load_config
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import completion_logprobs
+from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.sampler.rollout import make_engine, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.sampler.rollout.vllm_engine import VllmUnavailable, cpu_threads_environment, engine_arguments
-from grpo.sampler.step import SamplerModels, make_batch
+from grpo.sampler.rollout.vllm_arguments import VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.weights.folder import WeightWatcher, publish, stager_for_model, verify, version_dir
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -196,7 +196,7 @@ def test_vllm_episodes_call_a_slow_environment_at_once_and_draw_what_each_draws_
     from grpo.environments.pool import EnvironmentPool
     from grpo.sampler.episodes import EpisodeRunner
     from grpo.sampler.rollout import prompt_seeds
-    from grpo.sampler.rollout.continuous import episode_seed
+    from grpo.sampler.rollout.sequences import episode_seed
 
     cfg, model, tokenizer, engine, _ = served
     prompts = chat_prompts(tokenizer)

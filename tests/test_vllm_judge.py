@@ -14,7 +14,7 @@ from conftest import wait_until_healthy
 
 from common.model_files import resolve_model_path
 from grpo.run.ports import free_local_port
-from grpo.sampler.rollout.vllm_engine import cpu_threads_environment
+from grpo.sampler.rollout.vllm_arguments import cpu_threads_environment
 from rewards import score_completions
 from rewards.http_json import post_json
 from rewards.judge import Judge

@@ -321,7 +321,7 @@ def _env_errors(cfg: Config) -> list[str]:
     if e.max_failed_steps < 0:
         errors.append(f"env.max_failed_steps must be >= 0 (0 = never stop); got {e.max_failed_steps}")
     # an episode cut at sampling.max_new_tokens is scored on purpose, never a free 0 above losing: its
-    # env_reward is env.truncated_reward, or (the default) it scores the batch's worst (grpo/sampler/step.py)
+    # env_reward is env.truncated_reward, or (the default) it scores the batch's worst (grpo/sampler/batches.py)
     if e.truncated_reward is not None:
         import math
 

@@ -52,12 +52,13 @@ from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
 from grpo.run.progress import log_milestone
 from grpo.run.start import trained_nothing
+from grpo.sampler.batches import SamplerModels
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.rollout import make_engine
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
-from grpo.sampler.step import SamplerModels, SamplerRun, in_flight_poll, run_step
+from grpo.sampler.step import SamplerRun, in_flight_poll, run_step
 from grpo.weights import open_watcher
 from grpo.weights.folder import stager_for_model
 from grpo.wire.behaviour import behaviour_of
@@ -114,15 +115,7 @@ def main(argv: list[str]) -> int:
     redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler)
     sandbox = policy.sandbox = (RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0
                                 else None)
-    evaluator = None
-    if eval_prompts is not None:
-        # resumed: the step before start_step served at least version g - 1 - max_staleness and
-        # evaluated every mark up to it (their rows exist)
-        g = global_step(sampler, start_step, cfg.sampling.num_workers)
-        served = oldest_version(g - 1, cfg.sampling.max_staleness) if start_step else None
-        evaluator = TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
-                                      evaluated_through=evaluated_through_at_start(cfg.eval, served),
-                                      checks=checks_of(cfg.rewards), episodes=policy.episodes, call=sandbox)
+    evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
 
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
     loop = SamplerRun(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
@@ -194,6 +187,20 @@ def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts:
         log.info("resuming at step %d (global step %d)", start_step,
                  global_step(sampler, start_step, cfg.sampling.num_workers))
     return cursor, start_step
+
+
+def training_evaluator(cfg: Config, eval_prompts: list | None, policy: SamplerModels,
+                       start_step: int) -> TrainingEvaluator | None:
+    """The evaluator of the marks to come, on sampler 0 with eval.every (None without evaluation prompts)."""
+    if eval_prompts is None:
+        return None
+    # resumed: the step before start_step served at least version g - 1 - max_staleness and
+    # evaluated every mark up to it (their rows exist)
+    g = global_step(cfg.sampling.worker_index, start_step, cfg.sampling.num_workers)
+    served = oldest_version(g - 1, cfg.sampling.max_staleness) if start_step else None
+    return TrainingEvaluator(cfg.eval, eval_prompts, policy.tokenizer, cfg.data.prefill,
+                             evaluated_through=evaluated_through_at_start(cfg.eval, served),
+                             checks=checks_of(cfg.rewards), episodes=policy.episodes, call=policy.sandbox)
 
 
 def evaluate_to_the_end(cfg: Config, evaluator: TrainingEvaluator, watcher, engine, run_dir) -> None:

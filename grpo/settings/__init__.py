@@ -2,7 +2,8 @@
 field), in one place. The tree knows no module of the trainer; grpo/config/ loads it from
 `config.yaml` and overrides and validates it (asking each module for its options), and every
 module that takes the config imports its types from here. The machinery (types, overrides, the
-reference table and text) is grpo/settings/tree.py.
+reference table and text) is grpo/settings/tree.py; the sections of the run's processes (DeepSpeed,
+transport, weights, logging, checkpoints, launch) are grpo/settings/runtime.py, imported here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from typing import Optional
 
 import yaml
 
+from grpo.settings.runtime import (
+    CheckpointConfig,
+    DeepSpeedConfig,
+    LaunchConfig,
+    LoggingConfig,
+    TransportConfig,
+    WeightsConfig,
+)
 from grpo.settings.tree import setting as _f
 
 # No literal template with placeholders: a small model copies "<think>reasoning</think>
@@ -366,68 +375,6 @@ class EnvConfig:
     max_failed_steps: int = _f(2, "An environment that fails on every episode of this many sampler steps in a row "
                                   "(none could open or answer a step) stops the sampler (exit code 9) with its "
                                   "error. 0 = never stop: the model reads the errors.")
-
-
-@dataclass
-class DeepSpeedConfig:
-    backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
-    zero_stage: int = _f(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered first).")
-    config: dict = _f({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
-
-
-@dataclass
-class TransportConfig:
-    address: str = _f("tcp://127.0.0.1:5555", "ZeroMQ address the trainer binds and the sampler connects to.")
-    high_water_mark: int = _f(2, "Batches queued before the sampler blocks (back-pressure).")
-    send_timeout_s: float = _f(600.0, "Sampler gives up when no trainer takes a batch for this long.")
-    recv_timeout_s: float = _f(1800.0, "Trainer gives up when no batch arrives for this long.")
-    max_message_mb: float = _f(512.0, "Largest accepted message.")
-    secret: Optional[str] = _f(None, "Shared secret for HMAC-signed messages (or env GRPO_TRANSPORT_SECRET).")
-    allow_insecure: bool = _f(False, "Allow a non-loopback address without a secret.")
-
-
-@dataclass
-class WeightsConfig:
-    channel: str = _f("folder", "How the trainer's weights reach the samplers: folder (versions written to "
-                                "weights.dir, which the samplers watch; grpo/weights/).")
-    dir: Optional[str] = _f(None, "Published weights folder. Default <run.dir>/weights.")
-    publish_every: int = _f(1, "Publish every N optimizer steps.")
-    keep_last: int = _f(3, "Published versions kept on disk.")
-
-
-@dataclass
-class LoggingConfig:
-    level: str = _f("INFO", "Python logging level.")
-    tensorboard: bool = _f(True, "Also write TensorBoard events to <run.dir>/tb.")
-    backend: str = _f("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric names "
-                              "against `step`: none, wandb or trackio (grpo/run/tracking.py).")
-    project: str = _f("grpo-trainer", "The tracker's project; the run is named run.name.")
-    wandb_mode: str = _f("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
-                                    "them later with `wandb sync`) or online (needs `wandb login`).")
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = _f(50, "Checkpoint every N steps (and at a clean exit).")
-    resume: str = _f("auto", "auto (continue from the run folder's last checkpoint if it has one, else start fresh), "
-                             "never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A "
-                             "fresh start into a used run folder needs run.overwrite=true or a new run.name.")
-    keep_last: int = _f(2, "Checkpoints kept on disk.")
-
-
-@dataclass
-class LaunchConfig:
-    trainer_ranks: int = _f(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
-                               "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.")
-    cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = "
-                             "the cores split between sampler and trainer.")
-    max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both "
-                                 "processes cleanly (the trainer checkpoints; the last published weights are the "
-                                 "result). 0 = none.")
-    stall_s: float = _f(180.0, "A worker that writes nothing to its log for this long during its start-up (before the "
-                               "sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks "
-                               "written to its log, and the console says where it is; still silent after twice this, "
-                               "scripts/launch.py stops the run. 0 = never.")
 
 
 @dataclass

@@ -172,7 +172,7 @@ class Completions:
             import psutil
             import vllm
 
-            from grpo.sampler.rollout.vllm_engine import engine_arguments
+            from grpo.sampler.rollout.vllm_arguments import engine_arguments
 
             self.llm = vllm.LLM(**engine_arguments(cfg, False, psutil.virtual_memory().available))
 

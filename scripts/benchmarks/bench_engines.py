@@ -103,8 +103,8 @@ def child(out_path: str, engine_name: str, few_shot: int, repeats: int, override
     from data.prompts import build_prompts
     from grpo.config import load_config
     from grpo.model.loading import add_lora, load_model, load_tokenizer
+    from grpo.sampler.batches import step_seed
     from grpo.sampler.rollout import make_engine
-    from grpo.sampler.step import step_seed
     from grpo.weights.folder import WeightWatcher, publish, stager_for_model
 
     revision = next((o.split("=", 1)[1] for o in overrides if o.startswith("rev=")), None)

@@ -37,8 +37,8 @@ def default_batch(cfg: Config, model):
     from data.problems import load_split
     from data.prompts import build_prompts
     from grpo.model.loading import load_tokenizer
+    from grpo.sampler.batches import SamplerModels, make_batch
     from grpo.sampler.rollout.hf_engine import HFEngine
-    from grpo.sampler.step import SamplerModels, make_batch
 
     tokenizer = load_tokenizer(cfg.model)
     problems = load_split(cfg.data, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]

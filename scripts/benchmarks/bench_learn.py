@@ -266,7 +266,8 @@ def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str]) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (the hidden --trl-worker, --marks and --start: its TRL child's)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "config.yaml")
     parser.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget of each system")
@@ -294,6 +295,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trl-worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--marks", default="", help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = argument_parser()
     args, overrides = parser.parse_known_args(argv)
     if args.trl_worker:
         trl_worker(args.trl_worker, args.config, args.minutes, [float(m) for m in args.marks.split(",")], args.start,

@@ -26,60 +26,52 @@ A sequence's life: queued -> decoding -> (an episode whose message ended: waitin
   columns gathered to the right, in order). The keys carry their rotary positions already and every
   cached column is in the past of every later token, so where a column sits does not matter.
 
-That last sentence is checked once per model, on the model itself (`masked_gap`): a forward whose
-cache holds masked columns between real ones must give the log-probs of the same tokens without
-the gap. Attention that depends on a column's place (MPT's and BLOOM's ALiBi bias the scores by
-column distance) fails it, and so does a cache of sliding-window layers (it drops old columns,
-which the masked ones would count): those models generate in blocks (`HFEngine.generate_in_blocks`)
-and their episodes go turn by turn, as on vLLM.
+That last sentence is checked once per model, on the model itself (`masked_gap`, in
+grpo/sampler/rollout/loop_cache.py with the loop's copies of the cache): a forward whose cache holds
+masked columns between real ones must give the log-probs of the same tokens without the gap.
+Attention that depends on a column's place (MPT's and BLOOM's ALiBi bias the scores by column
+distance) fails it, and so does a cache of sliding-window layers (it drops old columns, which the
+masked ones would count): those models generate in blocks (`HFEngine.generate_in_blocks`) and their
+episodes go turn by turn, as on vLLM.
 
 Seeds: each sequence's message draws its uniforms from its own generator, seeded by (call seed,
-sequence, turn) (`episode_seed`), so the tokens do not depend on which rows share a forward, when
-a row joined, or how long its environment took. The reference is `generate` on the message's whole
-context, one sequence at a time, with torch's generator seeded alike: the same tokens under a
-seed, log-probs to float32 rounding (the same token's keys come from forwards of other shapes, and
-the CPU matmul kernels block by their row count), and the same log-probs to the last bit for a
-float64 model (tests/test_continuous.py).
+sequence, turn) (`episode_seed`; a call's sequences: grpo/sampler/rollout/sequences.py), so the
+tokens do not depend on which rows share a forward, when a row joined, or how long its environment
+took. The reference is `generate` on the message's whole context, one sequence at a time, with
+torch's generator seeded alike: the same tokens under a seed, log-probs to float32 rounding (the
+same token's keys come from forwards of other shapes, and the CPU matmul kernels block by their row
+count), and the same log-probs to the last bit for a float64 model (tests/test_continuous.py).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import math
 import time
-import weakref
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from grpo.sampler.rollout.decoding import InPlaceLayer, TokenSampler, left_pad
+from grpo.sampler.rollout.decoding import InPlaceLayer, TokenSampler
+from grpo.sampler.rollout.loop_cache import LoopCache, runs_continuously
+from grpo.sampler.rollout.sequences import (
+    DECODING,
+    DONE,
+    QUEUED,
+    WAITING,
+    Call,
+    OnTurn,
+    Sequence,
+    check_room,
+    episode_seed,
+)
 
-log = logging.getLogger(__name__)
-
-# (episode, the message's tokens, their log-probs, cut at the budget) -> the environment's reply to feed
-# before the episode's next message, or None: the episode is over. A reply must leave the model room for
-# one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit).
-OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
 COMPACT_FRACTION = 0.25  # rows that left the batch, or queued ones that fit, and masked columns of the cache:
 # a regroup or a squeeze once they are this share of it (each is a copy of the KV, amortised over the steps until the next)
 MIN_SQUEEZE = 64  # masked columns worth a copy of the KV
-# The masked-gap probe: PROBE_TOKENS tokens cached, PROBE_GAP masked columns, then PROBE_TOKENS fed, against
-# the same tokens with the masked columns before them (left padding). Both forwards have the same shapes and
-# blocks of 4 and 8 columns keep a blocked kernel's sums grouped alike, so a model whose attention ignores
-# where a column sits gives the same log-probs to the last bit: 0 measured on CPU for the tiny Llama and
-# Qwen2 and the embedded SmolLM2-135M in float32, bfloat16 and float16. On an H100 (sdpa) a random
-# Qwen2.5-0.5B-shaped model gave 0 in bfloat16 and float16 and up to 8.1e-5 in float32; a random MPT's ALiBi
-# moved them by 0.51 there, and the tests' tiny MPT by 0.51 on CPU (in float64 its padded forward is NaN).
-PROBE_TOKENS, PROBE_GAP = 4, 8
-PROBE_TOLERANCE = {torch.float64: 1e-6}  # the largest log-prob gap that passes; 1e-2 in other dtypes
-_continues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it passed the probe
 
 
 def episode_loop(engine) -> Callable | None:
@@ -94,70 +86,6 @@ def episode_loop(engine) -> Callable | None:
         return None
     cfg = engine.cfg  # environments overlap decoding where the run is off-policy: an on-policy one is reproducible
     return functools.partial(run_episodes, engine, continuous=cfg.continuous_batching, overlap=cfg.max_staleness > 0)
-
-
-def runs_continuously(engine) -> bool:
-    """Whether this loop can decode for `engine`: an HF engine whose model passed `continues` (decided once
-    per model)."""
-    if not getattr(engine, "decodes_continuously", False):
-        return False
-    if engine.model not in _continues:
-        _continues[engine.model] = continues(engine.model)
-    return _continues[engine.model]
-
-
-def continues(model) -> bool:
-    """Whether `model`'s episodes can run in one decode loop: every layer's cache is full attention
-    and a masked gap in it changes no log-prob (`masked_gap`). Says which, once."""
-    if not all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
-        log.info("episodes go turn by turn: the model has sliding-window layers, whose cache drops old "
-                 "columns (the masked columns of a continued batch would count among them)")
-        return False
-    dtype = next(model.parameters()).dtype
-    gap, tolerance = masked_gap(model), PROBE_TOLERANCE.get(dtype, 1e-2)
-    if gap > tolerance:
-        log.warning("episodes go turn by turn: masked columns in the cache move this model's log-probs by %.3g "
-                    "(more than %g in %s): its attention depends on where a cached column sits (ALiBi, say), so "
-                    "an episode cannot go on beside others from the KV it has", gap, tolerance, dtype)
-        return False
-    log.info("episodes run in one decode loop (masked columns in the cache move the log-probs by %.3g)", gap)
-    return True
-
-
-def masked_gap(model) -> float:
-    """The largest gap between the log-probs of PROBE_TOKENS tokens fed after PROBE_TOKENS cached ones
-    with PROBE_GAP masked columns between them (as the loop's cache holds them) and without (the masked
-    columns first: left padding). Positions come from position_ids, as in the loop; a few tokens, once."""
-    device, n = next(model.parameters()).device, PROBE_TOKENS
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = (torch.arange(2 * n, device=device) * 7919 + 5) % vocab  # any tokens: fixed, no random state used
-    ones = torch.ones(n, dtype=torch.long, device=device)
-    zeros = torch.zeros(PROBE_GAP, dtype=torch.long, device=device)  # the masked columns: token, mask, position 0
-    positions = torch.arange(n, device=device)
-    logps = []
-    for cached, mask, at in (((ids[:n], zeros), (ones, zeros), (positions, zeros)),   # the gap between the tokens
-                             ((zeros, ids[:n]), (zeros, ones), (zeros, positions))):  # the gap before them
-        cache, mask = DynamicCache(config=model.config), torch.cat(mask)[None]
-        with torch.no_grad():
-            model(input_ids=torch.cat(cached)[None], attention_mask=mask, position_ids=torch.cat(at)[None],
-                  past_key_values=cache, use_cache=True)
-            logits = model(input_ids=ids[None, n:], attention_mask=torch.cat([mask, ones[None]], dim=1),
-                           position_ids=positions[None] + n, past_key_values=cache, use_cache=True).logits[0]
-        logps.append(torch.log_softmax(logits.double(), dim=-1))  # [n, vocab]
-    between, before = logps
-    diff = torch.where(between == before, 0.0, (between - before).abs())  # -inf in both (a token ruled out): 0
-    return math.inf if diff.isnan().any() else float(diff.max())  # NaN: masked columns that poison the rest
-
-
-def hashed_seed(name: str) -> int:
-    """A seed of its own for what `name` names (below 2**62): the same name, the same seed."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 2
-
-
-def episode_seed(seed: int, episode: int, turn: int) -> int:
-    """The seed of episode `episode`'s turn `turn` (0: its first message) in a step seeded `seed`."""
-    return hashed_seed(f"{seed}/episode{episode}/turn{turn}")
-
 
 
 def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
@@ -179,81 +107,7 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     loop.run(until=call)
 
 
-def last_columns(cache: DynamicCache, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row `row`'s last `n` cached columns of every layer (a left-padded forward's: its real ones)."""
-    return [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
-            for layer in cache.layers]
-
-
-def check_room(episode: int, reply: int, budget: int, used: int) -> None:
-    """An episode's reply of `reply` tokens must leave room for one token of its next message."""
-    if budget - used < 1:
-        raise ValueError(f"episode {episode}: a reply of {reply} tokens leaves no room for another message within "
-                         f"the episode's budget of {budget} tokens ({used} used with it); cut the reply to leave one "
-                         "token at least, or end the episode")
-
-
-DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"
-
-
-@dataclass(eq=False)
-class Call:
-    """One generate call's sequences: B x G, sequence j of prompt j // G."""
-
-    prompts: list[list[int]]
-    group_size: int
-    budgets: list[int]  # per prompt
-    seed: int | None
-    on_turn: OnTurn
-    pending: int = 0  # its sequences not done
-    versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
-
-    @property
-    def size(self) -> int:
-        return len(self.prompts) * self.group_size
-
-    @classmethod
-    def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
-           on_turn: OnTurn) -> "Call":
-        budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
-        if min(budgets, default=1) < 1:
-            raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
-        if seed is None and not greedy:
-            seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
-        return cls(prompts, group_size, budgets, seed, on_turn)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One row's life in the loop: a completion, or an episode's messages and the replies fed between them."""
-
-    call: Call
-    episode: int  # its index in its call: B x G, prompt-major
-    prompt: int  # its prompt's index in its call
-    budget: int  # tokens after its prompt, in all
-    feed: list[int]  # what it has yet to feed (its prompt's last token, then each drawn token, a reply)
-    position: int  # the position of its next fed token
-    limit: int  # tokens its message may still draw
-    # its KV while out of the batch: per layer (keys [H, n, Dk], values [H, n, Dv]), its own columns in order
-    # (a queued group shares its prompt's); None: nothing cached yet (a one-token prompt)
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    prefilled: bool = False  # kv holds its prompt's prefill (or it has decoded)
-    state: str = QUEUED
-    in_batch: bool = False
-    waiting_since: int = 0  # the decode step its environment call started at
-    turn: int = 0
-    used: int = 0  # tokens after its prompt so far: its earlier messages and replies
-    drawn: list[int] = field(default_factory=list)  # this message's tokens
-    logps: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    history: list[int] = field(default_factory=list)  # the tokens its KV holds, in order (to compute it again)
-
-    @property
-    def columns(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[1]
-
-
-class ContinuousLoop:
+class ContinuousLoop(LoopCache):
     """Calls' sequences decoded in one batch of at most generation_batch_size rows, refilled as rows leave:
     a call's own, then those of the calls added after it (`add`), which join once its own are all in."""
 
@@ -324,34 +178,6 @@ class ContinuousLoop:
         self.engine.decode_rows.swaps += 1
         if self.engine.cfg.in_flight_kv == "recompute":
             self._recompute_kv()
-
-    def _recompute_kv(self) -> None:
-        """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the
-        cache rebuilt, each row's columns right-aligned), the parked ones; the queued ones' shared prompt
-        KV is dropped (prefilled again when they join)."""
-        t = time.perf_counter()
-        parked = [s for s in (*self.returned, *self.calls.values()) if not s.in_batch and s.kv is not None]
-        holding = [s for s in (*self.rows, *parked) if s.history]
-        for s in self.fresh:
-            s.kv, s.prefilled = None, False
-        if holding:
-            ids, mask = left_pad([s.history for s in holding], self.pad)
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            cache = DynamicCache(config=self.engine.model.config)
-            with torch.no_grad():
-                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
-            for row, s in enumerate(holding):
-                s.kv = last_columns(cache, row, len(s.history))
-        if self.rows:
-            total = max(len(s.history) for s in self.rows)
-            self.mask = torch.zeros(len(self.rows), total, dtype=self.mask.dtype, device=self.mask.device)
-            for i, s in enumerate(self.rows):
-                self.mask[i, total - len(s.history):] = 1
-            self.cache = self._regrouped_cache([], self.rows, total)
-            for s in self.rows:
-                s.kv = None
-        self.engine.decode_rows.swap_s += time.perf_counter() - t
 
     def _step(self) -> None:
         drawing, logits = self._forward()
@@ -516,64 +342,6 @@ class ContinuousLoop:
         new = [self.fresh.popleft() for _ in range(fresh)]
         self._prefill([s for s in new if not s.prefilled])
         return joining + new
-
-    def _prefill(self, sequences: list[Sequence]) -> None:
-        """The prompts of `sequences` prefilled in one forward (every token but the last); each prompt's KV
-        given to its sequences, and to the queued ones of its group, which join later."""
-        if not sequences:
-            return
-        order = list(dict.fromkeys((s.call, s.prompt) for s in sequences))  # (call, prompt), as they queued
-        ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
-        group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
-        if ids.shape[1] > 1:
-            cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
-        for row, (call, i) in enumerate(order):
-            kv = None if ids.shape[1] == 1 else last_columns(cache, row, len(call.prompts[i]) - 1)
-            for s in group[call, i]:
-                s.kv, s.prefilled = kv, True
-
-    def _regroup(self, staying: list[Sequence], joining: list[Sequence]) -> None:
-        """One copy of the KV: the staying rows (their columns where they are), then the joining ones'
-        right-aligned; the rows waiting on their environment parked with their own columns."""
-        stays = {id(s) for s in staying}
-        keep = [b for b, s in enumerate(self.rows) if id(s) in stays]
-        for b, s in enumerate(self.rows):
-            s.in_batch = False
-            if s.state == WAITING and id(s) not in stays:
-                s.kv = self._own_columns(b)
-        width = self.mask.shape[1] if keep else 0
-        total = max([width, *(s.columns for s in joining)])
-        rows = [self.rows[b] for b in keep] + joining
-        mask = torch.zeros(len(rows), total, dtype=self.mask.dtype, device=self.mask.device)
-        if keep:
-            mask[: len(keep), total - width:] = self.mask[keep]
-        for i, s in enumerate(joining, start=len(keep)):
-            mask[i, total - s.columns:] = 1
-        self.cache = self._regrouped_cache(keep, joining, total) if rows else None
-        self.rows, self.mask = rows, mask
-        for s in rows:
-            s.in_batch = True
-            if s.state == QUEUED:
-                s.state = DECODING
-            s.kv = None  # in the cache now (a group's prompt KV stays with its queued rows)
-
-    def _own_columns(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row b's cached columns (the unmasked ones, in order) of every layer, copied out of the batch."""
-        columns = self.mask[b].nonzero().squeeze(-1)
-        return [(layer.keys[b, :, columns].clone(), layer.values[b, :, columns].clone()) for layer in self.cache.layers]
-
-    def _regrouped_cache(self, keep: list[int], joining: list[Sequence], total: int) -> DynamicCache:
-        """The cache of the new batch, `total` columns wide; a fresh one when nothing is cached yet (one-token
-        prompts: the first forward fills it)."""
-        cache = DynamicCache(config=self.engine.model.config)
-        if total == 0:
-            return cache
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        for i in range(len(cache.layers)):
-            old = self.cache.layers[i] if keep else None
-            cache.layers[i] = InPlaceLayer.of_rows((old.keys[index], old.values[index]) if keep else None,
-                                                   [s.kv[i] if s.kv is not None else None for s in joining], total)
-        return cache
 
     def _squeeze(self) -> None:
         """Each row's real columns gathered to the right of a cache as wide as the widest row's, once

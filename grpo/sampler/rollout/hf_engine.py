@@ -33,8 +33,10 @@ from transformers.cache_utils import DynamicLayer
 from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.model.loading import unwrap_causal_lm
 from grpo.sampler.rollout import Rollouts
-from grpo.sampler.rollout.continuous import Call, Carried, ContinuousLoop, NextCall, runs_continuously
+from grpo.sampler.rollout.continuous import Carried, ContinuousLoop, NextCall
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, TokenSampler, left_pad
+from grpo.sampler.rollout.loop_cache import runs_continuously
+from grpo.sampler.rollout.sequences import Call
 from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
 
 

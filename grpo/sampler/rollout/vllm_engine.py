@@ -18,7 +18,8 @@ prefilled under the new weights and every recorded log-prob is its token's under
 it (the KV is recomputed: vLLM's prefix cache is keyed by adapter). The rest of a resumed sequence draws
 with a seed of its own (`resumed_seed`): the first seed again would reuse the draws of its first tokens.
 The completions started for the next step follow a newer adapter too, rather than being made again
-(a step back, a trainer resumed from an older checkpoint, still aborts them).
+(a step back, a trainer resumed from an older checkpoint, still aborts them). The poller and the
+resumed seed: grpo/sampler/rollout/vllm_tasks.py.
 
 Prefix caching serves the G samples of a prompt from one prefill. Log-probs
 are vLLM's "processed" ones: those of the distribution the token was drawn from, after
@@ -36,7 +37,7 @@ tied output head's CPU kernel made again: grpo/sampler/rollout/vllm_worker.py), 
 
 On the CPU, vLLM reserves `gpu_memory_utilization` of the *host's* memory at start; the engine
 asks instead for a KV cache of `sampling.vllm.kv_cache_gb`, and says plainly when that does not
-fit in the memory available.
+fit in the memory available (`engine_arguments`: grpo/sampler/rollout/vllm_arguments.py).
 """
 
 from __future__ import annotations
@@ -53,69 +54,19 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from common.model_files import resolve_model_path
 from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
-from grpo.sampler.rollout.continuous import Call, NextCall, OnTurn, check_room, episode_seed, hashed_seed
+from grpo.sampler.rollout.continuous import NextCall
+from grpo.sampler.rollout.sequences import Call, OnTurn, check_room, episode_seed
+from grpo.sampler.rollout.vllm_arguments import INSTALL_HINT, VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
+from grpo.sampler.rollout.vllm_tasks import InFlightPoller, all_of, cancelled, resumed_seed
 from grpo.weights.folder import INITIAL_DIGEST, Staged
 
 if TYPE_CHECKING:
     from grpo.settings import Config
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-IN_FLIGHT_POLL_S = 0.1  # how often a sampled call looks for a new version (in-flight updates): a decode step or two
-CPU_BATCHED_TOKENS = 4096  # the CPU build's own default budget of tokens per engine step
 ENGINE_CALL_TIMEOUT_S = 600.0  # a weight reload or adapter load on a large model: minutes at most
-INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
-                ".venv-vllm/bin/python sampling_worker.py sampling.engine=vllm)")
-
-
-class VllmUnavailable(RuntimeError):
-    """vLLM is not installed, or cannot serve this configuration."""
-
-
-def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
-    """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
-    s = cfg.sampling
-    if s.old_logps == "generation" and (s.top_p < 1 or s.top_k > 0):
-        raise VllmUnavailable("sampling.engine=vllm records the log-probs of the top-p/top-k truncated distribution, "
-                              "the trainer computes them over the full one: use sampling.old_logps=recompute with "
-                              "top-p/top-k")
-    args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
-                seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
-                trust_remote_code=cfg.model.trust_remote_code,
-                worker_extension_cls="grpo.sampler.rollout.vllm_worker.PolicyReload", disable_log_stats=True)
-    if cfg.lora.enabled:
-        rank = next((r for r in LORA_RANKS if r >= cfg.lora.r), None)
-        if rank is None:
-            raise VllmUnavailable(f"lora.r={cfg.lora.r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
-        args.update(enable_lora=True, max_lora_rank=rank, max_loras=2)  # the serving version and the next
-    if cuda:
-        args["gpu_memory_utilization"] = s.vllm.gpu_memory_utilization
-    else:
-        kv_bytes = int(s.vllm.kv_cache_gb * 2**30)
-        if kv_bytes > available_bytes // 2:
-            raise VllmUnavailable(f"sampling.vllm.kv_cache_gb={s.vllm.kv_cache_gb:g} is more than half the memory "
-                                  f"available ({available_bytes / 2**30:.1f} GiB): lower it")
-        args["kv_cache_memory_bytes"] = kv_bytes
-        # whole prompts only: a seeded request whose prompt is split across steps makes the CPU build rewind
-        # its generator, which CPU generators cannot do (the engine dies: "CPU Generator does not use offset")
-        args.update(enable_chunked_prefill=False,
-                    max_num_batched_tokens=max(args["max_model_len"], CPU_BATCHED_TOKENS))
-    return args
-
-
-def cpu_threads_environment(allowed_cpus: list[int], threads: int, environ) -> dict[str, str]:
-    """vLLM's CPU settings for as many threads as the sampler's torch has (the launcher's share of
-    the cores). Left alone, vLLM binds one thread per physical core and keeps one core for its
-    scheduler: on 2 vCPUs that is 1 thread, half of what the HF engine uses. A user's own
-    VLLM_CPU_OMP_THREADS_BIND wins."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
-        return {}
-    cpus = allowed_cpus[:max(1, threads)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @dataclass(frozen=True)
@@ -466,54 +417,3 @@ class VllmEngine:
             check_room(j, len(reply), budget, used)
             context += ids.tolist() + reply
             turn += 1
-
-
-def resumed_seed(seed: int, position: int) -> int:
-    """The seed of a sequence seeded `seed` made again from its first `position` tokens (in-flight updates)."""
-    return hashed_seed(f"{seed}/resumed-at{position}")
-
-
-class InFlightPoller:
-    """While a sampled call decodes, `poll` (the watcher's: it loads a newly published version, True when it
-    did) every IN_FLIGHT_POLL_S on a thread; `stop` waits for a poll under way and says how many loaded."""
-
-    def __init__(self, poll: Callable[[], bool]):
-        self.poll, self.loads = poll, 0
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    def start(self, on_error: Callable[[], object]) -> None:
-        """Polls from now on; `on_error()` when a poll raises (`stop` raises its error)."""
-        self._task = asyncio.ensure_future(self._run())
-        self._task.add_done_callback(lambda task: task.cancelled() or task.exception() is None or on_error())
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._stop.wait(), IN_FLIGHT_POLL_S)
-                return
-            except TimeoutError:
-                pass
-            self.loads += bool(await asyncio.to_thread(self.poll))  # loads run there: they call into this loop
-
-    async def stop(self) -> int:
-        self._stop.set()
-        await asyncio.shield(self._task)  # a load under way ends first: none lands after its call
-        return self.loads
-
-
-async def cancelled(tasks: list) -> None:
-    """The tasks cancelled and finished (a cancelled request is aborted in vLLM)."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def all_of(coroutines: list) -> None:
-    """Every coroutine run at once; the first to raise cancels the others (and waits for them) and raises."""
-    tasks = [asyncio.ensure_future(make()) for make in coroutines]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        await cancelled(tasks)
-        raise

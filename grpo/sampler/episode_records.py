@@ -1,0 +1,103 @@
+"""What an episode records, and the step's metrics of them: one episode's tokens (the model's, with
+their behaviour log-probs, and the environment's replies), its turns, tool calls and environment
+failures (`Episode`), a run's B x G episodes as rollouts and reward rows (`Episodes`), and the
+per-step means over a batch's episodes (`episode_metrics`). The runner that fills them in:
+grpo/sampler/episodes.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpo.sampler.rollout import Rollouts
+
+
+@dataclass
+class Episode:
+    tokens: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
+    model: list[bool] = field(default_factory=list)  # True where the model drew the token
+    logps: list[float] = field(default_factory=list)  # behaviour log-probs (0 at environment tokens)
+    messages: list[str] = field(default_factory=list)  # the model's messages the environment took, in order
+    last_message: str = ""  # the last model message as the rewards read it (data.prefill, no special tokens)
+    said: str = ""  # the last model message as the environment reads it: special tokens kept, less the EOS
+    turns: int = 0
+    truncated: bool = False
+    reward: float | None = None  # the environment's, summed over its replies
+    tool_calls: int = 0
+    tool_errors: int = 0
+    malformed_calls: int = 0  # of the tool calls, the ones that could not be read or named no tool
+    call_messages: int = 0  # model messages that made a tool call (well-formed or not)
+    well_formed_messages: int = 0  # of them, the ones whose every call was well-formed
+    env_errors: int = 0  # steps that raised or timed out (grpo/environments/pool.py)
+    open_failed: bool = False  # its environment could not start before turn 1 (counted in env_errors)
+    replies: int = 0  # the environment's steps that answered (did not fail)
+    env_error: str = ""  # its environment's first failure: the error, and where in its code it was raised
+    # digests of what it was shown (grpo.environments.pool.shown_digest): the opening its environment made
+    # (None: it could not open), then the reply to each of `messages`; a rebuild's replay is checked against them
+    shown: list = field(default_factory=list)
+    replay_mismatch: bool = False  # its rebuilt environment replayed otherwise than it was shown: ended, failed
+    child_restarts: int = 0  # restarts of the environments' child during its calls (its own hang, say)
+    rebuilds: int = 0  # times its environment was made again at a step (lost with the child, a raise, a session)
+    replayed_steps: int = 0  # earlier messages replayed in those rebuilds
+
+    @property
+    def environment_failed(self) -> bool:
+        """Its environment failed it: it could not open and no step replied, or its rebuilt
+        environment replayed otherwise than it was shown (the episode was ended there)."""
+        return self.replay_mismatch or (self.env_errors > 0 and self.replies == 0)
+
+    @property
+    def lost_its_own_environment(self) -> bool:
+        """Its own call hung, died or raised before its environment was rebuilt: a replay that then
+        differed may be its doing, so its failure is the episode's, not a loss nobody caused."""
+        return self.child_restarts > 0 or self.env_errors > self.replay_mismatch + self.open_failed
+
+    def count_failure(self, failure: str | None) -> None:
+        """Count a failed environment call (None: it answered); the first one is kept."""
+        if failure is not None:
+            self.env_errors += 1
+            self.env_error = self.env_error or failure
+
+    def add(self, ids, model: bool, logps=None) -> None:
+        ids = [int(t) for t in ids]
+        self.tokens += ids
+        self.model += [model] * len(ids)
+        self.logps += [float(x) for x in logps] if logps is not None else [0.0] * len(ids)
+
+
+@dataclass
+class Episodes:
+    """B x G episodes, prompt-major."""
+
+    prompts: list  # the prompts as the episodes saw them: with their environment's opening message
+    rollouts: Rollouts  # completion_ids: whole episodes; model_masks set
+    texts: list[str]  # each episode's last model message (data.prefill included): what the rewards score
+    rows: list[dict]  # the reward rows, each with the episode's `env_reward`
+    episodes: list[Episode]
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Per-step means over the batch's episodes. env/tool_messages/well_formed_rate: of the model's
+    messages that made a tool call, the share whose every call was well-formed (readable, to a tool
+    the environment has, with arguments that fit); absent when no message made one."""
+    n = max(len(episodes), 1)
+    calls = sum(e.tool_calls for e in episodes)
+    call_messages = sum(e.call_messages for e in episodes)
+    model_tokens = sum(sum(e.model) for e in episodes)
+    well_formed = sum(e.well_formed_messages for e in episodes)
+    return {**({"env/tool_messages/well_formed_rate": well_formed / call_messages} if call_messages else {}),
+            "env/turns/mean": sum(e.turns for e in episodes) / n,
+            "env/turns/max": float(max((e.turns for e in episodes), default=0)),
+            "env/tool_calls/mean": calls / n,
+            "env/tool_errors/mean": sum(e.tool_errors for e in episodes) / n,
+            "env/tool_error_rate": sum(e.tool_errors for e in episodes) / max(calls, 1),
+            # the share of episodes with a call the environment could read, to a tool it has, with arguments that fit
+            "env/well_formed_call_rate": sum(e.tool_calls > e.malformed_calls for e in episodes) / n,
+            "env/env_errors": float(sum(e.env_errors for e in episodes)),
+            # rebuilt environments: the child's restarts (a hang, a death), episodes made again at a step
+            # and the earlier messages replayed in them, and the episodes ended because a replay differed
+            "env/child_restarts": float(sum(e.child_restarts for e in episodes)),
+            "env/rebuilds": float(sum(e.rebuilds for e in episodes)),
+            "env/replayed_steps": float(sum(e.replayed_steps for e in episodes)),
+            "env/replay_mismatches": float(sum(e.replay_mismatch for e in episodes)),
+            "env/model_token_fraction": model_tokens / max(sum(len(e.tokens) for e in episodes), 1)}

@@ -1,0 +1,184 @@
+"""The KV cache of the HF engine's continuous loop (grpo/sampler/rollout/continuous.py), which holds
+masked columns between each row's real ones: the probe that decides, once per model, whether its
+attention lets a sequence go on from such a cache as from one without (`masked_gap`, `continues`), and
+the loop's copies of the cache (`LoopCache`, which `ContinuousLoop` is built on): the prompts' prefill,
+a regroup's new batch with the rows parked or joining with their own columns, and every cached column
+computed again under new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from grpo.sampler.rollout.decoding import InPlaceLayer, left_pad
+from grpo.sampler.rollout.sequences import DECODING, QUEUED, WAITING, Sequence
+
+log = logging.getLogger(__name__)
+
+# The masked-gap probe: PROBE_TOKENS tokens cached, PROBE_GAP masked columns, then PROBE_TOKENS fed, against
+# the same tokens with the masked columns before them (left padding). Both forwards have the same shapes and
+# blocks of 4 and 8 columns keep a blocked kernel's sums grouped alike, so a model whose attention ignores
+# where a column sits gives the same log-probs to the last bit: 0 measured on CPU for the tiny Llama and
+# Qwen2 and the embedded SmolLM2-135M in float32, bfloat16 and float16. On an H100 (sdpa) a random
+# Qwen2.5-0.5B-shaped model gave 0 in bfloat16 and float16 and up to 8.1e-5 in float32; a random MPT's ALiBi
+# moved them by 0.51 there, and the tests' tiny MPT by 0.51 on CPU (in float64 its padded forward is NaN).
+PROBE_TOKENS, PROBE_GAP = 4, 8
+PROBE_TOLERANCE = {torch.float64: 1e-6}  # the largest log-prob gap that passes; 1e-2 in other dtypes
+_continues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it passed the probe
+
+
+def runs_continuously(engine) -> bool:
+    """Whether this loop can decode for `engine`: an HF engine whose model passed `continues` (decided once
+    per model)."""
+    if not getattr(engine, "decodes_continuously", False):
+        return False
+    if engine.model not in _continues:
+        _continues[engine.model] = continues(engine.model)
+    return _continues[engine.model]
+
+
+def continues(model) -> bool:
+    """Whether `model`'s episodes can run in one decode loop: every layer's cache is full attention
+    and a masked gap in it changes no log-prob (`masked_gap`). Says which, once."""
+    if not all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        log.info("episodes go turn by turn: the model has sliding-window layers, whose cache drops old "
+                 "columns (the masked columns of a continued batch would count among them)")
+        return False
+    dtype = next(model.parameters()).dtype
+    gap, tolerance = masked_gap(model), PROBE_TOLERANCE.get(dtype, 1e-2)
+    if gap > tolerance:
+        log.warning("episodes go turn by turn: masked columns in the cache move this model's log-probs by %.3g "
+                    "(more than %g in %s): its attention depends on where a cached column sits (ALiBi, say), so "
+                    "an episode cannot go on beside others from the KV it has", gap, tolerance, dtype)
+        return False
+    log.info("episodes run in one decode loop (masked columns in the cache move the log-probs by %.3g)", gap)
+    return True
+
+
+def masked_gap(model) -> float:
+    """The largest gap between the log-probs of PROBE_TOKENS tokens fed after PROBE_TOKENS cached ones
+    with PROBE_GAP masked columns between them (as the loop's cache holds them) and without (the masked
+    columns first: left padding). Positions come from position_ids, as in the loop; a few tokens, once."""
+    device, n = next(model.parameters()).device, PROBE_TOKENS
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(2 * n, device=device) * 7919 + 5) % vocab  # any tokens: fixed, no random state used
+    ones = torch.ones(n, dtype=torch.long, device=device)
+    zeros = torch.zeros(PROBE_GAP, dtype=torch.long, device=device)  # the masked columns: token, mask, position 0
+    positions = torch.arange(n, device=device)
+    logps = []
+    for cached, mask, at in (((ids[:n], zeros), (ones, zeros), (positions, zeros)),   # the gap between the tokens
+                             ((zeros, ids[:n]), (zeros, ones), (zeros, positions))):  # the gap before them
+        cache, mask = DynamicCache(config=model.config), torch.cat(mask)[None]
+        with torch.no_grad():
+            model(input_ids=torch.cat(cached)[None], attention_mask=mask, position_ids=torch.cat(at)[None],
+                  past_key_values=cache, use_cache=True)
+            logits = model(input_ids=ids[None, n:], attention_mask=torch.cat([mask, ones[None]], dim=1),
+                           position_ids=positions[None] + n, past_key_values=cache, use_cache=True).logits[0]
+        logps.append(torch.log_softmax(logits.double(), dim=-1))  # [n, vocab]
+    between, before = logps
+    diff = torch.where(between == before, 0.0, (between - before).abs())  # -inf in both (a token ruled out): 0
+    return math.inf if diff.isnan().any() else float(diff.max())  # NaN: masked columns that poison the rest
+
+
+def last_columns(cache: DynamicCache, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `row`'s last `n` cached columns of every layer (a left-padded forward's: its real ones)."""
+    return [(layer.keys[row, :, layer.keys.shape[2] - n:], layer.values[row, :, layer.values.shape[2] - n:])
+            for layer in cache.layers]
+
+
+class LoopCache:
+    """The cache side of `ContinuousLoop` (its attributes: the engine, the batch's rows, their mask and
+    cache, the queued and parked sequences): the copies of the KV its regroups and new weights make."""
+
+    def _prefill(self, sequences: list[Sequence]) -> None:
+        """The prompts of `sequences` prefilled in one forward (every token but the last); each prompt's KV
+        given to its sequences, and to the queued ones of its group, which join later."""
+        if not sequences:
+            return
+        order = list(dict.fromkeys((s.call, s.prompt) for s in sequences))  # (call, prompt), as they queued
+        ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
+        group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
+        if ids.shape[1] > 1:
+            cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
+        for row, (call, i) in enumerate(order):
+            kv = None if ids.shape[1] == 1 else last_columns(cache, row, len(call.prompts[i]) - 1)
+            for s in group[call, i]:
+                s.kv, s.prefilled = kv, True
+
+    def _regroup(self, staying: list[Sequence], joining: list[Sequence]) -> None:
+        """One copy of the KV: the staying rows (their columns where they are), then the joining ones'
+        right-aligned; the rows waiting on their environment parked with their own columns."""
+        stays = {id(s) for s in staying}
+        keep = [b for b, s in enumerate(self.rows) if id(s) in stays]
+        for b, s in enumerate(self.rows):
+            s.in_batch = False
+            if s.state == WAITING and id(s) not in stays:
+                s.kv = self._own_columns(b)
+        width = self.mask.shape[1] if keep else 0
+        total = max([width, *(s.columns for s in joining)])
+        rows = [self.rows[b] for b in keep] + joining
+        mask = torch.zeros(len(rows), total, dtype=self.mask.dtype, device=self.mask.device)
+        if keep:
+            mask[: len(keep), total - width:] = self.mask[keep]
+        for i, s in enumerate(joining, start=len(keep)):
+            mask[i, total - s.columns:] = 1
+        self.cache = self._regrouped_cache(keep, joining, total) if rows else None
+        self.rows, self.mask = rows, mask
+        for s in rows:
+            s.in_batch = True
+            if s.state == QUEUED:
+                s.state = DECODING
+            s.kv = None  # in the cache now (a group's prompt KV stays with its queued rows)
+
+    def _own_columns(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row b's cached columns (the unmasked ones, in order) of every layer, copied out of the batch."""
+        columns = self.mask[b].nonzero().squeeze(-1)
+        return [(layer.keys[b, :, columns].clone(), layer.values[b, :, columns].clone()) for layer in self.cache.layers]
+
+    def _regrouped_cache(self, keep: list[int], joining: list[Sequence], total: int) -> DynamicCache:
+        """The cache of the new batch, `total` columns wide; a fresh one when nothing is cached yet (one-token
+        prompts: the first forward fills it)."""
+        cache = DynamicCache(config=self.engine.model.config)
+        if total == 0:
+            return cache
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        for i in range(len(cache.layers)):
+            old = self.cache.layers[i] if keep else None
+            cache.layers[i] = InPlaceLayer.of_rows((old.keys[index], old.values[index]) if keep else None,
+                                                   [s.kv[i] if s.kv is not None else None for s in joining], total)
+        return cache
+
+    def _recompute_kv(self) -> None:
+        """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the
+        cache rebuilt, each row's columns right-aligned), the parked ones; the queued ones' shared prompt
+        KV is dropped (prefilled again when they join)."""
+        t = time.perf_counter()
+        parked = [s for s in (*self.returned, *self.calls.values()) if not s.in_batch and s.kv is not None]
+        holding = [s for s in (*self.rows, *parked) if s.history]
+        for s in self.fresh:
+            s.kv, s.prefilled = None, False
+        if holding:
+            ids, mask = left_pad([s.history for s in holding], self.pad)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            cache = DynamicCache(config=self.engine.model.config)
+            with torch.no_grad():
+                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
+            for row, s in enumerate(holding):
+                s.kv = last_columns(cache, row, len(s.history))
+        if self.rows:
+            total = max(len(s.history) for s in self.rows)
+            self.mask = torch.zeros(len(self.rows), total, dtype=self.mask.dtype, device=self.mask.device)
+            for i, s in enumerate(self.rows):
+                self.mask[i, total - len(s.history):] = 1
+            self.cache = self._regrouped_cache([], self.rows, total)
+            for s in self.rows:
+                s.kv = None
+        self.engine.decode_rows.swap_s += time.perf_counter() - t

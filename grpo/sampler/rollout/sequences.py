@@ -1,0 +1,96 @@
+"""A generate call's sequences as the decode loops keep them (the HF engine's continuous loop,
+grpo/sampler/rollout/continuous.py, and vLLM's tasks, grpo/sampler/rollout/vllm_engine.py): `Call`,
+B x G sequences with their budgets and seed; `Sequence`, one row's life in the loop and its state; the
+seeds of an episode's turns (`episode_seed`), and the check that a reply leaves room for a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# (episode, the message's tokens, their log-probs, cut at the budget) -> the environment's reply to feed
+# before the episode's next message, or None: the episode is over. A reply must leave the model room for
+# one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit).
+OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
+
+
+def hashed_seed(name: str) -> int:
+    """A seed of its own for what `name` names (below 2**62): the same name, the same seed."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 2
+
+
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """The seed of episode `episode`'s turn `turn` (0: its first message) in a step seeded `seed`."""
+    return hashed_seed(f"{seed}/episode{episode}/turn{turn}")
+
+
+def check_room(episode: int, reply: int, budget: int, used: int) -> None:
+    """An episode's reply of `reply` tokens must leave room for one token of its next message."""
+    if budget - used < 1:
+        raise ValueError(f"episode {episode}: a reply of {reply} tokens leaves no room for another message within "
+                         f"the episode's budget of {budget} tokens ({used} used with it); cut the reply to leave one "
+                         "token at least, or end the episode")
+
+
+DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"
+
+
+@dataclass(eq=False)
+class Call:
+    """One generate call's sequences: B x G, sequence j of prompt j // G."""
+
+    prompts: list[list[int]]
+    group_size: int
+    budgets: list[int]  # per prompt
+    seed: int | None
+    on_turn: OnTurn
+    pending: int = 0  # its sequences not done
+    versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts) * self.group_size
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
+           on_turn: OnTurn) -> "Call":
+        budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
+        if min(budgets, default=1) < 1:
+            raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
+        if seed is None and not greedy:
+            seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
+        return cls(prompts, group_size, budgets, seed, on_turn)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One row's life in the loop: a completion, or an episode's messages and the replies fed between them."""
+
+    call: Call
+    episode: int  # its index in its call: B x G, prompt-major
+    prompt: int  # its prompt's index in its call
+    budget: int  # tokens after its prompt, in all
+    feed: list[int]  # what it has yet to feed (its prompt's last token, then each drawn token, a reply)
+    position: int  # the position of its next fed token
+    limit: int  # tokens its message may still draw
+    # its KV while out of the batch: per layer (keys [H, n, Dk], values [H, n, Dv]), its own columns in order
+    # (a queued group shares its prompt's); None: nothing cached yet (a one-token prompt)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    prefilled: bool = False  # kv holds its prompt's prefill (or it has decoded)
+    state: str = QUEUED
+    in_batch: bool = False
+    waiting_since: int = 0  # the decode step its environment call started at
+    turn: int = 0
+    used: int = 0  # tokens after its prompt so far: its earlier messages and replies
+    drawn: list[int] = field(default_factory=list)  # this message's tokens
+    logps: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    history: list[int] = field(default_factory=list)  # the tokens its KV holds, in order (to compute it again)
+
+    @property
+    def columns(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[1]

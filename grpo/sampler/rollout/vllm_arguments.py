@@ -1,0 +1,66 @@
+"""The arguments vLLM's engine starts with (grpo/sampler/rollout/vllm_engine.py): `engine_arguments`, the
+keyword arguments of `vllm.LLM` for a run (a pure function, tested without vLLM), and the CPU build's
+thread settings (`cpu_threads_environment`); `VllmUnavailable` when vLLM is not installed or cannot serve
+the configuration. Importable without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.model_files import resolve_model_path
+
+if TYPE_CHECKING:
+    from grpo.settings import Config
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+CPU_BATCHED_TOKENS = 4096  # the CPU build's own default budget of tokens per engine step
+INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
+                ".venv-vllm/bin/python sampling_worker.py sampling.engine=vllm)")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed, or cannot serve this configuration."""
+
+
+def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
+    """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
+    s = cfg.sampling
+    if s.old_logps == "generation" and (s.top_p < 1 or s.top_k > 0):
+        raise VllmUnavailable("sampling.engine=vllm records the log-probs of the top-p/top-k truncated distribution, "
+                              "the trainer computes them over the full one: use sampling.old_logps=recompute with "
+                              "top-p/top-k")
+    args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
+                seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
+                trust_remote_code=cfg.model.trust_remote_code,
+                worker_extension_cls="grpo.sampler.rollout.vllm_worker.PolicyReload", disable_log_stats=True)
+    if cfg.lora.enabled:
+        rank = next((r for r in LORA_RANKS if r >= cfg.lora.r), None)
+        if rank is None:
+            raise VllmUnavailable(f"lora.r={cfg.lora.r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+        args.update(enable_lora=True, max_lora_rank=rank, max_loras=2)  # the serving version and the next
+    if cuda:
+        args["gpu_memory_utilization"] = s.vllm.gpu_memory_utilization
+    else:
+        kv_bytes = int(s.vllm.kv_cache_gb * 2**30)
+        if kv_bytes > available_bytes // 2:
+            raise VllmUnavailable(f"sampling.vllm.kv_cache_gb={s.vllm.kv_cache_gb:g} is more than half the memory "
+                                  f"available ({available_bytes / 2**30:.1f} GiB): lower it")
+        args["kv_cache_memory_bytes"] = kv_bytes
+        # whole prompts only: a seeded request whose prompt is split across steps makes the CPU build rewind
+        # its generator, which CPU generators cannot do (the engine dies: "CPU Generator does not use offset")
+        args.update(enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(args["max_model_len"], CPU_BATCHED_TOKENS))
+    return args
+
+
+def cpu_threads_environment(allowed_cpus: list[int], threads: int, environ) -> dict[str, str]:
+    """vLLM's CPU settings for as many threads as the sampler's torch has (the launcher's share of
+    the cores). Left alone, vLLM binds one thread per physical core and keeps one core for its
+    scheduler: on 2 vCPUs that is 1 thread, half of what the HF engine uses. A user's own
+    VLLM_CPU_OMP_THREADS_BIND wins."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return {}
+    cpus = allowed_cpus[:max(1, threads)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -427,7 +427,8 @@ def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
     assert denominators_of(batch, Objective()) == Denominators(sequences=3, tokens=8, completions=3)
     aged, fraction = within_age(batch, trainer_version=5, max_age=1)
     assert [m.int().tolist() for m in aged.model_mask] == [[0, 0, 1, 1], [1, 0, 1], [0, 0]]
-    assert fraction == 4 / 8 and denominators_of(aged, Objective()) == Denominators(sequences=2, tokens=4, completions=3)
+    assert (fraction == 4 / 8
+            and denominators_of(aged, Objective()) == Denominators(sequences=2, tokens=4, completions=3))
     assert within_age(batch, trainer_version=5, max_age=2)[0] is batch
     assert within_age(batch, trainer_version=4, max_age=1)[0] is batch
 

@@ -48,7 +48,8 @@ def write_rows(tmp_path, backend, run="run"):
     rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], without_wall_time(numeric(r))) for r in rows] == EXPECTED
     assert "wall_time" in rows[3]  # the sampler's row has its time; the trainer adds its own rows' before writing
-    assert [r.get("tracker/failures") for r in rows] == [0, 0, 0, 0]  # one writer: each row counts its tracker's failures
+    # one writer: each row counts its tracker's failures
+    assert [r.get("tracker/failures") for r in rows] == [0, 0, 0, 0]
 
 
 def without_wall_time(values: dict) -> dict:

@@ -283,7 +283,8 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     pickling_calls = {"recv_pyobj", "recv_serialized", "recv", "unsafe_load"}  # Connection.recv unpickles
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
     wire = REPO / "grpo" / "wire"
-    paths = [wire / "transport.py", wire / "codec.py", wire / "zmq_transport.py", wire / "batch.py", wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
+    paths = [wire / "transport.py", wire / "codec.py", wire / "zmq_transport.py", wire / "batch.py",
+             wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
              REPO / "grpo" / "trainer" / "loop.py", REPO / "grpo" / "trainer" / "ranks.py",
              REPO / "grpo" / "sampler" / "worker.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
              REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in

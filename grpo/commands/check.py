@@ -2,8 +2,10 @@
 
     grpo check runs/ci-smoke --steps 2 [--max-logp-difference 1e-3]   (or python scripts/check_run.py ...)
 
-Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked, every row's
-`sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch; a service reward, e.g. an HTTP one,
+Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked,
+every row's
+`sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch; a service reward,
+e.g. an HTTP one,
 scored some sample); `weights/LATEST` is N and that version's
 checksums verify; and, for a LoRA run, the published adapter loads with `peft.PeftModel.from_pretrained`
 on the base model (a real client, not our loader) and changes its logits. Exit 1 with the reason

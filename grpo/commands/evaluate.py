@@ -92,7 +92,8 @@ def resolve_inputs(args, overrides: list[str]) -> tuple:
     """(config, weights folder or None, where the config came from), from --run / --weights / --config."""
     if args.run is not None:
         if args.weights is not None or args.config is not None:
-            raise RunOutputsError("--run evaluates a run with its own config and weights: leave out --weights and --config")
+            raise RunOutputsError("--run evaluates a run with its own config and weights: "
+                                  "leave out --weights and --config")
         return run_config(args.run, overrides), version_folder(args.run, args.version), str(RunFolder(args.run).config)
     if args.version is not None:
         raise RunOutputsError("--version picks a version of a run: use it with --run runs/<name>")

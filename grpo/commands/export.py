@@ -67,7 +67,8 @@ def check_out(out: Path, run_dir: Path, force: bool) -> None:
     if entries and not force:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ExportError(f"--out {out} is not empty ({shown}); choose a new folder, or --force to replace it "
-                          f"(an earlier export is replaced, anything else is moved aside to {out.name}.replaced-<date>)")
+                          "(an earlier export is replaced, anything else is moved aside to "
+                          f"{out.name}.replaced-<date>)")
 
 
 def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "float32") -> str:
@@ -123,7 +124,8 @@ def base_paragraph(cfg: Config, library: str) -> str:
 
 def settings_table(cfg: Config, step: int) -> str:
     t, lora = cfg.training, cfg.lora
-    rows = [("algorithm", "GSPO" if t.use_gspo else "GRPO"), ("learning rate", f"{t.learning_rate:g} ({t.lr_schedule})"),
+    rows = [("algorithm", "GSPO" if t.use_gspo else "GRPO"),
+            ("learning rate", f"{t.learning_rate:g} ({t.lr_schedule})"),
             ("group size", cfg.sampling.group_size), ("prompts per step", cfg.sampling.prompts_per_step),
             ("steps", f"{t.steps} configured; this is step {step}"), ("KL beta", t.beta),
             ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(cfg.rewards.names, cfg.rewards.weights))),

@@ -121,7 +121,8 @@ def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
     if s.top_k < 0:
         errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
     if s.episode_feed_tokens < 0:
-        errors.append(f"sampling.episode_feed_tokens must be >= 0 (0 = a reply in one step); got {s.episode_feed_tokens}")
+        errors.append(f"sampling.episode_feed_tokens must be >= 0 (0 = a reply in one step); got "
+                      f"{s.episode_feed_tokens}")
     if not 0 <= s.worker_index < s.num_workers:
         errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
                       f"{s.worker_index} and {s.num_workers}")
@@ -157,7 +158,8 @@ def _data_errors(d) -> list[str]:
     errors = [f"data.few_shot must be >= 0 (0 = none); got {d.few_shot}"] if d.few_shot < 0 else []
     if d.few_shot > 0 and d.answer_format != "gsm8k" and not is_procedural(d.path):
         errors.append(f"data.few_shot={d.few_shot} shows solved problems (GSM8K's worked solutions, or a "
-                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or data.path=reasoning-gym:<task>; "
+                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
+                      "data.path=reasoning-gym:<task>; "
                       "set data.few_shot=0 for your own data")
     if is_procedural(d.path):
         try:
@@ -215,7 +217,8 @@ def _model_errors(cfg: Config) -> list[str]:
 
         try:
             read_chat_template(cfg.model.chat_template)
-            if cfg.model.chat_template not in TEMPLATES:  # a file: recorded whole, as the run's config will be read elsewhere
+            # a file: recorded whole, as the run's config will be read elsewhere
+            if cfg.model.chat_template not in TEMPLATES:
                 cfg.model.chat_template = str(Path(cfg.model.chat_template).resolve())
         except ModelError as e:
             errors.append(str(e))
@@ -227,7 +230,8 @@ def _process_errors(cfg: Config) -> list[str]:
     if cfg.eval.every < 0:
         errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
     if cfg.env.concurrency < 0:
-        errors.append(f"env.concurrency must be >= 0 (0 = one call per row of the decode batch); got {cfg.env.concurrency}")
+        errors.append(f"env.concurrency must be >= 0 (0 = one call per row of the decode batch); got "
+                      f"{cfg.env.concurrency}")
     if cfg.rewards.timeout_s < 0:
         errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
     if cfg.rewards.max_failed_steps < 0:
@@ -256,7 +260,8 @@ def _reward_errors(cfg: Config) -> list[str]:
         errors.append("env_reward is the reward an environment gives its episodes, and env.name is empty: set env.name "
                       "(e.g. calculator; see docs/environments.md) or use another reward")
     named = [("rewards.names", name) for name in r.names]
-    for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward), ("rewards.format_reward", r.format_reward)]:
+    for key, name in [*named, ("rewards.accuracy_reward", r.accuracy_reward),
+                      ("rewards.format_reward", r.format_reward)]:
         if is_service_name(name):
             errors += _service_errors(cfg, key, name)
             continue
@@ -287,7 +292,8 @@ def _service_setting_errors(r) -> list[str]:
 
     errors = []
     if not 0 < r.remote_timeout_s <= 86400 or r.remote_retries < 0:
-        errors.append(f"rewards.remote_timeout_s must be in (0, 86400] and rewards.remote_retries >= 0; got {r.remote_timeout_s} "
+        errors.append("rewards.remote_timeout_s must be in (0, 86400] and rewards.remote_retries >= 0; got "
+                      f"{r.remote_timeout_s} "
                       f"and {r.remote_retries}")
     if r.reward_model_batch_size < 1:
         errors.append(f"rewards.reward_model_batch_size must be >= 1; got {r.reward_model_batch_size}")
@@ -314,7 +320,8 @@ def _env_errors(cfg: Config) -> list[str]:
         from grpo.environments import args_problems, environment_args, environment_factory
 
         try:
-            environment_factory(e.name, environment_args(e))  # imports it now: a bad name fails at start, in both processes
+            # imports it now: a bad name fails at start, in both processes
+            environment_factory(e.name, environment_args(e))
             errors += args_problems(e.name, e.args)  # a mistyped env.args key, named with the keys it takes
         except (ValueError, ImportError) as error:
             errors.append(str(error))
@@ -352,7 +359,8 @@ def _tool_errors(e) -> list[str]:
 
         unknown = sorted(set(e.args) - set(SETTINGS))
         if unknown:
-            errors.append(f"env.args: {', '.join(unknown)} unknown for the tool environment; valid: {', '.join(SETTINGS)}")
+            errors.append(f"env.args: {', '.join(unknown)} unknown for the tool environment; "
+                          f"valid: {', '.join(SETTINGS)}")
         max_calls = e.args.get("max_calls", 0)  # absent: the environment's default
         if not (isinstance(max_calls, int) and max_calls >= 0):
             errors.append(f"env.args.max_calls must be an integer >= 0; got {max_calls!r}")

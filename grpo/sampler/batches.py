@@ -129,7 +129,8 @@ def environment_failures(episodes: list | None) -> list[tuple[str, bool] | None]
     that another episode's hang caused replayed otherwise) for an episode that failed."""
     if episodes is None:
         return None
-    return [((e.env_error or "it gave no reply"), e.open_failed or (e.replay_mismatch and not e.lost_its_own_environment))
+    return [((e.env_error or "it gave no reply"),
+             e.open_failed or (e.replay_mismatch and not e.lost_its_own_environment))
             if e.environment_failed else None for e in episodes]
 
 
@@ -172,7 +173,8 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                             torch.stack([rnd.scores.applies[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.total[i] for rnd, i in samples]),
                             {name: sum(s.failures[name] for s in scores) for name in scores[0].failures},
-                            dict(error for s in reversed(scores) for error in s.errors.items()),  # earliest round's wins
+                            # earliest round's wins
+                            dict(error for s in reversed(scores) for error in s.errors.items()),
                             torch.stack([rnd.scores.failed[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.scored[i] for rnd, i in samples]),
                             torch.stack([rnd.scores.worst[i] for rnd, i in samples])),
@@ -192,7 +194,8 @@ def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompt
     rounds, spreads = [first], [has_spread(first.scores.total, s.group_size, first.scores.scored)]
     while s.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds \
             and more_prompts:
-        extra = generate_and_score(cfg, policy, more_prompts(len(rounds)), round_seed(step_seed(cfg, step), len(rounds)),
+        extra = generate_and_score(cfg, policy, more_prompts(len(rounds)),
+                                   round_seed(step_seed(cfg, step), len(rounds)),
                                    sandbox)
         rounds.append(extra)
         spreads.append(has_spread(extra.scores.total, s.group_size, extra.scores.scored))

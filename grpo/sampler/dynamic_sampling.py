@@ -2,7 +2,8 @@
 
 A group whose G completions all score the same (of those scored: a sample no reward could be
 asked about is left out) gets zero advantage: it costs a generation and a forward/backward and
-moves nothing. With `sampling.dynamic_sampling` the sampler drops such groups and generates more prompts, in rounds of `prompts_per_step`, until it has
+moves nothing. With `sampling.dynamic_sampling` the sampler drops such groups and generates more prompts,
+in rounds of `prompts_per_step`, until it has
 `prompts_per_step` informative groups or has generated `dynamic_sampling_max_rounds` rounds;
 then it fills up with the first dropped groups (zero advantage: the batch keeps its size) and
 logs that the cap was hit.

@@ -29,7 +29,8 @@ def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: i
             rollouts, completions, rows = run.rollouts, run.texts, run.rows
         else:
             rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
-            completions = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
+            completions = [prefill + text
+                           for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
             rows = reward_rows([p.problem for p in chunk])
         correct, formatted = passes(checks[0], completions, rows, call), passes(checks[1], completions, rows, call)
         for k, (prompt, completion, ids, cut, ok, form) in enumerate(zip(chunk, completions, rollouts.completion_ids,
@@ -39,7 +40,8 @@ def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: i
             if episodes is not None:  # the whole episode, tool results included, and its counts
                 e = run.episodes[k]
                 samples[-1].update(episode=prefill + tokenizer.decode(ids, skip_special_tokens=True), turns=e.turns,
-                                   tool_calls=e.tool_calls, tool_errors=e.tool_errors, malformed_calls=e.malformed_calls)
+                                   tool_calls=e.tool_calls, tool_errors=e.tool_errors,
+                                   malformed_calls=e.malformed_calls)
         if progress is not None:
             progress(len(chunk))
     return samples

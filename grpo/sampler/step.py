@@ -123,7 +123,8 @@ def wait_for_weights(loop: SamplerRun, step: int) -> dict[str, float]:
     mark = loop.evaluator.next_mark if loop.evaluator is not None else None  # served on its way, to be evaluated
     wait_for_version(watcher, needed, cfg.sampling.wait_timeout_s, on_poll=lambda: loop.redelivery.check(step),
                      prefer=mark if mark is not None and mark >= needed else None)
-    return {"timing/weights_wait_s": time.perf_counter() - t, "timing/weight_load_s": watcher.load_seconds - loaded_before,
+    return {"timing/weights_wait_s": time.perf_counter() - t,
+            "timing/weight_load_s": watcher.load_seconds - loaded_before,
             "sampler/weight_load_failures": float(watcher.failures)}
 
 
@@ -132,7 +133,8 @@ def evaluate_if_due(evaluator, engine) -> dict | None:
         return None
     result = evaluator.run(engine, engine.version)
     log.info("eval at version %d: answer accuracy %.3f, format rate %.3f (%d problems, %.0f s)", engine.version,
-             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"], result["eval/seconds"])
+             result["eval/answer_accuracy"], result["eval/format_rate"], result["eval/problems"],
+             result["eval/seconds"])
     return result
 
 

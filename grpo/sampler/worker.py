@@ -171,7 +171,8 @@ def evaluation_prompts(cfg: Config, tokenizer) -> list:
     return prompts
 
 
-def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int, run_dir) -> tuple[PromptCursor, int]:
+def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int,
+                    run_dir) -> tuple[PromptCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
     trainer needs steps the spool no longer holds (grpo/wire/delivery.py, rule 5). The loop seeks the
     cursor to each step's global position; a saved cursor still refuses other data or seed."""

@@ -56,7 +56,8 @@ class RunEnds:
         tracker = open_tracker(cfg.logging, cfg.run_dir, cfg.run.name, to_dict(cfg),
                                writer=f"trainer-{state.incarnation}")
         ends = cls(receiver, inbox, MetricsLog(cfg.run_dir, state.step, cfg.logging.tensorboard, tracker))
-        state.save(RunFolder(cfg.run_dir).trainer_state)  # bound and ready: the samplers re-send (grpo/wire/delivery.py)
+        # bound and ready: the samplers re-send (grpo/wire/delivery.py)
+        state.save(RunFolder(cfg.run_dir).trainer_state)
         return ends
 
     def close(self) -> None:

@@ -83,7 +83,8 @@ def load_trainable(src: dict, dst) -> None:
     if missing or result.unexpected_keys:
         raise CheckpointMismatch(f"the checkpoint does not hold this model's trained weights: {len(missing)} missing "
                                  f"(e.g. {missing[:2]}), {len(result.unexpected_keys)} unexpected (e.g. "
-                                 f"{sorted(result.unexpected_keys)[:2]}); it was made with another model or LoRA setting")
+                                 f"{sorted(result.unexpected_keys)[:2]}); "
+                                 "it was made with another model or LoRA setting")
 
 
 def base_fingerprint(module) -> str:

@@ -128,7 +128,8 @@ class PolicyObjective(torch.nn.Module):
                 denominators: Denominators | None = None):
         if mb is None:
             return dummy_loss(self.policy, batch, self.cfg), {}, 0
-        return micro_batch_loss(self.policy, mb, self.cfg, first_pass, denominators or denominators_of(batch, self.objective),
+        return micro_batch_loss(self.policy, mb, self.cfg, first_pass,
+                                denominators or denominators_of(batch, self.objective),
                                 objective=self.objective)
 
 
@@ -187,7 +188,8 @@ def make_optimizer(params, cfg: Config) -> SkippingAdamW:
                          clip_norm=cfg.training.max_grad_norm if clips_itself(cfg) else None)
 
 
-def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, device, updates: int = 0) -> dict[str, float]:
+def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, device,
+               updates: int = 0) -> dict[str, float]:
     """One optimizer update per pass over `batch` on this rank's share of it; the reduced metrics.
     `updates`: those applied before (the learning-rate clock); each pass sets its own rate, and
     "optimizer_updates" says how many passes applied theirs (a skipped pass does not count).

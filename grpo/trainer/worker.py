@@ -58,7 +58,8 @@ from grpo.wire.transport import AddressInUse, BatchReceiver
 log = logging.getLogger("trainer")
 EXIT_BAD_STEPS = 5  # training.max_bad_steps non-finite steps in a row
 EXIT_WRITE_FAILED = 6  # weights, a checkpoint or metrics could not be written
-EXIT_BEHAVIOUR_MISMATCH = 7  # a batch sampled with other settings or staler weights than allowed (grpo/wire/behaviour.py)
+# a batch sampled with other settings or staler weights than allowed (grpo/wire/behaviour.py)
+EXIT_BEHAVIOUR_MISMATCH = 7
 
 
 def main(argv: list[str]) -> int:

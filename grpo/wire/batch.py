@@ -37,7 +37,8 @@ class RolloutBatch:
     meta: dict = field(default_factory=dict)  # JSON-safe: sample ids, timings, sampler metrics
     sampler: int = 0  # which sampler made it: the delivery key is (sampler, step) (grpo/wire/delivery.py)
     behaviour: dict = field(default_factory=dict)  # how it was sampled (grpo/wire/behaviour.py), checked by the trainer
-    weights_digest: str = INITIAL_DIGEST  # sha256 of policy_version's manifest.json (grpo/weights/folder.py), checked too
+    # sha256 of policy_version's manifest.json (grpo/weights/folder.py), checked too
+    weights_digest: str = INITIAL_DIGEST
     model_mask: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens of multi-turn episodes
     # (grpo/sampler/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
     # N x int32 [C_j]: the weights version that sampled each token; ENVIRONMENT_TOKEN where an environment wrote it

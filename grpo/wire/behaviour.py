@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
                   "model.name_or_path", "model.dtype", "sampling.dtype",
                   "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
-                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",  # the sampler's copy scales by its own alpha
+                  # the sampler's copy scales by its own alpha
+                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",
                   "env.name", "env.max_turns")
 
 
@@ -64,7 +65,8 @@ def check_staleness(trainer_version: int, batch_version: int, max_staleness: int
     or a bug gets here)."""
     if too_stale(batch_version, trainer_version, max_staleness):
         raise BehaviourMismatch(
-            f"sampler {sampler} step {step} was sampled with weights v{batch_version}, {trainer_version - batch_version} "
+            f"sampler {sampler} step {step} was sampled with weights v{batch_version}, "
+            f"{trainer_version - batch_version} "
             f"versions behind this trainer's v{trainer_version}; sampling.max_staleness={max_staleness} allows "
             f"{max_staleness}. Nothing was trained with it.")
 
@@ -75,7 +77,8 @@ def check_weights_digest(version: int, digest: str, published: dict[int, set[str
     if digest not in known:
         raise BehaviourMismatch(
             f"sampler {sampler} step {step} was sampled with weights v{version} whose manifest sha256 is "
-            f"{digest[:16]}, but this trainer published v{version} as {', '.join(sorted(d[:16] for d in known)) or 'nothing'}; "
+            f"{digest[:16]}, but this trainer published v{version} as "
+            f"{', '.join(sorted(d[:16] for d in known)) or 'nothing'}; "
             "nothing was trained with it. Does the sampler read this run's weights (weights.dir, run.dir)?")
 
 

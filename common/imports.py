@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -22,6 +23,14 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
+_IMPORTING: list[str] = []  # the user files being executed now, innermost last
+
+
+def importing_user_code() -> str | None:
+    """The user file whose import is running now, if any (grpo.launch refuses to start a run from it)."""
+    return _IMPORTING[-1] if _IMPORTING else None
+
+
 def _module_of(path: str):
     if path.endswith(".py"):  # a file: imported under its own name, once
         file = Path(path).expanduser().resolve()
@@ -31,7 +40,11 @@ def _module_of(path: str):
             if spec is None or not file.is_file():
                 raise FileNotFoundError(f"no file {file}")
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            _IMPORTING.append(str(file))
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                _IMPORTING.pop()
             sys.modules[name] = module
         return sys.modules[name]
     return importlib.import_module(path)
@@ -49,3 +62,18 @@ def import_object(name: str, key: str):
     if not callable(function):
         raise ImportPathError(f"{key}: {name!r} is a {type(function).__name__}, not a function or class")
     return function
+
+
+PROJECT_PACKAGES = ("common", "data", "rewards", "grpo")
+USER_PATH_ENV = "GRPO_USER_PATH"  # folders of the user's code given to grpo.launch (os.pathsep-separated)
+
+
+def user_code_importable() -> None:
+    """`package.module:name` in the config imports from the working folder and GRPO_USER_PATH too:
+    they go last on sys.path, after the project's packages, so that a user's file named like one of
+    them (rewards.py, data/) does not shadow it."""
+    for package in PROJECT_PACKAGES:  # imported first: their modules then come from them, whatever the path holds
+        importlib.import_module(package)
+    for folder in [os.getcwd(), *filter(None, os.environ.get(USER_PATH_ENV, "").split(os.pathsep))]:
+        if folder not in sys.path:
+            sys.path.append(folder)

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import types
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from common.imports import USER_PATH_ENV, importing_user_code
 from common.run_folder import RunFolder
 
 Overrides = Mapping[str, Any] | Sequence[str] | None
@@ -63,13 +65,17 @@ def import_path(obj: Any) -> str:
 
 
 def module_root(obj: Any) -> str | None:
-    """The folder from which the module of `obj` imports (what its processes need on PYTHONPATH)."""
+    """The folder from which the module of `obj` imports, when the run's processes need it added to
+    their path (GRPO_USER_PATH): none for an installed package (a site-packages folder there would mix
+    two environments' packages in a vLLM sampler)."""
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     file = getattr(module, "__file__", None)
     if module is None or not file or module.__name__ == "__main__":
         return None
     depth = module.__name__.count(".") + (Path(file).name == "__init__.py")
-    return str(Path(file).resolve().parents[depth])
+    root = Path(file).resolve().parents[depth]
+    installed = {Path(sysconfig.get_paths()[kind]).resolve() for kind in ("purelib", "platlib", "stdlib")}
+    return None if root in installed or root.name in ("site-packages", "dist-packages") else str(root)
 
 
 def _code_in(value: Any) -> list:
@@ -82,20 +88,38 @@ def _code_in(value: Any) -> list:
     return []
 
 
-def _as_config_value(value: Any) -> Any:
+def _as_config_value(value: Any, key: str) -> Any:
     if isinstance(value, (types.FunctionType, type)):
         return import_path(value)
     if isinstance(value, (list, tuple)):
-        return [_as_config_value(item) for item in value]
+        return [_as_config_value(item, key) for item in value]
     if isinstance(value, dict):
-        return {key: _as_config_value(item) for key, item in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    return value
+        return {k: _as_config_value(item, key) for k, item in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar
+        return value.item()
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise TypeError(f"overrides: {key} is a {type(value).__name__} ({value!r}); give a number, string, bool, list, "
+                    "dict, path, or a module-level function or class")
+
+
+def _as_text(value: Any) -> str:
+    """`value` as the command line's YAML reads it back: a string that YAML would read as something
+    else (a number, a bool, a comment, a mapping, trailing dots or spaces) is quoted."""
+    if isinstance(value, str):
+        try:
+            if yaml.safe_load(value) == value:
+                return value
+        except yaml.YAMLError:
+            pass
+        return json.dumps(value, ensure_ascii=False)
+    return yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
 
 
 def cli_overrides(overrides: Overrides) -> tuple[list[str], list[str]]:
-    """(`key=value` strings as the command line takes them, folders the code given needs on PYTHONPATH)."""
+    """(`key=value` strings as the command line takes them, folders the code given imports from)."""
     if overrides is None:
         return [], []
     if isinstance(overrides, str):
@@ -105,9 +129,7 @@ def cli_overrides(overrides: Overrides) -> tuple[list[str], list[str]]:
     texts, roots = [], []
     for key, value in overrides.items():
         roots += [root for code in _code_in(value) if (root := module_root(code)) and root not in roots]
-        value = _as_config_value(value)
-        text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10**9)
-        texts.append(f"{key}={text.strip().removesuffix('...').strip()}")
+        texts.append(f"{key}={_as_text(_as_config_value(value, key))}")
     return texts, roots
 
 
@@ -162,12 +184,19 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     launcher's progress lines as they come (they are kept in `Run.output` either way)."""
     from grpo.config import parse_cli
 
+    if importing_user_code():
+        raise RuntimeError(f"grpo.launch was called while the run's config imported {importing_user_code()} (the file "
+                           "that defines a reward, environment or tool): put the launch under "
+                           "`if __name__ == \"__main__\":` so that importing the file does not start a run")
     texts, roots = cli_overrides(overrides)
-    args = (["--config", str(config)] if config is not None else []) + texts
-    cfg = parse_cli(args, default_path=None if config is None else str(config))
-    env = dict(os.environ)
-    if roots:
-        env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH")])])
+    args = (["--config", os.fspath(config)] if config is not None else []) + texts
+    cfg = parse_cli(args)  # as the launcher reads it: a missing --config file is an error, no --config: ./config.yaml
+    env = dict(os.environ, PYTHONSAFEPATH="1")  # the working folder never shadows our packages (Python >= 3.11)
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():  # not installed: the launcher imports grpo from the checkout
+        env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    if roots:  # the given code's folders, imported last (common/imports.py: user_code_importable)
+        env[USER_PATH_ENV] = os.pathsep.join([*roots, *filter(None, [env.get(USER_PATH_ENV)])])
     process = subprocess.Popen([sys.executable, "-u", "-m", "grpo.commands.train", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env)
     run = Run(Path(cfg.run_dir).absolute(), process)

@@ -60,10 +60,16 @@ def test_a_function_of_a_script_run_as_main_is_named_by_its_file(tmp_path):
     assert "defined in this notebook or interactive session" in session.stderr
 
 
-def test_a_two_step_run_started_from_python(tmp_path, digit_model_dir, tiny_gsm8k):
+def test_a_two_step_run_started_from_python(tmp_path, digit_model_dir, tiny_gsm8k, monkeypatch):
     """grpo.launch with a dict of overrides and a reward function object: the run trains 2 steps,
     the handle's metrics are metrics.jsonl's rows, and each step was scored by that function; then
-    grpo.evaluate and grpo.export on the run's last version."""
+    grpo.evaluate and grpo.export on the run's last version. Started from a folder whose files are
+    named like the project's packages: they shadow none of them in the run's processes."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    for shadow in (work / "rewards.py", work / "common.py", work / "data" / "__init__.py"):
+        shadow.write_text("raise ImportError('a user file shadowed the project')\n")
+    monkeypatch.chdir(work)
     run = grpo.launch(PROCESS_CONFIG, {
         "run.dir": tmp_path / "run", "model.name_or_path": digit_model_dir, "data.path": tiny_gsm8k,
         "transport.address": free_tcp_address(), "sampling.max_new_tokens": 1, "launch.cpu_threads": 1,
@@ -109,3 +115,41 @@ def test_stop_ends_the_run_as_ctrl_c_does_and_the_same_launch_resumes_it(tmp_pat
     again = grpo.launch(PROCESS_CONFIG, {**overrides, "training.steps": trained + 1}, echo=False)
     assert again.wait(timeout=600) == 0
     assert [row["step"] for row in again.metrics()] == list(range(1, trained + 2))
+
+
+@pytest.mark.parametrize("value", ["Solve it. #### marks the answer", "<think>\n", "Think step by step...", "yes",
+                                   "exp: a", "12", " padded ", "plain words", "a:b"])
+def test_a_string_override_reaches_the_config_as_written(value):
+    from grpo.config import load_config
+
+    texts, _ = cli_overrides({"data.system_prompt": value})
+    assert load_config(None, texts).data.system_prompt == value
+
+
+def test_numpy_scalars_are_numbers_and_other_objects_are_refused_by_key():
+    import functools
+
+    import numpy as np
+
+    assert cli_overrides({"training.learning_rate": np.float32(0.5), "training.steps": np.int64(3)})[0] == \
+        ["training.learning_rate=0.5", "training.steps=3"]
+    with pytest.raises(TypeError, match="overrides: rewards.names is a partial"):
+        cli_overrides({"rewards.names": [functools.partial(digit_matches)]})
+
+
+def test_an_installed_packages_function_adds_no_folder_to_the_workers_path():
+    import yaml
+
+    assert cli_overrides({"rewards.names": [yaml.safe_load]}) == (["rewards.names=['yaml:safe_load']"], [])
+
+
+def test_a_launch_from_inside_the_file_that_defines_its_reward_is_refused_by_name(tmp_path):
+    """Without `if __name__ == "__main__":` the config's import of the script would run it again."""
+    script = tmp_path / "train_it.py"
+    script.write_text("import grpo\n\ndef my_reward(completion, row):\n    return 1.0\n\n"
+                      f"grpo.launch({str(PROCESS_CONFIG)!r}, {{'rewards.names': [my_reward], 'rewards.weights': [1.0], "
+                      f"'run.dir': {str(tmp_path / 'run')!r}}})\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "put the launch under `if __name__ == \"__main__\":`" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

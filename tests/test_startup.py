@@ -15,7 +15,7 @@ import psutil
 from test_launch import launch
 
 from grpo.commands.train import EXIT_SAMPLER_FAILED
-from grpo.run.watchdog import catches_sigusr1, where
+from grpo.run.watchdog import catches_sigusr1, is_worker, where
 from grpo.trainer.build_locks import LockWaitReporter, build_locks, clear_stale_locks, lock_holders
 
 
@@ -192,3 +192,15 @@ def test_a_kill_9_at_start_up_then_the_same_command_finishes_the_run(tmp_path, d
         assert f"done: {steps} steps" in out
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+
+def test_a_worker_is_known_by_its_module_or_its_script_and_deepspeeds_processes_are_not():
+    """Only workers get SIGUSR1 for their stacks: to DeepSpeed's runner and launcher it is fatal."""
+    py = "/v/bin/python"
+    assert is_worker([py, "-u", "-m", "grpo.trainer.worker", "--local_rank=0", "--config", "c.yaml"])
+    assert is_worker([py, "-m", "grpo.sampler.worker", "a=1"]) and is_worker([py, "sampling_worker.py"])
+    assert is_worker([py, "-u", "/repo/training_worker.py", "--local_rank=0"])
+    assert not is_worker([py, "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module",
+                          "grpo.trainer.worker"])
+    assert not is_worker([py, "/v/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.trainer.worker"])
+    assert not is_worker([py, "-m", "grpo.commands.train"]) and not is_worker([py, "-m"])

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from common.files import RunFolderError, ensure_writable, write_atomically
+from common.imports import user_code_importable
 from common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text
 from grpo.config.history import resume_changes
@@ -239,6 +240,7 @@ def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_g
 
 
 def main(argv: list[str]) -> int:
+    user_code_importable()  # rewards, environments and tools named by import path, from here too
     try:
         options, argv = split_options(argv)
     except ValueError as e:
@@ -325,7 +327,13 @@ def start_run(cfg: Config, plan: dict) -> int:
     procs = start_processes(plan, logs.logs)
     print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(procs) - 1} sampler(s) started; "
           f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.logs.values())}", flush=True)
-    return supervise(cfg, procs, logs, StepProgress(RunFolder(run_dir).metrics, cfg.training.steps))
+    try:
+        return supervise(cfg, procs, logs, StepProgress(RunFolder(run_dir).metrics, cfg.training.steps))
+    except BrokenPipeError:  # whoever read this output is gone (a Python caller, a closed pipe): stop the run
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+        for name in sorted(procs, key=lambda name: name == "trainer"):  # the samplers first, as Ctrl-C does
+            stop(procs[name])
+        return EXIT_INTERRUPTED
 
 
 def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.Popen]:
@@ -335,7 +343,10 @@ def start_processes(plan: dict, logs: dict[str, Path]) -> dict[str, subprocess.P
     for name, process in plan["processes"].items():
         bin_dir = str(Path(process["command"][0]).parent)
         env = {**os.environ, **process["env"], "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
-               "PYTHONPATH": os.pathsep.join(p for p in (checkout_root(), os.environ.get("PYTHONPATH")) if p)}
+               "PYTHONPATH": os.pathsep.join(p for p in (checkout_root(), os.environ.get("PYTHONPATH")) if p),
+               # `python -m` would put the working folder first on sys.path, where a user's rewards.py or
+               # data/ would shadow the project's packages; the workers add it last instead (Python >= 3.11)
+               "PYTHONSAFEPATH": "1"}
         with open(logs[name], "ab") as log:
             log.write(f"===== launch {now}: {shlex.join(process['command'])}\n".encode())
             log.flush()
@@ -351,6 +362,7 @@ def supervise(cfg: Config, procs: dict, logs: WorkerLogs, progress: StepProgress
     interrupted = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
+    signal.signal(signal.SIGHUP, lambda *_: interrupted.update(flag=True))  # the terminal or caller went away
     deadline = time.monotonic() + cfg.launch.max_minutes * 60 if cfg.launch.max_minutes > 0 else float("inf")
     samplers = [name for name in procs if name != "trainer"]
     watch = StartupWatch(logs, procs, cfg.launch.stall_s)

@@ -11,7 +11,8 @@ import signal
 import time
 from pathlib import Path
 
-WORKER_SCRIPTS = ("training_worker.py", "sampling_worker.py")
+WORKER_SCRIPTS = ("training_worker.py", "sampling_worker.py")  # as started by hand
+WORKER_MODULES = ("grpo.trainer.worker", "grpo.sampler.worker")  # as the launcher starts them (python -m)
 DUMP_WAIT_S = 3.0  # how long the stacks may take to reach the log
 FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)', re.M)
 
@@ -30,12 +31,21 @@ def worker_processes(pid: int) -> list:
     found = []
     for p in tree:
         try:
-            args = [a for a in p.cmdline()[1:] if not a.startswith("-")]
+            cmdline = p.cmdline()
         except psutil.Error:
             continue
-        if args and Path(args[0]).name in WORKER_SCRIPTS and catches_sigusr1(p.pid):
+        if is_worker(cmdline) and catches_sigusr1(p.pid):
             found.append(p)
     return found
+
+
+def is_worker(cmdline: list[str]) -> bool:
+    """A worker's command line: `python [-u] -m grpo.trainer.worker ...` or `python training_worker.py ...`
+    (DeepSpeed's runner and launcher name the module too, but after their own flags: not as `-m`)."""
+    if "-m" in cmdline[1:-1]:
+        return cmdline[cmdline.index("-m", 1) + 1] in WORKER_MODULES
+    args = [a for a in cmdline[1:] if not a.startswith("-")]
+    return bool(args) and Path(args[0]).name in WORKER_SCRIPTS
 
 
 def catches_sigusr1(pid: int) -> bool:

@@ -37,6 +37,7 @@ import sys
 import torch
 
 from common.files import RunFolderError, ensure_writable
+from common.imports import user_code_importable
 from common.model_files import resolve_device
 from common.run_folder import RunFolder
 from common.sources import SourceError
@@ -229,6 +230,7 @@ def weight_stagers(policy: SamplerModels) -> list:
 
 def entry(argv: list[str] | None = None) -> None:
     """The sampler process, as `python sampling_worker.py` and the launcher start it."""
+    user_code_importable()
     sys.exit(exit_code(main, sys.argv[1:] if argv is None else argv))
 
 

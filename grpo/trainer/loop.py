@@ -82,6 +82,7 @@ class TrainingLoop:
         self.cfg, self.engine, self.model, self.state, self.ends = cfg, engine, model, state, ends
         self.expected, self.objective, self.device = expected, objective, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ends_max_bytes = int(cfg.transport.max_message_mb * 2**20)
         self.prefix_verified = not cfg.training.verify_shared_prefix
         self.shape = ModelShape.of(model)  # for the model FLOPs of each step (perf/ metrics)
         self.bad_in_row = self.skipped_total = 0
@@ -105,7 +106,8 @@ class TrainingLoop:
         frames = broadcast_frames(item[0] if item is not None else None, self.device)
         if frames is None:
             return None
-        batch = item[1] if item is not None else decode_batch(frames)  # rank 0 decoded it on arrival
+        # rank 0 decoded it on arrival; the others with the same cap
+        batch = item[1] if item is not None else decode_batch(frames, max_bytes=self.ends_max_bytes)
         check_behaviour(batch.behaviour, self.expected, batch.sampler, batch.step)
         check_staleness(self.state.step, batch.policy_version, self.cfg.sampling.max_staleness, batch.sampler,
                         batch.step)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from common.files import RunFolderError, WriteFailed, ensure_writable
+from common.imports import user_code_importable
 from common.sources import SourceError
 from grpo.config import Config, exit_code, help_requested, parse_cli
 from grpo.config.history import refuse_a_changed_resume, save_run_config
@@ -225,6 +226,7 @@ def leave(code: int) -> None:
 
 def entry(argv: list[str] | None = None) -> None:
     """The trainer process, as `deepspeed training_worker.py` and the launcher start it: never returns."""
+    user_code_importable()
     try:
         leave(exit_code(main, sys.argv[1:] if argv is None else argv))
     except WriteFailed as e:

@@ -95,9 +95,12 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header is not JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("schema") in ("grpo.rollout/1", "grpo.rollout/2"):
-        raise MessageError(f"a batch of schema {header['schema']}, from a sampler older than this trainer, which "
-                           f"speaks {SCHEMA}: run the sampler of the same version")
+    if header.get("schema") == "grpo.rollout/1":
+        raise MessageError(f"a batch of schema grpo.rollout/1, from a sampler older than this trainer, which "
+                           f"speaks {SCHEMA} (a weights version on every token): run the sampler of the same version")
+    if header.get("schema") == "grpo.rollout/2":  # a spool of an earlier version: /3 less its loss denominators,
+        header = {k: v for k, v in header.items() if k not in ("num_tokens", "num_sequences")}  # counted here now
+        header["schema"] = SCHEMA
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
     for key, kind in HEADER_TYPES.items():

@@ -1,0 +1,1 @@
+"""The `grpo` command's subcommands, one module each (grpo/cli.py dispatches)."""

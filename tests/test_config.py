@@ -125,7 +125,7 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["sampling.group_size=1"], "sampling.group_size must be >= 2 for group-relative advantages; got 1"),
+    (["sampling.group_size=1"], "sampling.group_size must be >= 2 (group-relative advantages need two); got 1"),
     (["sampling.temperature=0"], "sampling.temperature must be > 0"),
     (["sampling.top_p=1.5"], "sampling.top_p must be in (0, 1]; got 1.5"),
     (["sampling.max_staleness=-1"], "sampling.max_staleness must be >= 0"),
@@ -144,13 +144,13 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "weights load between steps) and sampling.in_flight_kv=recompute (a moved request's prefix is prefilled "
      "again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
-    (["training.max_token_age=-2"], "training.max_token_age must be >= 0, or -1 (off); got -2"),
+    (["training.max_token_age=-2"], "training.max_token_age must be >= 0 or -1 (-1 = off); got -2"),
     (["training.max_token_age=1", "weights.publish_every=3", "sampling.max_staleness=2"],
      "training.max_token_age=1 with weights.publish_every=3 would leave every token of some steps out of the loss"),
     (["training.aggregation=sum"], "training.aggregation must be one of grpo, dapo, dr_grpo; got 'sum'"),
     (["training.kl_estimator=k4"], "training.kl_estimator must be one of k1, k2, k3; got 'k4'"),
     (["model.dtype=fp8"], "model.dtype must be one of float32, bfloat16, float16; got 'fp8'"),
-    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3; got 4"),
+    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be in [0, 3]; got 4"),
     (["rewards.weights=[1.0]"], "rewards.weights has 1 entries but rewards.names has 2; give one weight per"),
     (["rewards.names=[gsm8k_answer,nope]"],
      "rewards.names: unknown reward 'nope'; valid names: answer_format, env_reward, gsm8k_answer"),
@@ -158,11 +158,11 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["lora.target_modules=[]"], "lora.target_modules is empty"),
     (["transport.address=tcp://0.0.0.0:5555"], "is not loopback: set transport.secret"),
     (["transport.address=http://x"], "transport.address must start with one of tcp://, ipc://, inproc://"),
-    (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1, got 0"),
-    (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit), got -1.0"),
+    (["training.max_bad_steps=0"], "training.max_bad_steps must be >= 1; got 0"),
+    (["rewards.timeout_s=-1"], "rewards.timeout_s must be >= 0 (0 = no limit); got -1.0"),
     (["rewards.max_failed_steps=-1"], "rewards.max_failed_steps must be >= 0 (0 = never stop); got -1"),
     (["env.max_failed_steps=-1"], "env.max_failed_steps must be >= 0 (0 = never stop); got -1"),
-    (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit), got -5.0"),
+    (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit); got -5.0"),
     (["checkpoint.resume=true"], "checkpoint.resume must be auto, never or a checkpoint folder"),
     (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
     (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment gives its "
@@ -361,3 +361,65 @@ def test_an_engine_setting_that_moved_names_its_new_key_and_a_saved_config_reads
     cfg = load_config(saved, written_by_a_run=True)
     assert (cfg.sampling.vllm.gpu_memory_utilization, cfg.sampling.vllm.kv_cache_gb, cfg.sampling.vllm.python) == \
         (0.3, 1.5, "/x/python")
+
+
+def declared_bounds() -> list[tuple[str, str, type]]:
+    """(key, bound, type) of every field that declares one."""
+    import dataclasses
+    import typing
+
+    from grpo.settings import Config
+
+    found = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif f.metadata.get("bound"):
+                number = float if float in typing.get_args(hints[f.name]) or hints[f.name] is float else int
+                found.append((prefix + f.name, f.metadata["bound"], number))
+
+    walk(Config, "")
+    return found
+
+
+def edges(bound: str) -> tuple[list[float], list[float]]:
+    """(values just inside `bound`, values just outside it), worked out by hand per form."""
+    rest, _, other = bound.partition(" or ")
+    extra = [float(other)] if other else []
+    if rest.startswith(">="):
+        a = float(rest[2:])
+        return [a, a + 1, *extra], [a - 2 if a - 1 in extra else a - 1, float("nan")]
+    if rest.startswith(">"):
+        a = float(rest[1:])
+        return [a + 0.5, *extra], [a, a - 1]
+    low, high = (float(x) for x in rest[4:-1].split(","))
+    inside = [low] if rest[3] == "[" else [(low + high) / 2]
+    inside += [high] if rest[-1] == "]" else []
+    outside = [low - 1, high + 1] + ([low] if rest[3] == "(" else []) + ([high] if rest[-1] == ")" else [])
+    return inside, outside
+
+
+def test_every_declared_bound_is_checked_at_its_edges_with_one_text():
+    """Each field's own range is declared on it (grpo/settings) and checked in one place: a value
+    just outside is refused as `key must be <bound>...; got <value>`, a value at the edge is not."""
+    from grpo.settings.tree import bound_problems, set_key
+
+    bounds = declared_bounds()
+    assert len(bounds) >= 50 and ("sampling.temperature", "> 0", float) in bounds
+    for key, bound, number in bounds:
+        inside, outside = edges(bound)
+        for value in inside:
+            if number is int and value != int(value):
+                continue
+            cfg = Config()
+            set_key(cfg, key.split("."), number(value) if value == value else value, False, key, Config)
+            assert not [p for p in bound_problems(cfg) if p.startswith(f"{key} ")], (key, value)
+        for value in outside:
+            if number is int and (value != value or value != int(value)):
+                continue
+            cfg = Config()
+            set_key(cfg, key.split("."), number(value) if value == value else value, False, key, Config)
+            assert [p for p in bound_problems(cfg) if p.startswith(f"{key} must be {bound}")], (key, value)

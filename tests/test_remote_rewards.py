@@ -528,7 +528,7 @@ def test_a_service_that_answers_null_for_every_sample_is_warned_of_once(service,
      "rewards.accuracy_reward=http://127.0.0.1:8000/score is a service reward; the reported rates are decided by a "
      "rule function"),
     (["rewards.names=[http://127.0.0.1:8000/score]", "rewards.remote_timeout_s=0"],
-     "rewards.remote_timeout_s must be in (0, 86400] and rewards.remote_retries >= 0; got 0.0 and 2"),
+     "rewards.remote_timeout_s must be in (0, 86400]; got 0.0"),
     (["rewards.names=[judge]", "rewards.judge.url=http://127.0.0.1:8000/v1", "rewards.judge.model=m",
       "rewards.judge.range=[10,0]"], "rewards.judge.range must be [low, high] with low < high (the verdicts the judge "
                                      "may give, e.g. [0, 10]); got [10.0, 0.0]"),

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo.settings.tree import ConfigError, get_key
+from grpo.settings.tree import ConfigError, bound_problems, get_key
 
 if TYPE_CHECKING:
     from grpo.config import Config
@@ -81,54 +81,30 @@ def validate(cfg: Config, problems: list[str] = ()):
     t.clip_low, t.clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
     if cfg.env.tools and not cfg.env.name:  # tools alone: the tool environment runs them
         cfg.env.name = "tools"
-    errors = [*problems, *_choice_and_count_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
-        + _transport_errors(cfg) + _run_errors(cfg)
+    # every field's own range (declared on it: grpo/settings), then the choices, then what spans fields
+    errors = [*problems, *bound_problems(cfg), *_choice_errors(cfg)] + _value_errors(cfg) + _reward_errors(cfg) \
+        + _env_errors(cfg) + _transport_errors(cfg) + _run_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
 
 
-def _choice_and_count_errors(cfg: Config) -> list[str]:
-    errors = []
-    for key, options in option_lists().items():
-        if get_key(cfg, key) not in options:
-            errors.append(f"{key} must be one of {', '.join(options)}; got {get_key(cfg, key)!r}")
-    s = cfg.sampling
-    if s.group_size < 2:
-        errors.append(f"sampling.group_size must be >= 2 for group-relative advantages; got {s.group_size}")
-    for key in ("sampling.prompts_per_step", "sampling.max_new_tokens", "sampling.generation_batch_size",
-                "training.steps", "training.num_iterations", "training.max_tokens_per_micro_batch",
-                "weights.publish_every", "weights.keep_last", "checkpoint.every", "checkpoint.keep_last",
-                "lora.r", "data.max_prompt_tokens", "transport.high_water_mark", "sampling.dynamic_sampling_max_rounds",
-                "eval.num_problems", "eval.batch_size"):
-        if get_key(cfg, key) < 1:
-            errors.append(f"{key} must be >= 1; got {get_key(cfg, key)}")
-    return errors
+def _choice_errors(cfg: Config) -> list[str]:
+    return [f"{key} must be one of {', '.join(options)}; got {get_key(cfg, key)!r}"
+            for key, options in option_lists().items() if get_key(cfg, key) not in options]
 
 
 def _value_errors(cfg: Config) -> list[str]:
     publish_every, lora = cfg.weights.publish_every, cfg.lora.enabled
     return (_sampling_errors(cfg.sampling, publish_every, lora) + _data_errors(cfg.data)
-            + _training_errors(cfg.training, lora, publish_every) + _model_errors(cfg) + _process_errors(cfg))
+            + _training_errors(cfg.training, lora, publish_every) + _model_errors(cfg))
 
 
 def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
     errors = []
-    if not s.temperature > 0:
-        errors.append(f"sampling.temperature must be > 0 (use a small value for near-greedy); got {s.temperature}")
-    if not 0 < s.top_p <= 1:
-        errors.append(f"sampling.top_p must be in (0, 1]; got {s.top_p}")
-    if s.top_k < 0:
-        errors.append(f"sampling.top_k must be >= 0 (0 = off); got {s.top_k}")
-    if s.episode_feed_tokens < 0:
-        errors.append(f"sampling.episode_feed_tokens must be >= 0 (0 = a reply in one step); got "
-                      f"{s.episode_feed_tokens}")
     if not 0 <= s.worker_index < s.num_workers:
         errors.append(f"sampling.worker_index must be in 0 .. sampling.num_workers - 1; got "
                       f"{s.worker_index} and {s.num_workers}")
-    if not 0 < s.vllm.gpu_memory_utilization <= 1 or s.vllm.kv_cache_gb <= 0:
-        errors.append(f"sampling.vllm.gpu_memory_utilization must be in (0, 1] and sampling.vllm.kv_cache_gb > 0; "
-                      f"got {s.vllm.gpu_memory_utilization} and {s.vllm.kv_cache_gb}")
     if s.in_flight_updates and (not s.continuous_batching or s.old_logps != "generation"):
         errors.append("sampling.in_flight_updates needs sampling.continuous_batching=true and "
                       "sampling.old_logps=generation (a recompute after generation would score every token with "
@@ -138,9 +114,7 @@ def _sampling_errors(s, publish_every: int, lora_enabled: bool) -> list[str]:
                       "adapter; full weights load between steps) and sampling.in_flight_kv=recompute (a moved "
                       f"request's prefix is prefilled again); got lora.enabled={lora_enabled}, "
                       f"in_flight_kv={s.in_flight_kv}")
-    if s.max_staleness < 0:
-        errors.append(f"sampling.max_staleness must be >= 0 (0 = on-policy); got {s.max_staleness}")
-    elif s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
+    if 0 <= s.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
         errors.append(f"sampling.max_staleness={s.max_staleness} cannot hold with weights.publish_every="
                       f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
                       f"{publish_every - 1} versions behind; set sampling.max_staleness >= {publish_every - 1} or "
@@ -155,7 +129,7 @@ def _data_errors(d) -> list[str]:
         is_procedural,
     )
 
-    errors = [f"data.few_shot must be >= 0 (0 = none); got {d.few_shot}"] if d.few_shot < 0 else []
+    errors = []
     if d.few_shot > 0 and d.answer_format != "gsm8k" and not is_procedural(d.path):
         errors.append(f"data.few_shot={d.few_shot} shows solved problems (GSM8K's worked solutions, or a "
                       "reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
@@ -177,31 +151,14 @@ def _training_errors(t, lora_enabled: bool, publish_every: int) -> list[str]:
     if t.reference_on == "trainer" and not lora_enabled:
         errors.append("training.reference_on=trainer needs lora.enabled (the reference is the model with the adapter "
                       "off; a full fine-tune would need a second copy of the model in every rank)")
-    if t.beta < 0:
-        errors.append(f"training.beta must be >= 0; got {t.beta}")
-    if t.max_token_age < -1:
-        errors.append(f"training.max_token_age must be >= 0, or -1 (off); got {t.max_token_age}")
-    elif 0 <= t.max_token_age < publish_every - 1:  # some steps' newest tokens would be older than that
+    if 0 <= t.max_token_age < publish_every - 1:  # some steps' newest tokens would be older than that
         errors.append(f"training.max_token_age={t.max_token_age} with weights.publish_every={publish_every} would "
                       f"leave every token of some steps out of the loss (versions are published every "
                       f"{publish_every} steps); set it >= {publish_every - 1} or publish more often")
-    if t.learning_rate <= 0:
-        errors.append(f"training.learning_rate must be > 0; got {t.learning_rate}")
-    if not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
-        errors.append(f"training.min_lr_ratio must be in [0, 1] and training.warmup_steps >= 0; got {t.min_lr_ratio} "
-                      f"and {t.warmup_steps}")
-    if not 0 <= t.clip_low < 1:
-        errors.append(f"training.clip_low must be in [0, 1); got {t.clip_low}")
-    if t.clip_high < 0:
-        errors.append(f"training.clip_high must be >= 0; got {t.clip_high}")
-    if t.max_bad_steps < 1:
-        errors.append(f"training.max_bad_steps must be >= 1, got {t.max_bad_steps}")
     if t.importance_sampling != "none" and t.num_iterations != 1:
         errors.append(f"training.importance_sampling={t.importance_sampling} needs training.num_iterations=1 (the "
                       "proximal log-probs are the trainer's first forward of the step; keeping them for later passes "
                       f"is not built); got {t.num_iterations}")
-    if not t.importance_sampling_cap > 0:
-        errors.append(f"training.importance_sampling_cap must be > 0; got {t.importance_sampling_cap}")
     return errors
 
 
@@ -222,26 +179,6 @@ def _model_errors(cfg: Config) -> list[str]:
                 cfg.model.chat_template = str(Path(cfg.model.chat_template).resolve())
         except ModelError as e:
             errors.append(str(e))
-    return errors
-
-
-def _process_errors(cfg: Config) -> list[str]:
-    errors = []
-    if cfg.eval.every < 0:
-        errors.append(f"eval.every must be >= 0 (0 = off); got {cfg.eval.every}")
-    if cfg.env.concurrency < 0:
-        errors.append(f"env.concurrency must be >= 0 (0 = one call per row of the decode batch); got "
-                      f"{cfg.env.concurrency}")
-    if cfg.rewards.timeout_s < 0:
-        errors.append(f"rewards.timeout_s must be >= 0 (0 = no limit), got {cfg.rewards.timeout_s}")
-    if cfg.rewards.max_failed_steps < 0:
-        errors.append(f"rewards.max_failed_steps must be >= 0 (0 = never stop); got {cfg.rewards.max_failed_steps}")
-    errors += [f"{key} must be >= 0 (0 = no limit), got {get_key(cfg, key)}"
-               for key in ("launch.max_minutes", "launch.stall_s") if get_key(cfg, key) < 0]
-    if cfg.launch.trainer_ranks < 0 or cfg.launch.cpu_threads < 0:
-        errors.append("launch.trainer_ranks and launch.cpu_threads must be >= 0 (0 = automatic)")
-    if not 0 <= cfg.deepspeed.zero_stage <= 3:
-        errors.append(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {cfg.deepspeed.zero_stage}")
     return errors
 
 
@@ -291,12 +228,6 @@ def _service_setting_errors(r) -> list[str]:
     import torch
 
     errors = []
-    if not 0 < r.remote_timeout_s <= 86400 or r.remote_retries < 0:
-        errors.append("rewards.remote_timeout_s must be in (0, 86400] and rewards.remote_retries >= 0; got "
-                      f"{r.remote_timeout_s} "
-                      f"and {r.remote_retries}")
-    if r.reward_model_batch_size < 1:
-        errors.append(f"rewards.reward_model_batch_size must be >= 1; got {r.reward_model_batch_size}")
     try:
         torch.device(r.reward_model_device if r.reward_model_device != "auto" else "cpu")
     except RuntimeError:
@@ -306,11 +237,9 @@ def _service_setting_errors(r) -> list[str]:
 
 def _env_errors(cfg: Config) -> list[str]:
     e = cfg.env
-    errors = [f"{key} must be > 0; got {get_key(cfg, key)}" for key in ("env.max_turns", "env.timeout_s")
-              if not get_key(cfg, key) > 0]
-    errors += [f"{key} must be >= 0 (0 = no limit); got {get_key(cfg, key)}"
-               for key in ("env.memory_mb", "env.max_processes", "env.cpu_s") if get_key(cfg, key) < 0]
     import re
+
+    errors = []
 
     errors += [f"env.pass_env: {name!r} is not an environment variable's name (letters, digits and _, not "
                "starting with a digit)" for name in e.pass_env
@@ -325,8 +254,6 @@ def _env_errors(cfg: Config) -> list[str]:
             errors += args_problems(e.name, e.args)  # a mistyped env.args key, named with the keys it takes
         except (ValueError, ImportError) as error:
             errors.append(str(error))
-    if e.max_failed_steps < 0:
-        errors.append(f"env.max_failed_steps must be >= 0 (0 = never stop); got {e.max_failed_steps}")
     # an episode cut at sampling.max_new_tokens is scored on purpose, never a free 0 above losing: its
     # env_reward is env.truncated_reward, or (the default) it scores the batch's worst (grpo/sampler/batches.py)
     if e.truncated_reward is not None:

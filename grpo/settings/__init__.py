@@ -64,7 +64,7 @@ class ModelConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
-    r: int = _f(16, "LoRA rank.")
+    r: int = _f(16, "LoRA rank.", bound=">= 1")
     alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
     target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
 
@@ -87,19 +87,22 @@ class DataConfig:
     answer_format: str = _f("gsm8k", "How to read the answer column: gsm8k (the number after '####'; rows without "
                                      "one are skipped and counted) or text (the value as it is).")
     hub_config: Optional[str] = _f(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else none).")
-    max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.")
+    max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.",
+                                bound=">= 1")
     system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
     prefill: str = _f("<think>\n", "Text placed at the start of the assistant turn (e.g. "
                                    "'<think>'); part of every completion's context.")
     few_shot: int = _f(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown "
-                          "as earlier chat turns before each question; they are not asked themselves.")
+                          "as earlier chat turns before each question; they are not asked themselves.",
+                       bound=">= 0", why="0 = none")
 
 
 @dataclass
 class VllmSettings:
     gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM takes "
-                                            "(weights and KV cache); leave room for a trainer on the same GPU.")
-    kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.")
+                                            "(weights and KV cache); leave room for a trainer on the same GPU.",
+                                       bound="in (0, 1]")
+    kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.", bound="> 0")
     python: str = _f(".venv-vllm/bin/python", "The Python the launcher runs a vLLM sampler with (make install-vllm "
                                               "builds it; relative to the working folder, else to the project). When "
                                               "it does not exist, the launcher's own Python.")
@@ -113,31 +116,35 @@ class SamplingConfig:
     dtype: str = _f("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
                             "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer "
                             "mismatch (sampling/sampling_logp_difference; see training.importance_sampling).")
-    prompts_per_step: int = _f(2, "Prompts per step (B).")
-    group_size: int = _f(8, "Completions per prompt (G).")
+    prompts_per_step: int = _f(2, "Prompts per step (B).", bound=">= 1")
+    group_size: int = _f(8, "Completions per prompt (G).", bound=">= 2", why="group-relative advantages need two")
     max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated. With "
-                                  "env.name, the limit of a whole episode: model and environment tokens together.")
-    temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.")
-    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
-    top_k: int = _f(0, "Top-k sampling (0 = off).")
+                                  "env.name, the limit of a whole episode: model and environment tokens together.",
+                             bound=">= 1")
+    temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.",
+                            bound="> 0", why="use a small value for near-greedy")
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
+    top_k: int = _f(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
     max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
                                "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
                                "the trainer refuses (exit 7) a batch beyond it. Where the weights served may "
                                "also generate the next step, its completions start in the rows a step leaves "
-                               "free at its end (sampling.continuous_batching).")
+                               "free at its end (sampling.continuous_batching).", bound=">= 0", why="0 = on-policy")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
                                        "advantage) and generate more prompts until prompts_per_step groups differ "
                                        "(grpo/sampler/dynamic_sampling.py).")
     dynamic_sampling_max_rounds: int = _f(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
                                              "prompts per step; short of informative groups after them, the batch is "
-                                             "filled with dropped ones and sampling/dynamic_cap_hit is logged.")
+                                             "filled with dropped ones and sampling/dynamic_cap_hit is logged.",
+                                          bound=">= 1")
     num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
                              "scripts/launch.py starts this many). Together they make the batches one sampler would: "
-                             "global step g is made by sampler g % N.")
+                             "global step g is made by sampler g % N.", bound=">= 1")
     worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
     vllm: VllmSettings = field(default_factory=lambda: VllmSettings())
     generation_batch_size: int = _f(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
-                                        "refilled at once with the step's next one (sampling.continuous_batching).")
+                                        "refilled at once with the step's next one (sampling.continuous_batching).",
+                                    bound=">= 1")
     continuous_batching: bool = _f(True, "HF engine: one decode loop per call whose rows are refilled as sequences "
                                          "end, and whose episodes leave the batch while their environment answers "
                                          "(grpo/sampler/rollout/continuous.py); vLLM: one task of its async engine "
@@ -158,7 +165,8 @@ class SamplingConfig:
     episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
                                      "this many tokens a decode step, beside the other episodes' one token each, so "
                                      "a long tool output does not widen every episode's step; 0 = the whole reply in "
-                                     "one step, which measured faster on 2 CPU cores (docs/performance.md).")
+                                     "one step, which measured faster on 2 CPU cores (docs/performance.md).",
+                                  bound=">= 0", why="0 = a reply in one step")
     old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or "
                                       "'generation' (the log-probs the engine recorded for the tokens it drew: one "
                                       "forward pass fewer; checked against the recompute on the second step of each "
@@ -240,7 +248,7 @@ class RewardsConfig:
                                   "service too) stops the sampler (exit code 8) with its error and the line that "
                                   "raised it; failing on some samples only scores those as rewards.on_failure says, "
                                   "with a warning. Raise it for a service that may be down for a while. 0 = never "
-                                  "stop: train on without its scores.")
+                                  "stop: train on without its scores.", bound=">= 0", why="0 = never stop")
     overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before "
                                  "sampling.max_new_tokens a completion's reward falls "
                                  "linearly to -rewards.overlong_penalty (logged as the reward "
@@ -248,55 +256,57 @@ class RewardsConfig:
     overlong_penalty: float = _f(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
     timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
                                 "child process that is replaced after a timeout. 0 = in the sampler, no limit. "
-                                "(Service rewards run in the sampler: rewards.remote_timeout_s.)")
+                                "(Service rewards run in the sampler: rewards.remote_timeout_s.)",
+                          bound=">= 0", why="0 = no limit")
     pass_env: list[str] = _f([], "Environment variables the reward functions' child sees besides PATH, HOME, LANG, "
                                  "LC_* and TMPDIR: a reward that runs the model's code must not find the "
                                  "sampler's API keys, so others are passed only when named here (e.g. [HF_HOME]).")
     reward_model_device: str = _f("auto", "Device of the reward models (reward_model:...): auto (= sampling.device), "
                                           "cpu, cuda, cuda:N. They run in model.dtype.")
-    reward_model_batch_size: int = _f(16, "Sequences per forward pass of a reward model.")
+    reward_model_batch_size: int = _f(16, "Sequences per forward pass of a reward model.", bound=">= 1")
     remote_timeout_s: float = _f(30.0, "Time limit of one request to an HTTP reward or the judge: it must connect and "
-                                       "answer whole within it.")
+                                       "answer whole within it.", bound="in (0, 86400]")
     remote_retries: int = _f(2, "Retries of a request to an HTTP reward or the judge that timed out, could not "
                                 "connect or got HTTP 408/429/5xx, after 0.5 s, 1 s, 2 s, ... (or the Retry-After a "
                                 "429/503 asks for, up to rewards.remote_timeout_s); then every sample it scores "
                                 "fails (rewards.on_failure) and counts in rewards/<name>/failures. A service that "
                                 "failed this way on every attempt (the judge: twice for each request in flight) is "
-                                "not called for 30 s: what it would score meanwhile fails at once.")
+                                "not called for 30 s: what it would score meanwhile fails at once.", bound=">= 0")
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
 class TrainingConfig:
     steps: int = _f(200, "Training steps: sampler batches to train on, each with training.num_iterations "
-                         "optimizer updates; weight versions count these steps.")
+                         "optimizer updates; weight versions count these steps.", bound=">= 1")
     use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its "
                                "clip defaults) instead of GRPO's token-level.")
-    learning_rate: float = _f(2e-4, "AdamW peak learning rate.")
+    learning_rate: float = _f(2e-4, "AdamW peak learning rate.", bound="> 0")
     lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay to "
                                       "training.min_lr_ratio * learning_rate after training.steps x num_iterations "
                                       "optimizer updates. Counted in updates that were applied: a skipped "
                                       "(non-finite) pass does not advance it.")
-    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied optimizer updates.")
-    min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.")
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied optimizer updates.", bound=">= 0")
+    min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.",
+                             bound="in [0, 1]")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
     max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
-                               "row stop the run with a checkpoint and an error.")
-    beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).")
+                               "row stop the run with a checkpoint and an error.", bound=">= 1")
+    beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).", bound=">= 0")
     reference_on: str = _f("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, before "
                                       "sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; "
                                       "LoRA only). 'trainer' balances the two when the sampler is the slower one.")
     kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
-    clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).")
-    clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).")
+    clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).", bound="in [0, 1)")
+    clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).", bound=">= 0")
     aggregation: str = _f("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo (constant).")
     advantage_scale: str = _f("group", "Advantage normalisation: group std, batch std, or none.")
-    num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).")
+    num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
     max_tokens_per_micro_batch: int = _f(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
                                          "group gets one to itself). Activations scale with it: 2048 is one default "
                                          "group per micro-batch, 0.53x the trainer's peak RSS of 8192 at the same "
-                                         "speed.")
+                                         "speed.", bound=">= 1")
     mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
                                                  "still divides by every completion of the batch, as TRL does).")
     importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
@@ -304,11 +314,13 @@ class TrainingConfig:
                                           "log-probs and weigh each token by pi_trainer / pi_sampler, per token or "
                                           "per sequence, truncated at the cap or masked above it: token_truncate, "
                                           "token_mask, sequence_truncate, sequence_mask.")
-    importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).")
+    importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).",
+                                        bound="> 0")
     max_token_age: int = _f(-1, "Tokens sampled more than this many versions before the policy being trained leave "
                                 "the loss (they stay as context; the batch's denominators count what is left): with "
                                 "sampling.in_flight_updates a completion's early tokens can be older than its late "
-                                "ones, and sampling.max_staleness bounds the oldest. -1 = off.")
+                                "ones, and sampling.max_staleness bounds the oldest. -1 = off.",
+                            bound=">= 0 or -1", why="-1 = off")
     shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
                                    "repeated-prompt forward, the fallback.")
     verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
@@ -320,10 +332,11 @@ class EvalConfig:
                        "answers to eval.num_problems held-out problems with the weights the sampler serves, logged "
                        "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step. "
                        "Sampler 0 loads each mark's version on its way to newer ones, so every mark is evaluated "
-                       "(its batches may then be up to sampling.max_staleness versions old).")
-    num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).")
+                       "(its batches may then be up to sampling.max_staleness versions old).",
+                    bound=">= 0", why="0 = off")
+    num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).", bound=">= 1")
     split: str = _f("test", "Held-out split of data.path.")
-    batch_size: int = _f(16, "Prompts generated at once during evaluation.")
+    batch_size: int = _f(16, "Prompts generated at once during evaluation.", bound=">= 1")
     on_start: bool = _f(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
                               "eval.every; the starting weights' numbers are those of scripts/evaluate.py without "
                               "weights).")
@@ -348,7 +361,7 @@ class EnvConfig:
     tool_parser: str = _f("hermes", "How the model's tool calls are read: hermes (<tool_call>{json}</tool_call>: "
                                     "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).")
     max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
-                           "model and environment tokens together.")
+                           "model and environment tokens together.", bound="> 0")
     truncated_reward: Optional[float] = _f(None, "The env_reward of an episode cut at sampling.max_new_tokens before "
                                                  "the environment scored it: unset, the batch's worst (running out of "
                                                  "tokens never scores above losing); a number, that value (e.g. the "
@@ -356,10 +369,12 @@ class EnvConfig:
     concurrency: int = _f(0, "With continuous batching: environment calls of different episodes in flight at "
                              "once, off the decode loop (lanes: each a child process of its own, or a client of "
                              "a served environment); 0 = one per row of the decode batch "
-                             "(sampling.generation_batch_size). Without, they are made one at a time.")
+                             "(sampling.generation_batch_size). Without, they are made one at a time.",
+                          bound=">= 0", why="0 = one call per row of the decode batch")
     timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
                                 "network; a step that raises or runs past this is an error message to the model. "
-                                "openenv+http: the limit of each call to the server (connect, reset, step).")
+                                "openenv+http: the limit of each call to the server (connect, reset, step).",
+                          bound="> 0")
     network: str = _f("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
                               "filter on socket(); where neither exists it refuses to start); allow: environments "
                               "that need the network (a web tool, a remote judge) get it.")
@@ -367,14 +382,16 @@ class EnvConfig:
                                  "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys "
                                  "among them, are not passed unless named here (e.g. [PYTHONPATH, HF_HOME]).")
     memory_mb: int = _f(4096, "Address space the environments' child may add "
-                              "to what it had at the fork (0 = no limit).")
+                              "to what it had at the fork (0 = no limit).", bound=">= 0", why="0 = no limit")
     max_processes: int = _f(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
-                                "enforce it for root).")
+                                "enforce it for root).", bound=">= 0", why="0 = no limit")
     cpu_s: int = _f(3600, "CPU seconds of the environments' child over its life, and of each process it starts "
-                          "(0 = no limit); past it the child is replaced like after a hang.")
+                          "(0 = no limit); past it the child is replaced like after a hang.",
+                    bound=">= 0", why="0 = no limit")
     max_failed_steps: int = _f(2, "An environment that fails on every episode of this many sampler steps in a row "
                                   "(none could open or answer a step) stops the sampler (exit code 9) with its "
-                                  "error. 0 = never stop: the model reads the errors.")
+                                  "error. 0 = never stop: the model reads the errors.",
+                               bound=">= 0", why="0 = never stop")
 
 
 @dataclass

@@ -25,11 +25,41 @@ class ConfigError(ValueError):
     """A config file, override or combination of settings that cannot run."""
 
 
-def setting(default, help: str, **kw):
-    """A config field with its documentation; list/dict defaults are copied per instance."""
+def setting(default, help: str, bound: str | None = None, why: str | None = None, **kw):
+    """A config field with its documentation; list/dict defaults are copied per instance. `bound`: the
+    range a number must be in (">= 1", "> 0", "in (0, 1]", "in [0, 3]", with " or -1" for one more
+    value it may take), `why`: what its edge means ("0 = off"); `bound_problems` checks them all."""
+    metadata = {"help": help, "bound": bound, "why": why}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
+
+
+def within(bound: str, value) -> bool:
+    """Whether `value` is in `bound` (see `setting`); NaN is in none."""
+    rest, _, other = bound.partition(" or ")
+    if other and value == float(other):
+        return True
+    if rest.startswith(">="):
+        return value >= float(rest[2:])
+    if rest.startswith(">"):
+        return value > float(rest[1:])
+    low, high = (float(x) for x in rest[4:-1].split(","))  # "in (a, b]"
+    return (low <= value if rest[3] == "[" else low < value) and (value <= high if rest[-1] == "]" else value < high)
+
+
+def bound_problems(node: Any, prefix: str = "") -> list[str]:
+    """Every field outside its declared bound, in one text: `key must be <bound> (<why>); got <value>`
+    (an unset optional number, None, has no bound to keep)."""
+    problems = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += bound_problems(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("bound") and value is not None and not within(f.metadata["bound"], value):
+            why = f" ({f.metadata['why']})" if f.metadata.get("why") else ""
+            problems.append(f"{prefix}{f.name} must be {f.metadata['bound']}{why}; got {value}")
+    return problems
 
 
 _TYPE_HINTS: dict[type, dict[str, Any]] = {}
@@ -252,7 +282,8 @@ def _leaves(cls: type, obj: Any, prefix: str = ""):
         if dataclasses.is_dataclass(tp):
             yield from _leaves(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
         else:
-            yield prefix + f.name, getattr(obj, f.name), f.metadata["help"]
+            bound = f" Must be {f.metadata['bound']}." if f.metadata.get("bound") else ""
+            yield prefix + f.name, getattr(obj, f.name), f.metadata["help"] + bound
 
 
 def reference_text(root: type, width: int = 100) -> str:

@@ -120,9 +120,9 @@ class PolicyObjective(torch.nn.Module):
     `mb=None` is the zero-loss forward of a rank with fewer micro-batches than the others.
     """
 
-    def __init__(self, policy: torch.nn.Module, cfg: Config):
+    def __init__(self, policy: torch.nn.Module, cfg: Config, objective: Objective | None = None):
         super().__init__()
-        self.policy, self.cfg, self.objective = policy, cfg, Objective.of(cfg)
+        self.policy, self.cfg, self.objective = policy, cfg, objective or Objective.of(cfg)
 
     def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True,
                 denominators: Denominators | None = None):
@@ -201,7 +201,8 @@ def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, 
     by the world size, which undoes DeepSpeed's mean over ranks: the update is the whole batch's.
     Every rank counts the denominators from the whole batch it holds.
     """
-    denominators = denominators_of(batch, Objective.of(cfg))
+    objective = engine.module.objective  # the PolicyObjective's, built once
+    denominators = denominators_of(batch, objective)
     costs = group_costs(batch)
     micro = pack_micro_batches(shard_groups(costs, world)[rank], costs, cfg.training.max_tokens_per_micro_batch)
     count = torch.tensor([len(micro)], device=device)
@@ -230,7 +231,7 @@ def train_step(engine, batch: RolloutBatch, cfg: Config, rank: int, world: int, 
         pass_skipped = optimizer.skipped is not False  # None: DeepSpeed skipped it (an overflow)
         skipped, applied = skipped or pass_skipped, applied + (not pass_skipped)
         optimizer.skip_next = False
-    metrics = sums.reduce(metric_keys(cfg), cfg.training.num_iterations, device)
+    metrics = sums.reduce(metric_keys(objective), cfg.training.num_iterations, device)
     grad_norm = optimizer.grad_norm if optimizer.clip_norm is not None else engine.get_global_grad_norm()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["skipped"] = float(skipped)  # any pass: the bad-steps count
@@ -290,9 +291,9 @@ class MetricSums:
         return out
 
 
-def metric_keys(cfg: Config) -> list[str]:
+def metric_keys(objective: Objective) -> list[str]:
     """The summed metric names, the same on every rank (a rank with no data still reduces them)."""
-    return Objective.of(cfg).metric_names() + list(MISMATCH_MEANS)
+    return objective.metric_names() + list(MISMATCH_MEANS)
 
 
 def _merge(base: dict, extra: dict) -> dict:

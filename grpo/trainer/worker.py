@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     except (RunFolderError, SourceError, StartRefused) as e:
         log.error("%s", e)
         return 2
-    engine = build_engine(cfg, model, world)
+    engine = build_engine(cfg, model, world, objective)
     try:  # every rank reads the same checkpoint, so all refuse it together
         state = resume(cfg, engine, model, rank)
     except CheckpointMismatch as e:
@@ -129,14 +129,14 @@ def start_distributed(cfg: Config, stop: threading.Event) -> tuple[int, int, tor
     return rank, world, device
 
 
-def build_engine(cfg: Config, model, world: int):
+def build_engine(cfg: Config, model, world: int, objective: Objective):
     """The DeepSpeed engine around the policy-with-loss (no DeepSpeed scheduler: it would advance on
     skipped steps too; train() sets each step's rate from grpo/trainer/schedule.py)."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    engine, _, _, _ = deepspeed.initialize(model=PolicyObjective(model, cfg), optimizer=optimizer,
+    engine, _, _, _ = deepspeed.initialize(model=PolicyObjective(model, cfg, objective), optimizer=optimizer,
                                            config=deepspeed_config(cfg, world))
     if dist.get_rank() == 0:
         log_milestone(log, "%d ranks (%s), %d trainable parameters, ZeRO stage %d", world, dist.get_backend(),

@@ -1,8 +1,8 @@
 """The sampling process: `python sampling_worker.py [--config config.yaml] [key=value ...]`.
 
-Its code is grpo/sampler/worker.py (the launcher starts it as `python -m grpo.sampler.worker`)."""
+Its code is grpo/workers/sampler.py (the launcher starts it as `python -m grpo.workers.sampler`)."""
 
-from grpo.sampler.worker import entry
+from grpo.workers.sampler import entry
 
 if __name__ == "__main__":
     entry()

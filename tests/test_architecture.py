@@ -29,11 +29,11 @@ def imported_by(worker: str, other: str) -> set[str]:
 def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
     sampler = imported_by("sampling_worker", "training_worker")
     assert {"grpo.wire.delivery", "grpo.sampler.step", "rewards.sandbox"} <= sampler  # engines load when chosen
-    assert not sampler & {"training_worker", "grpo.trainer.step", "grpo.trainer.outputs"}
+    assert not sampler & {"training_worker", "grpo.workers.trainer", "grpo.trainer.step", "grpo.trainer.outputs"}
     trainer = imported_by("training_worker", "sampling_worker")
     assert {"grpo.wire.delivery", "grpo.trainer.step", "grpo.trainer.outputs"} <= trainer
-    assert not trainer & {"sampling_worker", "grpo.sampler.step", "grpo.sampler.rollout.hf_engine",
-                          "grpo.sampler.rollout.vllm_engine", "rewards.sandbox"}
+    assert not trainer & {"sampling_worker", "grpo.workers.sampler", "grpo.sampler.step",
+                          "grpo.sampler.rollout.hf_engine", "grpo.sampler.rollout.vllm_engine", "rewards.sandbox"}
 
 
 def test_each_choice_is_validated_against_the_list_its_implementing_module_owns():
@@ -77,6 +77,14 @@ def test_the_top_level_packages_import_one_way():
     assert imports_between("data", ("grpo", "rewards")) == {}
     assert imports_between("rewards", ("grpo",)) == {}
     assert imports_between("grpo", ("rewards",))  # the check above sees imports (it is not vacuous)
+
+
+def test_the_config_stands_above_what_it_validates():
+    """The config asks the modules below it for their options (option_lists), so none of them loads
+    it: they take its types from grpo/settings; only the commands, the API and the workers' mains do."""
+    for below in ("grpo/sampler", "grpo/trainer", "grpo/wire", "grpo/weights", "grpo/model", "grpo/objective",
+                  "grpo/environments", "grpo/run", "grpo/settings", "rewards", "data", "common"):
+        assert imports_between(below, ("grpo.config", "grpo.workers", "grpo.commands", "grpo.api")) == {}, below
 
 
 def test_the_wire_imports_neither_the_objective_nor_the_model_and_they_not_the_wire():

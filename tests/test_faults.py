@@ -29,12 +29,12 @@ from grpo.config import load_config
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
 from grpo.run.ports import free_local_port
-from grpo.trainer.worker import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 from grpo.weights.folder import publish, read_latest, verify, version_dir
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import behaviour_of
 from grpo.wire.codec import encode_batch
 from grpo.wire.transport import BatchSender
+from grpo.workers.trainer import EXIT_BAD_STEPS, EXIT_BEHAVIOUR_MISMATCH, EXIT_WRITE_FAILED
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -57,13 +57,13 @@ def test_cpu_threads_do_not_oversubscribe_the_cores():
 def test_one_rank_runs_the_worker_itself_and_several_go_through_deepspeed():
     """One rank needs no DeepSpeed runner: the launcher gives it the environment the runner would."""
     command, env = trainer_command(placement(0, 0, 0, 2), ["a=1"], 29511)
-    assert command == [sys.executable, "-u", "-m", "grpo.trainer.worker", "a=1"]
+    assert command == [sys.executable, "-u", "-m", "grpo.workers.trainer", "a=1"]
     assert env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RANK": "0",
                    "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": "29511"}
     command, env = trainer_command(placement(0, 0, 3, 16), ["a=1"], 29511)
     assert command == [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", "29511",
-                       "--module", "grpo.trainer.worker", "a=1"]
+                       "--module", "grpo.workers.trainer", "a=1"]
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
@@ -141,16 +141,16 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path, capsys, gpus, ext
             f"transport.address={address}"]
     ranks = int(trainer.split()[0])
     if ranks == 1:  # the worker itself, with the environment DeepSpeed's runner would give it
-        command = [sys.executable, "-u", "-m", "grpo.trainer.worker", *args]
+        command = [sys.executable, "-u", "-m", "grpo.workers.trainer", *args]
         trainer_env += f" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
     else:
         command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port,
-                   "--module", "grpo.trainer.worker", *args]
+                   "--module", "grpo.workers.trainer", *args]
     assert list(processes) == ["trainer", *samplers]
     assert processes["trainer"] == {"what": trainer, "env": trainer_env, "command": command}
     for i, (name, (what, env)) in enumerate(samplers.items()):
         assert processes[name] == {"what": what, "env": env, "command": [
-            sys.executable, "-m", "grpo.sampler.worker", *args, f"sampling.worker_index={i}"]}
+            sys.executable, "-m", "grpo.workers.sampler", *args, f"sampling.worker_index={i}"]}
 
 
 USED = {"metrics.jsonl": '{"step": 1, "reward": 0.5}\n', "weights/v000001/manifest.json": "{}"}
@@ -331,8 +331,8 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
             if line.startswith("step 1/500"):
                 break
         children = psutil.Process(proc.pid).children(recursive=True)
-        sampler = next(p for p in children if "grpo.sampler.worker" in p.cmdline())
-        trainers = [p for p in children if "grpo.trainer.worker" in p.cmdline()]
+        sampler = next(p for p in children if "grpo.workers.sampler" in p.cmdline())
+        trainers = [p for p in children if "grpo.workers.trainer" in p.cmdline()]
         for worker in (sampler, *trainers):  # the venv's tools first, whatever the shell's PATH holds
             assert worker.environ()["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
         os.kill(sampler.pid, signal.SIGKILL)

@@ -196,7 +196,7 @@ def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_a
     """rewards.max_failed_steps=2: step 0 is sent (its samples left out: no score, advantage 0), step 1
     is not; exit code 8, one error line naming the reward, the error and the line of the user's file
     that raised it (the reward runs in the sandbox child)."""
-    from grpo.sampler.worker import EXIT_REWARD_FAILED
+    from grpo.workers.sampler import EXIT_REWARD_FAILED
 
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text(UNREADABLE_REWARD)

@@ -219,12 +219,12 @@ def test_bench_vs_trl_names_each_process_of_a_run():
     assert process_label(rank, ds_launch) == "trainer rank"
     assert process_label([py, "scripts/benchmarks/bench_vs_trl.py", "--trl-worker", "gsm8k"], ["bash"]) == "TRL"
     assert process_label(["/bin/sh", "-c", "nvidia-smi"], launcher) == "other"
-    direct_rank = [py, "-u", "-m", "grpo.trainer.worker", "--config", "c.yaml"]  # one rank, started by the launcher
+    direct_rank = [py, "-u", "-m", "grpo.workers.trainer", "--config", "c.yaml"]  # one rank, started by the launcher
     assert process_label(direct_rank, launcher) == "trainer rank"
-    module_sampler = [py, "-m", "grpo.sampler.worker", "--config", "c.yaml", "sampling.worker_index=0"]
+    module_sampler = [py, "-m", "grpo.workers.sampler", "--config", "c.yaml", "sampling.worker_index=0"]
     assert process_label(module_sampler, launcher) == "sampler"
     assert process_label(module_sampler, module_sampler) == "reward sandbox"
-    module_runner = [py, "/repo/.venv/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.trainer.worker"]
+    module_runner = [py, "/repo/.venv/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.workers.trainer"]
     assert process_label(module_runner, launcher) == "DeepSpeed runner"
     assert process_label([py, "/repo/.venv/bin/grpo", "train"], ["bash"]) == "launcher"
 

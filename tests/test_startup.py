@@ -153,7 +153,7 @@ def test_a_reward_that_fails_on_every_sample_stops_the_launch_with_its_line(tmp_
     assert proc.returncode == EXIT_SAMPLER_FAILED, out
     assert "the sampler failed (exit code 8)" in out and "an earlier launch's failure" not in out
     shown = out.split("(this launch):\n", 1)[1]
-    assert shown.startswith("===== launch ") and "grpo.sampler.worker" in shown.splitlines()[0]
+    assert shown.startswith("===== launch ") and "grpo.workers.sampler" in shown.splitlines()[0]
     assert (f"reward {tmp_path}/my_rewards.py:exact failed on all 8 samples in each of the last 2 steps: KeyError: "
             f"'solution' ({tmp_path}/my_rewards.py:2, in exact); stopped.") in shown
 
@@ -172,8 +172,8 @@ def test_a_kill_9_at_start_up_then_the_same_command_finishes_the_run(tmp_path, d
     first) the sampler killed while it loads its prompts: each time the same command again runs the
     run to its end, with nothing left behind that blocks or hijacks the next start."""
     run = tmp_path / "run"
-    for steps, victim, log, moment in ((2, "grpo.trainer.worker", "trainer.log", "Setting accelerator"),
-                                       (4, "grpo.sampler.worker", "sampler.log", "prompts from")):
+    for steps, victim, log, moment in ((2, "grpo.workers.trainer", "trainer.log", "Setting accelerator"),
+                                       (4, "grpo.workers.sampler", "sampler.log", "prompts from")):
         command = [run, digit_model_dir, tiny_gsm8k, f"training.steps={steps}"]
         before = (run / log).read_text() if (run / log).is_file() else ""
         proc = launch(*command)
@@ -197,10 +197,10 @@ def test_a_kill_9_at_start_up_then_the_same_command_finishes_the_run(tmp_path, d
 def test_a_worker_is_known_by_its_module_or_its_script_and_deepspeeds_processes_are_not():
     """Only workers get SIGUSR1 for their stacks: to DeepSpeed's runner and launcher it is fatal."""
     py = "/v/bin/python"
-    assert is_worker([py, "-u", "-m", "grpo.trainer.worker", "--local_rank=0", "--config", "c.yaml"])
-    assert is_worker([py, "-m", "grpo.sampler.worker", "a=1"]) and is_worker([py, "sampling_worker.py"])
+    assert is_worker([py, "-u", "-m", "grpo.workers.trainer", "--local_rank=0", "--config", "c.yaml"])
+    assert is_worker([py, "-m", "grpo.workers.sampler", "a=1"]) and is_worker([py, "sampling_worker.py"])
     assert is_worker([py, "-u", "/repo/training_worker.py", "--local_rank=0"])
     assert not is_worker([py, "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module",
-                          "grpo.trainer.worker"])
-    assert not is_worker([py, "/v/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.trainer.worker"])
+                          "grpo.workers.trainer"])
+    assert not is_worker([py, "/v/bin/deepspeed", "--num_gpus", "2", "--module", "grpo.workers.trainer"])
     assert not is_worker([py, "-m", "grpo.commands.train"]) and not is_worker([py, "-m"])

@@ -35,7 +35,7 @@ from grpo.run.start import planned_start, prepare_run_folder
 from grpo.run.watchdog import StartupWatch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # a checkout, or site-packages when installed
-TRAINER_MODULE = "grpo.trainer.worker"
+TRAINER_MODULE = "grpo.workers.trainer"
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
 
@@ -110,7 +110,7 @@ def make_plan(cfg: Config, argv: list[str], gpus: int, cores: int, address: str,
     command, env = trainer_command(placed, shared, master_port)
     processes = {"trainer": {"command": command, "env": env}}
     for i, name in enumerate(sampler_names(samplers)):
-        processes[name] = {"command": [sampler_python(cfg), "-m", "grpo.sampler.worker", *shared,
+        processes[name] = {"command": [sampler_python(cfg), "-m", "grpo.workers.sampler", *shared,
                                        f"sampling.worker_index={i}"], "env": placed["sampler_envs"][i]}
     return {"gpus": gpus, "cores": cores, "ranks": placed["ranks"], "address": address,
             "master_port": master_port, "processes": processes}

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 WORKER_SCRIPTS = ("training_worker.py", "sampling_worker.py")  # as started by hand
-WORKER_MODULES = ("grpo.trainer.worker", "grpo.sampler.worker")  # as the launcher starts them (python -m)
+WORKER_MODULES = ("grpo.workers.trainer", "grpo.workers.sampler")  # as the launcher starts them (python -m)
 DUMP_WAIT_S = 3.0  # how long the stacks may take to reach the log
 FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)', re.M)
 
@@ -40,7 +40,7 @@ def worker_processes(pid: int) -> list:
 
 
 def is_worker(cmdline: list[str]) -> bool:
-    """A worker's command line: `python [-u] -m grpo.trainer.worker ...` or `python training_worker.py ...`
+    """A worker's command line: `python [-u] -m grpo.workers.trainer ...` or `python training_worker.py ...`
     (DeepSpeed's runner and launcher name the module too, but after their own flags: not as `-m`)."""
     if "-m" in cmdline[1:-1]:
         return cmdline[cmdline.index("-m", 1) + 1] in WORKER_MODULES

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from common.run_folder import RunFolder
-from grpo.config import Config, TrainingConfig, to_dict
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.logprobs import verify_shared_prefix
 from grpo.objective import Objective
 from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
+from grpo.settings import Config, TrainingConfig, to_dict
 from grpo.trainer.outputs import publish_weights, save_checkpoint
 from grpo.trainer.ranks import broadcast_frames, rank_zero_decides
 from grpo.trainer.step import train_step, within_age

@@ -65,9 +65,9 @@ def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "--trl-worker" in text:
         return "TRL"
-    if "grpo.sampler.worker" in cmdline or "sampling_worker.py" in text:
+    if "grpo.workers.sampler" in cmdline or "sampling_worker.py" in text:
         return "reward sandbox" if cmdline == parent_cmdline else "sampler"  # forked by the sampler
-    if "grpo.trainer.worker" in cmdline or "training_worker.py" in text:
+    if "grpo.workers.trainer" in cmdline or "training_worker.py" in text:
         if "deepspeed.launcher.launch" in text:
             return "DeepSpeed launcher"
         if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":

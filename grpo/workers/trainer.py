@@ -1,7 +1,7 @@
 """The training process: DeepSpeed ranks, group-aware sharding, the GRPO/GSPO loss, weight publishing.
 
     deepspeed [--num_gpus N] training_worker.py [--config config.yaml] [key=value ...]
-    (the launcher: python -m grpo.trainer.worker, or deepspeed --module grpo.trainer.worker)
+    (the launcher: python -m grpo.workers.trainer, or deepspeed --module grpo.workers.trainer)
 
 Its start-up is here (the process group, the run folder and socket claimed on rank 0, the DeepSpeed
 engine, a resume); its loop is grpo/trainer/loop.py, its step grpo/trainer/step.py: whole groups

@@ -1,6 +1,6 @@
 """The sampling process: rollouts, rewards, advantages, old/ref log-probs, batches over ZeroMQ.
 
-    python sampling_worker.py [--config config.yaml] [key=value ...]   (or python -m grpo.sampler.worker)
+    python sampling_worker.py [--config config.yaml] [key=value ...]   (or python -m grpo.workers.sampler)
 
 One loop, one step per training step k (with N samplers, sampler i makes the global steps
 g = i, i + N, i + 2N, ...: prompts, seeds and the staleness gate follow g, so N samplers make

@@ -282,9 +282,9 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     loaders = {"torch", "np", "numpy", "yaml"}  # their .load() can unpickle
     wire = REPO / "grpo" / "wire"
     paths = [wire / "transport.py", wire / "codec.py", wire / "zmq_transport.py", wire / "batch.py",
-             wire / "delivery.py", REPO / "grpo" / "trainer" / "worker.py",
+             wire / "delivery.py", REPO / "grpo" / "workers" / "trainer.py",
              REPO / "grpo" / "trainer" / "loop.py", REPO / "grpo" / "trainer" / "ranks.py",
-             REPO / "grpo" / "sampler" / "worker.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
+             REPO / "grpo" / "workers" / "sampler.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
              REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in
                                                             ("http_json", "remote", "judge")),
              REPO / "scripts" / "reward_server.py"]  # the HTTP rewards' client and the example server

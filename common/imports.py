@@ -1,7 +1,7 @@
 """Code named in the config by import path: a reward, an environment, an OpenEnv class.
 
-`package.module:name` is imported from the project folder or PYTHONPATH; `path/to/file.py:name`
-is imported from that file, once, under a name of its own. Either fails with one message that
+`package.module:name` is imported from PYTHONPATH or the working folder (`user_code_importable`);
+`path/to/file.py:name` is imported from that file, once, under a name of its own. Either fails with one message that
 names the config key, the path and why.
 """
 
@@ -57,7 +57,7 @@ def import_object(name: str, key: str):
         function = getattr(_module_of(module_path), attribute)
     except Exception as e:  # ImportError, SyntaxError in the module, AttributeError, ...
         raise ImportPathError(f"{key}: cannot import {name!r} ({type(e).__name__}: {e}); give "
-                              "'package.module:name' importable from the project folder or PYTHONPATH, "
+                              "'package.module:name' importable from the working folder or PYTHONPATH, "
                               "or 'path/to/file.py:name'") from None
     if not callable(function):
         raise ImportPathError(f"{key}: {name!r} is a {type(function).__name__}, not a function or class")

@@ -35,7 +35,7 @@ from grpo.run.start import planned_start, prepare_run_folder
 from grpo.run.watchdog import StartupWatch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # a checkout, or site-packages when installed
-TRAINER_MODULE = "grpo.workers.trainer"
+TRAINER_MODULE, SAMPLER_MODULE = "grpo.workers.trainer", "grpo.workers.sampler"  # the processes' mains
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
 
@@ -110,7 +110,7 @@ def make_plan(cfg: Config, argv: list[str], gpus: int, cores: int, address: str,
     command, env = trainer_command(placed, shared, master_port)
     processes = {"trainer": {"command": command, "env": env}}
     for i, name in enumerate(sampler_names(samplers)):
-        processes[name] = {"command": [sampler_python(cfg), "-m", "grpo.workers.sampler", *shared,
+        processes[name] = {"command": [sampler_python(cfg), "-m", SAMPLER_MODULE, *shared,
                                        f"sampling.worker_index={i}"], "env": placed["sampler_envs"][i]}
     return {"gpus": gpus, "cores": cores, "ranks": placed["ranks"], "address": address,
             "master_port": master_port, "processes": processes}
@@ -119,7 +119,7 @@ def make_plan(cfg: Config, argv: list[str], gpus: int, cores: int, address: str,
 def trainer_command(plan: dict, args: list[str], port: int) -> tuple[list[str], dict]:
     """One rank: the worker itself, with the environment DeepSpeed's launcher would give it, which
     spares its runner and launcher processes (~240 MB RSS each: both import torch). Several:
-    `deepspeed --num_gpus N training_worker.py`."""
+    `deepspeed --num_gpus N --module grpo.workers.trainer`."""
     if plan["ranks"] == 1:
         rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

@@ -182,6 +182,7 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     """Start a run as `grpo train --config CONFIG key=value ...` does and return its handle at once.
     A mistake in the config raises ConfigError here, before anything starts. `echo` prints the
     launcher's progress lines as they come (they are kept in `Run.output` either way)."""
+    from grpo.commands.train import checkout_root
     from grpo.config import parse_cli
 
     if importing_user_code():
@@ -192,9 +193,8 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     args = (["--config", os.fspath(config)] if config is not None else []) + texts
     cfg = parse_cli(args)  # as the launcher reads it: a missing --config file is an error, no --config: ./config.yaml
     env = dict(os.environ, PYTHONSAFEPATH="1")  # the working folder never shadows our packages (Python >= 3.11)
-    checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "pyproject.toml").is_file():  # not installed: the launcher imports grpo from the checkout
-        env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    if checkout_root():  # not installed: the launcher imports grpo from the checkout
+        env["PYTHONPATH"] = os.pathsep.join([checkout_root(), *filter(None, [env.get("PYTHONPATH")])])
     if roots:  # the given code's folders, imported last (common/imports.py: user_code_importable)
         env[USER_PATH_ENV] = os.pathsep.join([*roots, *filter(None, [env.get(USER_PATH_ENV)])])
     process = subprocess.Popen([sys.executable, "-u", "-m", "grpo.commands.train", *args], stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.codec import DEFAULT_MAX_BYTES, MessageError, decode_batch, encode_batch, resolve_secret
@@ -77,8 +78,6 @@ class BatchReceiver:
 
     def receive_frames(self, timeout_s: float) -> tuple[list[bytes], RolloutBatch]:
         """The next valid message's frames (signature stripped) and its decoded batch."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             frames = self._frames.receive(left)

@@ -184,6 +184,7 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     launcher's progress lines as they come (they are kept in `Run.output` either way)."""
     from grpo.commands.train import checkout_root
     from grpo.config import parse_cli
+    from grpo.run.preflight import require_named_code
 
     if importing_user_code():
         raise RuntimeError(f"grpo.launch was called while the run's config imported {importing_user_code()} (the file "
@@ -191,7 +192,8 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
                            "`if __name__ == \"__main__\":` so that importing the file does not start a run")
     texts, roots = cli_overrides(overrides)
     args = (["--config", os.fspath(config)] if config is not None else []) + texts
-    cfg = parse_cli(args)  # as the launcher reads it: a missing --config file is an error, no --config: ./config.yaml
+    # as the launcher reads it: a missing --config file is an error, no --config: ./config.yaml
+    cfg = require_named_code(parse_cli(args))
     env = dict(os.environ, PYTHONSAFEPATH="1")  # the working folder never shadows our packages (Python >= 3.11)
     if checkout_root():  # not installed: the launcher imports grpo from the checkout
         env["PYTHONPATH"] = os.pathsep.join([checkout_root(), *filter(None, [env.get("PYTHONPATH")])])

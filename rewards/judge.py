@@ -94,7 +94,7 @@ class Judge:
     service = True  # rewards/services.py: runs in the sampler, gets the prompts, scores the batch at once
 
     def __init__(self, settings, timeout_s: float, retries: int):
-        self.settings, self.timeout_s, self.retries = settings, timeout_s, retries  # services.JudgeSettings
+        self.settings, self.timeout_s, self.retries = settings, timeout_s, retries  # the config's rewards.judge
         self.endpoint = settings.url.rstrip("/") + "/chat/completions"
         self.pattern = re.compile(settings.pattern)
         self.breaker = Breaker(FAILURES_PER_REQUEST * settings.concurrency)  # a dead judge costs a batch ~2 time limits

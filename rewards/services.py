@@ -13,9 +13,10 @@ rewards/http_json.py; a model does not hang).
 
 from __future__ import annotations
 
-import functools
+import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from rewards.judge import Judge, pattern_problem
 from rewards.remote import RemoteReward, is_url, url_problem
@@ -25,42 +26,28 @@ JUDGE = "judge"
 
 
 @dataclass(frozen=True)
-class JudgeSettings:
-    """rewards.judge, as the judge reads it (grpo/settings: JudgeConfig documents each)."""
-
-    url: str = ""
-    model: str = ""
-    prompt: str = ""
-    pattern: str = ""
-    api_key_env: str = ""
-    max_tokens: int = 64
-    temperature: float = 0.0
-    concurrency: int = 8
-    range: tuple[float, float] = (0.0, 10.0)  # the verdicts it may give; one outside is a failure
-
-
-@dataclass(frozen=True)
 class ServiceSettings:
-    """What the service rewards need from the config (hashable: the loaded services are cached by it)."""
+    """What the service rewards need from the config, built once per process (`of`) and passed. The
+    judge's settings are the config's rewards.judge section as it is (url, model, prompt, pattern,
+    api_key_env, max_tokens, temperature, concurrency, range: grpo/settings documents each)."""
 
-    device: str = "cpu"  # of the reward model
-    dtype: str = "float32"
-    batch_size: int = 16
-    timeout_s: float = 30.0  # of each HTTP request
-    retries: int = 2
-    cache_dir: str | None = None
-    trust_remote_code: bool = False
-    judge: JudgeSettings = JudgeSettings()
+    device: str  # of the reward model
+    dtype: str
+    batch_size: int
+    timeout_s: float  # of each HTTP request
+    retries: int
+    cache_dir: str | None
+    trust_remote_code: bool
+    judge: Any
 
     @classmethod
     def of(cls, cfg) -> "ServiceSettings":
         """From a grpo.config.Config: the reward model on rewards.reward_model_device ("auto": the
         sampler's device) in model.dtype."""
-        r = cfg.rewards
-        device = cfg.sampling.device if r.reward_model_device == "auto" else r.reward_model_device
-        judge = JudgeSettings(**{**vars(r.judge), "range": tuple(r.judge.range)})  # hashable: the judge is cached by it
-        return cls(device, cfg.model.dtype, r.reward_model_batch_size, r.remote_timeout_s, r.remote_retries,
-                   cfg.model.cache_dir, cfg.model.trust_remote_code, judge)
+        rewards = cfg.rewards
+        device = cfg.sampling.device if rewards.reward_model_device == "auto" else rewards.reward_model_device
+        return cls(device, cfg.model.dtype, rewards.reward_model_batch_size, rewards.remote_timeout_s,
+                   rewards.remote_retries, cfg.model.cache_dir, cfg.model.trust_remote_code, rewards.judge)
 
 
 def is_service_name(name: str) -> bool:
@@ -85,9 +72,14 @@ def service_reward(name: str, settings: ServiceSettings | None):
     return _endpoint(name, settings.judge if name == JUDGE else None, settings.timeout_s, settings.retries)
 
 
-@functools.lru_cache(maxsize=None)
-def _endpoint(name: str, judge: JudgeSettings | None, timeout_s: float, retries: int):
-    return Judge(judge, timeout_s, retries) if name == JUDGE else RemoteReward(name, timeout_s, retries)
+_ENDPOINTS: dict[str, Any] = {}  # loaded once per process for the same settings (a judge keeps its breaker)
+
+
+def _endpoint(name: str, judge, timeout_s: float, retries: int):
+    key = json.dumps([name, vars(judge) if judge is not None else None, timeout_s, retries], sort_keys=True)
+    if key not in _ENDPOINTS:
+        _ENDPOINTS[key] = Judge(judge, timeout_s, retries) if name == JUDGE else RemoteReward(name, timeout_s, retries)
+    return _ENDPOINTS[key]
 
 
 class ServiceStartError(ValueError):
@@ -124,7 +116,7 @@ def service_problems(name: str, settings: ServiceSettings) -> list[str]:
     return judge_problems(settings.judge)
 
 
-def judge_problems(j: JudgeSettings) -> list[str]:
+def judge_problems(j) -> list[str]:
     if not j.url:
         return ["rewards.names holds 'judge', which needs rewards.judge.url, an OpenAI-compatible endpoint (e.g. "
                 "rewards.judge.url=http://127.0.0.1:8000/v1, which serves /v1/chat/completions), "

@@ -137,3 +137,22 @@ def penalised_digit_model_dir(digit_model_dir, tmp_path_factory):
         setattr(shipped, key, value)
     shipped.save_pretrained(folder)
     return folder
+
+
+def service_settings(**changes):
+    """The service rewards' settings of the default config, with `changes` (rewards/services.py)."""
+    import dataclasses
+
+    from grpo.settings import Config
+    from rewards.services import ServiceSettings
+
+    return dataclasses.replace(ServiceSettings.of(Config()), **changes)
+
+
+def checked_config(*args, **kwargs):
+    """A config as a run's processes take it: loaded (grpo.config.load_config) and what it names
+    imported (grpo/run/preflight.py: require_named_code)."""
+    from grpo.config import load_config
+    from grpo.run.preflight import require_named_code
+
+    return require_named_code(load_config(*args, **kwargs))

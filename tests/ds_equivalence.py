@@ -1,6 +1,6 @@
 """Launched by test_training.py as `deepspeed --num_gpus N tests/ds_equivalence.py OUT.json`.
 
-For each case, one trainer update (grpo.trainer.step.train_step: W ranks, several micro-batches)
+For each case, one trainer update (grpo.trainer.training_step.train_step: W ranks, several micro-batches)
 and, on rank 0, the single-process whole-batch update from the same start; rank 0 writes both.
 """
 
@@ -21,7 +21,7 @@ from conftest import tiny_model  # noqa: E402
 from grpo.config import LoraConfig, load_config  # noqa: E402
 from grpo.model.loading import add_lora  # noqa: E402
 from grpo.model.logprobs import completion_logprobs  # noqa: E402
-from grpo.trainer.step import (  # noqa: E402
+from grpo.trainer.training_step import (  # noqa: E402
     PolicyObjective,
     deepspeed_config,
     make_optimizer,

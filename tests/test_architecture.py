@@ -5,17 +5,14 @@ import sys
 
 from conftest import REPO
 
-from common import model_files as models
-from grpo import objective
-from grpo.config import option_lists
-from grpo.model import logprobs
-from grpo.sampler import rollout
+from grpo.settings import Config
+from grpo.settings.tree import choices_of
 
 IMPORTED_AFTER = '''
 import sys
 import {worker}
 from grpo.config import load_config
-load_config(None, [])  # validation imports the option lists' owners
+load_config(None, [])
 print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("grpo", "data", "rewards", "{other}"))))
 '''
 
@@ -28,22 +25,44 @@ def imported_by(worker: str, other: str) -> set[str]:
 
 def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
     sampler = imported_by("sampling_worker", "training_worker")
-    assert {"grpo.wire.delivery", "grpo.sampler.step", "rewards.sandbox"} <= sampler  # engines load when chosen
-    assert not sampler & {"training_worker", "grpo.workers.trainer", "grpo.trainer.step", "grpo.trainer.outputs"}
+    assert {"grpo.wire.delivery", "grpo.sampler.sampling_step", "rewards.sandbox"} <= sampler  # engines: when chosen
+    assert not sampler & {"training_worker", "grpo.workers.trainer", "grpo.trainer.training_step",
+                          "grpo.trainer.saving"}
     trainer = imported_by("training_worker", "sampling_worker")
-    assert {"grpo.wire.delivery", "grpo.trainer.step", "grpo.trainer.outputs"} <= trainer
-    assert not trainer & {"sampling_worker", "grpo.workers.sampler", "grpo.sampler.step",
+    assert {"grpo.wire.delivery", "grpo.trainer.training_step", "grpo.trainer.saving"} <= trainer
+    assert not trainer & {"sampling_worker", "grpo.workers.sampler", "grpo.sampler.sampling_step",
                           "grpo.sampler.rollout.hf_engine", "grpo.sampler.rollout.vllm_engine", "rewards.sandbox"}
 
 
-def test_each_choice_is_validated_against_the_list_its_implementing_module_owns():
-    lists = option_lists()
-    assert lists["training.aggregation"] is objective.AGGREGATIONS
-    assert lists["training.kl_estimator"] is objective.KL_ESTIMATORS
-    assert lists["training.advantage_scale"] is objective.ADVANTAGE_SCALES
-    assert lists["sampling.engine"] == tuple(rollout.ENGINES)
-    assert lists["sampling.old_logps"] is logprobs.OLD_LOGPS_SOURCES
-    assert lists["model.dtype"] == tuple(models.DTYPES)
+def test_each_declared_choice_list_is_what_its_implementing_module_offers():
+    """The settings declare each choice (grpo/settings); the modules that implement one keep their own
+    table of it: the two agree, so a name added to one and not the other fails here."""
+    from common.model_files import DTYPES
+    from data.problems import ANSWER_FORMATS
+    from grpo import objective
+    from grpo.environments.pool import NETWORK_MODES
+    from grpo.environments.tool_calls import PARSERS
+    from grpo.model.loading import TEMPLATES
+    from grpo.model.logprobs import OLD_LOGPS_SOURCES
+    from grpo.run.tracking import TRACKERS, WANDB_MODES
+    from grpo.sampler.rollout import ENGINES
+    from grpo.settings import SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES
+    from grpo.trainer.schedule import SCHEDULES
+    from grpo.weights import CHANNELS
+    from grpo.wire.transport import TRANSPORTS
+    from rewards.registry import ON_FAILURE
+
+    implemented = {"model.dtype": tuple(DTYPES), "sampling.dtype": ("auto", *DTYPES),
+                   "data.answer_format": ANSWER_FORMATS, "sampling.engine": tuple(ENGINES),
+                   "sampling.old_logps": OLD_LOGPS_SOURCES, "training.aggregation": objective.AGGREGATIONS,
+                   "training.kl_estimator": objective.KL_ESTIMATORS, "training.importance_sampling": objective.IS_MODES,
+                   "training.advantage_scale": objective.ADVANTAGE_SCALES, "training.lr_schedule": SCHEDULES,
+                   "logging.backend": TRACKERS, "logging.wandb_mode": WANDB_MODES, "env.network": NETWORK_MODES,
+                   "env.tool_parser": tuple(PARSERS), "rewards.on_failure": ON_FAILURE,
+                   "weights.channel": tuple(CHANNELS)}
+    for key, offered in implemented.items():
+        assert choices_of(Config, key) == offered, key
+    assert SHIPPED_CHAT_TEMPLATES == tuple(TEMPLATES) and TRANSPORT_SCHEMES == tuple(TRANSPORTS)
 
 
 def imported_modules(path) -> set[str]:
@@ -79,12 +98,15 @@ def test_the_top_level_packages_import_one_way():
     assert imports_between("grpo", ("rewards",))  # the check above sees imports (it is not vacuous)
 
 
-def test_the_config_stands_above_what_it_validates():
-    """The config asks the modules below it for their options (option_lists), so none of them loads
-    it: they take its types from grpo/settings; only the commands, the API and the workers' mains do."""
-    for below in ("grpo/sampler", "grpo/trainer", "grpo/wire", "grpo/weights", "grpo/model", "grpo/objective",
-                  "grpo/environments", "grpo/run", "grpo/settings", "rewards", "data", "common"):
-        assert imports_between(below, ("grpo.config", "grpo.workers", "grpo.commands", "grpo.api")) == {}, below
+def test_the_config_stands_at_the_foundation():
+    """Loading, the typed tree and validation import nothing of the trainer above them: what a config
+    names (rewards, environments, tools, templates) is imported by grpo/run/preflight.py."""
+    above = ("grpo.sampler", "grpo.trainer", "grpo.wire", "grpo.weights", "grpo.model", "grpo.objective",
+             "grpo.environments", "grpo.run", "grpo.workers", "grpo.commands", "grpo.api", "rewards")
+    assert imports_between("grpo/settings", above + ("grpo.config",)) == {}
+    assert imports_between("grpo/config", above) == {  # whether a reward name is a service's
+        "grpo/config/rules.py": {"rewards.services", "rewards.services.is_service_name"}}
+    assert imports_between("grpo/run", ("grpo.config",))  # the check above sees imports (it is not vacuous)
 
 
 def test_the_wire_imports_neither_the_objective_nor_the_model_and_they_not_the_wire():

@@ -21,7 +21,7 @@ from grpo.config import load_config
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.trainer.step import micro_batch_loss
+from grpo.trainer.training_step import micro_batch_loss
 from grpo.weights.folder import version_dir
 
 STEPS = 3
@@ -39,7 +39,7 @@ def synchronous_run(cfg) -> tuple[list[dict[str, torch.Tensor]], list[tuple[floa
     tokenizer = load_tokenizer(cfg.model)
     prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
     cursor = PromptCursor(len(prompts), cfg.seed)
-    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
     adapters, rewards = [adapter(model)], []
@@ -108,7 +108,7 @@ def test_a_step_started_by_the_step_before_is_the_batch_its_weights_make_alone(t
     tokenizer = load_tokenizer(cfg.model)
     prompts, _ = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, cfg.data.split)[0])
     cursor = PromptCursor(len(prompts), cfg.seed)
-    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     for step, row in enumerate(rows):
         version = int(row["policy_version"])
         weights = initial if version == 0 else load_file(version_dir(tmp_path / "weights", version)

@@ -7,7 +7,7 @@ from conftest import tiny_model
 
 from grpo.config import LoraConfig, load_config
 from grpo.model.loading import add_lora
-from grpo.trainer.outputs import (
+from grpo.trainer.saving import (
     CheckpointMismatch,
     base_fingerprint,
     check_base,
@@ -30,11 +30,11 @@ def test_the_base_fingerprint_tells_another_base_model_and_not_another_adapter()
     assert base_fingerprint(first) == base_fingerprint(same_base) != base_fingerprint(other_base)
     assert base_fingerprint(tiny_model("qwen2")) == ""  # a full fine-tune: nothing frozen to record
     cfg = load_config(None, ["model.name_or_path=/models/base"])
-    check_base(base_fingerprint(first), base_fingerprint(same_base), cfg)
-    check_base(None, base_fingerprint(other_base), cfg)  # a checkpoint that records none
+    check_base(base_fingerprint(first), base_fingerprint(same_base), cfg.model)
+    check_base(None, base_fingerprint(other_base), cfg.model)  # a checkpoint that records none
     with pytest.raises(CheckpointMismatch, match=r"^the checkpoint's LoRA adapter was trained on another base model "
                                                  r"than model.name_or_path=/models/base loads now"):
-        check_base(base_fingerprint(first), base_fingerprint(other_base), cfg)
+        check_base(base_fingerprint(first), base_fingerprint(other_base), cfg.model)
 
 
 def test_a_zero_checkpoint_of_other_ranks_is_refused_before_loading(tmp_path):
@@ -43,9 +43,9 @@ def test_a_zero_checkpoint_of_other_ranks_is_refused_before_loading(tmp_path):
     for rank in (0, 1):
         (tmp_path / "step000004" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
     cfg = load_config(None, ["deepspeed.zero_stage=2"])
-    check_resumable(tmp_path, cfg, 2)
+    check_resumable(tmp_path, cfg.deepspeed, 2)
     with pytest.raises(CheckpointMismatch) as refused:
-        check_resumable(tmp_path, cfg, 1)
+        check_resumable(tmp_path, cfg.deepspeed, 1)
     assert str(refused.value) == (f"the checkpoint {tmp_path / 'step000004'} was written by 2 trainer ranks "
                                   "(deepspeed.zero_stage=2 splits its optimizer state by rank) and this trainer has 1: "
                                   "start it with 2 ranks (launch.trainer_ranks=2), or start a new run")

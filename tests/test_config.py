@@ -4,7 +4,7 @@ import re
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, checked_config
 
 from grpo.config import (
     Config,
@@ -176,7 +176,7 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
 ])
 def test_cross_field_rules_say_what_to_do(overrides, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        checked_config(None, overrides)
     assert message in str(e.value)
 
 
@@ -211,10 +211,10 @@ def test_an_env_args_key_the_environment_does_not_take_is_a_config_error_naming_
               f"env.args.init key 'trys' is not a parameter of {openenv} (it takes: low, high, tries, closed_log)")]
     for overrides, message in cases:
         with pytest.raises(ConfigError) as e:
-            load_config(None, overrides)
+            checked_config(None, overrides)
         assert str(e.value) == f"invalid config:\n  {message}"
-    assert load_config(None, [f"env.name={my_env}:anything", "env.args={trys: 4}"]).env.args == {"trys": 4}
-    assert load_config(None, [f"env.name={my_env}:MyEnv", "env.args={tries: 4}"]).env.args == {"tries": 4}
+    assert checked_config(None, [f"env.name={my_env}:anything", "env.args={trys: 4}"]).env.args == {"trys": 4}
+    assert checked_config(None, [f"env.name={my_env}:MyEnv", "env.args={tries: 4}"]).env.args == {"tries": 4}
 
 
 def test_all_errors_are_reported_at_once():
@@ -405,7 +405,7 @@ def edges(bound: str) -> tuple[list[float], list[float]]:
 def test_every_declared_bound_is_checked_at_its_edges_with_one_text():
     """Each field's own range is declared on it (grpo/settings) and checked in one place: a value
     just outside is refused as `key must be <bound>...; got <value>`, a value at the edge is not."""
-    from grpo.settings.tree import bound_problems, set_key
+    from grpo.settings.tree import field_problems, set_key
 
     bounds = declared_bounds()
     assert len(bounds) >= 50 and ("sampling.temperature", "> 0", float) in bounds
@@ -416,10 +416,42 @@ def test_every_declared_bound_is_checked_at_its_edges_with_one_text():
                 continue
             cfg = Config()
             set_key(cfg, key.split("."), number(value) if value == value else value, False, key, Config)
-            assert not [p for p in bound_problems(cfg) if p.startswith(f"{key} ")], (key, value)
+            assert not [p for p in field_problems(cfg) if p.startswith(f"{key} ")], (key, value)
         for value in outside:
             if number is int and (value != value or value != int(value)):
                 continue
             cfg = Config()
             set_key(cfg, key.split("."), number(value) if value == value else value, False, key, Config)
-            assert [p for p in bound_problems(cfg) if p.startswith(f"{key} must be {bound}")], (key, value)
+            assert [p for p in field_problems(cfg) if p.startswith(f"{key} must be {bound}")], (key, value)
+
+
+def test_every_declared_choice_refuses_other_values_with_one_text():
+    """Each choice list is declared on its field: every listed value passes; a value outside, or a
+    listed one in the wrong case, is refused as `key must be one of a, b; got 'c'`."""
+    import dataclasses
+    import typing
+
+    from grpo.settings.tree import field_problems, get_key
+
+    choices = {}
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif f.metadata.get("choices"):
+                choices[prefix + f.name] = f.metadata["choices"]
+
+    walk(Config, "")
+    assert len(choices) == 20 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
+    for key, options in choices.items():
+        *parents, leaf = key.split(".")
+        for value in options:
+            cfg = Config()
+            setattr(get_key(cfg, ".".join(parents)), leaf, value)
+            assert not field_problems(cfg), (key, value)
+        for value in ("nope", options[-1].swapcase()):
+            cfg = Config()
+            setattr(get_key(cfg, ".".join(parents)), leaf, value)
+            assert field_problems(cfg) == [f"{key} must be one of {', '.join(options)}; got {value!r}"]

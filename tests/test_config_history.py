@@ -1,4 +1,4 @@
-"""A run folder's config across launches, and what a resume may change (grpo/config/history.py)."""
+"""A run folder's config across launches, and what a resume may change (grpo/run/history.py)."""
 
 import threading
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from grpo.config import all_keys, load_config, save_config
-from grpo.config.history import (
+from grpo.run.history import (
     ALLOWED,
     LAUNCH_SET,
     REFUSED,

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from conftest import REPO, checked_config, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data.problems import Problem
@@ -21,7 +21,7 @@ from grpo.sampler.batches import environment_failures
 from grpo.sampler.episode_records import episode_metrics
 from grpo.sampler.episodes import EpisodeRunner, reply_template, turn_seed
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.trainer.step import denominators_of, micro_batch_loss
+from grpo.trainer.training_step import denominators_of, micro_batch_loss
 from grpo.wire.batch import RolloutBatch
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
@@ -302,7 +302,8 @@ def test_neither_the_c_socket_module_nor_a_subprocess_reaches_the_network(isolat
 
 def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allowed(monkeypatch):
     import grpo.environments.pool as pool_module
-    from grpo.environments.pool import IsolationError, Limits
+    from grpo.environments.pool import IsolationError
+    from grpo.settings import EnvConfig
 
     def cannot():
         raise IsolationError("the environments' child cannot be cut off from the network here (no user namespaces, "
@@ -311,7 +312,7 @@ def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allo
     with pytest.raises(IsolationError, match="set env.network=allow"):
         EnvironmentPool(f"{ENVS}:Counter", {}, 5.0)
     server, port = listening_port()
-    pool = EnvironmentPool(f"{ENVS}:NetworkProbe", {}, 5.0, Limits(network="allow"))
+    pool = EnvironmentPool(f"{ENVS}:NetworkProbe", {}, 5.0, EnvConfig(network="allow"))
     try:
         assert pool.isolation == "allowed" and pool.step("a", {}, [], str(port))[0].text == "connected"
     finally:
@@ -320,9 +321,9 @@ def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allo
 
 
 def test_the_child_has_a_memory_budget():
-    from grpo.environments.pool import Limits
+    from grpo.settings import EnvConfig
 
-    pool = EnvironmentPool(f"{ENVS}:Allocates", {}, 30.0, Limits(memory_mb=256))
+    pool = EnvironmentPool(f"{ENVS}:Allocates", {}, 30.0, EnvConfig(memory_mb=256))
     try:
         assert pool.step("a", {}, [], "64")[0].text == "allocated 64 MB"
         reply, failure = pool.step("b", {}, [], "1024")
@@ -400,9 +401,9 @@ def test_a_bad_environment_name_is_a_config_error_naming_it():
     from grpo.settings.tree import ConfigError
 
     with pytest.raises(ConfigError, match="env.name: cannot import 'no_such_module:Env'"):
-        load_config(None, ["env.name=no_such_module:Env"])
+        checked_config(None, ["env.name=no_such_module:Env"])
     with pytest.raises(ConfigError, match="env.max_turns must be > 0"):
-        load_config(None, ["env.name=calculator", "env.max_turns=0"])
+        checked_config(None, ["env.name=calculator", "env.max_turns=0"])
 
 
 # ----------------------------------------------------------------------------- OpenEnv
@@ -549,7 +550,8 @@ def episode_step(chatty, step, *overrides):
     pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
     try:
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
-        policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {},
+                                  episodes=runner)
         more = lambda r: prompts_of(tokenizer, answers=(str(3 + 2 * r), str(4 + 2 * r)))  # noqa: E731
         return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step,
                                metrics_so_far={}, measure_logp_gap=True, more_prompts=more)
@@ -745,7 +747,8 @@ def board_steps(chatty, tmp_path, count, *overrides):
     pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
     try:
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
-        policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {}, episodes=runner)
+        policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {},
+                                  episodes=runner)
         streaks = FailureStreaks()
         return [make_batch(cfg, policy, prompts_of(tokenizer), step=k, metrics_so_far={}, measure_logp_gap=False,
                            streaks=streaks) for k in range(count)]
@@ -968,8 +971,8 @@ def game_batch(tiny_model_dir, *overrides):
     runner = episode_runner(cfg, tokenizer)
     try:
         engine = Budgeted(tokenizer, GAME_SCRIPTS, cfg.sampling.max_new_tokens)
-        policy = SamplerModels(engine, AutoModelForCausalLM.from_pretrained(tiny_model_dir), None, tokenizer, {},
-                               episodes=runner)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        policy = SamplerModels.of(cfg, engine, model, None, tokenizer, {}, episodes=runner)
         batch = make_batch(cfg, policy, prompts_of(tokenizer, answers=("1",)), step=0, metrics_so_far={},
                            measure_logp_gap=False)
     finally:

@@ -8,9 +8,9 @@ import torch
 import yaml
 
 from grpo.commands.export import export, main  # noqa: E402
-from grpo.config import load_config, run_config, save_config, to_dict
+from grpo.config import load_config, save_config, to_dict
 from grpo.model.loading import add_lora, load_model, load_tokenizer
-from grpo.run.outputs import RunOutputsError, last_evaluation, run_of_weights, version_folder
+from grpo.run.outputs import RunOutputsError, last_evaluation, run_config, run_of_weights, version_folder
 from grpo.weights.folder import load_into, publish, verify, version_dir
 
 EVAL_ROW = {"step": 3, "eval/answer_accuracy": 0.25, "eval/answer_accuracy_stderr": 0.125, "eval/format_rate": 0.5,

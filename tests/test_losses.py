@@ -328,7 +328,7 @@ def test_the_trainers_dr_grpo_loss_with_masked_truncation_is_the_loss_without_th
 
     from grpo.config import load_config
     from grpo.trainer.groups import select_groups
-    from grpo.trainer.step import denominators_of, micro_batch_loss
+    from grpo.trainer.training_step import denominators_of, micro_batch_loss
 
     model = tiny_model()
     common = ["training.aggregation=dr_grpo", "training.beta=0", "sampling.max_new_tokens=8"]
@@ -416,7 +416,7 @@ def test_tokens_older_than_max_token_age_leave_the_loss_in_worked_numbers():
 
     from helpers import make_batch
 
-    from grpo.trainer.step import denominators_of, within_age
+    from grpo.trainer.training_step import denominators_of, within_age
 
     batch = make_batch(seed=1, group_sizes=(2, 1))
     ids = [torch.arange(4), torch.arange(3), torch.arange(2)]
@@ -446,7 +446,7 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
     from grpo.config import load_config
     from grpo.model.logprobs import completion_logprobs
     from grpo.trainer.groups import select_groups
-    from grpo.trainer.step import denominators_of, micro_batch_loss, within_age
+    from grpo.trainer.training_step import denominators_of, micro_batch_loss, within_age
 
     model = tiny_model()
     cfg = load_config(None, [f"training.aggregation={aggregation}", "training.beta=0", "training.max_token_age=1"])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo.trainer.step import MetricSums, mismatch_metrics
+from grpo.trainer.training_step import MetricSums, mismatch_metrics
 
 
 def test_mismatch_metrics_in_worked_numbers():

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, wait_until_healthy
+from conftest import REPO, checked_config, wait_until_healthy
 from test_episodes import chatty, prompts_of  # noqa: F401 (chatty: a fixture)
 
 from grpo.config import load_config
@@ -191,7 +191,7 @@ def test_a_url_with_nothing_listening_at_start_is_an_error_naming_it():
                                   "openenv+http://127.0.0.1:99999", "openenv+127.0.0.1:8000"])
 def test_a_malformed_server_address_is_a_config_error_saying_the_form(name):
     with pytest.raises(ConfigError, match="is not a server address.*write openenv\\+http://host:port"):
-        load_config(None, [f"env.name={name}"])
+        checked_config(None, [f"env.name={name}"])
 
 
 def test_the_served_forms_settings_are_checked_against_the_servers_schema(running):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import checked_config
 
 from data.problems import DataError, load_problems, load_split
 from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
@@ -66,7 +67,7 @@ def test_load_split_reads_the_task_args_from_the_data_config():
 
 def test_a_task_that_does_not_exist_is_one_config_error_naming_the_key_and_the_valid_names():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["data.path=reasoning-gym:chain_sums"])
+        checked_config(None, ["data.path=reasoning-gym:chain_sums"])
     message = str(e.value)
     assert "data.path='reasoning-gym:chain_sums': reasoning-gym has no task 'chain_sums'; valid tasks: " in message
     assert "chain_sum, circuit_logic" in message and "\n" not in message.split("invalid config:\n  ", 1)[1]

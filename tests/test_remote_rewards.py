@@ -3,6 +3,7 @@ sends, the scores each gives, and every way a service fails (slow, 5xx, a wrong 
 listening) costing that batch's scores (they fail, counted), never the run or a stall; and what a
 completion can do to a judge (talk it into a score, close its fence, be cut short) earning nothing."""
 
+import dataclasses
 import json
 import re
 import socket
@@ -14,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from conftest import REPO, checked_config, service_settings, tiny_model
 from test_sampler_step import DigitTokenizer, FailureStreaks, FakeEngine, config, steps
 
 from data.problems import Problem
@@ -24,18 +25,18 @@ from grpo.model.loading import add_lora
 from grpo.objective import Denominators, Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.sampler.batches import SamplerModels, make_batch
-from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT
+from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT, JudgeConfig
 from grpo.settings.tree import ConfigError
-from grpo.trainer.step import denominators_of
+from grpo.trainer.training_step import denominators_of
 from rewards import score_completions
 from rewards.http_json import Breaker, ServiceError, post_json, retry_after
 from rewards.judge import fenced
 from rewards.sandbox import RewardSandbox
-from rewards.services import JudgeSettings, ServiceSettings, service_reward
+from rewards.services import ServiceSettings, service_reward
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
 TURNS = ({"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "What is 3 + 4?"})
-FAST = ServiceSettings(timeout_s=2.0, retries=1)
+FAST = service_settings(timeout_s=2.0, retries=1)
 
 
 class Service:
@@ -159,7 +160,7 @@ def test_a_service_that_fails_costs_its_batch_the_fallback_counted_in_bounded_ti
     started = time.monotonic()
     scores = score_completions(["a", "b", "c"], [{"reference_answer": "7"}] * 3,
                                [service.url(path), "think_answer_format_partial"], [1.0, 1.0], fallback=-9.0,
-                               prompts=[TURNS] * 3, services=ServiceSettings(timeout_s=0.5, retries=1))
+                               prompts=[TURNS] * 3, services=service_settings(timeout_s=0.5, retries=1))
     elapsed = time.monotonic() - started
     assert scores.per_function.tolist() == [[-9.0, -1.0]] * 3  # the rule reward is scored as ever
     assert scores.failures == {service.url(path): 3, "think_answer_format_partial": 0}
@@ -171,7 +172,7 @@ def test_nothing_listening_is_retried_then_falls_back():
     url = f"http://127.0.0.1:{closed_port()}/score"
     started = time.monotonic()
     scores = score_completions(["a", "b"], [{}, {}], [url], [1.0], fallback=-9.0, prompts=[TURNS] * 2,
-                               services=ServiceSettings(timeout_s=1.0, retries=2))
+                               services=service_settings(timeout_s=1.0, retries=2))
     assert scores.per_function[:, 0].tolist() == [-9.0, -9.0] and scores.failures == {url: 2}
     assert 1.5 <= time.monotonic() - started < 5  # backoff 0.5 s + 1 s between the three attempts
 
@@ -193,7 +194,7 @@ def test_a_sampler_step_sends_each_samples_prompt_turns_and_logs_the_service_rew
     cfg = config(f"rewards.names=[{service.url('/score')}]")
     questions = [({"role": "user", "content": f"q{i}"},) for i in range(2)]
     prompts = [Prompt(Problem(f"train-{i}", f"q{i}", str(7 + i)), [3, 4, 5 + i], questions[i]) for i in range(2)]
-    policy = SamplerModels(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    policy = SamplerModels.of(cfg, FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
     batch = make_batch(cfg, policy, prompts, step=1, metrics_so_far={}, measure_logp_gap=False)
     [body] = service.bodies("/score")
     assert body["prompts"] == [list(questions[0])] * 2 + [list(questions[1])] * 2
@@ -250,11 +251,11 @@ def judge_server():
 
 
 def judge_settings(server, **kw):
-    judge = JudgeSettings(url=server.url("/v1"), model="judge-model",
-                          prompt="Q: {question}\nRef: {answer}\nA: {completion}\n"
-                          "{not a placeholder}", pattern=r"Score:\s*(\d+)", api_key_env="JUDGE_TEST_KEY", max_tokens=16,
-                          concurrency=2)
-    return ServiceSettings(timeout_s=2.0, retries=1, judge=JudgeSettings(**{**vars(judge), **kw}))
+    judge = JudgeConfig(url=server.url("/v1"), model="judge-model",
+                        prompt="Q: {question}\nRef: {answer}\nA: {completion}\n"
+                        "{not a placeholder}", pattern=r"Score:\s*(\d+)", api_key_env="JUDGE_TEST_KEY", max_tokens=16,
+                        concurrency=2)
+    return service_settings(timeout_s=2.0, retries=1, judge=dataclasses.replace(judge, **kw))
 
 
 def test_the_judge_fills_its_prompt_reads_the_last_score_and_fails_alone_per_sample(judge_server, monkeypatch):
@@ -277,8 +278,8 @@ def test_the_judge_fills_its_prompt_reads_the_last_score_and_fails_alone_per_sam
 
 def test_a_judge_that_is_not_there_falls_back_for_every_sample_in_bounded_time():
     url = f"http://127.0.0.1:{closed_port()}/v1"
-    settings = ServiceSettings(timeout_s=0.5, retries=1, judge=JudgeSettings(url=url, model="m", prompt="{completion}",
-                                                                             pattern=r"(\d+)", concurrency=4))
+    settings = service_settings(timeout_s=0.5, retries=1, judge=JudgeConfig(url=url, model="m", prompt="{completion}",
+                                                                            pattern=r"(\d+)", concurrency=4))
     started = time.monotonic()
     scores = score_completions(["a"] * 4, [{}] * 4, ["judge"], [1.0], fallback=-2.0, prompts=[TURNS] * 4,
                                services=settings)
@@ -321,9 +322,8 @@ def judges():
 
 def default_judge(server, path: str, **kw) -> ServiceSettings:
     """The shipped prompt, pattern and range (rewards.judge's defaults) at `path`."""
-    judge = JudgeSettings(**{"url": server.url(path), "model": "judge-model", "prompt": DEFAULT_JUDGE_PROMPT,
-                             "pattern": DEFAULT_JUDGE_PATTERN, "concurrency": 2, **kw})
-    return ServiceSettings(timeout_s=0.5, retries=1, judge=judge)
+    judge = JudgeConfig(**{"url": server.url(path), "model": "judge-model", "concurrency": 2, **kw})
+    return service_settings(timeout_s=0.5, retries=1, judge=judge)
 
 
 RIGHT, WRONG = "<think>3 + 4 = 7</think>\n<answer>7</answer>", "<think>3 + 4 = 8</think>\n<answer>8</answer>"
@@ -537,7 +537,7 @@ def test_a_service_that_answers_null_for_every_sample_is_warned_of_once(service,
 ])
 def test_a_mistyped_service_reward_is_one_config_error_at_start(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, ["rewards.weights=[1.0]", *overrides])
+        checked_config(None, ["rewards.weights=[1.0]", *overrides])
 
 
 def test_a_judges_api_key_is_looked_for_by_the_sampler_at_start_not_by_every_config_load():
@@ -557,7 +557,7 @@ def test_a_service_reward_config_loads_without_calling_anything():
     settings = ServiceSettings.of(cfg)
     assert (settings.device, settings.dtype, settings.timeout_s, settings.retries) == ("cpu", "float32", 30.0, 2)
     assert (settings.judge.url, settings.judge.model, settings.judge.pattern, settings.judge.range) == (
-        "https://api.example.com/v1", "gpt-judge", DEFAULT_JUDGE_PATTERN, (0.0, 10.0))
+        "https://api.example.com/v1", "gpt-judge", DEFAULT_JUDGE_PATTERN, [0.0, 10.0])
     assert torch.equal(torch.tensor(cfg.rewards.weights), torch.tensor([1.0, 0.1, 1.0]))
 
 

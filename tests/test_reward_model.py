@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from conftest import checked_config, service_settings
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from grpo.config import load_config
@@ -68,7 +69,7 @@ def test_padded_batches_score_each_chat_templated_text_as_its_unpadded_forward(r
     sandbox = RewardSandbox(timeout_s=30)
     try:
         scores = score_completions(COMPLETIONS, [{"reference_answer": "7"}] * 3, [name], [2.0], fallback=-99.0,
-                                   call=sandbox, prompts=PROMPTS, services=ServiceSettings(batch_size=2))
+                                   call=sandbox, prompts=PROMPTS, services=service_settings(batch_size=2))
     finally:
         sandbox.close()
     expected = [unpadded_score(reward_model_dir, chat_text(reward_model_dir, p, c), add_special_tokens=False)
@@ -203,7 +204,7 @@ def test_without_a_chat_template_the_turns_and_completion_are_joined_by_newlines
     read where the model was trained to give it."""
     folder = save_classifier(tmp_path / "plain", tiny_model_dir, chat_template=False)
     scores = score_completions(COMPLETIONS[:2], [{}] * 2, [f"reward_model:{folder}"], [1.0], fallback=-99.0,
-                               prompts=PROMPTS[:2], services=ServiceSettings())
+                               prompts=PROMPTS[:2], services=service_settings())
     eos = AutoTokenizer.from_pretrained(folder).eos_token
     texts = ["Answer in tags.\nWhat is 3 + 4?\n" + c + eos for c in COMPLETIONS[:2]]
     assert scores.per_function[:, 0].tolist() == pytest.approx(
@@ -231,4 +232,4 @@ def test_a_missing_folder_or_a_model_that_is_not_a_one_logit_classifier_is_a_con
         (tiny_model_dir, f"reward_model:{tiny_model_dir} is a LlamaForCausalLM, not a sequence classifier"),
     ]:
         with pytest.raises(ConfigError, match=f"rewards.names: {re.escape(message)}"):
-            load_config(None, [f"rewards.names=[reward_model:{source}]", "rewards.weights=[1.0]"])
+            checked_config(None, [f"rewards.names=[reward_model:{source}]", "rewards.weights=[1.0]"])

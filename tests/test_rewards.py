@@ -12,9 +12,8 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, checked_config
 
-from grpo.config import load_config
 from grpo.objective.advantages import worst_of_batch
 from grpo.settings.tree import ConfigError
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
@@ -398,9 +397,9 @@ def test_a_reward_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path):
                       (f"{tmp_path}/nothing_here.py:f", "FileNotFoundError"),
                       ("no_such_package.rewards:f", "ModuleNotFoundError")]:
         with pytest.raises(ConfigError, match=f"rewards.names: cannot import '{re.escape(name)}' \\({why}"):
-            load_config(None, [f"rewards.names=[gsm8k_answer,{name}]", "rewards.weights=[1,1]"])
+            checked_config(None, [f"rewards.names=[gsm8k_answer,{name}]", "rewards.weights=[1,1]"])
     with pytest.raises(ConfigError, match="my_rewards.py:NOT_A_FUNCTION' is a int, not a function"):
-        load_config(None, [f"rewards.names=[{tmp_path}/my_rewards.py:NOT_A_FUNCTION]", "rewards.weights=[1]"])
+        checked_config(None, [f"rewards.names=[{tmp_path}/my_rewards.py:NOT_A_FUNCTION]", "rewards.weights=[1]"])
 
 
 @pytest.mark.parametrize("length, expected", [(0, 0.0), (150, 0.0), (160, 0.0), (170, -0.25), (200, -1.0)])

@@ -21,7 +21,7 @@ from grpo.sampler.episode_records import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
-from grpo.trainer.step import denominators_of
+from grpo.trainer.training_step import denominators_of
 from grpo.weights.folder import Staged
 from rewards import score_completions
 
@@ -87,7 +87,7 @@ def test_a_step_takes_the_engines_log_probs_and_version_through_the_interface():
     model = add_lora(tiny_model(), cfg.lora).eval()
     engine = FakeEngine()
     engine.load_weights(None, {"kind": "lora", "digest": "d3"}, 3)
-    policy = SamplerModels(engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
+    policy = SamplerModels.of(cfg, engine, model, None, DigitTokenizer(), {"sampling.temperature": 0.9})
     batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={"timing/x": 1.0},
                        measure_logp_gap=True)
     assert (batch.step, batch.policy_version, batch.weights_digest, batch.behaviour) == \
@@ -130,7 +130,7 @@ def test_a_step_whose_weights_changed_while_it_decoded_is_the_batch_of_its_oldes
 
     cfg = config()
     model = add_lora(tiny_model(), cfg.lora).eval()
-    policy = SamplerModels(InFlightEngine(), model, None, DigitTokenizer(), {})
+    policy = SamplerModels.of(cfg, InFlightEngine(), model, None, DigitTokenizer(), {})
     batch = make_batch(cfg, policy, prompts(), step=5, metrics_so_far={}, measure_logp_gap=True)
     assert (batch.policy_version, batch.weights_digest) == (2, "d2")
     assert [v.tolist() for v in decode_batch(encode_batch(batch)).token_versions] == [[2, 3]] * 4
@@ -162,7 +162,7 @@ def numbered_prompts(*last_tokens):
 def dynamic_batch(rounds, *overrides):
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3", *overrides)
     engine = ScriptedEngine()
-    policy = SamplerModels(engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    policy = SamplerModels.of(cfg, engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
     batch = make_batch(cfg, policy, rounds[0], step=4, metrics_so_far={},
                        measure_logp_gap=False, more_prompts=lambda r: rounds[r])
     return cfg, engine, batch
@@ -206,7 +206,7 @@ def test_without_dynamic_sampling_one_round_and_the_step_seed():
 def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_same_prompts():
     """Step g owns stream positions [g*B*R, (g+1)*B*R): a sampler that restarts at step 3 (a new
     cursor restored from the saved state) draws exactly what the uninterrupted one drew."""
-    from grpo.sampler.step import round_prompts
+    from grpo.sampler.sampling_step import round_prompts
 
     cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
     prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4
@@ -252,7 +252,7 @@ def picky(completion, row):
 
 
 def fake_policy(cfg):
-    return SamplerModels(FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    return SamplerModels.of(cfg, FakeEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
 
 
 def steps(cfg, count, streaks):
@@ -381,7 +381,8 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
     std is 3.7e-8, not 0), prompt 11's "7", "8", "9" (0.45, -0.45, -0.45). Without dynamic sampling
     the generated groups are the trained ones: both shares are 1 / 2."""
     cfg = config("sampling.group_size=3", "rewards.weights=[0.45]")
-    policy = SamplerModels(ScriptedEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    model = add_lora(tiny_model(), cfg.lora).eval()
+    policy = SamplerModels.of(cfg, ScriptedEngine(), model, None, DigitTokenizer(), {})
     batch = make_batch(cfg, policy, numbered_prompts(10, 11), step=0, metrics_so_far={}, measure_logp_gap=False)
     assert batch.rewards[:, 0].tolist() == [1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
     m = batch.meta["metrics"]
@@ -392,7 +393,7 @@ def test_every_step_reports_the_share_of_groups_whose_rewards_are_all_equal():
 
 def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, version=0, latest=None):
     """`next_call` for a sampler at `step` of `end_step` with the HF engine serving `version` (LATEST: `latest`)."""
-    from grpo.sampler.step import SamplerRun, next_call
+    from grpo.sampler.sampling_step import SamplerRun, next_call
     from grpo.weights.folder import WeightWatcher
 
     cfg = load_config(None, ["sampling.prompts_per_step=2", "sampling.group_size=2", "sampling.max_staleness=2",
@@ -402,7 +403,7 @@ def next_call_of(tmp_path, step=0, *overrides, episodes=None, end_step=4, versio
     if latest is not None:
         (tmp_path / "LATEST").write_text(str(latest))
     table = [Prompt(Problem(f"train-{i}", f"q{i}", "1"), [3, 4, 5 + i]) for i in range(20)]
-    policy = SamplerModels(engine, None, None, DigitTokenizer(), {}, episodes=episodes)
+    policy = SamplerModels.of(cfg, engine, None, None, DigitTokenizer(), {}, episodes=episodes)
     loop = SamplerRun(cfg, policy, table, PromptCursor(len(table), cfg.seed), WeightWatcher(tmp_path, []), None,
                        None, None, None, None, 0, end_step)
     return cfg, loop, next_call(loop, step)
@@ -440,7 +441,7 @@ def test_the_next_step_is_started_ahead_where_the_weights_served_are_the_newest_
 def test_in_flight_loads_take_newer_versions_only():
     """Mid-step the sampler loads a version newer than its own; a LATEST that moved back (a trainer that
     restarted from an older checkpoint) waits for the step's end, so no batch mixes two histories."""
-    from grpo.sampler.step import in_flight_poll
+    from grpo.sampler.sampling_step import in_flight_poll
 
     class Watcher:
         def __init__(self, latest):
@@ -453,9 +454,9 @@ def test_in_flight_loads_take_newer_versions_only():
             self.polls += 1
             return type("Loaded", (), {"loaded": True})()
 
-    policy = SamplerModels(FakeEngine(), None, None, DigitTokenizer(), {})
     cfg = load_config(None, ["sampling.in_flight_updates=true"])
+    policy = SamplerModels.of(cfg, FakeEngine(), None, None, DigitTokenizer(), {})
     for latest, loads in ((6, True), (5, False), (3, False), (None, False)):
         watcher = Watcher(latest)
-        assert in_flight_poll(cfg, policy, watcher)() is loads and watcher.polls == int(loads)
-    assert in_flight_poll(load_config(None, []), policy, Watcher(6)) is None
+        assert in_flight_poll(cfg.sampling, policy, watcher)() is loads and watcher.polls == int(loads)
+    assert in_flight_poll(load_config(None, []).sampling, policy, Watcher(6)) is None

@@ -21,7 +21,8 @@ from conftest import REPO
 
 import grpo.environments.pool as pool_module
 from common.child import PASSED_ENVIRONMENT, landlock_abi
-from grpo.environments.pool import EnvironmentPool, Limits
+from grpo.environments.pool import EnvironmentPool
+from grpo.settings import EnvConfig
 from rewards import REWARD_FUNCTIONS
 from rewards.sandbox import RewardFailed, RewardSandbox
 
@@ -219,7 +220,7 @@ def test_the_child_sees_an_allow_list_of_environment_variables_and_no_api_key(mo
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
     monkeypatch.setenv("GRPO_PASSED", "yes")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
-    pool = EnvironmentPool("tools", TOOLS, 10.0, Limits(pass_env=("GRPO_PASSED",)))
+    pool = EnvironmentPool("tools", TOOLS, 10.0, EnvConfig(pass_env=["GRPO_PASSED"]))
     try:
         text, failure = run(pool, "import os, subprocess, tempfile\nprint(sorted(os.environ))\n"
                                   "print(tempfile.gettempdir() == os.environ['TMPDIR'])\n"
@@ -409,7 +410,7 @@ def test_the_child_writes_where_the_sampler_can_in_its_own_temporary_folder(tmp_
 
 
 def test_a_call_past_the_cpu_budget_gets_the_child_replaced():
-    pool = EnvironmentPool("tools", TOOLS, 60.0, Limits(cpu_s=1))
+    pool = EnvironmentPool("tools", TOOLS, 60.0, EnvConfig(cpu_s=1))
     try:
         started = time.monotonic()
         text, failure = run(pool, "while True:\n    pass")

@@ -240,7 +240,7 @@ def test_the_vllm_environment_takes_requirements_txt_with_the_vllm_pins_first():
 
 def test_every_project_name_the_scripts_import_exists():
     """The scripts import inside their functions, so a renamed function breaks them only when run
-    (bench_engines imported grpo.sampler.step.generate for a while after it was gone)."""
+    (bench_engines imported grpo.sampler.sampling_step.generate for a while after it was gone)."""
     import ast
     import importlib.util
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from grpo.trainer.step import SkippingAdamW
+from grpo.trainer.training_step import SkippingAdamW
 
 
 def params_and_grads(grad_values):

@@ -4,7 +4,7 @@ tool messages, token for token."""
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, checked_config
 from transformers import AutoTokenizer
 
 from common.sources import ModelError
@@ -74,18 +74,18 @@ def test_a_tools_schema_is_transformers_own_from_its_signature_and_docstring():
 
 def test_a_tool_without_a_described_argument_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"tool_functions.py:undocumented cannot be offered to the model"):
-        load_config(None, [f"env.tools=[{TOOLS}:undocumented]"])
+        checked_config(None, [f"env.tools=[{TOOLS}:undocumented]"])
     with pytest.raises(ConfigError, match=r"env.tools: .*no_such_function"):
-        load_config(None, [f"env.tools=[{TOOLS}:no_such_function]"])
+        checked_config(None, [f"env.tools=[{TOOLS}:no_such_function]"])
     with pytest.raises(ConfigError, match="env.tool_parser must be one of hermes, llama3_json; got 'mistral'"):
-        load_config(None, [f"env.tools=[{CALCULATE}]", "env.tool_parser=mistral"])
+        checked_config(None, [f"env.tools=[{CALCULATE}]", "env.tool_parser=mistral"])
     with pytest.raises(ConfigError, match="env.tools is set, and env.name is 'calculator'"):
-        load_config(None, [f"env.tools=[{CALCULATE}]", "env.name=calculator"])
+        checked_config(None, [f"env.tools=[{CALCULATE}]", "env.name=calculator"])
     with pytest.raises(ConfigError, match="model.chat_template: 'no-such.jinja' is neither a template file"):
-        load_config(None, ["model.chat_template=no-such.jinja"])
+        checked_config(None, ["model.chat_template=no-such.jinja"])
     with pytest.raises(ConfigError, match="env.args: max_call unknown for the tool environment; valid: max_calls, "
                                           "demonstration"):
-        load_config(None, [f"env.tools=[{CALCULATE}]", "env.args={max_call: 3}"])
+        checked_config(None, [f"env.tools=[{CALCULATE}]", "env.args={max_call: 3}"])
 
 
 def test_tools_alone_pick_the_tool_environment():

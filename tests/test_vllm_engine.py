@@ -252,7 +252,7 @@ def test_vllm_starts_the_next_calls_completions_as_this_ones_end_and_they_are_wh
 def test_a_sampler_step_takes_old_logps_from_vllm_or_recomputes_them(served):
     """sampling.old_logps=generation sends vLLM's recorded log-probs; recompute the scoring model's."""
     cfg, model, tokenizer, engine, prompts = served
-    policy = SamplerModels(engine, model, None, tokenizer, {})
+    policy = SamplerModels.of(cfg, engine, model, None, tokenizer, {})
     chosen = build_prompts(tokenizer, cfg.data, load_problems(cfg.data.path, "train")[0][:2])[0]
     batches = {source: make_batch(vllm_config(f"sampling.old_logps={source}", "training.beta=0"), policy, chosen,
                                   step=4, metrics_so_far={}, measure_logp_gap=True)

@@ -10,15 +10,15 @@ import sys
 
 import pytest
 import torch
-from conftest import wait_until_healthy
+from conftest import service_settings, wait_until_healthy
 
 from common.model_files import resolve_model_path
 from grpo.run.ports import free_local_port
 from grpo.sampler.rollout.vllm_arguments import cpu_threads_environment
+from grpo.settings import JudgeConfig
 from rewards import score_completions
 from rewards.http_json import post_json
 from rewards.judge import Judge
-from rewards.services import JudgeSettings, ServiceSettings
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")
@@ -62,10 +62,10 @@ def test_the_judge_scores_completions_through_vllms_chat_completions(vllm_server
     request when the reply ended by itself (finish_reason "stop") and the number lies in
     rewards.judge.range; otherwise the sample fails (here: the fallback, counted). Asked again
     directly, the server says the same, so this holds whichever a 135M model writes."""
-    judge = JudgeSettings(url=f"{vllm_server}/v1", model=SERVED_NAME, pattern=PATTERN, max_tokens=16, concurrency=1,
-                          prompt="Question: {question}\nCorrect answer: {answer}\nStudent answer: {completion}\n"
-                                 "Give the student a grade from 0 to 10. Reply with the number only.")
-    settings = ServiceSettings(timeout_s=120, retries=0, judge=judge)
+    judge = JudgeConfig(url=f"{vllm_server}/v1", model=SERVED_NAME, pattern=PATTERN, max_tokens=16, concurrency=1,
+                        prompt="Question: {question}\nCorrect answer: {answer}\nStudent answer: {completion}\n"
+                               "Give the student a grade from 0 to 10. Reply with the number only.")
+    settings = service_settings(timeout_s=120, retries=0, judge=judge)
     completions, rows = ["<answer>7</answer>", "<answer>12</answer>"], [{"reference_answer": "7"}] * 2
     scores = score_completions(completions, rows, ["judge"], [1.0], fallback=-5.0, prompts=[TURNS] * 2,
                                services=settings)

@@ -31,11 +31,12 @@ from common.run_folder import RunFolder
 from common.sources import SourceError
 from data.problems import load_split
 from data.prompts import build_prompts
-from grpo.config import Config, ConfigError, parse_cli, run_config
+from grpo.config import Config, ConfigError, parse_cli
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
-from grpo.run.outputs import RunOutputsError, run_of_weights, version_folder
+from grpo.run.outputs import RunOutputsError, run_config, run_of_weights, version_folder
+from grpo.run.preflight import require_named_code
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
@@ -121,6 +122,7 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg, weights, config_source = resolve_inputs(args, overrides)
+        require_named_code(cfg)  # the rewards it scores with, imported now
         torch.manual_seed(cfg.seed)
         summary, samples = evaluate(cfg, weights, args.limit, args.batch_size, args.split)
     except (RunOutputsError, ConfigError, WeightsError, SourceError, TemplateRoleError, IsolationError) as e:

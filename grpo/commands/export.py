@@ -33,8 +33,8 @@ import yaml
 
 from common.files import aside_name
 from common.sources import EMBEDDED_MODELS, SourceError
-from grpo.config import Config, ConfigError, run_config, to_dict
-from grpo.run.outputs import RunOutputsError, last_evaluation, version_folder, weights_root
+from grpo.config import Config, ConfigError, to_dict
+from grpo.run.outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root
 from grpo.weights.folder import MANIFEST, WeightsError, verify
 
 TRAINING_CONFIG = "training_config.yaml"
@@ -123,11 +123,11 @@ def base_paragraph(cfg: Config, library: str) -> str:
 
 
 def settings_table(cfg: Config, step: int) -> str:
-    t, lora = cfg.training, cfg.lora
-    rows = [("algorithm", "GSPO" if t.use_gspo else "GRPO"),
-            ("learning rate", f"{t.learning_rate:g} ({t.lr_schedule})"),
+    training, lora = cfg.training, cfg.lora
+    rows = [("algorithm", "GSPO" if training.use_gspo else "GRPO"),
+            ("learning rate", f"{training.learning_rate:g} ({training.lr_schedule})"),
             ("group size", cfg.sampling.group_size), ("prompts per step", cfg.sampling.prompts_per_step),
-            ("steps", f"{t.steps} configured; this is step {step}"), ("KL beta", t.beta),
+            ("steps", f"{training.steps} configured; this is step {step}"), ("KL beta", training.beta),
             ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(cfg.rewards.names, cfg.rewards.weights))),
             ("data", f"{cfg.data.path} (split {cfg.data.split})"), ("dtype", cfg.model.dtype)]
     if lora.enabled:

@@ -27,9 +27,9 @@ from common.files import RunFolderError, ensure_writable, write_atomically
 from common.imports import user_code_importable
 from common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text
-from grpo.config.history import resume_changes
+from grpo.run.history import resume_changes
 from grpo.run.ports import free_local_port, free_loopback_address
-from grpo.run.preflight import device_problems, planning_note, source_problems, vllm_problem
+from grpo.run.preflight import device_problems, planning_note, require_named_code, source_problems, vllm_problem
 from grpo.run.progress import StepProgress, WorkerLogs, format_duration, stop_summary
 from grpo.run.start import planned_start, prepare_run_folder
 from grpo.run.watchdog import StartupWatch
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
         print(reference_text())
         return 0
     try:
-        cfg = parse_cli(argv)  # a bad config stops here, before anything starts
+        cfg = require_named_code(parse_cli(argv))  # a bad config stops here, before anything starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
     gpus = options["gpus"] if gpus_given else gpus_here
     address, address_picked = run_address(cfg)
     plan = make_plan(cfg, argv, gpus, os.cpu_count() or 1, address, free_master_port(address))
-    problems, warnings, changes = preflight(cfg, plan, gpus_here, gpus_given)
+    problems, warnings, changes = launch_problems(cfg, plan, gpus_here, gpus_given)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     if problems:  # every one of them, before anything starts
@@ -275,7 +275,8 @@ def main(argv: list[str]) -> int:
     return start_run(cfg, plan)
 
 
-def preflight(cfg: Config, plan: dict, gpus_here: int, gpus_given: bool) -> tuple[list[str], list[str], str | None]:
+def launch_problems(cfg: Config, plan: dict, gpus_here: int,
+                    gpus_given: bool) -> tuple[list[str], list[str], str | None]:
     """(problems, warnings, the settings a resume changes): everything that would stop this run after
     it started, found now. A plan for another machine (--gpus) reports what this machine lacks
     (model, data, vLLM) as warnings."""
@@ -289,7 +290,7 @@ def preflight(cfg: Config, plan: dict, gpus_here: int, gpus_given: bool) -> tupl
     refusal, changes = resume_changes(cfg)  # a resume that changes what its checkpoint depends on
     problems += [refusal] if refusal else []
     found, notes = source_problems(cfg)
-    vllm = vllm_problem(cfg, plan["processes"][sampler_names(samplers)[0]]["command"][0])
+    vllm = vllm_problem(cfg.sampling, plan["processes"][sampler_names(samplers)[0]]["command"][0])
     found += [vllm] if vllm else []
     if gpus_given:
         warnings += [f"on this machine: {line}" for line in found]

@@ -3,7 +3,8 @@
 Both workers call `parse_cli(argv)` (or `load_config`). The tree itself (every setting, its default
 and documentation) is grpo/settings/; this package reads it from a file and overrides, and checks
 it: unknown keys, wrong types and impossible combinations are errors that name the key and say
-what to do (grpo/config/rules.py, which asks each module for the options it implements).
+what to do (grpo/config/rules.py). It imports nothing of the trainer above the settings: what a
+config names (rewards, environments, tools, templates) is imported by `grpo.preflight`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from common.run_folder import RunFolder
-from grpo.config.rules import option_lists, validate
-from grpo.run.outputs import RunOutputsError, is_run_folder
+from grpo.config.rules import validate
 from grpo.settings import (
     DEFAULT_SYSTEM_PROMPT,
     CheckpointConfig,
@@ -56,8 +55,8 @@ from grpo.settings.tree import reference_text as _reference_text
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
            "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RewardsConfig",
            "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig", "all_keys",
-           "exit_code", "get_key", "help_requested", "load_config", "option_lists", "parse_cli",
-           "reference_markdown", "reference_text", "run_config", "save_config", "to_dict"]
+           "exit_code", "get_key", "help_requested", "load_config", "parse_cli",
+           "reference_markdown", "reference_text", "save_config", "to_dict"]
 
 def all_keys() -> list[str]:
     """Every dotted leaf key of the config tree, in declaration order."""
@@ -177,21 +176,6 @@ def help_requested(argv: typing.Sequence[str], usage: str) -> bool:
         print(usage.strip() + "\n" + CONFIG_HELP)
         return True
     return False
-
-
-def run_config(run_dir: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
-    """The run's resolved config (run_dir/config.yaml), with `key=value` overrides on top."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunOutputsError(f"{run_dir} is not a folder; pass a run folder such as runs/<name>")
-    if not is_run_folder(run_dir):
-        raise RunOutputsError(f"{run_dir} is not a run folder: it has no config.yaml (the trainer writes it when a run "
-                              "starts); pass runs/<name>, or --config for weights outside a run folder")
-    try:
-        # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
-        return load_config(RunFolder(run_dir).config, ["checkpoint.resume=auto", *overrides], written_by_a_run=True)
-    except ConfigError as e:
-        raise RunOutputsError(f"{RunFolder(run_dir).config}: {e}") from None
 
 
 def exit_code(main: typing.Callable[[list[str]], int], argv: list[str]) -> int:

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 
 from common.child import (
     NO_ANSWER,
@@ -40,6 +39,7 @@ from common.child import (
     seccomp_deny,
 )
 from grpo.environments import Reply, cut, environment_factory
+from grpo.settings import EnvConfig
 
 log = logging.getLogger(__name__)
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
@@ -219,17 +219,17 @@ class _Episodes:
             _close(self.episodes.pop(gone))
 
 
-def _isolated_episodes(name: str, args: dict, limits: "Limits"):
+def _isolated_episodes(name: str, args: dict, limits: EnvConfig):
     """The child's setup: cut off from the network, the other processes' environments hidden (in
-    its namespace), within its budgets, holding no socket of the sampler's, confined (confine);
-    then the handler of its episodes. ChildRefused where it cannot be isolated. Its info: [how the
-    network is cut off, what confines it]."""
+    its namespace), within its budgets (env.network, env.memory_mb, env.max_processes, env.cpu_s),
+    holding no socket of the sampler's, confined (confine); then the handler of its episodes.
+    ChildRefused where it cannot be isolated. Its info: [how the network is cut off, what confines it]."""
     def setup(pipe_fd: int):
         close_inherited_sockets(keep=pipe_fd)
         try:
             how = deny_network() if limits.network == "deny" else "allowed"
             hidden = hide_other_environments() if how == "namespace" else 0
-            limit_resources(limits.memory_mb, limits.processes, limits.cpu_s, own_namespace=how == "namespace")
+            limit_resources(limits.memory_mb, limits.max_processes, limits.cpu_s, own_namespace=how == "namespace")
         except (IsolationError, OSError, ValueError) as e:
             raise ChildRefused(str(e)) from None
         make = environment_factory(name, args)
@@ -262,22 +262,6 @@ def _close(environment) -> None:
 
 
 NETWORK_MODES = ("deny", "allow")  # env.network
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the environments' child may use (env.network, env.memory_mb, env.max_processes, env.cpu_s,
-    env.pass_env)."""
-
-    network: str = "deny"
-    memory_mb: int = 4096
-    processes: int = 64
-    cpu_s: int = 3600
-    pass_env: tuple[str, ...] = ()  # environment variables the child sees besides common.child.PASSED_ENVIRONMENT
-
-    @classmethod
-    def of(cls, env_cfg) -> "Limits":
-        return cls(env_cfg.network, env_cfg.memory_mb, env_cfg.max_processes, env_cfg.cpu_s, tuple(env_cfg.pass_env))
 
 
 def failed_reply(failure: str) -> Reply:
@@ -353,12 +337,13 @@ class EnvironmentPool(Replays):
     not run out of time and fail the episodes that did nothing wrong. Each replayed reply is
     checked against what the episode was shown (ReplayMismatch when it differs)."""
 
-    def __init__(self, name: str, args: dict, timeout_s: float, limits: "Limits | None" = None, announce: bool = True):
+    def __init__(self, name: str, args: dict, timeout_s: float, limits: EnvConfig | None = None, announce: bool = True):
+        """`limits`: the env section, whose budgets and env.pass_env the child gets (its defaults: none given)."""
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
-        self.timeout_s, self.limits = timeout_s, limits or Limits()
+        self.timeout_s, self.limits = timeout_s, limits or EnvConfig()
         try:  # fails closed: no environment runs with a network it should not have
             self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits),
-                                pass_env=self.limits.pass_env)
+                                pass_env=tuple(self.limits.pass_env))
         except ChildRefused as e:
             raise IsolationError(str(e)) from None
         self.isolation, self.confinement = self._child.info  # the network's ("namespace", ...), and the rest's

@@ -122,11 +122,11 @@ def trainer_step_flops(shape: ModelShape, prompt_lens: Sequence[int], completion
 def batch_step_flops(shape: ModelShape, batch, cfg: Config) -> dict[str, int]:
     """`trainer_step_flops` of a received batch under the run's config: the reference pass is
     the trainer's when the sampler sent no reference log-probs and the KL term is on."""
-    t = cfg.training
-    reference = batch.ref_logps is None and t.beta > 0 and t.reference_on == "trainer"
+    training = cfg.training
+    reference = batch.ref_logps is None and training.beta > 0 and training.reference_on == "trainer"
     return trainer_step_flops(shape, [len(p) for p in batch.prompt_ids], [len(c) for c in batch.completion_ids],
                               list(batch.group_sizes), lora=cfg.lora.enabled, reference=reference,
-                              shared_prefix=t.shared_prefix, passes=t.num_iterations)
+                              shared_prefix=training.shared_prefix, passes=training.num_iterations)
 
 
 def generation_flops(shape: ModelShape, prompt_lens: Sequence[int], completion_lens: Sequence[int],

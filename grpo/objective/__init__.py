@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from grpo.settings import clip_range
+
 if TYPE_CHECKING:
     from grpo.settings import Config
 
@@ -27,8 +29,6 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 MAX_LOG_RATIO = 20.0  # keeps exp() finite when the sampler's and trainer's numbers disagree wildly
 # training.importance_sampling: how pi_proximal / pi_behaviour weighs each token's loss
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-CLIP_DEFAULTS = {"token": (0.2, 0.2),  # GRPO / PPO paper default epsilon
-                 "sequence": (3e-4, 4e-4)}  # GSPO paper: sequence ratios live much closer to 1
 
 # the loss's metrics: summed over micro-batches and ranks weighted by loss tokens, except these
 ADDITIVE = ("loss", "policy_loss")  # computed with global denominators: the pieces sum to the whole's value
@@ -63,13 +63,14 @@ class Objective:
 
     @classmethod
     def of(cls, cfg: Config) -> "Objective":
-        t = cfg.training
-        clip_low, clip_high = clip_range(t.use_gspo, t.clip_low, t.clip_high)
-        return cls(level="sequence" if t.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,
-                   beta=t.beta, kl_estimator=t.kl_estimator,
-                   aggregation=t.aggregation, importance_sampling=t.importance_sampling,
-                   importance_sampling_cap=t.importance_sampling_cap, mask_truncated=t.mask_truncated_completions,
-                   advantage_scale=t.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens)
+        training = cfg.training
+        clip_low, clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high)
+        return cls(level="sequence" if training.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,
+                   beta=training.beta, kl_estimator=training.kl_estimator,
+                   aggregation=training.aggregation, importance_sampling=training.importance_sampling,
+                   importance_sampling_cap=training.importance_sampling_cap,
+                   mask_truncated=training.mask_truncated_completions,
+                   advantage_scale=training.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens)
 
     @property
     def decoupled(self) -> bool:
@@ -85,12 +86,6 @@ class Objective:
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""
         return [*LOSS_METRICS, *(KL_METRICS if self.beta > 0 else ()), *(IS_METRICS if self.decoupled else ())]
-
-
-def clip_range(use_gspo: bool, clip_low: float | None, clip_high: float | None) -> tuple[float, float]:
-    """(clip_low, clip_high), the level's defaults where not given."""
-    low, high = CLIP_DEFAULTS["sequence" if use_gspo else "token"]
-    return low if clip_low is None else clip_low, high if clip_high is None else clip_high
 
 
 class Denominators(NamedTuple):

@@ -1,6 +1,7 @@
 """What the launcher checks before it starts anything, and --dry-run reports: each thing that would
 stop a run later is found now and said in one line with its fix (grpo/config has refused a bad
-config already). Each check returns its problems; the launcher decides what is an error."""
+config already). Each check returns its problems; the launcher decides what is an error. One check,
+`require_named_code`, every process runs: what the config names is imported and built."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
-from grpo.settings.tree import get_key
+import torch
+
+from common.sources import ModelError
+from data.procedural import TaskError, check_task, is_procedural
+from grpo.settings.tree import ConfigError, get_key
 
 if TYPE_CHECKING:
-    from grpo.settings import Config
+    from grpo.settings import Config, SamplingConfig
 
 CUDA_KEYS = ("sampling.device", "rewards.reward_model_device")
 
@@ -41,13 +46,13 @@ def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
-def vllm_problem(cfg: Config, sampler_python: str) -> str | None:
+def vllm_problem(sampling: SamplingConfig, sampler_python: str) -> str | None:
     """sampling.engine=vllm with no vLLM to run it: neither sampling.vllm.python nor this Python has it."""
-    if cfg.sampling.engine != "vllm" or sampler_python != sys.executable:
+    if sampling.engine != "vllm" or sampler_python != sys.executable:
         return None  # the vLLM environment exists (make install-vllm checked that vllm imports there)
     if importlib.util.find_spec("vllm") is not None:
         return None
-    return (f"sampling.engine=vllm needs vLLM, and neither sampling.vllm.python={cfg.sampling.vllm.python} exists nor "
+    return (f"sampling.engine=vllm needs vLLM, and neither sampling.vllm.python={sampling.vllm.python} exists nor "
             f"does {sys.executable} have it: run `make install-vllm` (the CUDA build where nvidia-smi sees a GPU, "
             "the CPU build elsewhere), or set sampling.engine=hf")
 
@@ -70,3 +75,87 @@ def planning_note(gpus_planned: int, gpus_here: int) -> str | None:
     here = "no GPU" if gpus_here == 0 else f"{gpus_here} GPU{'s' * (gpus_here != 1)}"
     return (f"this plan is for {gpus_planned} GPU{'s' * (gpus_planned != 1)} (--gpus {gpus_planned}); this machine "
             f"has {here}, and a start here is planned for what it has")
+
+
+def require_named_code(cfg: Config) -> Config:
+    """`cfg` when everything it names can be imported and built (its rewards, environment, tools,
+    template, task): the launcher, --dry-run, both workers and an evaluation call it once
+    the config has loaded, so a mistake stops at the start with every problem named, not at the
+    first step. ConfigError listing every problem."""
+    problems = [*_data_problems(cfg.data), *_model_problems(cfg.model.chat_template), *_reward_problems(cfg),
+                *_environment_problems(cfg.env)]
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def _data_problems(data) -> list[str]:
+    if not is_procedural(data.path):
+        return []
+    try:
+        check_task(data.path, data.task_args)  # imports reasoning-gym and builds the task
+    except TaskError as e:
+        return [str(e)]
+    return []
+
+
+def _model_problems(chat_template: str | None) -> list[str]:
+    from grpo.model.loading import read_chat_template
+
+    if not chat_template:
+        return []
+    try:
+        read_chat_template(chat_template)
+    except ModelError as e:
+        return [str(e)]
+    return []
+
+
+def _reward_problems(cfg: Config) -> list[str]:
+    """Each reward imported (a user's module now, not at the first step) or, a service, checked without
+    calling it (a reward model's config.json is read)."""
+    from rewards.registry import get_reward
+    from rewards.services import ServiceSettings, is_service_name, service_problems
+
+    rewards, problems = cfg.rewards, []
+    for key, name in [*[("rewards.names", name) for name in rewards.names],
+                      ("rewards.accuracy_reward", rewards.accuracy_reward),
+                      ("rewards.format_reward", rewards.format_reward)]:
+        if is_service_name(name):
+            problems += service_problems(name, ServiceSettings.of(cfg)) if key == "rewards.names" else []
+            continue
+        try:
+            get_reward(name)
+        except ValueError as e:
+            problems.append(f"{key}: {str(e).removeprefix('rewards.names: ')}")
+    try:
+        torch.device(rewards.reward_model_device if rewards.reward_model_device != "auto" else "cpu")
+    except RuntimeError:
+        problems.append(f"rewards.reward_model_device must be auto, cpu, cuda or cuda:N; got "
+                        f"{rewards.reward_model_device!r}")
+    return problems
+
+
+def _environment_problems(env) -> list[str]:
+    """The environment built (its module imported, its env.args checked) and each tool's schema made."""
+    from grpo.environments import args_problems, environment_args, environment_factory
+
+    problems = []
+    if env.tools:
+        from grpo.environments.tools import SETTINGS, tool_schemas
+
+        unknown = sorted(set(env.args) - set(SETTINGS))
+        if unknown:
+            problems.append(f"env.args: {', '.join(unknown)} unknown for the tool environment; "
+                            f"valid: {', '.join(SETTINGS)}")
+        try:
+            tool_schemas(list(env.tools))
+        except (ValueError, ImportError) as error:
+            problems.append(str(error))
+    if env.name:
+        try:
+            environment_factory(env.name, environment_args(env))  # imports it now: a bad name fails at start
+            problems += args_problems(env.name, env.args)  # a mistyped env.args key, named with the keys it takes
+        except (ValueError, ImportError) as error:
+            problems.append(str(error))
+    return problems

@@ -1,5 +1,5 @@
 """One step's batch, from its prompts to what is sent: generate (or run episodes), score, advantages,
-log-probs, the RolloutBatch (`make_batch`; grpo/sampler/step.py calls it once per step). With dynamic
+log-probs, the RolloutBatch (`make_batch`; grpo/sampler/sampling_step.py calls it once per step). With dynamic
 sampling, rounds of prompts until enough groups differ (grpo/sampler/dynamic_sampling.py). A sample
 a reward failed on scores the batch's worst, one it could not be asked about is left out of its
 group's advantages (rewards.on_failure). A reward or an environment that fails on every sample of
@@ -24,6 +24,7 @@ from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed
 from grpo.sampler.episode_records import episode_metrics
 from grpo.sampler.failures import FailedOnAll, FailureStreaks
+from grpo.sampler.generation import generate_completions
 from grpo.sampler.metrics import sampler_metrics
 from grpo.sampler.rollout import RolloutEngine, Rollouts
 from grpo.wire.batch import RolloutBatch
@@ -33,7 +34,7 @@ from rewards.overlong import NAME as OVERLONG
 from rewards.overlong import overlong_penalty
 from rewards.registry import ENV_REWARD
 from rewards.services import ServiceSettings
-from rewards.strict import checks_of, reward_rows, strict_rates
+from rewards.strict import checks_of, strict_rates
 
 if TYPE_CHECKING:
     from grpo.settings import Config, RewardsConfig
@@ -50,8 +51,16 @@ class SamplerModels:
     reference: Any | None  # a frozen copy of the start, for a full fine-tune with beta > 0
     tokenizer: Any
     behaviour: dict  # the settings each batch records (grpo/wire/behaviour.py)
+    objective: Objective  # built once per process from the config (its advantages' scale, whether beta > 0)
+    services: ServiceSettings  # what the service rewards need, likewise
     episodes: Any | None = None  # grpo.sampler.episodes.EpisodeRunner with env.name: multi-turn episodes
     sandbox: Any | None = None  # rewards.sandbox.RewardSandbox the rewards run in (None: in this process)
+
+    @classmethod
+    def of(cls, cfg: Config, engine: RolloutEngine, model, reference, tokenizer, behaviour: dict,
+           **rest) -> "SamplerModels":
+        """With the objective and the service settings built from `cfg` (once: a process builds its models once)."""
+        return cls(engine, model, reference, tokenizer, behaviour, Objective.of(cfg), ServiceSettings.of(cfg), **rest)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
@@ -64,9 +73,9 @@ def step_seed(cfg: Config, step: int) -> int:
     return cfg.seed * 1_000_003 + step
 
 
-def reward_names(r: RewardsConfig) -> list[str]:
+def reward_names(rewards: RewardsConfig) -> list[str]:
     """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
-    return list(r.names) + ([OVERLONG] if r.overlong_buffer > 0 else [])
+    return list(rewards.names) + ([OVERLONG] if rewards.overlong_buffer > 0 else [])
 
 
 @dataclass
@@ -88,21 +97,13 @@ class Round:
 def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: int, sandbox, then=None) -> Round:
     t = time.perf_counter()
     G = cfg.sampling.group_size
-    episodes = None
-    if policy.episodes is not None:  # multi-turn: rewards score each episode's last model message
-        run = policy.episodes.run(policy.engine, prompts, G, seed=seed)
-        prompts, rollouts, texts, rows, episodes = run.prompts, run.rollouts, run.texts, run.rows, run.episodes
-    else:
-        rollouts = policy.engine.generate([p.token_ids for p in prompts], G, seed=seed,
-                                          **({"then": then} if then is not None else {}))
+    made = generate_completions(policy.engine, policy.tokenizer, prompts, G, cfg.data.prefill, policy.episodes,
+                                seed=seed, then=then)  # episodes: rewards score each one's last model message
+    prompts, rollouts, texts, rows, episodes = made.prompts, made.rollouts, made.texts, made.rows, made.episodes
     generate_s, t = time.perf_counter() - t, time.perf_counter()
-    if episodes is None:
-        texts = [cfg.data.prefill + x for x in policy.tokenizer.batch_decode(rollouts.completion_ids,
-                                                                             skip_special_tokens=True)]
-        rows = reward_rows([p.problem for p in prompts for _ in range(G)])
     turns = [p.turns for p in prompts for _ in range(G)]  # each sample's chat, for the service rewards
     scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, failure_value(cfg.rewards),
-                               call=sandbox, prompts=turns, services=ServiceSettings.of(cfg),
+                               call=sandbox, prompts=turns, services=policy.services,
                                environment_failures=environment_failures(episodes))
     worst = scores.worst | cut_at_budget(episodes, cfg, len(texts))  # [N]
     total, scored = worst_of_batch(scores.total, scores.scored, worst)  # failing never pays
@@ -117,10 +118,10 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
                  FailedOnAll.of(scores, episodes))
 
 
-def failure_value(r: RewardsConfig) -> float | None:
+def failure_value(rewards: RewardsConfig) -> float | None:
     """What a sample a reward failed on gets: rewards.fallback, or None: the batch's worst, or left out
     where the reward could not be asked (rewards.on_failure)."""
-    return r.fallback if r.on_failure == "fallback" else None
+    return rewards.fallback if rewards.on_failure == "fallback" else None
 
 
 def environment_failures(episodes: list | None) -> list[tuple[str, bool] | None] | None:
@@ -189,26 +190,26 @@ def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompt
     """The step's groups: one round, or with dynamic sampling rounds until prompts_per_step groups
     have differing rewards (grpo/sampler/dynamic_sampling.py); the metrics of that, and always the
     share of the generated groups whose rewards are all equal (no learning signal)."""
-    s = cfg.sampling
+    sampling = cfg.sampling
     first = generate_and_score(cfg, policy, prompts, step_seed(cfg, step), sandbox, then)
-    rounds, spreads = [first], [has_spread(first.scores.total, s.group_size, first.scores.scored)]
-    while s.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) and len(rounds) < s.dynamic_sampling_max_rounds \
-            and more_prompts:
+    rounds, spreads = [first], [has_spread(first.scores.total, sampling.group_size, first.scores.scored)]
+    while sampling.dynamic_sampling and sum(map(sum, spreads)) < len(prompts) \
+            and len(rounds) < sampling.dynamic_sampling_max_rounds and more_prompts:
         extra = generate_and_score(cfg, policy, more_prompts(len(rounds)),
                                    round_seed(step_seed(cfg, step), len(rounds)),
                                    sandbox)
         rounds.append(extra)
-        spreads.append(has_spread(extra.scores.total, s.group_size, extra.scores.scored))
+        spreads.append(has_spread(extra.scores.total, sampling.group_size, extra.scores.scored))
     generated = sum(map(len, spreads))
     flat = {"sampling/zero_spread_fraction": 1.0 - sum(map(sum, spreads)) / generated}  # of the generated groups
-    if not s.dynamic_sampling:
+    if not sampling.dynamic_sampling:
         return first, flat
     chosen, short = choose_groups(spreads, len(prompts))
     if short:
         log.warning("dynamic sampling: %d of %d groups have differing rewards after %d rounds "
                     "(sampling.dynamic_sampling_max_rounds); filled with groups that give no gradient",
                     sum(map(sum, spreads)), len(prompts), len(rounds))
-    return keep_groups(rounds, chosen, s.group_size), {
+    return keep_groups(rounds, chosen, sampling.group_size), {
         **flat, "sampling/dynamic_rounds": float(len(rounds)), "sampling/dynamic_cap_hit": float(short),
         "sampling/dynamic_dropped_fraction": (generated - len(prompts)) / generated,  # generated, not trained
         "sampling/generated_tokens": float(sum(len(c) for rnd in rounds for c in rnd.rollouts.completion_ids))}
@@ -224,7 +225,7 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
     with torch.no_grad():
         recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or measure_logp_gap else None
         ref_logps = None
-        if Objective.of(cfg).beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
+        if policy.objective.beta > 0 and cfg.lora.enabled and cfg.training.reference_on == "sampler":
             with policy.model.disable_adapter():
                 ref_logps = completion_logprobs(policy.model, *args, **kwargs)
         elif policy.reference is not None:
@@ -262,7 +263,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
-    prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, Objective.of(cfg)
+    prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, policy.objective
     # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
     # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
     advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale,

@@ -5,7 +5,7 @@ OpenEnv reset observation) is part of it (data.prompts.with_opening). An episode
 after the prompt: model turns (sampled, with their behaviour log-probs) and the environment's
 replies in between (rendered by the chat template in the environment's role; context only).
 `model_masks` marks the model's tokens: the trainer's loss, KL, ratio and entropy see only
-those (grpo/trainer/step.py), and the environment's tokens carry log-prob 0 as placeholders.
+those (grpo/trainer/training_step.py), and the environment's tokens carry log-prob 0 as placeholders.
 
 Each message is drawn within what is left of `sampling.max_new_tokens`, the budget of the whole
 episode. On the HF engine the episodes run in one decode loop (grpo/sampler/rollout/continuous.py):
@@ -367,7 +367,7 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     if not cfg.env.name:
         return None
     from grpo.environments import environment_args, reply_roles
-    from grpo.environments.pool import EnvironmentPool, Limits
+    from grpo.environments.pool import EnvironmentPool
     from grpo.environments.remote import RemotePool, is_served
 
     # the runner renders the roles first: a refused one is a start-up error before the child is forked
@@ -380,7 +380,7 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     def make(first: bool):
         if is_served(cfg.env.name):
             return RemotePool(cfg.env.name, args, cfg.env.timeout_s, announce=first)
-        return EnvironmentPool(cfg.env.name, args, cfg.env.timeout_s, Limits.of(cfg.env), announce=first)
+        return EnvironmentPool(cfg.env.name, args, cfg.env.timeout_s, cfg.env, announce=first)
 
     runner.pool = Lanes(make, environment_lanes(cfg))
     log.info("episodes with environment %s: at most %d model turns, %d tokens in all, up to %d environment calls "

@@ -13,7 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
-from rewards.strict import GSM8K_CHECKS, passes, reward_rows
+from grpo.sampler.generation import generate_completions
+from rewards.strict import GSM8K_CHECKS, passes
 
 
 def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None,
@@ -24,21 +25,15 @@ def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: i
     samples = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        if episodes is not None:
-            run = episodes.run(engine, chunk, 1, greedy=True)
-            rollouts, completions, rows = run.rollouts, run.texts, run.rows
-        else:
-            rollouts = engine.generate([p.token_ids for p in chunk], 1, greedy=True)
-            completions = [prefill + text
-                           for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-            rows = reward_rows([p.problem for p in chunk])
+        made = generate_completions(engine, tokenizer, chunk, 1, prefill, episodes, greedy=True)
+        rollouts, completions, rows = made.rollouts, made.texts, made.rows
         correct, formatted = passes(checks[0], completions, rows, call), passes(checks[1], completions, rows, call)
         for k, (prompt, completion, ids, cut, ok, form) in enumerate(zip(chunk, completions, rollouts.completion_ids,
                                                                        rollouts.truncated, correct, formatted)):
             samples.append({"id": prompt.problem.id, "answer": prompt.problem.answer, "completion": completion,
                             "correct": ok, "format": form, "tokens": len(ids), "truncated": cut})
             if episodes is not None:  # the whole episode, tool results included, and its counts
-                e = run.episodes[k]
+                e = made.episodes[k]
                 samples[-1].update(episode=prefill + tokenizer.decode(ids, skip_special_tokens=True), turns=e.turns,
                                    tool_calls=e.tool_calls, tool_errors=e.tool_errors,
                                    malformed_calls=e.malformed_calls)

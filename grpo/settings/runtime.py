@@ -9,68 +9,68 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo.settings.tree import setting as _f
+from grpo.settings.tree import setting
 
 
 @dataclass
 class DeepSpeedConfig:
-    backend: str = _f("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
-    zero_stage: int = _f(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered first).",
-                         bound="in [0, 3]")
-    config: dict = _f({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
+    backend: str = setting("auto", "Distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.",
+        choices=("auto", "nccl", "gloo"))
+    zero_stage: int = setting(0, "ZeRO stage 0-3 (3 also partitions the parameters; published weights are gathered "
+        "first).", bound="in [0, 3]")
+    config: dict = setting({}, "Extra DeepSpeed settings merged into the generated DeepSpeed config.")
 
 
 @dataclass
 class TransportConfig:
-    address: str = _f("tcp://127.0.0.1:5555", "ZeroMQ address the trainer binds and the sampler connects to.")
-    high_water_mark: int = _f(2, "Batches queued before the sampler blocks (back-pressure).", bound=">= 1")
-    send_timeout_s: float = _f(600.0, "Sampler gives up when no trainer takes a batch for this long.")
-    recv_timeout_s: float = _f(1800.0, "Trainer gives up when no batch arrives for this long.")
-    max_message_mb: float = _f(512.0, "Largest accepted message.")
-    secret: Optional[str] = _f(None, "Shared secret for HMAC-signed messages (or env GRPO_TRANSPORT_SECRET).")
-    allow_insecure: bool = _f(False, "Allow a non-loopback address without a secret.")
+    address: str = setting("tcp://127.0.0.1:5555", "ZeroMQ address the trainer binds and the sampler connects to.")
+    high_water_mark: int = setting(2, "Batches queued before the sampler blocks (back-pressure).", bound=">= 1")
+    send_timeout_s: float = setting(600.0, "Sampler gives up when no trainer takes a batch for this long.")
+    recv_timeout_s: float = setting(1800.0, "Trainer gives up when no batch arrives for this long.")
+    max_message_mb: float = setting(512.0, "Largest accepted message.")
+    secret: Optional[str] = setting(None, "Shared secret for HMAC-signed messages (or env GRPO_TRANSPORT_SECRET).")
+    allow_insecure: bool = setting(False, "Allow a non-loopback address without a secret.")
 
 
 @dataclass
 class WeightsConfig:
-    channel: str = _f("folder", "How the trainer's weights reach the samplers: folder (versions written to "
-                                "weights.dir, which the samplers watch; grpo/weights/).")
-    dir: Optional[str] = _f(None, "Published weights folder. Default <run.dir>/weights.")
-    publish_every: int = _f(1, "Publish every N optimizer steps.", bound=">= 1")
-    keep_last: int = _f(3, "Published versions kept on disk.", bound=">= 1")
+    channel: str = setting("folder", "How the trainer's weights reach the samplers: folder (versions written to "
+        "weights.dir, which the samplers watch; grpo/weights/).", choices=("folder",))
+    dir: Optional[str] = setting(None, "Published weights folder. Default <run.dir>/weights.")
+    publish_every: int = setting(1, "Publish every N optimizer steps.", bound=">= 1")
+    keep_last: int = setting(3, "Published versions kept on disk.", bound=">= 1")
 
 
 @dataclass
 class LoggingConfig:
-    level: str = _f("INFO", "Python logging level.")
-    tensorboard: bool = _f(True, "Also write TensorBoard events to <run.dir>/tb.")
-    backend: str = _f("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric names "
-                              "against `step`: none, wandb or trackio (grpo/run/tracking.py).")
-    project: str = _f("grpo-trainer", "The tracker's project; the run is named run.name.")
-    wandb_mode: str = _f("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
-                                    "them later with `wandb sync`) or online (needs `wandb login`).")
+    level: str = setting("INFO", "Python logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    tensorboard: bool = setting(True, "Also write TensorBoard events to <run.dir>/tb.")
+    backend: str = setting("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric "
+        "names against `step`: none, wandb or trackio (grpo/run/tracking.py).", choices=("none", "wandb", "trackio"))
+    project: str = setting("grpo-trainer", "The tracker's project; the run is named run.name.")
+    wandb_mode: str = setting("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
+        "them later with `wandb sync`) or online (needs `wandb login`).", choices=("offline", "online"))
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(50, "Checkpoint every N steps (and at a clean exit).", bound=">= 1")
-    resume: str = _f("auto", "auto (continue from the run folder's last checkpoint if it has one, else start fresh), "
-                             "never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A "
-                             "fresh start into a used run folder needs run.overwrite=true or a new run.name.")
-    keep_last: int = _f(2, "Checkpoints kept on disk.", bound=">= 1")
+    every: int = setting(50, "Checkpoint every N steps (and at a clean exit).", bound=">= 1")
+    resume: str = setting("auto", "auto (continue from the run folder's last checkpoint if it has one, else start "
+        "fresh), never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A fresh start into "
+        "a used run folder needs run.overwrite=true or a new run.name.")
+    keep_last: int = setting(2, "Checkpoints kept on disk.", bound=">= 1")
 
 
 @dataclass
 class LaunchConfig:
-    trainer_ranks: int = _f(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
-                               "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.",
-                            bound=">= 0", why="0 = automatic")
-    cpu_threads: int = _f(0, "Threads per process on a CPU-only machine. 0 = "
-                             "the cores split between sampler and trainer.", bound=">= 0", why="0 = automatic")
-    max_minutes: float = _f(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both "
-                                 "processes cleanly (the trainer checkpoints; the last published weights are the "
-                                 "result). 0 = none.", bound=">= 0", why="0 = no limit")
-    stall_s: float = _f(180.0, "A worker that writes nothing to its log for this long during its start-up (before the "
-                               "sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks "
-                               "written to its log, and the console says where it is; still silent after twice this, "
-                               "scripts/launch.py stops the run. 0 = never.", bound=">= 0", why="0 = never")
+    trainer_ranks: int = setting(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
+        "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.", bound=">= 0", why="0 = automatic")
+    cpu_threads: int = setting(0, "Threads per process on a CPU-only machine. 0 = the cores split between sampler and "
+        "trainer.", bound=">= 0", why="0 = automatic")
+    max_minutes: float = setting(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both "
+        "processes cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.",
+        bound=">= 0", why="0 = no limit")
+    stall_s: float = setting(180.0, "A worker that writes nothing to its log for this long during its start-up (before "
+        "the sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks written to its log, "
+        "and the console says where it is; still silent after twice this, scripts/launch.py stops the run. 0 = never.",
+        bound=">= 0", why="0 = never")

@@ -25,11 +25,13 @@ class ConfigError(ValueError):
     """A config file, override or combination of settings that cannot run."""
 
 
-def setting(default, help: str, bound: str | None = None, why: str | None = None, **kw):
+def setting(default, help: str, bound: str | None = None, why: str | None = None, choices: tuple | None = None,
+            **kw):
     """A config field with its documentation; list/dict defaults are copied per instance. `bound`: the
     range a number must be in (">= 1", "> 0", "in (0, 1]", "in [0, 3]", with " or -1" for one more
-    value it may take), `why`: what its edge means ("0 = off"); `bound_problems` checks them all."""
-    metadata = {"help": help, "bound": bound, "why": why}
+    value it may take), `why`: what its edge means ("0 = off"); `choices`: the values it may take.
+    `field_problems` checks them all."""
+    metadata = {"help": help, "bound": bound, "why": why, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -48,18 +50,28 @@ def within(bound: str, value) -> bool:
     return (low <= value if rest[3] == "[" else low < value) and (value <= high if rest[-1] == "]" else value < high)
 
 
-def bound_problems(node: Any, prefix: str = "") -> list[str]:
-    """Every field outside its declared bound, in one text: `key must be <bound> (<why>); got <value>`
-    (an unset optional number, None, has no bound to keep)."""
+def field_problems(node: Any, prefix: str = "") -> list[str]:
+    """Every field outside its declared bound or choices, in one text: `key must be <bound> (<why>);
+    got <value>`, `key must be one of a, b; got 'c'` (an unset optional number, None, has no bound)."""
     problems = []
     for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
+        value, meta = getattr(node, f.name), f.metadata
         if dataclasses.is_dataclass(value):
-            problems += bound_problems(value, f"{prefix}{f.name}.")
-        elif f.metadata.get("bound") and value is not None and not within(f.metadata["bound"], value):
-            why = f" ({f.metadata['why']})" if f.metadata.get("why") else ""
-            problems.append(f"{prefix}{f.name} must be {f.metadata['bound']}{why}; got {value}")
+            problems += field_problems(value, f"{prefix}{f.name}.")
+        elif meta.get("bound") and value is not None and not within(meta["bound"], value):
+            why = f" ({meta['why']})" if meta.get("why") else ""
+            problems.append(f"{prefix}{f.name} must be {meta['bound']}{why}; got {value}")
+        elif meta.get("choices") and value not in meta["choices"]:
+            problems.append(f"{prefix}{f.name} must be one of {', '.join(meta['choices'])}; got {value!r}")
     return problems
+
+
+def choices_of(cls: type, key: str) -> tuple | None:
+    """The values the dotted `key` of the tree `cls` may take (its declared choices), None for a free one."""
+    *sections, leaf = key.split(".")
+    for part in sections:
+        cls = _hints(cls)[part]
+    return next(f.metadata.get("choices") for f in dataclasses.fields(cls) if f.name == leaf)
 
 
 _TYPE_HINTS: dict[type, dict[str, Any]] = {}
@@ -282,8 +294,12 @@ def _leaves(cls: type, obj: Any, prefix: str = ""):
         if dataclasses.is_dataclass(tp):
             yield from _leaves(tp, getattr(obj, f.name), f"{prefix}{f.name}.")
         else:
-            bound = f" Must be {f.metadata['bound']}." if f.metadata.get("bound") else ""
-            yield prefix + f.name, getattr(obj, f.name), f.metadata["help"] + bound
+            yield prefix + f.name, getattr(obj, f.name), f.metadata["help"] + _declared(f.metadata)
+
+
+def _declared(meta) -> str:
+    """A bound as the reference states it (a choice's options are described in its help)."""
+    return f" Must be {meta['bound']}." if meta.get("bound") else ""
 
 
 def reference_text(root: type, width: int = 100) -> str:

@@ -3,9 +3,9 @@
   rank 0 takes the next batch from its inbox (grpo/wire/delivery.py: duplicates dropped, early ones
   held) -> every rank gets the raw frames (rank 0 decoded them on arrival, the others decode them
   themselves: no pickle) -> each checks how the batch was made (settings, staleness, weights) ->
-  tokens older than training.max_token_age leave the loss -> the step (grpo/trainer/step.py) ->
+  tokens older than training.max_token_age leave the loss -> the step (grpo/trainer/training_step.py) ->
   the new weights are published, rank 0 writes the metrics row, every rank checkpoints every
-  checkpoint.every steps (grpo/trainer/outputs.py).
+  checkpoint.every steps (grpo/trainer/saving.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from grpo.objective import Objective
 from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
 from grpo.settings import Config, TrainingConfig, to_dict
-from grpo.trainer.outputs import publish_weights, save_checkpoint
 from grpo.trainer.ranks import broadcast_frames, rank_zero_decides
-from grpo.trainer.step import train_step, within_age
+from grpo.trainer.saving import publish_weights, save_checkpoint
+from grpo.trainer.training_step import train_step, within_age
 from grpo.weights.folder import published_digests
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch, check_behaviour, check_staleness, check_weights_digest
@@ -188,8 +188,8 @@ def perf_metrics(flops: dict[str, int], train_s: float) -> dict[str, float]:
             "perf/trainer_gflop_per_s": flops["model"] / 1e9 / max(train_s, 1e-9)}
 
 
-def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, timings: dict, learning_rate: float,
-             rejected: int, skipped_total: int) -> dict:
+def step_row(training: TrainingConfig, state: TrainerState, batch, step_metrics: dict, timings: dict,
+             learning_rate: float, rejected: int, skipped_total: int) -> dict:
     """The metrics.jsonl row of the step just trained: the trainer's metrics and the sampler's (already
     namespaced)."""
     completion_tokens = sum(len(c) for c in batch.completion_ids)
@@ -197,7 +197,7 @@ def step_row(t: TrainingConfig, state: TrainerState, batch, step_metrics: dict, 
            "staleness": state.step - 1 - batch.policy_version,  # our version before this step - theirs
            **token_staleness(state.step - 1, batch.token_versions),
            **timings, "trainer/completion_tokens": completion_tokens,
-           "trainer/tokens_per_s": completion_tokens * t.num_iterations / max(timings["timing/train_s"], 1e-9),
+           "trainer/tokens_per_s": completion_tokens * training.num_iterations / max(timings["timing/train_s"], 1e-9),
            "trainer/rejected_messages": rejected, "trainer/skipped_steps": skipped_total,
            "sampler/index": batch.sampler, "sampler_step": batch.step, **batch.meta.get("metrics", {})}
     log.info("step %d loss %.4f reward %.3f kl %.4f grad %.3f staleness %d wait %.1fs train %.1fs", state.step,

@@ -10,7 +10,7 @@ the batches one sampler would; grpo/wire/delivery.py):
   generating weights) and reference log-probs (adapter off / frozen copy; only when beta > 0
   and training.reference_on=sampler) with the shared-prefix forward at the sampling
   temperature -> spool and send the RolloutBatch -> save the data cursor (after the send, so a
-  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler/step.py;
+  restart neither repeats nor skips prompts). The step, top to bottom: grpo/sampler/sampling_step.py;
   delivery (spool, re-sending to a restarted trainer): grpo/wire/delivery.py.
 
 Old log-probs: `sampling.old_logps=recompute` runs the forward the trainer uses, so the
@@ -45,12 +45,13 @@ from data.cursor import PromptCursor
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import Config, exit_code, help_requested, parse_cli
-from grpo.config.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.run.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
+from grpo.run.preflight import require_named_code
 from grpo.run.progress import log_milestone
 from grpo.run.start import trained_nothing
 from grpo.sampler.batches import SamplerModels
@@ -58,8 +59,8 @@ from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.rollout import make_engine
+from grpo.sampler.sampling_step import SamplerRun, in_flight_poll, run_step
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
-from grpo.sampler.step import SamplerRun, in_flight_poll, run_step
 from grpo.weights import open_watcher
 from grpo.weights.folder import stager_for_model
 from grpo.wire.behaviour import behaviour_of
@@ -79,7 +80,7 @@ EXIT_ENVIRONMENT_FAILED = 9  # the environment failed on every episode of env.ma
 def main(argv: list[str]) -> int:
     if help_requested(argv, __doc__):
         return 0
-    cfg = parse_cli(argv)
+    cfg = require_named_code(parse_cli(argv))
     sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
     name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> int:
         run_dir = ensure_writable(cfg.run_dir)
         policy, prompts = load_policy_and_prompts(cfg)
         eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
-        start_services(cfg.rewards.names, ServiceSettings.of(cfg))
+        start_services(cfg.rewards.names, policy.services)
     except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
         log.error("%s", e)
         return 2
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
     cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
     watcher = open_watcher(cfg, weight_stagers(policy))
     if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
-        policy.engine.poll_weights = in_flight_poll(cfg, policy, watcher)
+        policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
     redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler)
@@ -155,11 +156,12 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list]:
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
     log_milestone(log, "%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
                   cfg.data.split, dropped, cfg.data.max_prompt_tokens)
-    objective = Objective.of(cfg)
+    objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
-                           behaviour_of(cfg, tokenizer, objective.header()), episodes=episode_runner(cfg, tokenizer))
+                           behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
+                           episodes=episode_runner(cfg, tokenizer))
     return policy, prompts
 
 

@@ -4,7 +4,7 @@
     (the launcher: python -m grpo.workers.trainer, or deepspeed --module grpo.workers.trainer)
 
 Its start-up is here (the process group, the run folder and socket claimed on rank 0, the DeepSpeed
-engine, a resume); its loop is grpo/trainer/loop.py, its step grpo/trainer/step.py: whole groups
+engine, a resume); its loop is grpo/trainer/loop.py, its step grpo/trainer/training_step.py: whole groups
 are split across ranks by token cost, each rank packs its groups into micro-batches, shared-prefix
 forward, policy_loss with the batch's global denominators, engine.backward per micro-batch, one
 engine.step.
@@ -33,15 +33,17 @@ from common.files import RunFolderError, WriteFailed, ensure_writable
 from common.imports import user_code_importable
 from common.sources import SourceError
 from grpo.config import Config, exit_code, help_requested, parse_cli
-from grpo.config.history import refuse_a_changed_resume, save_run_config
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.run.history import refuse_a_changed_resume, save_run_config
+from grpo.run.preflight import require_named_code
 from grpo.run.progress import log_milestone
 from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extensions_root
 from grpo.trainer.loop import RunEnds, TrainingLoop
-from grpo.trainer.outputs import (
+from grpo.trainer.ranks import rank_zero_decides
+from grpo.trainer.saving import (
     CheckpointMismatch,
     base_fingerprint,
     check_base,
@@ -49,8 +51,7 @@ from grpo.trainer.outputs import (
     load_trainable,
     publish_weights,
 )
-from grpo.trainer.ranks import rank_zero_decides
-from grpo.trainer.step import PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm
+from grpo.trainer.training_step import PolicyObjective, deepspeed_config, make_optimizer, release_deepspeed_shm
 from grpo.weights.folder import published_versions, version_dir
 from grpo.wire.behaviour import BehaviourMismatch, behaviour_of, uncorrected_precision_gap
 from grpo.wire.delivery import TrainerState
@@ -66,7 +67,7 @@ EXIT_BEHAVIOUR_MISMATCH = 7
 def main(argv: list[str]) -> int:
     if help_requested(argv, __doc__):
         return 0
-    cfg = parse_cli(argv)
+    cfg = require_named_code(parse_cli(argv))
     stop = threading.Event()  # SIGTERM: rank 0 stops waiting for batches, and every rank checkpoints
     rank, world, device = start_distributed(cfg, stop)
     objective = Objective.of(cfg)
@@ -153,9 +154,9 @@ def resume(cfg: Config, engine, model, rank: int) -> TrainerState:
     state = TrainerState()
     resume_from = resume_source(cfg.checkpoint.resume, cfg.run_dir)
     if resume_from is not None:
-        check_resumable(resume_from, cfg, dist.get_world_size())
+        check_resumable(resume_from, cfg.deepspeed, dist.get_world_size())
         _, client = engine.load_checkpoint(str(resume_from), custom_load_fn=load_trainable)
-        check_base(client.get("base"), base_fingerprint(engine.module), cfg)
+        check_base(client.get("base"), base_fingerprint(engine.module), cfg.model)
         state = TrainerState.from_dict(client["trainer"])
         log.info("resumed from %s at step %d", resume_from, state.step)
     if rank == 0:
@@ -174,7 +175,7 @@ class StartRefused(RuntimeError):
 def claim_run_on_rank_zero(cfg: Config, world: int, device) -> tuple[BatchReceiver | None, object]:
     """Before anything is loaded, rank 0 claims the run: the run's lock (held while this process
     lives: a second trainer or launch into a live run stops), a resume's settings (one that changes
-    what its checkpoint depends on stops here, grpo/config/history.py), the bound socket (a taken
+    what its checkpoint depends on stops here, grpo/run/history.py), the bound socket (a taken
     transport.address stops here), then the run folder (a fresh start into a used one refuses, or
     moves it aside with run.overwrite) and the resolved config. Every rank learns whether it could
     and stops together with it; so do more ranks than groups per step. (Rank 0's receiver or None,

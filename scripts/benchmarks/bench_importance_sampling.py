@@ -43,7 +43,7 @@ def default_batch(cfg: Config, model):
     tokenizer = load_tokenizer(cfg.model)
     problems = load_split(cfg.data, cfg.data.split)[0][:cfg.data.few_shot + cfg.sampling.prompts_per_step]
     prompts, _ = build_prompts(tokenizer, cfg.data, problems)  # the shots themselves are not asked
-    policy = SamplerModels(HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
     with torch.no_grad():
         return make_batch(cfg, policy, prompts, step=0, metrics_so_far={},
                           measure_logp_gap=False)
@@ -52,7 +52,7 @@ def default_batch(cfg: Config, model):
 def main(argv: list[str]) -> int:
     from grpo.config import load_config
     from grpo.model.loading import load_policy
-    from grpo.trainer.step import micro_batch_loss
+    from grpo.trainer.training_step import micro_batch_loss
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)

@@ -34,26 +34,28 @@ def gaps(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
 
 def main(argv: list[str]) -> int:
     cfg = parse_cli(["--config", str(ROOT / "config.yaml"), *argv])
-    s = cfg.sampling
+    sampling = cfg.sampling
     tokenizer = load_tokenizer(cfg.model)
     problems, _ = load_split(cfg.data, cfg.data.split)
     # shots: not asked
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + s.prompts_per_step])
+    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.data.few_shot + sampling.prompts_per_step])
     ids = [p.token_ids for p in prompts]
-    print(f"{len(ids)} prompts x G {s.group_size}, up to {s.max_new_tokens} tokens, temperature {s.temperature}, "
+    print(f"{len(ids)} prompts x G {sampling.group_size}, up to {sampling.max_new_tokens} tokens, "
+          f"temperature {sampling.temperature}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for dtype in ("float32", "bfloat16"):
         cfg.model.dtype = dtype
         model = load_model(cfg.model).eval()
-        rollouts = HFEngine(model, tokenizer, s).generate(ids, s.group_size, seed=0)
-        args = ([torch.tensor(p) for p in ids], rollouts.completion_ids, [s.group_size] * len(ids))
+        rollouts = HFEngine(model, tokenizer, sampling).generate(ids, sampling.group_size, seed=0)
+        args = ([torch.tensor(p) for p in ids], rollouts.completion_ids, [sampling.group_size] * len(ids))
         with torch.no_grad():
-            recomputed = completion_logprobs(model, *args, temperature=s.temperature)
+            recomputed = completion_logprobs(model, *args, temperature=sampling.temperature)
         largest, mean = gaps(rollouts.logps, recomputed)
         print(f"{dtype}: recorded vs recomputed (float32 log-softmax in both): max {largest:.2e}, mean {mean:.2e}")
         if dtype == "bfloat16":
             with torch.no_grad():
-                full = model(torch.tensor([ids[0] + rollouts.completion_ids[0].tolist()])).logits[0] / s.temperature
+                full = model(torch.tensor([ids[0] + rollouts.completion_ids[0].tolist()])).logits[0]
+                full = full / sampling.temperature
             fp32 = torch.log_softmax(full.float(), -1)
             bf16 = torch.log_softmax(full.to(torch.bfloat16), -1).float()
             print(f"bfloat16: the same logits through a bfloat16 log-softmax instead of float32: max "

@@ -64,21 +64,22 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     cfg = parse_cli(["--config", args.config, *overrides])
-    s = cfg.sampling
+    sampling = cfg.sampling
     model, tokenizer, prompt_ids = setup(cfg)
-    engine = HFEngine(model, tokenizer, s)
+    engine = HFEngine(model, tokenizer, sampling)
 
     def multinomial_generate():
         """The engine's prefill-once generation with transformers' own sampling."""
         ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)
         cache = engine._prefill(ids, mask)
-        cache.batch_repeat_interleave(s.group_size)
+        cache.batch_repeat_interleave(sampling.group_size)
         torch.manual_seed(0)
         with torch.no_grad():
-            out = model.generate(input_ids=ids.repeat_interleave(s.group_size, 0),
-                                 attention_mask=mask.repeat_interleave(s.group_size, 0), past_key_values=cache,
-                                 max_new_tokens=s.max_new_tokens, do_sample=True, temperature=s.temperature,
-                                 top_p=s.top_p, top_k=s.top_k or None, eos_token_id=engine.eos_ids,
+            out = model.generate(input_ids=ids.repeat_interleave(sampling.group_size, 0),
+                                 attention_mask=mask.repeat_interleave(sampling.group_size, 0), past_key_values=cache,
+                                 max_new_tokens=sampling.max_new_tokens, do_sample=True,
+                                 temperature=sampling.temperature,
+                                 top_p=sampling.top_p, top_k=sampling.top_k or None, eos_token_id=engine.eos_ids,
                                  pad_token_id=tokenizer.pad_token_id)
         return [cut_at_eos(row, engine.eos_ids)[0] for row in out[:, ids.shape[1]:]]
 
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
         if variant == VARIANTS[0]:
             completions = multinomial_generate()
         else:
-            rollouts = engine.generate(prompt_ids, s.group_size, seed=0)  # always records; the variant decides
+            rollouts = engine.generate(prompt_ids, sampling.group_size, seed=0)  # always records; the variant decides
             completions = rollouts.completion_ids
         generated = time.perf_counter()
         if variant == VARIANTS[2]:
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> int:
         else:
             with torch.no_grad():
                 logps = completion_logprobs(model, [torch.tensor(p) for p in prompt_ids], completions,
-                                            [s.group_size] * len(prompt_ids), temperature=s.temperature)
+                                            [sampling.group_size] * len(prompt_ids), temperature=sampling.temperature)
         tokens = sum(len(c) for c in completions)
         return time.perf_counter() - t, generated - t, tokens, completions, logps
 
@@ -110,7 +111,8 @@ def main(argv: list[str]) -> int:
     same = all(torch.equal(a, b) for a, b in zip(ours_recompute[0], ours_recorded[0]))
     diff = max((a - b).abs().max().item() for a, b in zip(ours_recompute[1], ours_recorded[1]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(prompt_ids)} prompts x G "
-          f"{s.group_size}, up to {s.max_new_tokens} tokens, median of {args.repeats}; recorded vs recomputed: same "
+          f"{sampling.group_size}, up to {sampling.max_new_tokens} tokens, median of {args.repeats}; "
+          "recorded vs recomputed: same "
           f"completions {same}, max |log-prob difference| {diff:.1e}")
     print_table(times)
     return 0

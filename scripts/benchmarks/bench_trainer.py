@@ -6,7 +6,7 @@ One default sampler step on the embedded SmolLM2 (2 prompts x 8 completions, up 
 tokens) is generated once and written to a file in the wire format; then each variant runs in a
 fresh process (so that its peak RSS is its own): it loads the policy as the trainer does and
 runs a trainer step's compute twice, the reference pass (adapter off, no grad; none at beta 0) and the loss
-forward + backward of each micro-batch (`grpo.trainer.step.micro_batch_loss`, as `train_step` packs
+forward + backward of each micro-batch (`grpo.trainer.training_step.micro_batch_loss`, as `train_step` packs
 them; DeepSpeed's ZeRO-0 wrapper adds no compute), timing the second. The variants alternate,
 so drift hits them alike. Printed per variant: the median time, its kernel time and minor page faults, model GFLOP/s
 (`grpo.model.flops.batch_step_flops`), MFU against the fp32 matmul rate of the model's shapes
@@ -55,7 +55,7 @@ def worker(batch_path: Path, overrides: list[str]) -> dict:
     from grpo.model.loading import load_policy
     from grpo.model.sharding import pack_micro_batches
     from grpo.trainer.groups import group_costs, select_groups
-    from grpo.trainer.step import micro_batch_loss
+    from grpo.trainer.training_step import micro_batch_loss
     from grpo.wire.codec import decode_batch
 
     cfg = load_config(ROOT / "config.yaml", overrides)

@@ -241,7 +241,7 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
     from grpo.config import parse_cli
 
     cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides])
-    s = cfg.sampling
+    sampling = cfg.sampling
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -250,8 +250,8 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
         def on_log(self, _args, state, _control, logs=None, **_):
             if logs and "completions/mean_length" in logs:
                 self.steps.append({"step": state.global_step, "end_time": time.time(),
-                                   "completion_tokens": round(logs["completions/mean_length"] * s.prompts_per_step
-                                                              * s.group_size)})
+                                   "completion_tokens": round(logs["completions/mean_length"]
+                                                              * sampling.prompts_per_step * sampling.group_size)})
 
     from trl_recipe import trl_prompt_rows, trl_trainer
 

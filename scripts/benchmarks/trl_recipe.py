@@ -62,22 +62,23 @@ def trl_trainer(cfg: Config, rows: list[dict], output_dir: Path, max_steps: int,
 
     from grpo.model.loading import load_model, load_tokenizer
 
-    s, t = cfg.sampling, cfg.training
-    if t.aggregation not in ("grpo", "dapo", "dr_grpo") or t.use_gspo or t.num_iterations != 1:
+    sampling, training = cfg.sampling, cfg.training
+    if training.aggregation not in ("grpo", "dapo", "dr_grpo") or training.use_gspo or training.num_iterations != 1:
         raise SystemExit("the TRL side is set up for GRPO with num_iterations 1 and the grpo/dapo/dr_grpo losses")
     # one optimizer step per step of ours (prompts_per_step groups, generated at once), in micro-batches
     # of TRL_MICRO_BATCH_GROUPS groups as our trainer packs them: the whole step in one micro-batch
     # took TRL past 24 GiB at 8 groups of ~170 tokens
-    micro_groups = math.gcd(s.prompts_per_step, TRL_MICRO_BATCH_GROUPS)
+    micro_groups = math.gcd(sampling.prompts_per_step, TRL_MICRO_BATCH_GROUPS)
     trl_args = GRPOConfig(  # in bfloat16 (model.dtype) both its weights and Trainer's bf16 mode (autocast)
         output_dir=str(output_dir), use_cpu=True, bf16=cfg.model.dtype == "bfloat16", fp16=False, seed=cfg.seed,
-        per_device_train_batch_size=micro_groups * s.group_size,
-        gradient_accumulation_steps=s.prompts_per_step // micro_groups,
-        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, beta=t.beta, loss_type=t.aggregation,
-        epsilon=t.clip_low, epsilon_high=t.clip_high, scale_rewards=t.advantage_scale,
-        mask_truncated_completions=t.mask_truncated_completions, reward_weights=list(cfg.rewards.weights),
+        per_device_train_batch_size=micro_groups * sampling.group_size,
+        gradient_accumulation_steps=sampling.prompts_per_step // micro_groups,
+        num_generations=sampling.group_size, max_completion_length=sampling.max_new_tokens,
+        temperature=sampling.temperature, top_p=sampling.top_p, learning_rate=training.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=training.warmup_steps, weight_decay=training.weight_decay,
+        max_grad_norm=training.max_grad_norm, beta=training.beta, loss_type=training.aggregation,
+        epsilon=training.clip_low, epsilon_high=training.clip_high, scale_rewards=training.advantage_scale,
+        mask_truncated_completions=training.mask_truncated_completions, reward_weights=list(cfg.rewards.weights),
         max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         shuffle_dataset=False, dataloader_num_workers=0,
         # TRL turns it on by default; ours recomputes nothing unless model.gradient_checkpointing

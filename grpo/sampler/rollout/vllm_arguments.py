@@ -25,14 +25,14 @@ class VllmUnavailable(RuntimeError):
 
 def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
-    s = cfg.sampling
-    if s.old_logps == "generation" and (s.top_p < 1 or s.top_k > 0):
+    sampling = cfg.sampling
+    if sampling.old_logps == "generation" and (sampling.top_p < 1 or sampling.top_k > 0):
         raise VllmUnavailable("sampling.engine=vllm records the log-probs of the top-p/top-k truncated distribution, "
                               "the trainer computes them over the full one: use sampling.old_logps=recompute with "
                               "top-p/top-k")
     args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
                 seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + s.max_new_tokens,
+                generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + sampling.max_new_tokens,
                 trust_remote_code=cfg.model.trust_remote_code,
                 worker_extension_cls="grpo.sampler.rollout.vllm_worker.PolicyReload", disable_log_stats=True)
     if cfg.lora.enabled:
@@ -41,12 +41,12 @@ def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
             raise VllmUnavailable(f"lora.r={cfg.lora.r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
         args.update(enable_lora=True, max_lora_rank=rank, max_loras=2)  # the serving version and the next
     if cuda:
-        args["gpu_memory_utilization"] = s.vllm.gpu_memory_utilization
+        args["gpu_memory_utilization"] = sampling.vllm.gpu_memory_utilization
     else:
-        kv_bytes = int(s.vllm.kv_cache_gb * 2**30)
+        kv_bytes = int(sampling.vllm.kv_cache_gb * 2**30)
         if kv_bytes > available_bytes // 2:
-            raise VllmUnavailable(f"sampling.vllm.kv_cache_gb={s.vllm.kv_cache_gb:g} is more than half the memory "
-                                  f"available ({available_bytes / 2**30:.1f} GiB): lower it")
+            raise VllmUnavailable(f"sampling.vllm.kv_cache_gb={sampling.vllm.kv_cache_gb:g} is more than half the "
+                                  f"memory available ({available_bytes / 2**30:.1f} GiB): lower it")
         args["kv_cache_memory_bytes"] = kv_bytes
         # whole prompts only: a seeded request whose prompt is split across steps makes the CPU build rewind
         # its generator, which CPU generators cannot do (the engine dies: "CPU Generator does not use offset")

@@ -75,28 +75,28 @@ def next_call(loop: SamplerRun, step: int):
     engine's loop, vLLM's async engine), single completions without dynamic sampling, a step to come.
     None otherwise."""
     cfg, engine = loop.cfg, loop.policy.engine
-    s = cfg.sampling
-    if (not hasattr(engine, "carried") or not s.continuous_batching or loop.policy.episodes is not None
-            or s.dynamic_sampling or loop.end_step is None or step + 1 >= loop.end_step):
+    sampling = cfg.sampling
+    if (not hasattr(engine, "carried") or not sampling.continuous_batching or loop.policy.episodes is not None
+            or sampling.dynamic_sampling or loop.end_step is None or step + 1 >= loop.end_step):
         return None
-    g = global_step(s.worker_index, step + 1, s.num_workers)
-    if engine.version < required_version(g, s.max_staleness, cfg.weights.publish_every):
+    g = global_step(sampling.worker_index, step + 1, sampling.num_workers)
+    if engine.version < required_version(g, sampling.max_staleness, cfg.weights.publish_every):
         return None
     if loop.watcher.latest() not in (None, engine.version):
         return None
     from grpo.sampler.rollout.continuous import NextCall
 
-    prompts = round_prompts(s, loop.cursor, loop.prompts, g)(0)
-    return NextCall([p.token_ids for p in prompts], s.group_size, step_seed(cfg, g))
+    prompts = round_prompts(sampling, loop.cursor, loop.prompts, g)(0)
+    return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g))
 
 
-def in_flight_poll(cfg: Config, policy: SamplerModels, watcher) -> Callable[[], bool] | None:
+def in_flight_poll(sampling: SamplingConfig, policy: SamplerModels, watcher) -> Callable[[], bool] | None:
     """What the engine calls while a step decodes (HF: between decode steps; vLLM: every 0.1 s) to load a
     newly published version (sampling.in_flight_updates): single completions without dynamic sampling; None
     otherwise (new weights load between steps)."""
-    if not cfg.sampling.in_flight_updates:
+    if not sampling.in_flight_updates:
         return None
-    if policy.episodes is not None or cfg.sampling.dynamic_sampling:
+    if policy.episodes is not None or sampling.dynamic_sampling:
         log.info("sampling.in_flight_updates: new weights load between steps with %s",
                  "episodes" if policy.episodes is not None else "dynamic sampling")
         return None
@@ -138,14 +138,14 @@ def evaluate_if_due(evaluator, engine) -> dict | None:
     return result
 
 
-def round_prompts(s: SamplingConfig, cursor, prompts: list, g: int):
+def round_prompts(sampling: SamplingConfig, cursor, prompts: list, g: int):
     """round -> the prompts of that round of global step g: their stream positions are a function
     of g alone (grpo/sampler/dynamic_sampling.py), so a restart or N samplers draw the same ones."""
-    rounds = rounds_per_step(s.dynamic_sampling, s.dynamic_sampling_max_rounds)
+    rounds = rounds_per_step(sampling.dynamic_sampling, sampling.dynamic_sampling_max_rounds)
 
     def prompts_of_round(r: int) -> list:
-        cursor.seek(round_start(g, r, s.prompts_per_step, rounds))
-        return [prompts[i] for i in cursor.take(s.prompts_per_step)]
+        cursor.seek(round_start(g, r, sampling.prompts_per_step, rounds))
+        return [prompts[i] for i in cursor.take(sampling.prompts_per_step)]
     return prompts_of_round
 
 

@@ -58,15 +58,16 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     """Loss of one micro-batch with the whole batch's denominators; (loss, metrics, loss tokens).
     denominators: the whole batch's (default: `mb` is the whole batch); objective: default the
     config's. On the first pass the metrics include the sampler/trainer mismatch."""
-    t, objective = cfg.training, objective or Objective.of(cfg)
+    training, objective = cfg.training, objective or Objective.of(cfg)
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
-                                           shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
-                                           return_entropy=True, max_tokens_per_forward=t.max_tokens_per_micro_batch)
+                                           shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
+                                           return_entropy=True,
+                                           max_tokens_per_forward=training.max_tokens_per_micro_batch)
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
     ref_logps = mb.ref_logps
-    if ref_logps is None and objective.beta > 0 and t.reference_on == "trainer":
+    if ref_logps is None and objective.beta > 0 and training.reference_on == "trainer":
         ref_logps = reference_logps(model, mb, cfg)
     ref = pad_right([x.to(device) for x in ref_logps])[0] if ref_logps is not None else None
     model_mask = pad_right([m.to(device) for m in mb.model_mask], value=False)[0] if mb.model_mask is not None else None
@@ -104,11 +105,11 @@ def mismatch_metrics(trainer_logps: torch.Tensor, behaviour_logps: torch.Tensor,
 def reference_logps(model, mb: RolloutBatch, cfg: Config) -> list[torch.Tensor]:
     """The reference policy's log-probs (the LoRA adapter off, no grad), computed here when the
     sampler leaves them to the trainer (training.reference_on=trainer)."""
-    t = cfg.training
+    training = cfg.training
     with torch.no_grad(), model.disable_adapter():
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
-                                   shared_prefix=t.shared_prefix, temperature=cfg.sampling.temperature,
-                                   max_tokens_per_forward=t.max_tokens_per_micro_batch)
+                                   shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
+                                   max_tokens_per_forward=training.max_tokens_per_micro_batch)
 
 
 class PolicyObjective(torch.nn.Module):
@@ -127,17 +128,17 @@ class PolicyObjective(torch.nn.Module):
     def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True,
                 denominators: Denominators | None = None):
         if mb is None:
-            return dummy_loss(self.policy, batch, self.cfg), {}, 0
+            return dummy_loss(self.policy, batch, self.cfg.sampling.temperature), {}, 0
         return micro_batch_loss(self.policy, mb, self.cfg, first_pass,
                                 denominators or denominators_of(batch, self.objective),
                                 objective=self.objective)
 
 
-def dummy_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+def dummy_loss(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
     every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require."""
     logps = completion_logprobs(model, [batch.prompt_ids[0][:1]], [batch.completion_ids[0][:1]], [1],
-                                temperature=cfg.sampling.temperature)
+                                temperature=temperature)
     return logps[0].sum() * 0.0
 
 
@@ -337,11 +338,11 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     return _merge(config, cfg.deepspeed.config)
 
 
-def set_learning_rate(engine, t: TrainingConfig, updates: int) -> float:
+def set_learning_rate(engine, training: TrainingConfig, updates: int) -> float:
     """The schedule's rate for the update after `updates` applied ones, set on the optimizer that steps.
     The schedule runs over every update of the run: training.steps batches x num_iterations passes."""
-    rate = learning_rate_at(updates, t.learning_rate, t.lr_schedule, t.warmup_steps, t.steps * t.num_iterations,
-                            t.min_lr_ratio)
+    rate = learning_rate_at(updates, training.learning_rate, training.lr_schedule, training.warmup_steps,
+                            training.steps * training.num_iterations, training.min_lr_ratio)
     for group in base_optimizer(engine).param_groups:
         group["lr"] = rate
     return rate

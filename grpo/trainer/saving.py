@@ -18,7 +18,7 @@ from grpo.weights import open_publisher
 from grpo.wire.delivery import TrainerState
 
 if TYPE_CHECKING:
-    from grpo.settings import Config
+    from grpo.settings import Config, DeepSpeedConfig, ModelConfig
 
 
 def publish_weights(model, cfg: Config, version: int, rank: int) -> None:
@@ -101,23 +101,23 @@ def base_fingerprint(module) -> str:
     return digest.hexdigest() if found else ""
 
 
-def check_base(saved: str | None, current: str, cfg: Config) -> None:
+def check_base(saved: str | None, current: str, model: ModelConfig) -> None:
     """Refuse to continue a LoRA checkpoint on another base model than the one it was trained on
     (a model folder changed in place, another run's checkpoint); checkpoints without a record pass."""
     if saved and current and saved != current:
         raise CheckpointMismatch(f"the checkpoint's LoRA adapter was trained on another base model than "
-                                 f"model.name_or_path={cfg.model.name_or_path} loads now (its frozen weights "
+                                 f"model.name_or_path={model.name_or_path} loads now (its frozen weights "
                                  "differ); resume with the model it was trained on, or start a new run (a new "
                                  "run.name, or checkpoint.resume=never run.overwrite=true)")
 
 
-def check_resumable(checkpoints: Path, cfg: Config, world: int) -> None:
+def check_resumable(checkpoints: Path, deepspeed: DeepSpeedConfig, world: int) -> None:
     """Refuse a ZeRO checkpoint written by another number of ranks: DeepSpeed cannot split its
     optimizer state otherwise, and would fail halfway through loading it."""
     tag = (Path(checkpoints) / CHECKPOINT_MARK).read_text().strip()
     ranks = len(list((Path(checkpoints) / tag).glob("*zero_pp_rank_*_optim_states.pt")))
     if ranks and ranks != world:
         raise CheckpointMismatch(f"the checkpoint {Path(checkpoints) / tag} was written by {ranks} trainer ranks "
-                                 f"(deepspeed.zero_stage={cfg.deepspeed.zero_stage} splits its optimizer state "
+                                 f"(deepspeed.zero_stage={deepspeed.zero_stage} splits its optimizer state "
                                  f"by rank) and this trainer has {world}: start it with {ranks} ranks "
                                  f"(launch.trainer_ranks={ranks}), or start a new run")

@@ -2,6 +2,7 @@
 
     runs/<name>/config.yaml          the resolved config (every key), as the workers saved it
     runs/<name>/metrics.jsonl        one row per step, and one per evaluation
+    runs/<name>/completions.jsonl    each step's first completions with their rewards (logging.completions_per_step)
     runs/<name>/tb/                  TensorBoard events
     runs/<name>/trainer_state.json   the trainer's position (the samplers re-send from it)
     runs/<name>/checkpoints/         DeepSpeed checkpoints, step<N>/
@@ -31,6 +32,10 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def completions(self) -> Path:
+        return self.root / "completions.jsonl"
 
     @property
     def tensorboard(self) -> Path:

@@ -182,9 +182,9 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     """Start a run as `grpo train --config CONFIG key=value ...` does and return its handle at once.
     A mistake in the config raises ConfigError here, before anything starts. `echo` prints the
     launcher's progress lines as they come (they are kept in `Run.output` either way)."""
-    from grpo.commands.train import checkout_root
+    from grpo.commands.processes import checkout_root
     from grpo.config import parse_cli
-    from grpo.run.preflight import require_named_code
+    from grpo.run.preflight import named_code_problems
 
     if importing_user_code():
         raise RuntimeError(f"grpo.launch was called while the run's config imported {importing_user_code()} (the file "
@@ -193,7 +193,7 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     texts, roots = cli_overrides(overrides)
     args = (["--config", os.fspath(config)] if config is not None else []) + texts
     # as the launcher reads it: a missing --config file is an error, no --config: ./config.yaml
-    cfg = require_named_code(parse_cli(args))
+    cfg = parse_cli(args, checks=[named_code_problems])
     env = dict(os.environ, PYTHONSAFEPATH="1")  # the working folder never shadows our packages (Python >= 3.11)
     if checkout_root():  # not installed: the launcher imports grpo from the checkout
         env["PYTHONPATH"] = os.pathsep.join([checkout_root(), *filter(None, [env.get("PYTHONPATH")])])

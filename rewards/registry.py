@@ -38,6 +38,7 @@ from rewards.think_format import answer_format, think_answer_format, think_answe
 log = logging.getLogger(__name__)
 
 REFERENCE = "reference_answer"  # the row key that holds the parsed reference answer
+PROMPT_TURNS = "prompt_turns"  # the row key that holds the prompt's chat turns (system, few-shot turns, question)
 ENV_REWARD = "env_reward"  # the environment's own reward: it fails where the environment failed
 ON_FAILURE = ("worst", "fallback")  # rewards.on_failure: what a sample a reward failed on trains with
 

@@ -13,6 +13,7 @@ rewards/http_json.py; a model does not hang).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ JUDGE = "judge"
 class ServiceSettings:
     """What the service rewards need from the config, built once per process (`of`) and passed. The
     judge's settings are the config's rewards.judge section as it is (url, model, prompt, pattern,
-    api_key_env, max_tokens, temperature, concurrency, range: grpo/settings documents each)."""
+    api_key_env, max_tokens, temperature, concurrency, range: grpo/settings documents each); a
+    section is not hashable, so neither is this (the loaded services are cached by their values)."""
 
     device: str  # of the reward model
     dtype: str
@@ -78,7 +80,9 @@ _ENDPOINTS: dict[str, Any] = {}  # loaded once per process for the same settings
 def _endpoint(name: str, judge, timeout_s: float, retries: int):
     key = json.dumps([name, vars(judge) if judge is not None else None, timeout_s, retries], sort_keys=True)
     if key not in _ENDPOINTS:
-        _ENDPOINTS[key] = Judge(judge, timeout_s, retries) if name == JUDGE else RemoteReward(name, timeout_s, retries)
+        # a judge keeps a copy of its settings: a config changed later in this process does not change it
+        _ENDPOINTS[key] = Judge(copy.deepcopy(judge), timeout_s, retries) if name == JUDGE else \
+            RemoteReward(name, timeout_s, retries)
     return _ENDPOINTS[key]
 
 

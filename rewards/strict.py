@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
-from rewards.registry import REFERENCE, get_reward, score_one_function
+from rewards.registry import PROMPT_TURNS, REFERENCE, get_reward, score_one_function
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,12 @@ def passes(name: str, texts: list[str], rows: list[dict], call=None) -> list[boo
     return [v is not None and v >= PASS for v in values]
 
 
-def reward_rows(problems: list) -> list[dict]:
-    """The rows rewards get for these problems: the dataset row plus the parsed reference answer."""
-    return [{**p.row, REFERENCE: p.answer} for p in problems]
+def reward_rows(prompts: list) -> list[dict]:
+    """The rows rewards get for these prompts (data.prompts.Prompt): the dataset row, the parsed
+    reference answer and the chat turns the prompt was rendered from (what a service reward gets as
+    `prompts`; TRL passes the same as `prompts`)."""
+    return [{**p.problem.row, REFERENCE: p.problem.answer, PROMPT_TURNS: [dict(turn) for turn in p.turns]}
+            for p in prompts]
 
 
 def checks_of(rewards_cfg) -> tuple[str, str]:

@@ -151,8 +151,8 @@ def service_settings(**changes):
 
 def checked_config(*args, **kwargs):
     """A config as a run's processes take it: loaded (grpo.config.load_config) and what it names
-    imported (grpo/run/preflight.py: require_named_code)."""
+    imported (grpo/run/preflight.py: named_code_problems), every problem reported at once."""
     from grpo.config import load_config
-    from grpo.run.preflight import require_named_code
+    from grpo.run.preflight import named_code_problems
 
-    return require_named_code(load_config(*args, **kwargs))
+    return load_config(*args, checks=[named_code_problems], **kwargs)

@@ -114,7 +114,7 @@ def test_deepspeed_passthrough_takes_nested_dotted_keys():
     ("training.use_gspo=yesplease", "training.use_gspo: expected bool, got 'yesplease' (str)"),
     ("sampling.temperature=[1]", "sampling.temperature: expected float, got [1] (list)"),
     ("sampling.temperature=warm", "sampling.temperature: expected float, got 'warm' (str)"),
-    ("lora.target_modules=q_proj", "lora.target_modules: expected a list of str, got 'q_proj'"),
+    ("lora.target_modules=q_proj", "lora.target_modules must be a list of module names or all-linear; got 'q_proj'"),
     ("sampling=3", "sampling: expected a section (mapping), got 3"),
     ("novalue", "override 'novalue' is not of the form key=value"),
 ])
@@ -455,3 +455,15 @@ def test_every_declared_choice_refuses_other_values_with_one_text():
             cfg = Config()
             setattr(get_key(cfg, ".".join(parents)), leaf, value)
             assert field_problems(cfg) == [f"{key} must be one of {', '.join(options)}; got {value!r}"]
+
+
+def test_the_rules_and_what_the_config_names_are_reported_at_once():
+    """A process loads its config with the checks of what it names: a wrong choice, an unknown reward
+    and an unknown environment come back in one error, not one per start."""
+    with pytest.raises(ConfigError) as e:
+        checked_config(None, ["training.kl_estimator=k9", "rewards.names=[nope]", "rewards.weights=[1.0]",
+                              "env.name=nope"])
+    lines = str(e.value).splitlines()[1:]
+    assert lines[0] == "  training.kl_estimator must be one of k1, k2, k3; got 'k9'"
+    assert any(line.startswith("  rewards.names: unknown reward 'nope'") for line in lines)
+    assert any(line.startswith("  env.name: unknown environment 'nope'") for line in lines)

@@ -234,3 +234,49 @@ def test_an_environments_opening_joins_the_question_in_its_user_turn(tiny_model_
                                                              prefill="<think>")
     assert opened.turns[-1] == {"role": "user", "content": "Guess the word.\n\n_ _ _ _ _ (6 tries)"}
     assert prompt.turns[-1]["content"] == "Guess the word."  # the dataset's prompt is left as it was
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_prompts_the_sampler_generates_from(tmp_path, tiny_model_dir, tiny_gsm8k):
+    """data.chat_template_kwargs (Qwen3's enable_thinking=false) renders every prompt the sampler's main
+    loads for either engine; without it the template's default stands."""
+    from grpo.workers.sampler import load_policy_and_prompts
+
+    (tmp_path / "thinking.jinja").write_text(THINKING_TEMPLATE)
+    common = [f"model.name_or_path={tiny_model_dir}", f"model.chat_template={tmp_path / 'thinking.jinja'}",
+              f"data.path={tiny_gsm8k}", "data.few_shot=0", "data.prefill=", "lora.r=4"]
+    texts = {}
+    for name, extra in (("off", ["data.chat_template_kwargs={enable_thinking: false}"]), ("default", [])):
+        policy, sources = load_policy_and_prompts(load_config(None, [*common, *extra]))
+        texts[name] = policy.tokenizer.decode(sources[0][0].token_ids)
+        episode_turn = policy.tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False,
+                                                            add_generation_prompt=True)
+        assert episode_turn.endswith("<assistant><think></think>" if name == "off" else "<assistant>"), name
+    assert texts["off"].endswith("What is 0 plus 0?</user><assistant><think></think>")
+    assert texts["default"].endswith("What is 0 plus 0?</user><assistant>")
+
+
+def test_evaluations_read_data_eval_path_with_the_training_datas_few_shot_turns(tmp_path, tiny_model_dir, tiny_gsm8k):
+    from grpo.model.loading import load_tokenizer
+    from grpo.run.preflight import source_problems
+    from grpo.workers.sampler import evaluation_prompts
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "test.jsonl").write_text("".join(json.dumps({"question": f"What is {i} times 1?", "answer": f"#### {i}"})
+                                              + "\n" for i in range(5)))
+    common = [f"model.name_or_path={tiny_model_dir}", f"data.path={tiny_gsm8k}", "data.few_shot=1",
+              "eval.num_problems=3", "eval.every=1"]
+    cfg = load_config(None, [*common, f"data.eval_path={other}"])
+    prompts = evaluation_prompts(cfg, load_tokenizer(cfg.model))
+    assert [p.problem.question for p in prompts] == ["What is 0 times 1?", "What is 1 times 1?", "What is 2 times 1?"]
+    assert [t["content"] for t in prompts[0].turns[1:]][::2] == ["What is 0 plus 0?", "What is 0 times 1?"]  # shot
+    assert source_problems(cfg) == ([], [])
+    assert [p.problem.question for p in evaluation_prompts(load_config(None, common), load_tokenizer(cfg.model))] \
+        == ["What is 0 plus 0?", "What is 1 plus 0?", "What is 2 plus 0?"]
+    missing, _ = source_problems(load_config(None, [*common, f"data.eval_path={tmp_path / 'nowhere'}"]))
+    assert len(missing) == 1 and str(tmp_path / "nowhere") in missing[0]

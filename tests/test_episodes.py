@@ -577,6 +577,12 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     assert all(batch.rewards[j, 0] == 3.0 for j in done)  # env_reward: the scripted environment's count
     assert metrics["env/turns/mean"] > 1 and metrics["env/tool_calls/mean"] > 0
     assert 0 < metrics["env/model_token_fraction"] < 1
+    shown = batch.meta["completions"]  # logging.completions_per_step: the first group, each whole conversation
+    assert len(shown) == 4 and {r["sample_id"] for r in shown} == {batch.meta["sample_ids"][0]}
+    replied = [j for j in range(4) if len(batch.model_mask[j]) > int(batch.model_mask[j].sum())]
+    assert replied and all("reply 1 to " in shown[j]["completion"] for j in replied)  # the environment's turn
+    assert [r["rewards"]["env_reward"] for r in shown] == batch.rewards[:4, 0].tolist()
+    assert [r["advantage"] for r in shown] == batch.advantages[:4].tolist()
     decoded = decode_batch(encode_batch(batch))
     assert_batches_equal(batch, decoded)
     assert all(torch.equal(a, b) for a, b in zip(batch.model_mask, decoded.model_mask))

@@ -246,6 +246,11 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_m
     assert max(out.index("  sampler: "), out.index("  trainer: ")) < out.index("step 1/2")
     for name in ("config.yaml", "sampler.log", "trainer.log", "metrics.jsonl", "weights", "checkpoints", "tb"):
         assert (tmp_path / name).exists(), name
+    shown = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sampler"]) for r in shown] == [(1, 0)] * 4 + [(2, 0)] * 4  # logging.completions_per_step
+    assert set(shown[0]) == {"step", "sampler", "sample_id", "prompt", "completion", "rewards", "reward", "advantage"}
+    assert shown[0]["prompt"][-1]["role"] == "user" and "plus 0" in shown[0]["prompt"][-1]["content"]
+    assert list(shown[0]["rewards"]) == ["gsm8k_answer_lenient", "think_answer_format_partial"]
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["staleness"] == 0 and first["sampling/sampling_logp_difference/max"] < 1e-3
     assert (0.999 < first["sampling/importance_sampling_ratio/min"]

@@ -7,7 +7,7 @@ from conftest import checked_config
 
 from data.problems import DataError, load_problems, load_split
 from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
-from data.prompts import build_prompts, solved_answer
+from data.prompts import Prompt, build_prompts, solved_answer
 from grpo.config import load_config
 from grpo.settings.tree import ConfigError
 from rewards import get_reward
@@ -78,7 +78,7 @@ def test_a_task_that_does_not_exist_is_one_config_error_naming_the_key_and_the_v
 def test_a_setting_the_task_does_not_have_names_the_key_and_its_settings():
     with pytest.raises(ConfigError, match=r"data.task_args: reasoning-gym task 'chain_sum' has no setting 'max_term'; "
                                           r"its settings: min_terms, max_terms, min_digits, max_digits"):
-        load_config(None, [f"data.path={CHAIN_SUM}", "data.task_args={max_term: 3}"])
+        checked_config(None, [f"data.path={CHAIN_SUM}", "data.task_args={max_term: 3}"])
     with pytest.raises(ConfigError, match="data.task_args are the settings of a reasoning-gym task"):
         load_config(None, ["data.task_args={size: 3}"])
     with pytest.raises(DataError, match="a reasoning-gym task has the splits train, test; got 'validation'"):
@@ -118,7 +118,7 @@ def test_the_reasoning_gym_reward_does_not_apply_to_rows_of_other_datasets():
 
 def test_the_reported_rates_of_a_task_come_from_its_scorer():
     problems, _ = load_problems("reasoning-gym:leg_counting", "train", task_args={"size": 3})
-    rows = reward_rows(problems)
+    rows = reward_rows([Prompt(problem, []) for problem in problems])
     right, wrong = f"<answer>{problems[0].answer}</answer>", "<answer>-1</answer>"
     assert passes("reasoning_gym", [right, wrong], rows[:2]) == [True, False]
     assert strict_rates([right, wrong], rows[:2], ("reasoning_gym", "reasoning_gym")) == {

@@ -445,3 +445,34 @@ def test_a_rewards_failure_names_the_line_of_the_users_code_that_raised(tmp_path
         assert scores.errors == {
             names[0]: f"KeyError: 'solution' ({path}:6, in solution_of)",
             names[1]: f"JSONDecodeError: Expecting value: line 1 column 1 (char 0) ({path}:14, in bad_json)"}
+
+
+QUESTION_REWARD = '''
+from rewards import batched
+
+@batched
+def echoes_the_question(completions, rows):
+    """TRL's prompts[i][-1]["content"]: the question, from the chat the prompt was rendered from."""
+    return [float(row["prompt_turns"][-1]["content"] in c) for c, row in zip(completions, rows)]
+'''
+
+
+def test_a_rule_reward_gets_the_prompts_chat_in_its_row_in_the_sandbox_too(tmp_path):
+    from data.problems import Problem
+    from data.prompts import Prompt
+    from rewards.strict import reward_rows
+
+    (tmp_path / "question_reward.py").write_text(QUESTION_REWARD)
+    turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2 + 2?"})
+    prompts = [Prompt(Problem(id="p0", question="What is 2 + 2?", answer="4", row={"level": 1}), [1], turns)] * 2
+    rows = reward_rows(prompts)
+    assert rows[0] == {"level": 1, "reference_answer": "4", "prompt_turns": [dict(t) for t in turns]}
+    name = f"{tmp_path}/question_reward.py:echoes_the_question"
+    sandbox = RewardSandbox(timeout_s=5)
+    try:
+        for call in (None, sandbox):
+            scores = score_completions(["You asked: What is 2 + 2? It is 4.", "4"], rows, [name], [1.0], -1.0,
+                                       call=call)
+            assert scores.per_function[:, 0].tolist() == [1.0, 0.0]
+    finally:
+        sandbox.close()

@@ -141,3 +141,50 @@ def test_an_unknown_backend_is_a_config_error():
 
     with pytest.raises(ConfigError, match="logging.backend must be one of none, wandb, trackio; got 'mlflow'"):
         load_config(None, ["logging.backend=mlflow"])
+
+
+WRITE_TABLE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from grpo.config import load_config, to_dict
+from grpo.run.tracking import open_tracker
+from grpo.run.metrics_log import MetricsLog
+
+cfg = load_config(None, ["logging.backend={backend}", "logging.tensorboard=false", "run.name=tracked"])
+run_dir = Path({run_dir!r})
+log = MetricsLog(run_dir, 0, False, open_tracker(cfg.logging, run_dir, cfg.run.name, to_dict(cfg)))
+log.write({{"step": 1, "loss": 0.5}})
+log.write_completions(1, 0, {records!r})
+log.close()
+assert log.tracker.failures == 0
+"""
+SHOWN = [{"sample_id": "train-3", "prompt": [{"role": "user", "content": "What is 2 + 2?"}], "completion": "<answer>4",
+          "rewards": {"gsm8k_answer": 1.0}, "reward": 1.0, "advantage": 0.5}]
+TABLE_ROW = [1, 0, "train-3", '[{"role": "user", "content": "What is 2 + 2?"}]', "<answer>4", '{"gsm8k_answer": 1.0}',
+             1.0, 0.5]
+
+
+@pytest.mark.parametrize("backend", ["wandb", "trackio"])
+def test_the_shown_completions_are_a_table_in_each_tracker(tmp_path, backend):
+    """logging.completions_per_step: the tracker gets a 'completions' table at the step they trained
+    (a chat or the rewards by name as their JSON text), beside completions.jsonl."""
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    (tmp_path / "run").mkdir()
+    code = WRITE_TABLE.format(repo=str(REPO), backend=backend, run_dir=str(tmp_path / "run"), records=SHOWN)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    columns = ["step", "sampler", "sample_id", "prompt", "completion", "rewards", "reward", "advantage"]
+    if backend == "wandb":
+        table = json.loads(next((tmp_path / "run" / "wandb").glob("offline-run-*/files/media/table/completions_*.json"))
+                           .read_text())
+        assert (table["columns"], table["data"]) == (columns, [TABLE_ROW])
+    else:
+        db = sqlite3.connect(tmp_path / "trackio" / "grpo-trainer.db")
+        rows = [(step, json.loads(metrics)) for step, metrics in
+                db.execute("select step, metrics from metrics order by id")]
+        tables = [(step, metrics["completions"]) for step, metrics in rows if "completions" in metrics]
+        assert tables == [(1, {"_type": "trackio.table", "_value": [dict(zip(columns, TABLE_ROW))]})]
+    shown = json.loads((tmp_path / "run" / "completions.jsonl").read_text())
+    assert shown == {"step": 1, "sampler": 0, **SHOWN[0]}

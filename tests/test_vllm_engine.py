@@ -49,7 +49,8 @@ def test_engine_arguments_fit_the_machine_and_refuse_what_the_trainer_cannot_mat
     with pytest.raises(VllmUnavailable, match=r"sampling.vllm.kv_cache_gb=1 is more than half the memory available "
                                               r"\(1.5 GiB\): lower it"):
         engine_arguments(vllm_config(), cuda=False, available_bytes=int(1.5 * 2**30))
-    with pytest.raises(VllmUnavailable, match="use sampling.old_logps=recompute with top-p/top-k"):
+    with pytest.raises(VllmUnavailable, match="the distribution top_k made, the trainer computes them over the full "
+                                              r"softmax\(logits / T\): use sampling.old_logps=recompute"):
         engine_arguments(vllm_config("sampling.top_k=20"), cuda=False, available_bytes=16 * 2**30)
     assert "max_lora_rank" not in engine_arguments(vllm_config("lora.enabled=false", "training.reference_on=sampler"),
                                                    False, 16 * 2**30)
@@ -110,6 +111,44 @@ def test_seeded_prompts_longer_than_a_steps_token_budget_together_are_each_what_
         alone, logps, _ = engine.complete(long[j // 2], firsts[j // 2] + j % 2, cfg.sampling.max_new_tokens)
         assert alone.tolist() == together.completion_ids[j].tolist()
         assert (logps - together.logps[j]).abs().max() < LOGP_BOUND
+
+
+@needs_vllm
+def test_a_stop_string_ends_each_vllm_completion_at_the_token_that_completes_it(served):
+    """As on the HF engine (tests/test_generation_settings.py): the same seeds with sampling.stop give
+    each completion up to the first token after which its text holds the string, not truncated."""
+    cfg, model, tokenizer, engine, prompts = served
+    free = engine.generate(prompts, 2, seed=11)
+    stop = tokenizer.decode(free.completion_ids[0][6:8])
+    cfg.sampling.stop = [stop]  # read by each request
+    try:
+        stopped = engine.generate(prompts, 2, seed=11)
+    finally:
+        cfg.sampling.stop = []
+    for whole, cut, truncated in zip(free.completion_ids, stopped.completion_ids, stopped.truncated):
+        ends = [j + 1 for j in range(len(whole)) if stop in tokenizer.decode(whole[:j + 1])]
+        assert cut.tolist() == whole[:ends[0] if ends else len(whole)].tolist()
+        assert not truncated if ends else truncated == (len(whole) == cfg.sampling.max_new_tokens)
+    assert stop in tokenizer.decode(stopped.completion_ids[0])
+
+
+@needs_vllm
+def test_vllm_draws_with_the_repetition_penalty_and_min_p(served):
+    """sampling.repetition_penalty=5 and min_p on vLLM (with sampling.old_logps=recompute): the same
+    seeds draw fewer repeated tokens than without."""
+    cfg, model, tokenizer, engine, prompts = served
+
+    def repeats(rollouts) -> int:
+        return sum(len(ids) - len(set(ids.tolist())) for ids in rollouts.completion_ids)
+
+    free = engine.generate(prompts, 4, seed=13)
+    cfg.sampling.repetition_penalty, cfg.sampling.min_p = 5.0, 0.05
+    try:
+        penalised = engine.generate(prompts, 4, seed=13)
+    finally:
+        cfg.sampling.repetition_penalty, cfg.sampling.min_p = 1.0, 0.0
+    print(f"repeated tokens: {repeats(free)} without the penalty, {repeats(penalised)} with it")
+    assert repeats(penalised) < repeats(free)
 
 
 @needs_vllm

@@ -1,12 +1,14 @@
 """Check a finished run folder the way a user would use it (CI's smoke step runs this after `make train`).
 
-    grpo check runs/ci-smoke --steps 2 [--max-logp-difference 1e-3]   (or python scripts/check_run.py ...)
+    grpo check runs/ci-smoke --steps 2 [--max-logp-difference 1e-3] [--completions 2]
+    (or python scripts/check_run.py ...)
 
 Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked,
 every row's
 `sampling/sampling_logp_difference/mean` below the bound: the sampler/trainer mismatch; a service reward,
 e.g. an HTTP one,
-scored some sample); `weights/LATEST` is N and that version's
+scored some sample); `completions.jsonl` shows completions of every step (printed: the last ones, to
+read); `weights/LATEST` is N and that version's
 checksums verify; and, for a LoRA run, the published adapter loads with `peft.PeftModel.from_pretrained`
 on the base model (a real client, not our loader) and changes its logits. Exit 1 with the reason
 otherwise.
@@ -28,7 +30,7 @@ from grpo.run.rows import is_evaluation_row
 from grpo.weights.folder import read_latest, verify, version_dir
 
 
-def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -> list[str]:
+def check(run_dir: Path, steps: int, max_logp_difference: float | None = None, completions: int = 2) -> list[str]:
     """What is wrong with the run folder (empty when nothing is)."""
     problems = []
     rows = [json.loads(line) for line in RunFolder(run_dir).metrics.read_text().splitlines() if line.strip()]
@@ -43,6 +45,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None) -
         print("env/turns/mean, env/tool_calls/mean per step:",
               [(row.get("env/turns/mean"), row.get("env/tool_calls/mean")) for row in rows])
     problems += service_problems(cfg, rows)
+    problems += completion_problems(run_dir, cfg.logging.completions_per_step, steps, completions)
     key = "sampling/sampling_logp_difference/mean"
     if max_logp_difference is not None:
         gaps = [row.get(key) for row in rows]
@@ -90,13 +93,45 @@ def service_problems(cfg, rows: list[dict]) -> list[str]:
     return problems
 
 
+def completion_problems(run_dir: Path, per_step: int, steps: int, shown: int) -> list[str]:
+    """completions.jsonl holds each step's shown completions (logging.completions_per_step); the last
+    `shown` of them are printed to read."""
+    if not per_step:
+        return []
+    path = RunFolder(run_dir).completions
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    for record in records[len(records) - shown:] if shown else []:
+        print(readable_completion(record))
+    shown_steps = sorted({record["step"] for record in records})
+    if shown_steps != list(range(1, steps + 1)):
+        return [f"completions.jsonl has completions of steps {shown_steps}, expected 1..{steps} "
+                f"(logging.completions_per_step={per_step})"]
+    return []
+
+
+def readable_completion(record: dict, width: int = 600) -> str:
+    """One shown completion for a terminal: its step, rewards and advantage, the prompt's last turn
+    and the completion (each cut at `width` characters)."""
+    def cut(text: str) -> str:
+        return text if len(text) <= width else text[:width] + f"... [{len(text) - width} more characters]"
+
+    rewards = ", ".join(f"{name} {'failed' if value is None else f'{value:g}'}"
+                        for name, value in record["rewards"].items())
+    reward = "failed" if record["reward"] is None else f"{record['reward']:g}"
+    last = record["prompt"][-1] if record["prompt"] else {"role": "user", "content": ""}
+    return (f"--- step {record['step']} (sampler {record['sampler']}), {record['sample_id']}: reward {reward} "
+            f"({rewards}), advantage {record['advantage']:+.3f}\n{last['role']}: {cut(last['content'])}\n"
+            f"model: {cut(record['completion'])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--max-logp-difference", type=float, help="bound on every row's mean sampler/trainer gap")
+    parser.add_argument("--completions", type=int, default=2, help="the last N shown completions to print (0: none)")
     args = parser.parse_args(argv)
-    problems = check(args.run_dir, args.steps, args.max_logp_difference)
+    problems = check(args.run_dir, args.steps, args.max_logp_difference, args.completions)
     for problem in problems:
         print(f"check_run: {problem}", file=sys.stderr)
     if not problems:

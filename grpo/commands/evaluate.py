@@ -29,6 +29,7 @@ from tqdm import tqdm
 from common.model_files import resolve_device
 from common.run_folder import RunFolder
 from common.sources import SourceError
+from data.mixture import evaluation_source, source_configs
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import Config, ConfigError, parse_cli
@@ -36,7 +37,7 @@ from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.run.outputs import RunOutputsError, run_config, run_of_weights, version_folder
-from grpo.run.preflight import require_named_code
+from grpo.run.preflight import named_code_problems
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
@@ -64,11 +65,11 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     """The summary and the scored samples (grpo/sampler/evaluation.py: the same function as the
     evaluation during training)."""
     device = resolve_device(cfg.sampling.device)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_kwargs)
     model = load_evaluated_model(cfg, weights, device)
-    problems, _ = load_split(cfg.data, split)
+    problems, _ = load_split(evaluation_source(cfg.data), split)  # data.eval_path when set
     problems = problems[:limit] if limit else problems
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
+    prompts, dropped = build_prompts(tokenizer, source_configs(cfg.data)[0], problems, **prompt_options(cfg.env))
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
     # as in training
@@ -89,13 +90,17 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     return result, samples
 
 
+CHECKS = [named_code_problems]  # the rewards it scores with and the environment, imported at the start
+
+
 def resolve_inputs(args, overrides: list[str]) -> tuple:
     """(config, weights folder or None, where the config came from), from --run / --weights / --config."""
     if args.run is not None:
         if args.weights is not None or args.config is not None:
             raise RunOutputsError("--run evaluates a run with its own config and weights: "
                                   "leave out --weights and --config")
-        return run_config(args.run, overrides), version_folder(args.run, args.version), str(RunFolder(args.run).config)
+        return (run_config(args.run, overrides, CHECKS), version_folder(args.run, args.version),
+                str(RunFolder(args.run).config))
     if args.version is not None:
         raise RunOutputsError("--version picks a version of a run: use it with --run runs/<name>")
     if args.weights is not None and not args.weights.exists():
@@ -103,10 +108,10 @@ def resolve_inputs(args, overrides: list[str]) -> tuple:
     run = run_of_weights(args.weights) if args.weights is not None and args.config is None else None
     if run is not None:  # a run's weights folder (its LATEST) or one of its versions, as that run was trained
         weights = args.weights if (args.weights / MANIFEST).is_file() else version_folder(args.weights)
-        return run_config(run, overrides), weights, str(RunFolder(run).config)
+        return run_config(run, overrides, CHECKS), weights, str(RunFolder(run).config)
     path = args.config or "config.yaml"
     source = path if Path(path).is_file() or args.config else "built-in defaults"
-    return parse_cli(["--config", path, *overrides]), args.weights, source
+    return parse_cli(["--config", path, *overrides], checks=CHECKS), args.weights, source
 
 
 def main(argv: list[str]) -> int:
@@ -122,7 +127,6 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg, weights, config_source = resolve_inputs(args, overrides)
-        require_named_code(cfg)  # the rewards it scores with, imported now
         torch.manual_seed(cfg.seed)
         summary, samples = evaluate(cfg, weights, args.limit, args.batch_size, args.split)
     except (RunOutputsError, ConfigError, WeightsError, SourceError, TemplateRoleError, IsolationError) as e:

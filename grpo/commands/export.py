@@ -122,6 +122,17 @@ def base_paragraph(cfg: Config, library: str) -> str:
     return text + "."
 
 
+def lora_summary(lora) -> str:
+    """The adapter's settings in a line: rank, alpha, its modules and what else it trains."""
+    from grpo.model.loading import target_modules_of
+
+    targets = target_modules_of(lora)
+    extras = [name for name, on in (("rsLoRA", lora.use_rslora), ("DoRA", lora.use_dora)) if on]
+    extras += [f"{', '.join(lora.modules_to_save)} trained whole"] if lora.modules_to_save else []
+    return (f"r {lora.r}, alpha {lora.alpha}, on {targets if isinstance(targets, str) else ', '.join(targets)}"
+            + "".join(f", {extra}" for extra in extras))
+
+
 def settings_table(cfg: Config, step: int) -> str:
     training, lora = cfg.training, cfg.lora
     rows = [("algorithm", "GSPO" if training.use_gspo else "GRPO"),
@@ -131,7 +142,7 @@ def settings_table(cfg: Config, step: int) -> str:
             ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(cfg.rewards.names, cfg.rewards.weights))),
             ("data", f"{cfg.data.path} (split {cfg.data.split})"), ("dtype", cfg.model.dtype)]
     if lora.enabled:
-        rows.append(("LoRA", f"r {lora.r}, alpha {lora.alpha}, on {', '.join(lora.target_modules)}"))
+        rows.append(("LoRA", lora_summary(lora)))
     if cfg.env.tools:
         rows.append(("tools", f"{', '.join(f'`{t}`' for t in cfg.env.tools)} (calls read by {cfg.env.tool_parser})"))
     return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])

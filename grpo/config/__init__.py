@@ -4,7 +4,7 @@ Both workers call `parse_cli(argv)` (or `load_config`). The tree itself (every s
 and documentation) is grpo/settings/; this package reads it from a file and overrides, and checks
 it: unknown keys, wrong types and impossible combinations are errors that name the key and say
 what to do (grpo/config/rules.py). It imports nothing of the trainer above the settings: what a
-config names (rewards, environments, tools, templates) is imported by `grpo.preflight`.
+config names (rewards, environments, tools, templates) is imported by `grpo.run.preflight`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ __all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError",
            "exit_code", "get_key", "help_requested", "load_config", "parse_cli",
            "reference_markdown", "reference_text", "save_config", "to_dict"]
 
+Checks = typing.Sequence[typing.Callable[[Config], list[str]]]  # functions of a loaded config -> its problems
+
+
 def all_keys() -> list[str]:
     """Every dotted leaf key of the config tree, in declaration order."""
     return _all_keys(Config)
@@ -66,12 +69,13 @@ def all_keys() -> list[str]:
 # ----------------------------------------------------------------------------- loading
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
-                written_by_a_run: bool = False, validated: bool = True) -> Config:
+                written_by_a_run: bool = False, validated: bool = True, checks: Checks = ()) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem (unknown
     keys, wrong types, impossible combinations) is reported at once, in one ConfigError.
     `written_by_a_run`: the file is the config a run saved (every key of its day), so keys removed
     since are dropped, not refused. `validated=False` reads the values only (keys and types): a
-    saved config compared with a new one need not import its rewards again."""
+    saved config compared with a new one need not import its rewards again. `checks`: more problems
+    to report with the rules' (a process's: grpo.run.preflight.named_code_problems)."""
     cfg, problems = Config(), []
     if path is not None:
         path = Path(path)
@@ -97,7 +101,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return cfg
-    return validate(cfg, problems)
+    return validate(cfg, problems, checks)
 
 
 def without_removed_keys(mapping: dict) -> dict:
@@ -121,8 +125,8 @@ def without_removed_keys(mapping: dict) -> dict:
     return kept
 
 
-def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml") -> Config:
-    """`[--config PATH] [key=value ...]`, as both workers take them."""
+def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yaml", checks: Checks = ()) -> Config:
+    """`[--config PATH] [key=value ...]`, as both workers take them; `checks` as `load_config`'s."""
     argv = list(argv)
     path = default_path
     overrides = []
@@ -147,7 +151,7 @@ def parse_cli(argv: typing.Sequence[str], default_path: str | None = "config.yam
         i += 1
     if path is not None and not Path(path).is_file() and path == default_path:
         path = None  # no config.yaml in the working folder: defaults plus overrides
-    return load_config(path, overrides)
+    return load_config(path, overrides, checks=checks)
 
 
 def reference_markdown() -> str:

@@ -3,8 +3,8 @@ what to do. `grpo.config.load_config` runs `validate` on every config it builds 
 `grpo.config.Config`; not imported here, which would make the two modules import each other).
 Each field's own range and choices are declared on it (grpo/settings) and checked by
 `field_problems`; what needs the modules that implement a setting, or a user's code (rewards,
-environments, tools, templates, reasoning-gym tasks), is checked by `grpo.preflight`, which the
-launcher and both workers run. This module imports nothing of the trainer above the settings."""
+environments, tools, templates, reasoning-gym tasks), is checked by `grpo.run.preflight`, which
+the launcher and both workers run. This module imports nothing of the trainer above the settings."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from common.files import is_checkpoint_folder
+from data.mixture import source_configs
+from data.mixture import source_problems as mixture_entry_problems
 from data.procedural import is_procedural
-from grpo.settings import SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
+from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
 from grpo.settings.tree import ConfigError, field_problems
 
 if TYPE_CHECKING:
@@ -37,9 +39,10 @@ def is_loopback_address(address: str) -> bool:
         return False
 
 
-def validate(cfg: Config, problems: list[str] = ()):
+def validate(cfg: Config, problems: list[str] = (), checks: Sequence[Callable[[Config], list[str]]] = ()):
     """All cross-field rules in one place, every error reported at once (after `problems`, those
-    found while reading the file and overrides); fills the defaults that depend on other settings
+    found while reading the file and overrides, and with those of `checks`: the caller's, e.g.
+    grpo.run.preflight.named_code_problems); fills the defaults that depend on other settings
     (the clip range follows training.use_gspo: the objective's defaults, recorded in the run's config)."""
     training = cfg.training
     training.clip_low, training.clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high)
@@ -47,7 +50,7 @@ def validate(cfg: Config, problems: list[str] = ()):
         cfg.env.name = "tools"
     # every field's own range (declared on it: grpo/settings), then the choices, then what spans fields
     errors = [*problems, *field_problems(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
-        + _transport_errors(cfg.transport) + _run_errors(cfg)
+        + _transport_errors(cfg.transport) + _run_errors(cfg) + [problem for check in checks for problem in check(cfg)]
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
@@ -75,6 +78,9 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
                       "adapter; full weights load between steps) and sampling.in_flight_kv=recompute (a moved "
                       f"request's prefix is prefilled again); got lora.enabled={lora_enabled}, "
                       f"in_flight_kv={sampling.in_flight_kv}")
+    if sampling.stop and sampling.in_flight_updates and sampling.engine == "vllm":
+        errors.append("sampling.stop with sampling.in_flight_updates on vLLM: a request moved to a new adapter is made "
+                      "again from its tokens, and the text it had already matched is not seen again; use one of them")
     if 0 <= sampling.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
         errors.append(f"sampling.max_staleness={sampling.max_staleness} cannot hold with weights.publish_every="
                       f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
@@ -84,14 +90,18 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
 
 
 def _data_errors(data) -> list[str]:
-    errors = []
-    if data.few_shot > 0 and data.answer_format != "gsm8k" and not is_procedural(data.path):
-        errors.append(f"data.few_shot={data.few_shot} shows solved problems (GSM8K's worked solutions, or a "
-                      "reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
-                      "data.path=reasoning-gym:<task>; set data.few_shot=0 for your own data")
-    if data.task_args and not is_procedural(data.path):
-        errors.append(f"data.task_args are the settings of a reasoning-gym task; data.path={data.path!r} is none "
-                      "(use data.path=reasoning-gym:<task>)")
+    errors = [problem for entry in data.sources for problem in mixture_entry_problems(entry)]
+    if errors:
+        return errors
+    for source in source_configs(data):  # data itself, or each of data.sources with its own keys
+        named = f"data.sources: {source.path}: " if data.sources else ""
+        if source.few_shot > 0 and source.answer_format != "gsm8k" and not is_procedural(source.path):
+            errors.append(f"{named}data.few_shot={source.few_shot} shows solved problems (GSM8K's worked solutions, "
+                          "or a reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
+                          "data.path=reasoning-gym:<task>; set data.few_shot=0 for your own data")
+        if source.task_args and not is_procedural(source.path):
+            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task; data.path={source.path!r} "
+                          "is none (use data.path=reasoning-gym:<task>)")
     return errors
 
 
@@ -113,8 +123,17 @@ def _training_errors(training, lora_enabled: bool, publish_every: int) -> list[s
 
 def _model_errors(cfg: Config) -> list[str]:
     errors = []
-    if cfg.lora.enabled and not cfg.lora.target_modules:
+    lora = cfg.lora
+    if lora.enabled and not lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
+    if isinstance(lora.target_modules, str) and lora.target_modules != ALL_LINEAR:
+        errors.append(f"lora.target_modules must be a list of module names or {ALL_LINEAR}; got "
+                      f"{lora.target_modules!r}")
+    if lora.enabled and cfg.sampling.engine == "vllm" and (lora.use_dora or lora.modules_to_save):
+        errors.append("sampling.engine=vllm cannot serve an adapter with " + " and ".join(
+            [*(["lora.use_dora=true"] if lora.use_dora else []),
+             *([f"lora.modules_to_save={list(lora.modules_to_save)}"] if lora.modules_to_save else [])])
+            + " (vLLM loads plain LoRA adapters only); use sampling.engine=hf, or train without them")
     if cfg.model.dtype == "float16" and not cfg.lora.enabled:
         errors.append("model.dtype=float16 full fine-tuning is unstable without loss scaling; use bfloat16")
     template = cfg.model.chat_template
@@ -124,7 +143,7 @@ def _model_errors(cfg: Config) -> list[str]:
 
 
 def _reward_errors(cfg: Config) -> list[str]:
-    """The rewards' settings together; each reward is imported (or its service checked) in grpo.preflight."""
+    """The rewards' settings together; each reward is imported (or its service checked) in grpo.run.preflight."""
     from rewards.services import is_service_name  # late: the rewards' modules load torch
 
     errors, rewards = [], cfg.rewards
@@ -153,6 +172,9 @@ def _env_errors(cfg: Config) -> list[str]:
     errors = [f"env.pass_env: {name!r} is not an environment variable's name (letters, digits and _, not "
               "starting with a digit)" for name in env.pass_env
               if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name))]
+    if env.name and cfg.sampling.stop:
+        errors.append(f"sampling.stop ends a completion, and env.name={env.name} makes episodes, whose turns end at "
+                      "the chat template's turn end (the environment answers then): unset sampling.stop")
     if env.name == "tools" and not env.tools:
         errors.append("env.name=tools needs env.tools: the functions the model may call ('package.module:function')")
     elif env.tools and env.name != "tools":

@@ -84,7 +84,7 @@ def args_problems(name: str, args: dict) -> list[str]:
     """env.args keys the environment's factory does not take, one config error each, found at start
     (the factory is imported by then: environment_factory). OpenEnv's: its class's keyword arguments
     (env.args.init; the adapter's settings are checked by the adapter); the tool environment's and a
-    served one's: checked with their settings (grpo/preflight.py, remote.py)."""
+    served one's: checked with their settings (grpo/run/preflight.py, remote.py)."""
     if name == "tools" or name.startswith("openenv+"):
         return []
     if name.startswith("openenv:"):

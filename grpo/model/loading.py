@@ -3,6 +3,7 @@ files come from, the embedded model's conversion: common/model_files.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import torch
 
 from common.model_files import DTYPES, resolve_model_path
 from common.sources import EMBEDDED_MODELS, ModelError
+from grpo.settings import ALL_LINEAR
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -29,7 +31,10 @@ def read_chat_template(name: str) -> str:
     return path.read_text()
 
 
-def load_tokenizer(model_cfg):
+def load_tokenizer(model_cfg, chat_template_kwargs: dict | None = None):
+    """The model's tokenizer; its chat template (model.chat_template, else the checkpoint's) renders every
+    chat with `chat_template_kwargs` too (data.chat_template_kwargs: e.g. Qwen3's enable_thinking), the
+    prompts and an episode's turns alike."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir)
@@ -43,6 +48,8 @@ def load_tokenizer(model_cfg):
         # Padding is only a filler here: every mask is built from lengths, never from pad ids,
         # so reusing EOS as the pad token cannot hide a real EOS.
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template_kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **chat_template_kwargs)
     return tokenizer
 
 
@@ -94,13 +101,20 @@ def add_lora(model, lora_cfg):
     import peft
 
     config = peft.LoraConfig(  # no dropout: a token's log-prob is one function of the weights in both processes
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0,
-        target_modules=list(lora_cfg.target_modules), task_type="CAUSAL_LM",
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0, target_modules=target_modules_of(lora_cfg),
+        use_rslora=lora_cfg.use_rslora, use_dora=lora_cfg.use_dora,
+        modules_to_save=list(lora_cfg.modules_to_save) or None, task_type="CAUSAL_LM",
     )
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:
         raise ModelError(f"lora.target_modules {lora_cfg.target_modules} do not fit this model: {e}") from None
+
+
+def target_modules_of(lora_cfg) -> list[str] | str:
+    """lora.target_modules as PEFT takes it: the names, or "all-linear" (also given as [all-linear])."""
+    targets = lora_cfg.target_modules
+    return ALL_LINEAR if targets in (ALL_LINEAR, [ALL_LINEAR]) else list(targets)
 
 
 def load_policy(cfg: Config, device: str | torch.device = "cpu"):

@@ -1,7 +1,8 @@
 """The one writer of a run's metrics: metrics.jsonl rows, TensorBoard scalars and the tracker's rows
 (grpo/run/tracking.py: W&B or trackio, when logging.backend names one). The trainer's rank 0
-writes every step's row and the evaluations the samplers send with their batches; a sampler
-writes only the final evaluation, once the trainer has written its last row."""
+writes every step's row, the evaluations the samplers send with their batches and the completions
+they show (completions.jsonl, the tracker's 'completions' table); a sampler writes only the final
+evaluation, once the trainer has written its last row."""
 
 from __future__ import annotations
 
@@ -23,20 +24,12 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path, resumed_step: int | None, tensorboard: bool, tracker=None,
                  events_suffix: str = ""):
         folder = RunFolder(run_dir)
-        self.path = folder.metrics
+        self.path, self.completions_path = folder.metrics, folder.completions
         self.evaluated: set[int] = set()  # versions with an evaluation row
-        if resumed_step is not None and self.path.is_file():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-                if row.get("step", 0) <= resumed_step:
-                    kept.append(line)
-                    if is_evaluation_row(row):
-                        self.evaluated.add(row["step"])
-            write_atomically(self.path, "".join(line + "\n" for line in kept))
+        if resumed_step is not None:
+            kept = rows_through(self.path, resumed_step)
+            self.evaluated = {row["step"] for row in kept if is_evaluation_row(row)}
+            rows_through(self.completions_path, resumed_step)
         self.file = open(self.path, "a")
         self.writer, self.tracker = None, tracker
         if tensorboard:
@@ -58,6 +51,18 @@ class MetricsLog:
         if self.tracker is not None:
             self.tracker.log(row)
 
+    def write_completions(self, step: int, sampler: int, records: list) -> None:
+        """The completions a sampler showed with the batch trained at `step`: one line each in
+        completions.jsonl (a single O_APPEND write), and the tracker's table."""
+        rows = [{"step": step, "sampler": sampler, **record} for record in records if isinstance(record, dict)]
+        if not rows:
+            return
+        with reported_write(f"completions of step {step}", self.completions_path):
+            with open(self.completions_path, "a") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in rows))
+        if self.tracker is not None:
+            self.tracker.log_table("completions", step, rows)
+
     def write_evaluation(self, row: dict) -> None:
         """An evaluation's row (the sampler's, sent with a batch), unless that version has one."""
         if row["step"] not in self.evaluated:
@@ -70,3 +75,20 @@ class MetricsLog:
             self.writer.close()
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def rows_through(path: Path, step: int) -> list[dict]:
+    """The rows of a JSON-lines file up to `step`, kept in it (rewritten atomically); those of later steps,
+    trained again after a resume, and a line a crash cut short are dropped."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(row)
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return kept

@@ -20,7 +20,7 @@ from typing import Sequence
 import yaml
 
 from common.run_folder import RunFolder
-from grpo.config import Config, ConfigError, load_config
+from grpo.config import Checks, Config, ConfigError, load_config
 from grpo.run.rows import is_evaluation_row
 from grpo.weights.folder import WeightsError, published_versions, read_latest, version_dir
 
@@ -129,8 +129,9 @@ def last_evaluation(run_dir: str | os.PathLike, step: int | None = None) -> dict
     return rows[-1] if rows else None
 
 
-def run_config(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
-    """The run's resolved config (run_dir/config.yaml), with `key=value` overrides on top."""
+def run_config(run_dir: str | os.PathLike, overrides: Sequence[str] = (), checks: Checks = ()) -> Config:
+    """The run's resolved config (run_dir/config.yaml), with `key=value` overrides on top; `checks` as
+    `grpo.config.load_config`'s."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunOutputsError(f"{run_dir} is not a folder; pass a run folder such as runs/<name>")
@@ -139,6 +140,7 @@ def run_config(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Con
                               "starts); pass runs/<name>, or --config for weights outside a run folder")
     try:
         # how the trainer resumed does not matter to a reader, and its checkpoint folder may be gone
-        return load_config(RunFolder(run_dir).config, ["checkpoint.resume=auto", *overrides], written_by_a_run=True)
+        return load_config(RunFolder(run_dir).config, ["checkpoint.resume=auto", *overrides], written_by_a_run=True,
+                           checks=checks)
     except ConfigError as e:
         raise RunOutputsError(f"{RunFolder(run_dir).config}: {e}") from None

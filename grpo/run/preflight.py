@@ -1,7 +1,7 @@
 """What the launcher checks before it starts anything, and --dry-run reports: each thing that would
 stop a run later is found now and said in one line with its fix (grpo/config has refused a bad
 config already). Each check returns its problems; the launcher decides what is an error. One check,
-`require_named_code`, every process runs: what the config names is imported and built."""
+`named_code_problems`, every process runs: what the config names is imported and built."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from common.sources import ModelError
 from data.procedural import TaskError, check_task, is_procedural
-from grpo.settings.tree import ConfigError, get_key
+from grpo.settings.tree import get_key
 
 if TYPE_CHECKING:
     from grpo.settings import Config, SamplingConfig
@@ -25,19 +25,23 @@ def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the model and the data: the model can be had, the data source exists,
     and its first rows parse with the configured columns and answer format."""
     from common.sources import SourceError, check_model_source
+    from data.mixture import evaluation_source, source_configs
     from data.problems import check_rows, check_source
 
     problems, warnings = [], []
-    for check in (lambda: check_model_source(cfg.model.name_or_path),
-                  lambda: check_source(cfg.data.path, cfg.data.split, cfg.data.task_args)):
+    evaluated, training = evaluation_source(cfg.data), source_configs(cfg.data)
+    read = [(source, source.split) for source in training]
+    read += [(evaluated, cfg.eval.split)] if cfg.eval.every or cfg.data.eval_path else []
+    for check in [lambda: check_model_source(cfg.model.name_or_path),
+                  *[lambda s=s, split=split: check_source(s.path, split, s.task_args) for s, split in read]]:
         try:
             check()
         except SourceError as e:
             problems.append(str(e))
     if not problems:
-        for split in dict.fromkeys([cfg.data.split, *([cfg.eval.split] if cfg.eval.every else [])]):
+        for source, split in read:
             try:
-                warning = check_rows(cfg.data, split)
+                warning = check_rows(source, split)
             except SourceError as e:
                 problems.append(str(e))
                 continue
@@ -77,26 +81,25 @@ def planning_note(gpus_planned: int, gpus_here: int) -> str | None:
             f"has {here}, and a start here is planned for what it has")
 
 
-def require_named_code(cfg: Config) -> Config:
-    """`cfg` when everything it names can be imported and built (its rewards, environment, tools,
-    template, task): the launcher, --dry-run, both workers and an evaluation call it once
-    the config has loaded, so a mistake stops at the start with every problem named, not at the
-    first step. ConfigError listing every problem."""
-    problems = [*_data_problems(cfg.data), *_model_problems(cfg.model.chat_template), *_reward_problems(cfg),
-                *_environment_problems(cfg.env)]
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-    return cfg
+def named_code_problems(cfg: Config) -> list[str]:
+    """What is wrong with what the config names (its rewards, environment, tools, template, task),
+    each imported and built now: the launcher, --dry-run, both workers and an evaluation load their
+    config with it (`parse_cli(..., checks=[named_code_problems])`), so that a mistake stops at the
+    start, reported with the config's other problems, never at the first step."""
+    return [*_data_problems(cfg.data), *_model_problems(cfg.model.chat_template), *_reward_problems(cfg),
+            *_environment_problems(cfg.env)]
 
 
 def _data_problems(data) -> list[str]:
-    if not is_procedural(data.path):
-        return []
-    try:
-        check_task(data.path, data.task_args)  # imports reasoning-gym and builds the task
-    except TaskError as e:
-        return [str(e)]
-    return []
+    from data.mixture import source_configs
+
+    problems = []
+    for source in filter(lambda source: is_procedural(source.path), source_configs(data)):
+        try:
+            check_task(source.path, source.task_args)  # imports reasoning-gym and builds the task
+        except TaskError as e:
+            problems.append(str(e))
+    return problems
 
 
 def _model_problems(chat_template: str | None) -> list[str]:

@@ -14,6 +14,7 @@ trackio writes its local database ($TRACKIO_DIR, default ~/.cache/huggingface/tr
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -26,6 +27,14 @@ WANDB_MODES = ("offline", "online")  # logging.wandb_mode
 def numeric(row: dict) -> dict[str, float]:
     """The row's numbers (what trackers plot); bools and strings are left out."""
     return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def table_of(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, data) of a table of `rows`: each key a column in first-seen order; a nested value (a
+    chat's turns, the rewards by name) as its JSON text."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    cell = lambda value: json.dumps(value) if isinstance(value, (dict, list)) else value  # noqa: E731
+    return columns, [[cell(row.get(key)) for key in columns] for row in rows]
 
 
 def run_id(run_dir: Path) -> str:
@@ -56,6 +65,12 @@ class WandbTracker:
     def log(self, row: dict) -> None:
         self.run.log(numeric(row))
 
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        import wandb
+
+        columns, data = table_of(rows)
+        self.run.log({"step": step, name: wandb.Table(columns=columns, data=data)})
+
     def finish(self) -> None:
         self.run.finish()
 
@@ -71,6 +86,10 @@ class TrackioTracker:
     def log(self, row: dict) -> None:
         values = numeric(row)
         self.trackio.log({k: v for k, v in values.items() if k != "step"}, step=int(row["step"]))
+
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        columns, data = table_of(rows)
+        self.trackio.log({name: self.trackio.Table(columns=columns, data=data)}, step=step)
 
     def finish(self) -> None:
         self.trackio.finish()
@@ -95,6 +114,9 @@ class Guarded:
 
     def log(self, row: dict) -> None:
         self._call("log", row)
+
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        self._call("log_table", name, step, rows)
 
     def finish(self) -> None:
         self._call("finish")

@@ -27,6 +27,7 @@ from grpo.sampler.failures import FailedOnAll, FailureStreaks
 from grpo.sampler.generation import generate_completions
 from grpo.sampler.metrics import sampler_metrics
 from grpo.sampler.rollout import RolloutEngine, Rollouts
+from grpo.sampler.shown_completions import shown_completions
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
 from rewards import RewardScores, score_completions
@@ -116,6 +117,19 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
                  FailedOnAll.of(scores, episodes))
+
+
+def completions_shown(cfg: Config, policy: SamplerModels, kept: Round, advantages: torch.Tensor) -> list[dict]:
+    """The step's first logging.completions_per_step samples for a person to read (an episode: its whole
+    conversation, decoded with the chat's markers so that each turn shows)."""
+    count = cfg.logging.completions_per_step
+    texts = kept.texts[:count] if kept.episodes is None else [
+        cfg.data.prefill + policy.tokenizer.decode(ids, skip_special_tokens=False)
+        for ids in kept.rollouts.completion_ids[:count]]
+    scores = kept.scores
+    return shown_completions(count, kept.prompts, texts, reward_names(cfg.rewards), scores.per_function.tolist(),
+                             scores.failed.tolist(), scores.total.tolist(), advantages.tolist(),
+                             cfg.sampling.group_size)
 
 
 def failure_value(rewards: RewardsConfig) -> float | None:
@@ -297,4 +311,6 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         if cfg.sampling.old_logps == "generation":
             log.info("old log-probs read off generation differ from the recomputed ones by at most %.2e", gap)
     batch.meta["metrics"] = metrics
+    if cfg.logging.completions_per_step:
+        batch.meta["completions"] = completions_shown(cfg, policy, kept, advantages)
     return batch

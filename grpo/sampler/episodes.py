@@ -183,7 +183,7 @@ class EpisodeRunner:
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
-        rows = reward_rows([p.problem for p in prompts])
+        rows = reward_rows(prompts)
         owner = [i for i in range(len(prompts)) for _ in range(group_size)]
         episodes = [Episode() for _ in owner]
         loop = episode_loop(engine) if self.continued else None

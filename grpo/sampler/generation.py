@@ -32,5 +32,5 @@ def generate_completions(engine, tokenizer, prompts: list, group_size: int, pref
     rollouts = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy,
                                **({"then": then} if then is not None else {}))
     texts = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
-    return Completions(prompts, rollouts, texts, reward_rows([p.problem for p in prompts for _ in range(group_size)]),
+    return Completions(prompts, rollouts, texts, reward_rows([p for p in prompts for _ in range(group_size)]),
                        None)

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import yaml
 
@@ -32,6 +32,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # common/model_files.py maps each t
 TOOL_PARSERS = ("hermes", "llama3_json")  # grpo/environments/tool_calls.py: PARSERS
 TRANSPORT_SCHEMES = ("tcp", "ipc", "inproc")  # transport.address's; grpo/wire/transport.py: TRANSPORTS
 SHIPPED_CHAT_TEMPLATES = ("chatml-tools",)  # model.chat_template's names besides a file (grpo/model/loading.py)
+ALL_LINEAR = "all-linear"  # lora.target_modules: PEFT's name for every linear layer but the output head
 
 CLIP_DEFAULTS = {"token": (0.2, 0.2),  # GRPO / PPO paper default epsilon
                  "sequence": (3e-4, 4e-4)}  # GSPO paper: sequence ratios live much closer to 1
@@ -80,7 +81,15 @@ class LoraConfig:
     enabled: bool = setting(True, "Train a LoRA adapter (PEFT) instead of the full model.")
     r: int = setting(16, "LoRA rank.", bound=">= 1")
     alpha: int = setting(32, "LoRA alpha (the update is scaled by alpha / r).")
-    target_modules: list[str] = setting(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get adapters.")
+    target_modules: Union[list[str], str] = setting(["q_proj", "k_proj", "v_proj", "o_proj"], "Module names that get "
+        "adapters, or all-linear (every linear layer but the output head, as PEFT resolves it).")
+    use_rslora: bool = setting(False, "rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r, so that its "
+        "size does not shrink as r grows (PEFT's use_rslora; vLLM serves it).")
+    use_dora: bool = setting(False, "DoRA: the adapter learns each weight's magnitude and direction apart (PEFT's "
+        "use_dora; slower per step). HF engine only: vLLM cannot serve a DoRA adapter.")
+    modules_to_save: list[str] = setting([], "Modules trained whole beside the adapter and published with it, e.g. "
+        "[lm_head] (PEFT's modules_to_save; the reference is the model with them as loaded). HF engine only: vLLM "
+        "serves no such adapter.")
 
 
 @dataclass
@@ -92,6 +101,14 @@ class DataConfig:
         "reasoning-gym config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and test_seed "
         "of the held-out split (1000, seed + 1e9; questions the train split holds are removed).")
     split: str = setting("train", "Split used for training prompts.")
+    sources: list[dict] = setting([], "A mixture of datasets instead of data.path: [{path: ..., weight: 3}, {path: "
+        "..., weight: 1}]; each prompt comes from source k with probability weight_k / the weights' sum (a seeded "
+        "draw: a restart draws the same), each source's prompts in a shuffled order of their own. An entry may also "
+        "set split, prompt_column, answer_column, answer_format, hub_config, few_shot, task_args (else data's); "
+        "evaluations read data.eval_path, else the first source.")
+    eval_path: Optional[str] = setting(None, "The dataset evaluations read (eval.split of it; grpo evaluate too), in "
+        "data.path's forms and with its columns and answer format; unset: data.path. The few-shot examples stay "
+        "data.path's.")
     prompt_column: str = setting("question", "Column with the prompt: plain text (the user turn) or a list of chat "
         "messages ({role, content}, ending with the user's turn).")
     answer_column: str = setting("answer", "Column with the reference answer (rewards get it as "
@@ -103,6 +120,9 @@ class DataConfig:
     max_prompt_tokens: int = setting(512, "Prompts longer than this (after the chat template) are dropped and counted.",
         bound=">= 1")
     system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
+    chat_template_kwargs: dict = setting({}, "Arguments of the chat template, passed to apply_chat_template with every "
+        "chat it renders (prompts, an episode's turns), e.g. {enable_thinking: false} for Qwen3; both engines generate "
+        "from these prompts.")
     prefill: str = setting("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of "
         "every completion's context.")
     few_shot: int = setting(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) "
@@ -137,6 +157,16 @@ class SamplingConfig:
         bound="> 0", why="use a small value for near-greedy")
     top_p: float = setting(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
     top_k: int = setting(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
+    min_p: float = setting(0.0, "Min-p sampling: tokens below min_p x the likeliest token's probability are not "
+        "drawn. As top_p/top_k: the recorded log-prob stays the full softmax(logits / T), the trainer's; the vLLM "
+        "engine then needs sampling.old_logps=recompute.", bound="in [0, 1)", why="0 = off")
+    repetition_penalty: float = setting(1.0, "Draws with every token of the prompt and the completion so far made "
+        "less likely (a logit > 0 divided by it, one < 0 multiplied), as transformers and vLLM do; the recorded "
+        "log-prob stays the policy's unpenalised one (the vLLM engine then needs sampling.old_logps=recompute). "
+        "Sampled steps only: greedy evaluations take the plain argmax.", bound="> 0", why="1 = off")
+    stop: list[str] = setting([], "Stop strings: a completion ends once its text holds one of them, the token that "
+        "completes it kept (so is the string, for the rewards); not with env.name (an episode's turns end at the "
+        "chat template's turn end). Evaluations stop at them too.")
     max_staleness: int = setting(1, "How many versions older than its step a batch's weights may be: step g samples "
         "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; the trainer refuses (exit 7) "
         "a batch beyond it. Where the weights served may also generate the next step, its completions start in the "
@@ -268,6 +298,10 @@ class RewardsConfig:
 class TrainingConfig:
     steps: int = setting(200, "Training steps: sampler batches to train on, each with training.num_iterations "
         "optimizer updates; weight versions count these steps.", bound=">= 1")
+    epochs: float = setting(0.0, "The run's length in passes over data.split's problems instead of training.steps: "
+        "every process sets training.steps = ceil(epochs x problems / sampling.prompts_per_step) (a pass draws each "
+        "problem once, in a new order; dynamic sampling's extra rounds do not count).",
+        bound=">= 0", why="0 = training.steps")
     use_gspo: bool = setting(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's "
         "token-level.")
     learning_rate: float = setting(2e-4, "AdamW peak learning rate.", bound="> 0")

@@ -48,6 +48,11 @@ class LoggingConfig:
     backend: str = setting("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric "
         "names against `step`: none, wandb or trackio (grpo/run/tracking.py).", choices=("none", "wandb", "trackio"))
     project: str = setting("grpo-trainer", "The tracker's project; the run is named run.name.")
+    completions_per_step: int = setting(4, "The first N completions of each step (the first prompts' groups), with "
+        "the prompt's chat turns, the completion (an episode: its whole conversation, the environment's turns "
+        "included), each reward and the advantage, go to <run.dir>/completions.jsonl and the tracker's "
+        "'completions' table; `grpo check` prints the last ones. Each text is cut at 16000 characters.",
+        bound=">= 0", why="0 = off")
     wandb_mode: str = setting("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
         "them later with `wandb sync`) or online (needs `wandb login`).", choices=("offline", "online"))
 

@@ -96,7 +96,12 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0], from_cli)
+        for tp_option in inner[:-1]:  # the first type the value is, in the order the annotation names them
+            try:
+                return _coerce(key, value, tp_option, from_cli)
+            except ConfigError:
+                pass
+        return _coerce(key, value, inner[-1], from_cli)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list of {_type_name(args[0])}, got {value!r}")

@@ -153,6 +153,8 @@ class TrainingLoop:
             timings.update(perf_metrics(batch_step_flops(self.shape, batch, cfg), timings["timing/train_s"]))
             self.ends.metrics.write(step_row(cfg.training, state, batch, step_metrics, timings, learning_rate,
                                              self.ends.receiver.rejected, self.skipped_total))
+            shown = batch.meta.get("completions")
+            self.ends.metrics.write_completions(state.step, batch.sampler, shown if isinstance(shown, list) else [])
         too_many_bad = self.bad_in_row >= cfg.training.max_bad_steps
         if state.step % cfg.checkpoint.every == 0 or state.step == cfg.training.steps or too_many_bad:
             save_checkpoint(self.engine, cfg, state, self.rank)  # after the row

@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from grpo.settings import Config
 
 # config keys that change the behaviour log-probs, which tokens the loss sees, or how stale a batch may be
-BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.max_new_tokens",
+BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.min_p",
+                  "sampling.repetition_penalty", "sampling.stop", "sampling.max_new_tokens",
                   "model.name_or_path", "model.dtype", "sampling.dtype",
                   "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
                   # the sampler's copy scales by its own alpha
-                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules",
+                  "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules", "lora.use_rslora", "lora.use_dora",
+                  "lora.modules_to_save",
                   "env.name", "env.max_turns")
 
 

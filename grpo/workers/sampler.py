@@ -42,6 +42,7 @@ from common.model_files import resolve_device
 from common.run_folder import RunFolder
 from common.sources import SourceError
 from data.cursor import PromptCursor
+from data.mixture import MixtureCursor, evaluation_source, source_configs
 from data.problems import load_split
 from data.prompts import build_prompts
 from grpo.config import Config, exit_code, help_requested, parse_cli
@@ -50,8 +51,9 @@ from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
-from grpo.run.preflight import require_named_code
+from grpo.run.preflight import named_code_problems
 from grpo.run.progress import log_milestone
 from grpo.run.start import trained_nothing
 from grpo.sampler.batches import SamplerModels
@@ -80,14 +82,15 @@ EXIT_ENVIRONMENT_FAILED = 9  # the environment failed on every episode of env.ma
 def main(argv: list[str]) -> int:
     if help_requested(argv, __doc__):
         return 0
-    cfg = require_named_code(parse_cli(argv))
+    cfg = with_epochs_as_steps(parse_cli(argv, checks=[named_code_problems]))
     sampler = cfg.sampling.worker_index  # the delivery key is (sampler, step)
     name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
     try:  # a run folder, model or data that cannot be had: one line, no traceback
         run_dir = ensure_writable(cfg.run_dir)
-        policy, prompts = load_policy_and_prompts(cfg)
+        policy, sources = load_policy_and_prompts(cfg)
+        prompts = [prompt for source in sources for prompt in source]  # one table; a mixture's cursor knows where
         eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
         start_services(cfg.rewards.names, policy.services)
     except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
@@ -108,7 +111,7 @@ def main(argv: list[str]) -> int:
             save_run_config(cfg)
     spool = Spool.of_sampler(run_dir, sampler)
     state = SamplerState.of_sampler(run_dir, sampler)
-    cursor, start_step = resume_position(cfg, state, spool, len(prompts), run_dir)
+    cursor, start_step = resume_position(cfg, state, spool, [len(source) for source in sources], run_dir)
     watcher = open_watcher(cfg, weight_stagers(policy))
     if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
         policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher)
@@ -144,42 +147,56 @@ def main(argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- the steps of main
 
-def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list]:
+def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
-    fine-tune with beta > 0, the rollout engine, and the tokenised training prompts."""
+    fine-tune with beta > 0, the rollout engine, and the tokenised training prompts of each source
+    (data.path, or each of data.sources)."""
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_kwargs)
     base = load_model(dataclasses.replace(cfg.model, gradient_checkpointing=False, dtype=cfg.sampler_dtype), device)
     check_supported(base, cfg)
-    problems, _ = load_split(cfg.data, cfg.data.split)
-    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, **prompt_options(cfg.env))
-    log_milestone(log, "%d prompts from %s/%s (%d longer than %d tokens dropped)", len(prompts), cfg.data.path,
-                  cfg.data.split, dropped, cfg.data.max_prompt_tokens)
+    sources = [source_prompts(cfg, tokenizer, source, k) for k, source in enumerate(source_configs(cfg.data))]
     objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
                            episodes=episode_runner(cfg, tokenizer))
-    return policy, prompts
+    return policy, sources
+
+
+def source_prompts(cfg: Config, tokenizer, source, k: int) -> list:
+    """One source's prompts (a mixture's ids prefixed with the source's number: ids stay unique)."""
+    problems, _ = load_split(source, source.split)
+    prompts, dropped = build_prompts(tokenizer, source, problems, **prompt_options(cfg.env))
+    if cfg.data.sources:
+        prompts = [dataclasses.replace(p, problem=dataclasses.replace(p.problem, id=f"{k}:{p.problem.id}"))
+                   for p in prompts]
+    weight = f", weight {cfg.data.sources[k]['weight']:g}" if cfg.data.sources else ""
+    log_milestone(log, "%d prompts from %s/%s%s (%d longer than %d tokens dropped)", len(prompts), source.path,
+                  source.split, weight, dropped, source.max_prompt_tokens)
+    return prompts
 
 
 def evaluation_prompts(cfg: Config, tokenizer) -> list:
     """The first eval.num_problems problems of eval.split, as prompts like the training ones."""
-    problems, _ = load_split(cfg.data, cfg.eval.split)
-    prompts, _ = build_prompts(tokenizer, cfg.data, problems[:cfg.eval.num_problems], **prompt_options(cfg.env))
-    log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), cfg.data.path,
+    source = evaluation_source(cfg.data)  # data.eval_path, else the training data; the few-shot turns are the latter's
+    problems, _ = load_split(source, cfg.eval.split)
+    prompts, _ = build_prompts(tokenizer, source_configs(cfg.data)[0], problems[:cfg.eval.num_problems],
+                               **prompt_options(cfg.env))
+    log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), source.path,
              cfg.eval.split)
     return prompts
 
 
-def resume_position(cfg: Config, state: SamplerState, spool: Spool, num_prompts: int,
-                    run_dir) -> tuple[PromptCursor, int]:
+def resume_position(cfg: Config, state: SamplerState, spool: Spool, sizes: list[int],
+                    run_dir) -> tuple[PromptCursor | MixtureCursor, int]:
     """The data cursor and the first step to generate: after the last one sent, unless the
     trainer needs steps the spool no longer holds (grpo/wire/delivery.py, rule 5). The loop seeks the
     cursor to each step's global position; a saved cursor still refuses other data or seed."""
-    cursor = PromptCursor(num_prompts, cfg.seed)
+    cursor = MixtureCursor(sizes, [s["weight"] for s in cfg.data.sources], cfg.seed) if cfg.data.sources \
+        else PromptCursor(sizes[0], cfg.seed)
     saved = state.load()
     saved_step = 0
     if saved is not None:

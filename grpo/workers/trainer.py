@@ -36,8 +36,9 @@ from grpo.config import Config, exit_code, help_requested, parse_cli
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import refuse_a_changed_resume, save_run_config
-from grpo.run.preflight import require_named_code
+from grpo.run.preflight import named_code_problems
 from grpo.run.progress import log_milestone
 from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
 from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extensions_root
@@ -67,7 +68,7 @@ EXIT_BEHAVIOUR_MISMATCH = 7
 def main(argv: list[str]) -> int:
     if help_requested(argv, __doc__):
         return 0
-    cfg = require_named_code(parse_cli(argv))
+    cfg = with_epochs_as_steps(parse_cli(argv, checks=[named_code_problems]))
     stop = threading.Event()  # SIGTERM: rank 0 stops waiting for batches, and every rank checkpoints
     rank, world, device = start_distributed(cfg, stop)
     objective = Objective.of(cfg)

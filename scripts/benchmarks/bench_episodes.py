@@ -54,6 +54,7 @@ from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
 from grpo.environments import prompt_options  # noqa: E402
 from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
+from grpo.run.preflight import named_code_problems  # noqa: E402
 from grpo.sampler.episodes import EpisodeRunner, episode_runner  # noqa: E402
 from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402
 
@@ -137,7 +138,7 @@ def reply_sweep(args, overrides: list[str], greedy: bool) -> None:
                                                    for f in feeds]
     env = ["env.name=tests/scripted_envs.py:LongReplies", "env.max_turns=3"]
     cfg = parse_cli(["--config", str(args.config), f"sampling.max_new_tokens={args.max_new_tokens}", *env,
-                     "env.args={words: 1, length: 3}", *overrides])
+                     "env.args={words: 1, length: 3}", *overrides], checks=[named_code_problems])
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, resolve_device(cfg.sampling.device)).eval()
     prompts = bench_prompts(cfg, tokenizer, args.prompts)
@@ -150,7 +151,7 @@ def reply_sweep(args, overrides: list[str], greedy: bool) -> None:
         words, shown = reply_words(EpisodeRunner(None, tokenizer, tokens, 3, cfg.data.prefill), tokens)
         budget = args.max_new_tokens + 2 * shown
         run_cfg = parse_cli(["--config", str(args.config), f"sampling.max_new_tokens={budget}", *env,
-                             f"env.args={{words: {words}, length: 3}}", *overrides])
+                             f"env.args={{words: {words}, length: 3}}", *overrides], checks=[named_code_problems])
         runner = episode_runner(run_cfg, tokenizer)
         clock = EnvironmentClock(runner)
         runs = {name: [] for name, _, _ in variants}
@@ -228,7 +229,8 @@ def main(argv: list[str]) -> None:
     if args.reply_tokens:
         reply_sweep(args, overrides, args.greedy)
         return
-    cfg = parse_cli(["--config", str(args.config), f"sampling.max_new_tokens={args.max_new_tokens}", *overrides])
+    cfg = parse_cli(["--config", str(args.config), f"sampling.max_new_tokens={args.max_new_tokens}", *overrides],
+                    checks=[named_code_problems])
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, resolve_device(cfg.sampling.device)).eval()
     prompts = bench_prompts(cfg, tokenizer, args.prompts)

@@ -128,8 +128,9 @@ def run_trl(config: Path, minutes: float, marks: list[float], overrides: list[st
     from trl_recipe import trl_prompt_rows
 
     from grpo.config import parse_cli
+    from grpo.run.preflight import named_code_problems
 
-    cfg = parse_cli(["--config", str(config), *overrides])
+    cfg = parse_cli(["--config", str(config), *overrides], checks=[named_code_problems])
     rows_file = folder / "trl-rows.json"
     rows_file.write_text(json.dumps(trl_prompt_rows(cfg, TRL_MAX_STEPS)))  # before its clock starts
     out = folder / "trl-marks.json"
@@ -150,8 +151,9 @@ def trl_worker(rows_file: Path, config: Path, minutes: float, marks: list[float]
     from trl_recipe import trl_trainer
 
     from grpo.config import parse_cli
+    from grpo.run.preflight import named_code_problems
 
-    cfg = parse_cli(["--config", str(config), *overrides])
+    cfg = parse_cli(["--config", str(config), *overrides], checks=[named_code_problems])
     snapshots = out.parent / "trl-snapshots"
 
     class KeepAdapterAtMarks(TrainerCallback):
@@ -193,9 +195,10 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
     from evaluate import evaluate
 
     from grpo.config import parse_cli
+    from grpo.run.preflight import named_code_problems
     from grpo.sampler.evaluation import summary
 
-    cfg = parse_cli(["--config", str(config), *overrides])
+    cfg = parse_cli(["--config", str(config), *overrides], checks=[named_code_problems])
     done: dict[str | None, dict] = {}
     curves = {}
     for name, at_mark in systems.items():

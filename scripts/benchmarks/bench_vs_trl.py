@@ -171,11 +171,12 @@ def matmul_ceiling(config: Path, overrides: list[str]) -> dict:
     from grpo.config import parse_cli
     from grpo.model.flops import ModelShape, measure_matmul_rate
     from grpo.model.loading import load_model
+    from grpo.run.preflight import named_code_problems
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from launch import placement
 
-    cfg = parse_cli(["--config", str(config), *overrides])
+    cfg = parse_cli(["--config", str(config), *overrides], checks=[named_code_problems])
     shape = ModelShape.of(load_model(cfg.model))
     cores = os.cpu_count() or 1
     per_process = int(placement(0, cfg.launch.cpu_threads, 0, cores)["trainer_env"]["OMP_NUM_THREADS"])
@@ -239,8 +240,11 @@ def trl_worker(workload: str, steps: int, config: Path, out: Path, overrides: li
     from transformers import TrainerCallback
 
     from grpo.config import parse_cli
+    from grpo.run.preflight import named_code_problems
 
-    cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides])
+    cfg = parse_cli(["--config", str(config), *WORKLOADS[workload], f"training.steps={steps}", *overrides],
+
+                    checks=[named_code_problems])
     sampling = cfg.sampling
 
     class StepTimes(TrainerCallback):

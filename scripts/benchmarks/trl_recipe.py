@@ -31,7 +31,7 @@ def trl_prompt_rows(cfg: Config, steps: int) -> list[dict]:
     cursor = PromptCursor(len(prompts), cfg.seed)  # the order our sampler takes them in
     chosen = [prompts[i] for _ in range(steps) for i in cursor.take(cfg.sampling.prompts_per_step)]
     rows = []
-    for p, row in zip(chosen, reward_rows([p.problem for p in chosen])):
+    for p, row in zip(chosen, reward_rows(chosen)):
         text = prompt_text(tokenizer, p.problem.question, cfg.data.system_prompt, cfg.data.prefill, shots,
                            p.problem.messages)
         if tokenizer(text)["input_ids"] != p.token_ids:  # how TRL tokenizes a plain-text prompt

@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from grpo.sampler.rollout.decoding import InPlaceLayer, TokenSampler
+from grpo.sampler.rollout.decoding import InPlaceLayer, StopStrings, TokenSampler, seen_tokens
 from grpo.sampler.rollout.loop_cache import LoopCache, runs_continuously
 from grpo.sampler.rollout.sequences import (
     DECODING,
@@ -122,7 +122,8 @@ class ContinuousLoop(LoopCache):
         self.admit_at = max(1, math.ceil(COMPACT_FRACTION * self.capacity))  # queued rows worth a regroup
         self.feed_limit = cfg.episode_feed_tokens  # 0: a reply in one step
         self.pad = engine.tokenizer.pad_token_id  # read once: environment threads share the tokenizer
-        self.sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)
+        self.sampler = TokenSampler.of(cfg, greedy)
+        self.stops = StopStrings(engine.tokenizer, cfg.stop)  # sampling.stop: a completion's text ends them too
         self.fresh: deque[Sequence] = deque()  # not started, in call order, each call's prompt-major
         self.returned: deque[Sequence] = deque()  # back from their environment, out of the batch: first to join
         self.rows: list[Sequence] = []  # the batch's rows, in cache order
@@ -189,7 +190,9 @@ class ContinuousLoop(LoopCache):
                 logits = logits[torch.tensor(drawing, device=logits.device)]
             u = None if self.sampler.greedy else torch.cat(  # on the CPU: no device launch per row
                 [torch.rand(1, 1, generator=s.generator, dtype=torch.float64) for s in rows]).to(self.device)
-            tokens = self.sampler.draw(logits, u).tolist()
+            seen = seen_tokens([s.history for s in rows], logits.shape[-1], self.device) if self.sampler.penalises \
+                else None  # the repetition penalty's: what each row's prompt and completion hold
+            tokens = self.sampler.draw(logits, u, seen).tolist()
             for s, token, logp in zip(rows, tokens, self.sampler.logps.pop().tolist()):
                 self._drawn(s, token, logp)
         self._squeeze()
@@ -200,7 +203,7 @@ class ContinuousLoop(LoopCache):
         s.drawn.append(token)
         s.logps.append(logp)
         s.call.versions.setdefault(s.episode, []).append(self.engine.version)
-        ended = token in self.engine.eos_ids
+        ended = token in self.engine.eos_ids or self.stops.hit(s.drawn)
         if not ended and len(s.drawn) < s.limit:
             s.feed = [token]
             return

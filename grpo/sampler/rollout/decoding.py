@@ -35,26 +35,51 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class TokenSampler:
     """Draws each next token from the raw logits and records its log-prob on the way.
 
-    Sampling is inverse-CDF in float64 from softmax(logits / T) after top-k / top-p (transformers'
-    own warpers): torch.multinomial takes ~25 ms per step for 16 x 49k probabilities on one CPU
-    thread, about 8% of a decode step of the embedded model; a cumulative sum and a binary
-    search take a few ms. The recorded log-prob is the one under the untruncated softmax(logits / T),
-    as the trainer computes it.
+    Sampling is inverse-CDF in float64 from softmax(logits / T) after the repetition penalty and
+    top-k / top-p / min-p (transformers' own warpers): torch.multinomial takes ~25 ms per step for
+    16 x 49k probabilities on one CPU thread, about 8% of a decode step of the embedded model; a
+    cumulative sum and a binary search take a few ms. The recorded log-prob is the one under the
+    untruncated, unpenalised softmax(logits / T), as the trainer computes it. Greedy draws (an
+    evaluation) take the plain argmax.
     """
 
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False):
-        from transformers import TopKLogitsWarper, TopPLogitsWarper
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0):
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature, self.greedy, self.logps = (1.0 if greedy else temperature), greedy, []
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.warpers += [MinPLogitsWarper(min_p)] if min_p > 0 else []
+        self.penalty = repetition_penalty
 
-    def draw(self, scores: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    @classmethod
+    def of(cls, sampling, greedy: bool) -> "TokenSampler":
+        """The sampler of the `sampling` section's settings."""
+        return cls(sampling.temperature, sampling.top_k, sampling.top_p, greedy=greedy, min_p=sampling.min_p,
+                   repetition_penalty=sampling.repetition_penalty)
+
+    @property
+    def penalises(self) -> bool:
+        """Whether a draw needs the tokens each row has seen (`draw`'s `seen`)."""
+        return self.penalty != 1.0 and not self.greedy
+
+    def draw(self, scores: torch.Tensor, u: torch.Tensor | None = None,
+             seen: torch.Tensor | None = None) -> torch.Tensor:
         """[N, vocab] logits -> [N] tokens; `u`: the rows' [N, 1] float64 uniforms (default: drawn
-        from torch's global generator, one per row in row order)."""
+        from torch's global generator, one per row in row order); `seen`: [N, vocab] bool, the tokens
+        of each row's prompt and completion so far (the repetition penalty's)."""
         logits = scores.float() / self.temperature
-        tokens = logits.argmax(-1) if self.greedy else self._draw(logits, u)
+        tokens = logits.argmax(-1) if self.greedy else self._draw(self._penalised(logits, seen), u)
         self.logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
         return tokens
+
+    def _penalised(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """The repetition penalty on the tempered logits: T > 0 keeps each logit's sign, so dividing
+        and multiplying after the temperature is the same as before it."""
+        if not self.penalises or seen is None:
+            return logits
+        penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+        return torch.where(seen.to(logits.device), penalised, logits)
 
     def _draw(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         for warper in self.warpers:
@@ -66,6 +91,32 @@ class TokenSampler:
     def recorded(self) -> torch.Tensor:
         """[N, steps] log-probs of the drawn tokens."""
         return torch.stack(self.logps, dim=1)
+
+
+def seen_tokens(histories: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[N, vocab] bool: True at the tokens each row's history holds (the repetition penalty's)."""
+    seen = torch.zeros(len(histories), vocab, dtype=torch.bool)
+    for row, history in enumerate(histories):
+        seen[row, torch.tensor(history, dtype=torch.long)] = True
+    return seen.to(device)
+
+
+class StopStrings:
+    """sampling.stop: whether a completion's text now holds one of the strings, read from its last
+    tokens after each new one (the first time it does is the token that completed it)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.tail = max((len(s) for s in stops), default=0) + 8  # tokens enough to spell the longest: each >= 1 char
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def hit(self, tokens: list[int]) -> bool:
+        if not self.stops:
+            return False
+        text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
+        return any(stop in text for stop in self.stops)
 
 
 class InPlaceLayer(DynamicLayer):

@@ -34,7 +34,7 @@ from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos, eos_
 from grpo.model.loading import unwrap_causal_lm
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import Carried, ContinuousLoop, NextCall
-from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, TokenSampler, left_pad
+from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings, TokenSampler, left_pad, seen_tokens
 from grpo.sampler.rollout.loop_cache import runs_continuously
 from grpo.sampler.rollout.sequences import Call
 from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
@@ -126,14 +126,15 @@ class HFEngine:
         return cache
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cache, sampler: TokenSampler,
-                limits: torch.Tensor) -> torch.Tensor:
+                limits: torch.Tensor, stopped: list[int] | None = None) -> torch.Tensor:
         """Decode from the cache of every prompt token but the last: [N, steps] tokens, padded.
 
         One forward per token for all N rows, as `generate`'s greedy loop ran it over our
         sampler: positions continue each row's unpadded count, rows that drew EOS get the pad
         token from then on and stay in the batch (their random draws too, so a seed gives the
         same tokens however the rows end). It stops once every row has drawn EOS or reached its
-        own limit.
+        own limit. A row whose text came to hold a stop string (sampling.stop) ends as at EOS:
+        `stopped[row]` is then its length (-1 for the others).
         """
         n, width = ids.shape
         steps = int(limits.max())
@@ -144,14 +145,25 @@ class HFEngine:
         out = ids.new_full((n, steps), pad)
         unfinished = torch.ones(n, dtype=torch.bool, device=ids.device)
         token = ids[:, -1:]
+        stops, stopped = StopStrings(self.tokenizer, self.cfg.stop), stopped if stopped is not None else []
+        stopped[:] = [-1] * n
+        seen = None  # the repetition penalty's: each row's prompt, then what it draws
         with torch.no_grad():
             for t in range(steps):
                 self.decode_rows.add(n, int((unfinished & (limits > t)).sum()), min(n, self.cfg.generation_batch_size))
                 logits = self.model(input_ids=token, attention_mask=mask[:, : width + t], position_ids=position + t,
                                     past_key_values=cache, use_cache=True).logits[:, -1]
-                drawn = torch.where(unfinished, sampler.draw(logits), pad)
+                if sampler.penalises and seen is None:
+                    seen = seen_tokens([row[m.bool()].tolist() for row, m in zip(ids, mask[:, :width])],
+                                       logits.shape[-1], logits.device)
+                drawn = torch.where(unfinished, sampler.draw(logits, seen=seen), pad)
                 out[:, t] = drawn
+                if seen is not None:
+                    seen[torch.arange(n), drawn] = True
                 unfinished &= ~torch.isin(drawn, eos)
+                for row in (unfinished.nonzero().flatten().tolist() if stops else ()):
+                    if stops.hit(out[row, : t + 1].tolist()):
+                        unfinished[row], stopped[row] = False, t + 1
                 if not bool((unfinished & (limits > t + 1)).any()):
                     return out[:, : t + 1]
                 token = drawn[:, None]
@@ -240,12 +252,13 @@ class HFEngine:
                 chunk_cache = DynamicCache(config=self.model.config)
             else:
                 chunk_cache = repeat_in_place(cache, k)
-            sampler = TokenSampler(cfg.temperature, cfg.top_k, cfg.top_p, greedy=greedy)
+            sampler, stopped = TokenSampler.of(cfg, greedy), []
             out = self._decode(ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0), chunk_cache, sampler,
-                               row_limits)
+                               row_limits, stopped)
             recorded = sampler.recorded().cpu()
             for i, row in enumerate(out.cpu()):  # chunk rows: k per prompt, prompt-major
-                tokens, cut = cut_at_eos(row[:limits[i // k]], self.eos_ids)
+                tokens, cut = (row[:stopped[i]], False) if stopped[i] >= 0 else \
+                    cut_at_eos(row[:limits[i // k]], self.eos_ids)
                 produced.append(tokens)
                 truncated.append(cut)
                 logps.append(recorded[i, :len(tokens)].clone())

@@ -26,10 +26,13 @@ class VllmUnavailable(RuntimeError):
 def engine_arguments(cfg: Config, cuda: bool, available_bytes: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (a pure function, tested without vLLM)."""
     sampling = cfg.sampling
-    if sampling.old_logps == "generation" and (sampling.top_p < 1 or sampling.top_k > 0):
-        raise VllmUnavailable("sampling.engine=vllm records the log-probs of the top-p/top-k truncated distribution, "
-                              "the trainer computes them over the full one: use sampling.old_logps=recompute with "
-                              "top-p/top-k")
+    processed = [name for name, on in (("top_p", sampling.top_p < 1), ("top_k", sampling.top_k > 0),
+                                       ("min_p", sampling.min_p > 0), ("repetition_penalty",
+                                                                       sampling.repetition_penalty != 1)) if on]
+    if sampling.old_logps == "generation" and processed:
+        raise VllmUnavailable(f"sampling.engine=vllm records the log-probs of the distribution {', '.join(processed)} "
+                              "made, the trainer computes them over the full softmax(logits / T): use "
+                              f"sampling.old_logps=recompute with sampling.{processed[0]}")
     args = dict(model=resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir), dtype=cfg.sampler_dtype,
                 seed=cfg.seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                 generation_config="vllm", max_model_len=cfg.data.max_prompt_tokens + sampling.max_new_tokens,

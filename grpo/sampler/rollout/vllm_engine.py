@@ -336,9 +336,11 @@ class VllmEngine:
         if limit <= 0:  # its tokens so far reached the limit as the adapter changed
             return "length"
         s = self.cfg.sampling
-        params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize), none is read
+        params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize) but for stop strings
             n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
-            max_tokens=limit, logprobs=0, seed=seed, stop_token_ids=self.eos_ids, detokenize=False,
+            min_p=0.0 if greedy else s.min_p, repetition_penalty=1.0 if greedy else s.repetition_penalty,
+            stop=list(s.stop) or None, include_stop_str_in_output=True, detokenize=bool(s.stop),
+            max_tokens=limit, logprobs=0, seed=seed, stop_token_ids=self.eos_ids,
             output_kind=RequestOutputKind.FINAL_ONLY if moved is None else RequestOutputKind.DELTA)
 
         async def run() -> str:

@@ -30,6 +30,7 @@ class PromptCursor:
             raise ValueError("cannot iterate over an empty dataset")
         self.state = CursorState(seed=seed, size=size)
         self._order = self._permutation(0)
+        self._at: tuple[int, list[int]] = (0, self._order)  # `at`'s epoch and its order
 
     def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.state.seed * 1_000_003 + epoch)
@@ -46,6 +47,14 @@ class PromptCursor:
             out.append(self._order[self.state.index])
             self.state.index += 1
         return out
+
+    def at(self, position: int) -> int:
+        """The dataset index at `position` of the stream from the start of epoch 0, where `take` would
+        give it; the cursor's own position is not moved (each epoch's order is made once in a row)."""
+        epoch, index = divmod(position, self.state.size)
+        if self._at[0] != epoch:
+            self._at = (epoch, self._permutation(epoch))
+        return self._at[1][index]
 
     def seek(self, consumed: int) -> None:
         """Position the cursor after `consumed` prompts from the start of epoch 0."""

@@ -64,11 +64,14 @@ class MixtureCursor:
         self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
         self.cursors = [PromptCursor(size, seed * 7919 + k) for k, size in enumerate(sizes)]
         self._counts: dict[int, list[int]] = {0: [0] * len(sizes)}  # block -> draws of each source before it
+        self._drawn_block: tuple[int, list[int]] = (-1, [])  # the last block drawn, reused while taking from it
 
     def _block(self, block: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.state.seed * 1_000_003 + block)
-        return torch.multinomial(torch.tensor(self.state.weights, dtype=torch.float64), BLOCK, replacement=True,
-                                 generator=generator).tolist()
+        if self._drawn_block[0] != block:
+            generator = torch.Generator().manual_seed(self.state.seed * 1_000_003 + block)
+            self._drawn_block = (block, torch.multinomial(torch.tensor(self.state.weights, dtype=torch.float64),
+                                                          BLOCK, replacement=True, generator=generator).tolist())
+        return self._drawn_block[1]
 
     def _drawn_before(self, position: int) -> list[int]:
         """How many of the first `position` draws took each source."""
@@ -91,8 +94,7 @@ class MixtureCursor:
         sources = [self._block(p // BLOCK)[p % BLOCK] for p in range(start, start + count)]
         out = []
         for k in sources:
-            self.cursors[k].seek(drawn[k])
-            out.append(self.offsets[k] + self.cursors[k].take(1)[0])
+            out.append(self.offsets[k] + self.cursors[k].at(drawn[k]))
             drawn[k] += 1
         self.state.position += count
         return out

@@ -114,7 +114,8 @@ def test_deepspeed_passthrough_takes_nested_dotted_keys():
     ("training.use_gspo=yesplease", "training.use_gspo: expected bool, got 'yesplease' (str)"),
     ("sampling.temperature=[1]", "sampling.temperature: expected float, got [1] (list)"),
     ("sampling.temperature=warm", "sampling.temperature: expected float, got 'warm' (str)"),
-    ("lora.target_modules=q_proj", "lora.target_modules must be a list of module names or all-linear; got 'q_proj'"),
+    ("lora.target_modules=q_proj",
+     "lora.target_modules must be a list of module names or all-linear alone; got 'q_proj'"),
     ("sampling=3", "sampling: expected a section (mapping), got 3"),
     ("novalue", "override 'novalue' is not of the form key=value"),
 ])

@@ -1,6 +1,7 @@
 """Multi-turn episodes (grpo/sampler/episodes.py, grpo/environments/): scripted environments in the real
 child-process pool, the HF engine on a tiny model, and the trainer's loss on the result."""
 
+import json
 import re
 import time
 
@@ -580,7 +581,13 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     shown = batch.meta["completions"]  # logging.completions_per_step: the first group, each whole conversation
     assert len(shown) == 4 and {r["sample_id"] for r in shown} == {batch.meta["sample_ids"][0]}
     replied = [j for j in range(4) if len(batch.model_mask[j]) > int(batch.model_mask[j].sum())]
-    assert replied and all("reply 1 to " in shown[j]["completion"] for j in replied)  # the environment's turn
+    _, tokenizer = chatty
+    assert replied
+    for j in replied:  # the environment's first turn is in the text: the tokens the model did not draw, decoded
+        ids, drawn = batch.completion_ids[j].tolist(), batch.model_mask[j].tolist()
+        start = drawn.index(False)
+        end = drawn.index(True, start) if True in drawn[start:] else len(drawn)
+        assert tokenizer.decode(ids[start:end], skip_special_tokens=False) in shown[j]["completion"]
     assert [r["rewards"]["env_reward"] for r in shown] == batch.rewards[:4, 0].tolist()
     assert [r["advantage"] for r in shown] == batch.advantages[:4].tolist()
     decoded = decode_batch(encode_batch(batch))
@@ -656,6 +663,10 @@ def test_a_sampler_killed_mid_episode_restarts_and_loses_nothing(tmp_path, chatt
     finish_with_each_step_trained_and_generated_once(tmp_path, trainer, sampler)
     trained = rows(tmp_path)
     assert max(r["env/turns/mean"] for r in trained) > 1 and all(r["env/env_errors"] == 0 for r in trained)
+    # each trained step's first completions, once, each an episode's whole conversation: the environment's turns
+    shown = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shown] == [r["step"] for r in trained for _ in range(4)]
+    assert any("reply 1 to " in r["completion"] for r in shown)
 
 
 def test_evaluation_runs_greedy_episodes_and_judges_their_last_message(chatty):

@@ -120,3 +120,22 @@ def test_what_the_vllm_engine_records_otherwise_needs_the_recompute_and_stop_str
         load_config(None, ["sampling.stop=['</answer>']", "env.name=calculator"])
     with pytest.raises(ConfigError, match=r"sampling.repetition_penalty must be > 0 \(1 = off\); got 0.0"):
         load_config(None, ["sampling.repetition_penalty=0"])
+
+
+@pytest.mark.parametrize("setting", ["sampling.min_p=0.1", "sampling.repetition_penalty=1.2",
+                                     "sampling.stop=['</answer>']", "lora.use_dora=true", "lora.use_rslora=true",
+                                     "lora.modules_to_save=[lm_head]", "lora.target_modules=all-linear"])
+def test_a_batch_made_with_other_generation_or_lora_settings_is_refused_naming_the_setting(setting):
+    """Each batch records the settings that decide what was sampled and how the sampler's copy scores
+    it (grpo/wire/behaviour.py); a trainer with other ones refuses the batch before training on it."""
+    from grpo.settings.tree import get_key
+    from grpo.wire.behaviour import BEHAVIOUR_KEYS, BehaviourMismatch, check_behaviour
+
+    def recorded(*overrides):
+        cfg = load_config(None, list(overrides))
+        return {key: get_key(cfg, key) for key in BEHAVIOUR_KEYS}
+
+    check_behaviour(recorded(setting), recorded(setting), sampler=0, step=1)
+    key = setting.split("=")[0]
+    with pytest.raises(BehaviourMismatch, match=f"{key}: the sampler used .*, this trainer has"):
+        check_behaviour(recorded(setting), recorded(), sampler=0, step=1)

@@ -83,7 +83,8 @@ def test_an_adapter_with_every_setting_exports_and_merges_to_the_trained_logits(
     run = tmp_path / "runs" / "everything"
     lora = ["lora.r=4", "lora.alpha=8", "lora.target_modules=all-linear", "lora.use_rslora=true",
             "lora.use_dora=true", "lora.modules_to_save=[lm_head]"]
-    cfg = load_config(None, [f"run.dir={run}", f"model.name_or_path={tiny_model_dir}", *lora])
+    cfg = load_config(None, [f"run.dir={run}", f"model.name_or_path={tiny_model_dir}", *lora,
+                             "data.chat_template_kwargs={enable_thinking: false}"])
     save_config(cfg, run / "config.yaml")
     model = trained(add_lora(load_model(cfg.model), cfg.lora).eval(), seed=3)
     publish(model, run / "weights", version=1, step=1)
@@ -96,6 +97,7 @@ def test_an_adapter_with_every_setting_exports_and_merges_to_the_trained_logits(
     assert torch.allclose(logits(merged), logits(model), atol=1e-4)
     card = (tmp_path / "merged" / "README.md").read_text()
     assert "r 4, alpha 8, on all-linear, rsLoRA, DoRA, lm_head trained whole" in card
+    assert "add_generation_prompt=True, enable_thinking=False) + " in card  # rendered as in training
 
 
 @pytest.mark.parametrize("setting", ["lora.use_dora=true", "lora.modules_to_save=[lm_head]"])

@@ -196,7 +196,7 @@ def test_a_malformed_server_address_is_a_config_error_saying_the_form(name):
 
 def test_the_served_forms_settings_are_checked_against_the_servers_schema(running):
     with pytest.raises(ConfigError, match="env.args: init unknown for an OpenEnv server"):
-        load_config(None, [f"env.name={running.name}", "env.args={init: {tries: 2}}"])
+        checked_config(None, [f"env.name={running.name}", "env.args={init: {tries: 2}}"])
     with pytest.raises(ConfigError, match="the action of .* has no field 'text' \\(its fields: metadata, guess\\)"):
         RemotePool(running.name, {"action_field": "text"}, 10.0)
     assert RemotePool(running.name, {}, 10.0).server.action_field == "guess"  # its one required str field

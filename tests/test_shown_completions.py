@@ -55,3 +55,17 @@ def test_the_trainer_writes_them_at_their_step_and_a_resume_drops_the_steps_it_t
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [(r["step"], r["completion"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_the_records_stay_within_their_share_of_the_batch_header():
+    """Many long non-ASCII completions (6 bytes each in the header's JSON): the first records whose JSON
+    fits MAX_SHOWN_BYTES are shown, never a header the trainer would refuse."""
+    from grpo.sampler.shown_completions import MAX_SHOWN_BYTES
+
+    texts = ["数" * 30_000] * 64
+    records = shown_completions(64, [prompt(0)] * 64, texts, ["acc"], [[1.0]] * 64, [[False]] * 64, [1.0] * 64,
+                                [0.0] * 64, group_size=1)
+    size = len(json.dumps(records))
+    assert 0 < len(records) < 64 and size <= MAX_SHOWN_BYTES
+    assert len(json.dumps(records + records[:1])) > MAX_SHOWN_BYTES  # one more would not fit
+    assert records[0]["completion"].endswith("... [14000 more characters]")

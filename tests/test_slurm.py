@@ -7,7 +7,6 @@ submitted again, resumes the run from its last checkpoint."""
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -19,22 +18,6 @@ from conftest import PROCESS_CONFIG, REPO
 STANDINS = REPO / "tests" / "slurm_standins"
 NODES = "127.0.0.1,127.0.0.2,127.0.0.3"
 SLURM = ["--slurm", "--nodes", "3", "--trainer-nodes", "2", "--gpus-per-node", "0"]
-
-
-def free_job_id() -> int:
-    """A job id whose ports (the transport's 20000 + id % 20000, the rendezvous' 20000 above) are free."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if 20000 <= port < 40000:
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 20000))
-                return port - 20000 + 100000  # the same ports: 100000 % 20000 == 0
-            except OSError:
-                continue
-    raise RuntimeError("no free pair of ports")
 
 
 def environment(job_id: int) -> dict:
@@ -75,7 +58,8 @@ def test_the_dry_run_prints_the_job_and_writes_nothing(tmp_path, tiny_model_dir,
     assert script.startswith("#!/bin/bash\n#SBATCH --job-name=gsm8k-lora-grpo\n#SBATCH --nodes=3\n")
     assert "#SBATCH --requeue" in script and "#SBATCH --gpus-per-node" not in script  # CPU nodes
     assert "torchrun\" --nnodes 2 --node_rank \"$SLURM_PROCID\" --nproc_per_node 1" in script
-    assert "sampling.num_workers=1 launch.trainer_ranks=2 \"transport.address=tcp://$MASTER:$PORT\")" in script
+    assert ("sampling.num_workers=1 launch.trainer_ranks=2 run.overwrite=false "
+            "\"transport.address=tcp://$MASTER:$PORT\")") in script
     assert not run_dir.exists()
     bash = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert bash.returncode == 0, bash.stderr
@@ -94,14 +78,14 @@ def test_a_job_whose_options_or_run_cannot_work_is_refused_before_anything_is_wr
 
 
 def test_three_nodes_train_and_the_same_script_resumes_after_a_node_failure(tmp_path, tiny_model_dir, tiny_gsm8k):
-    run_dir, first_job = tmp_path / "run", free_job_id()
-    out = subprocess.run(train_command(run_dir, tiny_model_dir, tiny_gsm8k), cwd=tmp_path, env=environment(first_job),
-                         capture_output=True, text=True, timeout=300)
+    run_dir, first_job = tmp_path / "run", 4101
+    out = subprocess.run(train_command(run_dir, tiny_model_dir, tiny_gsm8k, "transport.secret=sekrit-4101"),
+                         cwd=tmp_path, env=environment(first_job), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and f"Submitted batch job {first_job}" in out.stdout, out.stdout + out.stderr
     slurm_dir = run_dir / "slurm"
     script = slurm_dir / "train.sbatch"
-    assert stat.S_IMODE((slurm_dir / "secret").stat().st_mode) == 0o600
-    assert (slurm_dir / "secret").read_text().strip() not in script.read_text()
+    assert stat.S_IMODE((slurm_dir / "secret").stat().st_mode) == 0o600 and stat.S_IMODE(script.stat().st_mode) == 0o700
+    assert (slurm_dir / "secret").read_text().strip() == "sekrit-4101" and "sekrit" not in script.read_text()
     job = int((slurm_dir / f"{first_job}.pid").read_text())
     deadline = time.monotonic() + 600
     while len(rows(run_dir)) < 2:  # trained two steps (a checkpoint after each: checkpoint.every=1)
@@ -114,7 +98,7 @@ def test_three_nodes_train_and_the_same_script_resumes_after_a_node_failure(tmp_
     killed_at = rows(run_dir)
     assert 2 <= len(killed_at) < 4, killed_at
 
-    second_job = free_job_id()  # a new submission gets a new job id
+    second_job = 4102  # a new submission gets a new job id
     out = subprocess.run(["sbatch", str(script)], env=environment(second_job), capture_output=True, text=True)
     assert out.stdout.strip() == f"Submitted batch job {second_job}"
     assert wait_for_code(slurm_dir, second_job, 600) == 0, (slurm_dir / f"{second_job}.out").read_text()[-4000:]
@@ -122,3 +106,42 @@ def test_three_nodes_train_and_the_same_script_resumes_after_a_node_failure(tmp_
     assert (run_dir / "weights" / "LATEST").read_text().strip() == "4"
     second_log = (slurm_dir / f"{second_job}.out").read_text()
     assert "resum" in second_log.lower(), second_log[-3000:]
+
+
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ]; then exec {python} "$@"; fi  # the script's own use: a free port
+echo "sampler $*" >> {log}
+exit 3
+"""
+FAKE_TORCHRUN = """#!/bin/bash
+trap 'echo "trainer stopped by SIGTERM" >> {log}; exit 0' TERM
+echo "trainer started" >> {log}
+while true; do sleep 0.1; done
+"""
+
+
+def test_a_failed_sampler_stops_the_trainer_and_fails_the_job_with_its_code(tmp_path):
+    """The samplers' node ends with the code of its first sampler to fail; the trainer is then sent
+    SIGTERM (it checkpoints and stops) and the job exits with the sampler's code, never waits."""
+    from grpo.commands.slurm import SlurmJob, sbatch_script
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "processes.log"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("torchrun", FAKE_TORCHRUN)):
+        (bin_dir / name).write_text(text.format(python=sys.executable, log=log))
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    (run_dir / "slurm" / "secret").write_text("s3cret\n")
+    job = SlurmJob(nodes=3, trainer_nodes=2, gpus_per_node=0, run_dir=run_dir, python=bin_dir / "python",
+                   sampler_python=bin_dir / "python", pythonpath=None, workdir=tmp_path, args=(), name="fails")
+    (run_dir / "slurm" / "train.sbatch").write_text(sbatch_script(job))
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(run_dir / "slurm" / "train.sbatch")], env={**environment(7), "SLURM_JOB_ID": "7",
+                          "SLURM_JOB_NODELIST": NODES}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stdout + done.stderr
+    lines = log.read_text().splitlines()
+    assert lines.count("trainer started") == 2 and lines.count("trainer stopped by SIGTERM") == 2
+    samplers = [line for line in lines if line.startswith("sampler -m grpo.workers.sampler")]
+    assert len(samplers) == 1 and samplers[0].endswith("sampling.worker_index=0")
+    assert time.monotonic() - started < 60

@@ -189,11 +189,17 @@ def usage_code(cfg: Config, library: str) -> list[str]:
             '            {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. '
             'How many in all?"}]',
             f"text = tokenizer.apply_chat_template(messages, {'tools=tools, ' if tools else ''}tokenize=False, "
-            f"add_generation_prompt=True) + {json.dumps(cfg.data.prefill)}",
+            f"add_generation_prompt=True{template_kwargs(cfg.data.chat_template_kwargs)}) + "
+            f"{json.dumps(cfg.data.prefill)}",
             'ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)',
             "out = model.generate(**ids, max_new_tokens=256, do_sample=False)",
             f"message = tokenizer.decode(out[0, ids.input_ids.shape[1]:], {decode})", "print(message)", *read,
             "```"]
+
+
+def template_kwargs(kwargs: dict) -> str:
+    """data.chat_template_kwargs as the snippet's keyword arguments (", enable_thinking=False")."""
+    return "".join(f", {key}={value!r}" for key, value in kwargs.items())
 
 
 def tools_text(cfg: Config) -> list[str]:

@@ -66,9 +66,10 @@ class SlurmJob:
         return (self.nodes - self.trainer_nodes) * self.per_node
 
     def overrides(self) -> list[str]:
-        """What the job sets on top of the user's config: every process agrees on these."""
+        """What the job sets on top of the user's config: every process agrees on these. A run folder to
+        overwrite was moved aside when the script was written: a resubmission resumes, never moves it."""
         return [f"run.dir={self.run_dir}", f"sampling.num_workers={self.samplers}",
-                f"launch.trainer_ranks={self.trainer_ranks}"]
+                f"launch.trainer_ranks={self.trainer_ranks}", "run.overwrite=false"]
 
 
 def take_options(argv: list[str]) -> tuple[dict | None, list[str]]:
@@ -94,6 +95,13 @@ def take_options(argv: list[str]) -> tuple[dict | None, list[str]]:
     return options, rest
 
 
+def folder_problems(run_dir: Path) -> list[str]:
+    """A run folder the sbatch header cannot name (its --output path is split at spaces; % starts a pattern)."""
+    if any(c.isspace() or c == "%" for c in str(run_dir)):
+        return [f"run.dir {run_dir} holds a space or %, which an sbatch header cannot name: pick another run.dir"]
+    return []
+
+
 def option_problems(options: dict) -> list[str]:
     nodes, trainer_nodes = options["nodes"], options["trainer_nodes"]
     if nodes is None:
@@ -109,9 +117,15 @@ def slurm_job(options: dict, cfg: Config, args: list[str]) -> SlurmJob:
     return SlurmJob(nodes=options["nodes"], trainer_nodes=options["trainer_nodes"],
                     gpus_per_node=options["gpus_per_node"], run_dir=Path(cfg.run_dir).resolve(),
                     python=Path(sys.executable).absolute(), sampler_python=Path(sampler_python(cfg)).absolute(),
-                    pythonpath=checkout_root(), workdir=Path.cwd(), args=tuple(absolute_config(args)),
+                    pythonpath=checkout_root(), workdir=Path.cwd(), args=tuple(without_secret(absolute_config(args))),
                     name=cfg.run.name, partition=options.get("partition") or "", time=options.get("time") or "",
                     account=options.get("account") or "")
+
+
+def without_secret(args: list[str]) -> list[str]:
+    """`args` less a transport.secret override: the secret goes to <run.dir>/slurm/secret, never into the
+    script or a process's command line."""
+    return [a for a in args if not a.startswith("transport.secret=")]
 
 
 def absolute_config(args: list[str]) -> list[str]:
@@ -128,37 +142,69 @@ def absolute_config(args: list[str]) -> list[str]:
     return out
 
 
-def transport_port(job_id_variable: str = "SLURM_JOB_ID") -> str:
-    """Shell arithmetic for the transport's port: from the job id, so that two jobs on one node do not
-    collide and a requeued job (same id) finds its own again; the rendezvous port is 20000 above it."""
-    return f"$(( 20000 + ${job_id_variable} % 20000 ))"
+# the batch shell's end: the first step to end decides (portable to bash 4.3: no `wait -p`)
+SUPERVISE = """trap 'kill -TERM "$trainer" "$samplers" 2>/dev/null; wait; exit 143' TERM INT  # the trainer checkpoints
+set +e
+while kill -0 "$trainer" 2>/dev/null && kill -0 "$samplers" 2>/dev/null; do sleep 2; done
+if kill -0 "$trainer" 2>/dev/null; then  # the samplers ended first: after their last step, or failed
+    wait "$samplers"
+    sampled=$?
+    [ "$sampled" -eq 0 ] || kill -TERM "$trainer"  # a sampler failed: the trainer checkpoints and stops
+    wait "$trainer"
+    code=$?
+    [ "$code" -ne 0 ] || code=$sampled
+else
+    wait "$trainer"
+    code=$?
+    for _ in $(seq 60); do kill -0 "$samplers" 2>/dev/null || break; sleep 1; done  # a minute to end
+    kill -TERM "$samplers" 2>/dev/null
+    wait "$samplers"
+fi
+exit $code
+"""
+FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+
+
+def sbatch_headers(job: SlurmJob) -> list[str]:
+    """The job's #SBATCH options: its nodes whole, requeue-safe, one job of the run's name at a time."""
+    headers = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1", "--exclusive",
+               f"--output={job.run_dir}/slurm/%j.out", "--open-mode=append", "--requeue",
+               "--dependency=singleton",  # one job of this name at a time: a resubmission waits for the last
+               f"--signal=TERM@{SIGTERM_LEAD_S}"]
+    headers += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
+    return headers + [f"--{key}={value}" for key, value in (("partition", job.partition), ("time", job.time),
+                                                           ("account", job.account)) if value]
 
 
 def sbatch_script(job: SlurmJob) -> str:
-    """The script, every path absolute; the processes' arguments reach them as words, never re-read by a shell."""
+    """The script, every path absolute; the processes' arguments reach them as words, never re-read by a
+    shell. Portable to bash 4.3 (no `wait -p`)."""
     q = shlex.quote
-    headers = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-               f"--output={job.run_dir}/slurm/%j.out", "--open-mode=append", "--requeue",
-               f"--signal=TERM@{SIGTERM_LEAD_S}"]
     gpus = f" --gpus-per-node={job.gpus_per_node}" if job.gpus_per_node else ""
-    headers += [gpus.strip()] if gpus else []
-    headers += [f"--{key}={value}" for key, value in (("partition", job.partition), ("time", job.time),
-                                                      ("account", job.account)) if value]
     args = " ".join(q(a) for a in [*job.args, *job.overrides()])
     sampler_nodes, per_node = job.nodes - job.trainer_nodes, job.per_node
-    on_gpu = (" CUDA_VISIBLE_DEVICES=$g", " sampling.device=cuda:0") if job.gpus_per_node else ("", "")
+    # a sampler a GPU: the g-th of those Slurm gave the node
+    on_gpu = (' CUDA_VISIBLE_DEVICES="${GPUS[g]}"', " sampling.device=cuda:0") if job.gpus_per_node else ("", "")
     step = "srun --ntasks-per-node=1 --kill-on-bad-exit=1" + gpus
     path = f"\nexport PYTHONPATH={q(job.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}" if job.pythonpath else ""
     return f"""#!/bin/bash
-{chr(10).join(f"#SBATCH {h}" for h in headers)}
+{chr(10).join(f"#SBATCH {h}" for h in sbatch_headers(job))}
 # Written by `grpo train --slurm`: {job.trainer_nodes} trainer node(s) x {per_node} rank(s), {sampler_nodes} sampler
 # node(s) x {per_node} sampler(s). Submit it again to resume the run from its last checkpoint.
 set -euo pipefail
 cd {q(str(job.workdir))}
 export RUN_DIR={q(str(job.run_dir))} PYTHON={q(str(job.python))} SAMPLER_PYTHON={q(str(job.sampler_python))}
-export BIN=$(dirname "$PYTHON") PYTHONSAFEPATH=1 GRPO_TRANSPORT_SECRET=$(cat "$RUN_DIR/slurm/secret"){path}
+[ -s "$RUN_DIR/slurm/secret" ] || {{ echo "$RUN_DIR/slurm/secret is missing: run grpo train --slurm again" >&2
+    exit 2; }}
+GRPO_TRANSPORT_SECRET=$(cat "$RUN_DIR/slurm/secret")
+export GRPO_TRANSPORT_SECRET BIN=$(dirname "$PYTHON") PYTHONSAFEPATH=1{path}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SIGTERM_LEAD_S - 15}  # torchrun lets the trainer checkpoint after SIGTERM
 NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-export MASTER=${{NODES[0]}} PORT={transport_port()}
+# the batch host is the first node: the trainer's rank 0 binds the transport and hosts the rendezvous there
+free_port() {{ "$PYTHON" -c "{FREE_PORT}"; }}
+PORT=$(free_port)
+RENDEZVOUS_PORT=$(free_port)
+export MASTER=${{NODES[0]}} PORT RENDEZVOUS_PORT
 ARGS=({args} "transport.address=tcp://$MASTER:$PORT")
 # every node must see the run folder and the environment: the batch host writes a mark, each node looks for it
 export MARK="$RUN_DIR/slurm/seen-$SLURM_JOB_ID"
@@ -170,33 +216,27 @@ exit 2; }}'
 {step} --nodes={job.trainer_nodes} --ntasks={job.trainer_nodes} \\
     --nodelist="$(IFS=,; echo "${{NODES[*]:0:{job.trainer_nodes}}}")" bash -c "$SEEN"'
     exec "$BIN/torchrun" --nnodes {job.trainer_nodes} --node_rank "$SLURM_PROCID" --nproc_per_node {per_node} \\
-        --master_addr "$MASTER" --master_port $((PORT + 20000)) -m {TRAINER_MODULE} "$@"' trainer "${{ARGS[@]}}" &
+        --master_addr "$MASTER" --master_port "$RENDEZVOUS_PORT" -m {TRAINER_MODULE} "$@"' trainer "${{ARGS[@]}}" &
 trainer=$!
 {step} --nodes={sampler_nodes} --ntasks={sampler_nodes} \\
     --nodelist="$(IFS=,; echo "${{NODES[*]:{job.trainer_nodes}}}")" bash -c "$SEEN"'
+    IFS=, read -ra GPUS <<< "${{CUDA_VISIBLE_DEVICES:-$(seq -s, 0 {per_node - 1})}}"
+    pids=()
     for g in $(seq 0 {per_node - 1}); do
        {on_gpu[0]} "$SAMPLER_PYTHON" -m {SAMPLER_MODULE} "$@"{on_gpu[1]} \\
             sampling.worker_index=$((SLURM_PROCID * {per_node} + g)) &
+        pids+=($!)
     done
-    wait' samplers "${{ARGS[@]}}" &
+    code=0
+    for _ in "${{pids[@]}}"; do  # the first sampler to fail ends the others: the step fails with its code
+        wait -n && continue
+        code=$?
+        kill -TERM "${{pids[@]}}" 2>/dev/null
+    done
+    exit $code' samplers "${{ARGS[@]}}" &
 samplers=$!
 
-trap 'kill -TERM "$trainer" "$samplers" 2>/dev/null; wait; exit 143' TERM INT  # the trainer checkpoints
-set +e
-wait -n -p ended "$trainer" "$samplers"
-first=$?
-if [ "$ended" = "$trainer" ]; then  # the samplers end after the trainer's last step: a minute for them
-    code=$first
-    for _ in $(seq 60); do kill -0 "$samplers" 2>/dev/null || break; sleep 1; done
-    kill -TERM "$samplers" 2>/dev/null
-    wait "$samplers"
-else
-    [ "$first" -eq 0 ] || kill -TERM "$trainer"  # a sampler node failed: the trainer checkpoints and stops
-    wait "$trainer"
-    code=$?
-fi
-exit $code
-"""
+{SUPERVISE}"""
 
 
 def write_job(job: SlurmJob, secret: str | None) -> Path:
@@ -210,7 +250,7 @@ def write_job(job: SlurmJob, secret: str | None) -> Path:
             f.write((secret or secrets.token_hex(32)) + "\n")
     script = folder / SCRIPT_NAME
     write_atomically(script, sbatch_script(job))
-    script.chmod(0o755)
+    script.chmod(0o700)
     return script
 
 
@@ -230,10 +270,11 @@ def main(options: dict, cfg: Config, args: list[str], dry_run: bool) -> int:
     submitted. Everything a real start checks is checked first, with the job's own settings."""
     from grpo.config import ConfigError, parse_cli
     from grpo.run.preflight import named_code_problems
-    from grpo.run.start import planned_start
+    from grpo.run.start import planned_start, prepare_run_folder
 
-    problems = option_problems(options)
+    problems = option_problems(options) + folder_problems(Path(cfg.run_dir).resolve())
     job = None if problems else slurm_job(options, cfg, args)
+    state = None
     if job is not None:
         try:  # with what the job sets: its samplers and trainer ranks against the run's steps
             parse_cli([*args, *job.overrides()], checks=[named_code_problems])
@@ -253,6 +294,8 @@ def main(options: dict, cfg: Config, args: list[str], dry_run: bool) -> int:
     if dry_run:
         print(sbatch_script(job), end="")
         return 0
+    if state == "overwrite":  # here, not in the job: the trainer would move the job's own files aside with it
+        print(f"run.overwrite=true: the old contents of {job.run_dir} were moved to {prepare_run_folder(cfg)}")
     script = write_job(job, cfg.transport.secret or os.environ.get("GRPO_TRANSPORT_SECRET"))
     print(f"wrote {script} ({job.trainer_nodes} trainer node(s) with {job.trainer_ranks} rank(s), "
           f"{job.nodes - job.trainer_nodes} sampler node(s) with {job.samplers} sampler(s)); submitting it:")

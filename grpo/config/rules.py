@@ -78,6 +78,9 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
                       "adapter; full weights load between steps) and sampling.in_flight_kv=recompute (a moved "
                       f"request's prefix is prefilled again); got lora.enabled={lora_enabled}, "
                       f"in_flight_kv={sampling.in_flight_kv}")
+    if any(not stop for stop in sampling.stop):
+        errors.append("sampling.stop holds an empty string, which every text holds: each completion would end "
+                      "after its first token; remove it")
     if sampling.stop and sampling.in_flight_updates and sampling.engine == "vllm":
         errors.append("sampling.stop with sampling.in_flight_updates on vLLM: a request moved to a new adapter is made "
                       "again from its tokens, and the text it had already matched is not seen again; use one of them")
@@ -126,9 +129,13 @@ def _model_errors(cfg: Config) -> list[str]:
     lora = cfg.lora
     if lora.enabled and not lora.target_modules:
         errors.append("lora.target_modules is empty; name the modules to adapt or set lora.enabled=false")
-    if isinstance(lora.target_modules, str) and lora.target_modules != ALL_LINEAR:
-        errors.append(f"lora.target_modules must be a list of module names or {ALL_LINEAR}; got "
-                      f"{lora.target_modules!r}")
+    targets = lora.target_modules
+    if (isinstance(targets, str) and targets != ALL_LINEAR) or (isinstance(targets, list) and ALL_LINEAR in targets
+                                                                 and len(targets) > 1):
+        errors.append(f"lora.target_modules must be a list of module names or {ALL_LINEAR} alone; got {targets!r}")
+    if lora.enabled and lora.use_dora and cfg.deepspeed.zero_stage == 3:
+        errors.append("lora.use_dora with deepspeed.zero_stage=3: DoRA reads each base weight outside its layer's "
+                      "forward, where ZeRO-3 holds only a shard of it; use zero_stage 2 or lower, or plain LoRA")
     if lora.enabled and cfg.sampling.engine == "vllm" and (lora.use_dora or lora.modules_to_save):
         errors.append("sampling.engine=vllm cannot serve an adapter with " + " and ".join(
             [*(["lora.use_dora=true"] if lora.use_dora else []),

@@ -23,6 +23,7 @@ import typing
 import zlib
 
 from grpo.environments import Reply
+from rewards.registry import PROMPT_TURNS
 
 SETTINGS = ("init", "action", "action_field", "observation_field", "role")
 NOT_SHOWN = ("done", "reward", "metadata")
@@ -66,8 +67,10 @@ def one_text_field(required: list[str], action: str) -> str:
 
 
 def row_seed(row: dict) -> int:
-    """A reset seed from the dataset row: the same for every episode of a prompt."""
-    return zlib.crc32(json.dumps(row, sort_keys=True, default=str).encode())
+    """A reset seed from the dataset row: the same for every episode of a prompt (the prompt's chat, which
+    the row carries for the rewards, left out: a new system prompt does not change the environments)."""
+    kept = {key: value for key, value in row.items() if key != PROMPT_TURNS}
+    return zlib.crc32(json.dumps(kept, sort_keys=True, default=str).encode())
 
 
 class OpenEnvEpisode:

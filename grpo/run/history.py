@@ -72,7 +72,7 @@ ALLOWED = (
     "sampling.generation_batch_size",
     "sampling.old_logps", "sampling.wait_timeout_s", "sampling.episode_feed_tokens", "sampling.continuous_batching",
     "sampling.in_flight_updates", "sampling.in_flight_kv",
-    "training.steps", "training.learning_rate", "training.lr_schedule", "training.warmup_steps",
+    "training.steps", "training.epochs", "training.learning_rate", "training.lr_schedule", "training.warmup_steps",
     "training.min_lr_ratio", "training.weight_decay", "training.max_grad_norm", "training.max_bad_steps",
     "training.beta", "training.reference_on", "training.kl_estimator", "training.clip_low", "training.clip_high",
     "training.aggregation", "training.num_iterations", "training.max_tokens_per_micro_batch",

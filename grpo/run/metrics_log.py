@@ -54,7 +54,8 @@ class MetricsLog:
     def write_completions(self, step: int, sampler: int, records: list) -> None:
         """The completions a sampler showed with the batch trained at `step`: one line each in
         completions.jsonl (a single O_APPEND write), and the tracker's table."""
-        rows = [{"step": step, "sampler": sampler, **record} for record in records if isinstance(record, dict)]
+        rows = [{"step": step, "sampler": sampler, **{k: v for k, v in record.items() if k not in ("step", "sampler")}}
+                for record in records if isinstance(record, dict)]
         if not rows:
             return
         with reported_write(f"completions of step {step}", self.completions_path):

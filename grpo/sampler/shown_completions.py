@@ -5,10 +5,13 @@ tracker's table at the step they trained (grpo/run/metrics_log.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 
-# the header holds every record: a long completion is cut to this many characters, and says so
+# the header holds every record: a long completion is cut to this many characters, and says so; the
+# records together stay within MAX_SHOWN_BYTES of JSON (the batch header's cap is 4 MiB: grpo/wire/codec.py)
 MAX_SHOWN_CHARS = 16_000
+MAX_SHOWN_BYTES = 1 << 20
 
 
 def shown_text(text: str, limit: int = MAX_SHOWN_CHARS) -> str:
@@ -23,8 +26,8 @@ def shown_completions(count: int, prompts: list, completions: list[str], reward_
     `prompt` (the chat turns the prompt was rendered from), `completion` (an episode's: its whole
     conversation, the environment's turns included), `rewards` (each function's value before
     weighting; None where it failed on the sample), `reward` (the weighted total the advantage was
-    computed from) and `advantage`."""
-    records = []
+    computed from) and `advantage`. The first ones whose JSON fits MAX_SHOWN_BYTES together."""
+    records, size = [], 0
     for i in range(min(count, len(completions))):
         prompt = prompts[i // group_size]
         records.append({
@@ -35,4 +38,7 @@ def shown_completions(count: int, prompts: list, completions: list[str], reward_
                         for j, name in enumerate(reward_names)},
             "reward": totals[i] if math.isfinite(totals[i]) else None,
             "advantage": advantages[i]})
+        size += len(json.dumps(records[-1]))  # as the header encodes it (non-ASCII escaped: up to 6 bytes each)
+        if size > MAX_SHOWN_BYTES:
+            return records[:-1]
     return records

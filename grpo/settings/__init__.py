@@ -162,16 +162,16 @@ class SamplingConfig:
         bound="> 0", why="use a small value for near-greedy")
     top_p: float = setting(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
     top_k: int = setting(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
-    min_p: float = setting(0.0, "Min-p sampling: tokens below min_p x the likeliest token's probability are not "
-        "drawn. As top_p/top_k: the recorded log-prob stays the full softmax(logits / T), the trainer's; the vLLM "
-        "engine then needs sampling.old_logps=recompute.", bound="in [0, 1)", why="0 = off")
-    repetition_penalty: float = setting(1.0, "Draws with every token of the prompt and the completion so far made "
-        "less likely (a logit > 0 divided by it, one < 0 multiplied), as transformers and vLLM do; the recorded "
-        "log-prob stays the policy's unpenalised one (the vLLM engine then needs sampling.old_logps=recompute). "
-        "Sampled steps only: greedy evaluations take the plain argmax.", bound="> 0", why="1 = off")
+    min_p: float = setting(0.0, "Min-p sampling: tokens below min_p x the likeliest token's probability are not drawn. "
+        "As top_p/top_k: the recorded log-prob stays the full softmax(logits / T), the trainer's; the vLLM engine then "
+        "needs sampling.old_logps=recompute.", bound="in [0, 1)", why="0 = off")
+    repetition_penalty: float = setting(1.0, "Draws with every token of the prompt and the completion so far made less "
+        "likely (a logit > 0 divided by it, one < 0 multiplied), as transformers and vLLM do; the recorded log-prob "
+        "stays the policy's unpenalised one (the vLLM engine then needs sampling.old_logps=recompute). Sampled steps "
+        "only: greedy evaluations take the plain argmax.", bound="> 0", why="1 = off")
     stop: list[str] = setting([], "Stop strings: a completion ends once its text holds one of them, the token that "
-        "completes it kept (so is the string, for the rewards); not with env.name (an episode's turns end at the "
-        "chat template's turn end). Evaluations stop at them too.")
+        "completes it kept (so is the string, for the rewards); not with env.name (an episode's turns end at the chat "
+        "template's turn end). Evaluations stop at them too.")
     max_staleness: int = setting(1, "How many versions older than its step a batch's weights may be: step g samples "
         "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; the trainer refuses (exit 7) "
         "a batch beyond it. Where the weights served may also generate the next step, its completions start in the "
@@ -215,9 +215,10 @@ class SamplingConfig:
 class TrainingConfig:
     steps: int = setting(200, "Training steps: sampler batches to train on, each with training.num_iterations "
         "optimizer updates; weight versions count these steps.", bound=">= 1")
-    epochs: float = setting(0.0, "The run's length in passes over data.split's problems instead of training.steps: "
-        "every process sets training.steps = ceil(epochs x problems / sampling.prompts_per_step) (a pass draws each "
-        "problem once, in a new order; dynamic sampling's extra rounds do not count).",
+    epochs: float = setting(0.0, "The run's length in passes over its problems instead of training.steps (which is "
+        "then ignored): every process sets training.steps = ceil(epochs x problems / sampling.prompts_per_step), the "
+        "problems being the rows of data.split (of each data.sources entry) before any is dropped for length. A pass "
+        "is that many prompts drawn: each problem once without a mixture or dynamic sampling's extra rounds.",
         bound=">= 0", why="0 = training.steps")
     use_gspo: bool = setting(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's "
         "token-level.")

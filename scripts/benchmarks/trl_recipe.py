@@ -60,7 +60,7 @@ def trl_trainer(cfg: Config, rows: list[dict], output_dir: Path, max_steps: int,
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo.model.loading import load_model, load_tokenizer
+    from grpo.model.loading import load_model, load_tokenizer, target_modules_of
 
     sampling, training = cfg.sampling, cfg.training
     if training.aggregation not in ("grpo", "dapo", "dr_grpo") or training.use_gspo or training.num_iterations != 1:
@@ -84,7 +84,9 @@ def trl_trainer(cfg: Config, rows: list[dict], output_dir: Path, max_steps: int,
         # TRL turns it on by default; ours recomputes nothing unless model.gradient_checkpointing
         gradient_checkpointing=cfg.model.gradient_checkpointing)
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
-                      target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+                      target_modules=target_modules_of(cfg.lora), task_type="CAUSAL_LM",
+                      use_rslora=cfg.lora.use_rslora, use_dora=cfg.lora.use_dora,
+                      modules_to_save=list(cfg.lora.modules_to_save) or None)
     return GRPOTrainer(model=load_model(cfg.model, "cpu"),
                        reward_funcs=[trl_reward(n, cfg.data.prefill) for n in cfg.rewards.names],
                        args=trl_args, train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(cfg.model),

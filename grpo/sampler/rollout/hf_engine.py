@@ -161,7 +161,7 @@ class HFEngine:
                 if seen is not None:
                     seen[torch.arange(n), drawn] = True
                 unfinished &= ~torch.isin(drawn, eos)
-                for row in (unfinished.nonzero().flatten().tolist() if stops else ()):
+                for row in ((unfinished & (limits > t)).nonzero().flatten().tolist() if stops else ()):
                     if stops.hit(out[row, : t + 1].tolist()):
                         unfinished[row], stopped[row] = False, t + 1
                 if not bool((unfinished & (limits > t + 1)).any()):

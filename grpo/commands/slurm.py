@@ -240,14 +240,17 @@ samplers=$!
 
 
 def write_job(job: SlurmJob, secret: str | None) -> Path:
-    """The script and the run's secret (kept when there is one) in <run.dir>/slurm/; the script's path."""
+    """The script and the run's secret in <run.dir>/slurm/ (`secret` when given, else the one there, else a
+    new one; only its owner reads it); the script's path."""
     folder = job.run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     secret_file = folder / "secret"
-    if not secret_file.exists():
-        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
+    if secret or not secret_file.is_file():
+        written = secret_file.with_name("secret.tmp")
+        written.unlink(missing_ok=True)  # created anew: mode 0600 from the start
+        with os.fdopen(os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write((secret or secrets.token_hex(32)) + "\n")
+        os.replace(written, secret_file)
     script = folder / SCRIPT_NAME
     write_atomically(script, sbatch_script(job))
     script.chmod(0o700)

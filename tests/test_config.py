@@ -364,8 +364,8 @@ def test_an_engine_setting_that_moved_names_its_new_key_and_a_saved_config_reads
         (0.3, 1.5, "/x/python")
 
 
-def declared_bounds() -> list[tuple[str, str, type]]:
-    """(key, bound, type) of every field that declares one."""
+def declared(meta: str) -> list[tuple[str, object, object]]:
+    """(key, what the field declares under `meta`, its type annotation) of every field that declares it."""
     import dataclasses
     import typing
 
@@ -378,12 +378,19 @@ def declared_bounds() -> list[tuple[str, str, type]]:
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], f"{prefix}{f.name}.")
-            elif f.metadata.get("bound"):
-                number = float if float in typing.get_args(hints[f.name]) or hints[f.name] is float else int
-                found.append((prefix + f.name, f.metadata["bound"], number))
+            elif f.metadata.get(meta):
+                found.append((prefix + f.name, f.metadata[meta], hints[f.name]))
 
     walk(Config, "")
     return found
+
+
+def declared_bounds() -> list[tuple[str, str, type]]:
+    """(key, bound, type) of every field that declares one."""
+    import typing
+
+    return [(key, bound, float if float in typing.get_args(hint) or hint is float else int)
+            for key, bound, hint in declared("bound")]
 
 
 def edges(bound: str) -> tuple[list[float], list[float]]:
@@ -429,22 +436,9 @@ def test_every_declared_bound_is_checked_at_its_edges_with_one_text():
 def test_every_declared_choice_refuses_other_values_with_one_text():
     """Each choice list is declared on its field: every listed value passes; a value outside, or a
     listed one in the wrong case, is refused as `key must be one of a, b; got 'c'`."""
-    import dataclasses
-    import typing
-
     from grpo.settings.tree import field_problems, get_key
 
-    choices = {}
-
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], f"{prefix}{f.name}.")
-            elif f.metadata.get("choices"):
-                choices[prefix + f.name] = f.metadata["choices"]
-
-    walk(Config, "")
+    choices = {key: options for key, options, _ in declared("choices")}
     assert len(choices) == 20 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
     for key, options in choices.items():
         *parents, leaf = key.split(".")

@@ -30,7 +30,7 @@ def environment(job_id: int) -> dict:
 def train_command(run_dir, model_dir, data_dir, *extra):
     return [sys.executable, "-m", "grpo.cli", "train", *SLURM, "--config", str(PROCESS_CONFIG), f"run.dir={run_dir}",
             f"model.name_or_path={model_dir}", f"data.path={data_dir}", "sampling.group_size=4",
-            "sampling.max_new_tokens=4", "training.steps=4", "checkpoint.every=1", "transport.recv_timeout_s=300",
+            "sampling.max_new_tokens=4", "training.steps=8", "checkpoint.every=1", "transport.recv_timeout_s=300",
             "sampling.wait_timeout_s=300", *extra]
 
 
@@ -96,14 +96,14 @@ def test_three_nodes_train_and_the_same_script_resumes_after_a_node_failure(tmp_
     for name in ("trainer", "sampler"):
         subprocess.run(["pkill", "-KILL", "-f", f"grpo.workers.{name}.*run.dir={run_dir}"])
     killed_at = rows(run_dir)
-    assert 2 <= len(killed_at) < 4, killed_at
+    assert 2 <= len(killed_at) < 8, killed_at  # 8 steps: the kill lands long before the last
 
     second_job = 4102  # a new submission gets a new job id
     out = subprocess.run(["sbatch", str(script)], env=environment(second_job), capture_output=True, text=True)
     assert out.stdout.strip() == f"Submitted batch job {second_job}"
     assert wait_for_code(slurm_dir, second_job, 600) == 0, (slurm_dir / f"{second_job}.out").read_text()[-4000:]
-    assert rows(run_dir) == [1, 2, 3, 4]  # the steps after the checkpoint trained once more, none twice
-    assert (run_dir / "weights" / "LATEST").read_text().strip() == "4"
+    assert rows(run_dir) == list(range(1, 9))  # the steps after the checkpoint trained once more, none twice
+    assert (run_dir / "weights" / "LATEST").read_text().strip() == "8"
     second_log = (slurm_dir / f"{second_job}.out").read_text()
     assert "resum" in second_log.lower(), second_log[-3000:]
 

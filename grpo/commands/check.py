@@ -27,6 +27,7 @@ from common.run_folder import RunFolder
 from grpo.config import load_config
 from grpo.model.loading import load_model, load_tokenizer
 from grpo.run.rows import is_evaluation_row
+from grpo.sampler.shown_completions import shown_text
 from grpo.weights.folder import read_latest, verify, version_dir
 
 
@@ -112,16 +113,13 @@ def completion_problems(run_dir: Path, per_step: int, steps: int, shown: int) ->
 def readable_completion(record: dict, width: int = 600) -> str:
     """One shown completion for a terminal: its step, rewards and advantage, the prompt's last turn
     and the completion (each cut at `width` characters)."""
-    def cut(text: str) -> str:
-        return text if len(text) <= width else text[:width] + f"... [{len(text) - width} more characters]"
-
     rewards = ", ".join(f"{name} {'failed' if value is None else f'{value:g}'}"
                         for name, value in record["rewards"].items())
     reward = "failed" if record["reward"] is None else f"{record['reward']:g}"
     last = record["prompt"][-1] if record["prompt"] else {"role": "user", "content": ""}
     return (f"--- step {record['step']} (sampler {record['sampler']}), {record['sample_id']}: reward {reward} "
-            f"({rewards}), advantage {record['advantage']:+.3f}\n{last['role']}: {cut(last['content'])}\n"
-            f"model: {cut(record['completion'])}")
+            f"({rewards}), advantage {record['advantage']:+.3f}\n{last['role']}: {shown_text(last['content'], width)}\n"
+            f"model: {shown_text(record['completion'], width)}")
 
 
 def main(argv: list[str] | None = None) -> int:

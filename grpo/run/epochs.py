@@ -28,11 +28,11 @@ def with_epochs_as_steps(cfg: Config) -> Config:
     if training.epochs <= 0:
         return cfg
     try:
-        problems = [p for source in source_configs(cfg.data) for p in load_split(source, source.split)[0]]
+        problems = sum(len(load_split(source, source.split)[0]) for source in source_configs(cfg.data))
     except SourceError as e:
         raise ConfigError(f"training.epochs={training.epochs:g} counts the problems of data.split, which cannot "
                           f"be read: {e}") from None
-    training.steps = steps_for_epochs(training.epochs, len(problems), cfg.sampling.prompts_per_step)
+    training.steps = steps_for_epochs(training.epochs, problems, cfg.sampling.prompts_per_step)
     log.info("training.epochs=%g: %d steps of %d prompts over %d problems", training.epochs, training.steps,
-             cfg.sampling.prompts_per_step, len(problems))
+             cfg.sampling.prompts_per_step, problems)
     return cfg

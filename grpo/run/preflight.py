@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.sources import ModelError
+from data.mixture import evaluation_source, source_configs
 from data.procedural import TaskError, check_task, is_procedural
 from grpo.settings.tree import get_key
 
@@ -25,7 +26,6 @@ def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the model and the data: the model can be had, the data source exists,
     and its first rows parse with the configured columns and answer format."""
     from common.sources import SourceError, check_model_source
-    from data.mixture import evaluation_source, source_configs
     from data.problems import check_rows, check_source
 
     problems, warnings = [], []
@@ -91,8 +91,6 @@ def named_code_problems(cfg: Config) -> list[str]:
 
 
 def _data_problems(data) -> list[str]:
-    from data.mixture import source_configs
-
     problems = []
     for source in filter(lambda source: is_procedural(source.path), source_configs(data)):
         try:

@@ -127,9 +127,9 @@ def completions_shown(cfg: Config, policy: SamplerModels, kept: Round, advantage
         cfg.data.prefill + policy.tokenizer.decode(ids, skip_special_tokens=False)
         for ids in kept.rollouts.completion_ids[:count]]
     scores = kept.scores
-    return shown_completions(count, kept.prompts, texts, reward_names(cfg.rewards), scores.per_function.tolist(),
-                             scores.failed.tolist(), scores.total.tolist(), advantages.tolist(),
-                             cfg.sampling.group_size)
+    return shown_completions(count, kept.prompts, texts, reward_names(cfg.rewards),
+                             scores.per_function[:count].tolist(), scores.failed[:count].tolist(),
+                             scores.total[:count].tolist(), advantages[:count].tolist(), cfg.sampling.group_size)
 
 
 def failure_value(rewards: RewardsConfig) -> float | None:

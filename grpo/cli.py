@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {  # name: (module with main(argv) -> exit code, what it does)
@@ -44,8 +45,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script."""
-    sys.exit(main())
+    """The console script. Output cut short by its reader (`grpo --help | head`) ends quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own recipe: point stdout at devnull so the flush at exit cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":

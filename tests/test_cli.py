@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from grpo.cli import COMMANDS, main
@@ -17,12 +18,13 @@ def test_usage_lists_every_command_and_a_mistyped_one_is_named(capsys):
     assert capsys.readouterr().err.startswith("grpo: unknown command 'trian'\n")
 
 
-def test_a_reader_that_closes_early_ends_the_command_quietly():
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]])
+def test_a_reader_that_closes_early_ends_the_command_quietly(args):
     """`grpo --help | grep -q train`: grep exits at its first match; the command must not print a traceback."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first write: every write fails with EPIPE
     try:
-        proc = subprocess.run([sys.executable, "-c", "from grpo.cli import entry; entry()", "--help"], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-c", "from grpo.cli import entry; entry()", *args], cwd=REPO,
                               stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write_end)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import select
 import sys
 
 COMMANDS = {  # name: (module with main(argv) -> exit code, what it does)
@@ -22,6 +23,9 @@ COMMANDS = {  # name: (module with main(argv) -> exit code, what it does)
     "plot": ("grpo.commands.plot", "the metrics of one or more runs as figures"),
     "check": ("grpo.commands.check", "check a finished run folder: metrics rows, weights, the adapter loads"),
 }
+
+
+EXIT_CLOSED_READER = 141
 
 
 def usage() -> str:
@@ -45,15 +49,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script. Output cut short by its reader (`grpo --help | head`) ends quietly."""
+    """The console script. A reader that closes the output early (`grpo --help | head -1`) ends the
+    command without a traceback: with its own exit code where it had finished, with 141 (128 +
+    SIGPIPE, what a shell shows for any tool a closed reader stopped) where the closed pipe stopped it."""
+    code: int | str | None = EXIT_CLOSED_READER
     try:
-        code = main()
+        try:
+            code = main()
+        except SystemExit as exit_:  # argparse's --help and usage errors: flush below, not at interpreter exit
+            code = exit_.code
         sys.stdout.flush()
     except BrokenPipeError:
-        # Python's own recipe: point stdout at devnull so the flush at exit cannot raise again
+        if not reader_gone(sys.stdout):  # the broken pipe of something else is a real failure
+            raise
+        # Python's recipe (signal module docs, "Note on SIGPIPE"): stdout to devnull, so the flush at exit
+        # cannot raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 0
     sys.exit(code)
+
+
+def reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe or terminal whose reader has gone (poll reports an error or hang-up)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (a replaced stream), no poll on this platform
+        return False
 
 
 if __name__ == "__main__":

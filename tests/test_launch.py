@@ -257,6 +257,23 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_m
             <= first["sampling/importance_sampling_ratio/max"] < 1.001)
 
 
+def test_a_launcher_whose_reader_is_gone_stops_what_it_started(tmp_path, digit_model_dir, tiny_gsm8k):
+    """`grpo train ... | head -0`: the line naming the started processes is the first write; it fails, and the
+    launcher stops the trainer and the sampler (started in sessions of their own) and exits 130."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(launch_command(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=50"), cwd=REPO,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (130, ""), proc.stderr[-2000:]
+    left = [p for p in psutil.process_iter(["cmdline"]) if f"run.dir={tmp_path}" in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+    assert (tmp_path / "trainer.log").exists() and (tmp_path / "sampler.log").exists()  # they had started
+
+
 def make_used(run_dir: Path) -> None:
     """A run folder as a finished run leaves it: published weights and metrics."""
     for name, text in USED.items():

@@ -318,9 +318,10 @@ def start_run(cfg: Config, plan: dict) -> int:
     write_atomically(RunFolder(run_dir).address, plan["address"] + "\n")  # for whoever attaches to this run
     logs = WorkerLogs({name: RunFolder(run_dir).log(name) for name in plan["processes"]})  # this launch's part of each
     procs = start_processes(plan, logs.logs)
-    print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(procs) - 1} sampler(s) started; "
-          f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.logs.values())}", flush=True)
     try:
+        print(f"run folder {run_dir}: trainer ({plan['ranks']} rank(s)) and {len(procs) - 1} sampler(s) started; "
+              f"transport {plan['address']}; logs in {', '.join(path.name for path in logs.logs.values())}",
+              flush=True)
         return supervise(cfg, procs, logs, StepProgress(RunFolder(run_dir).metrics, cfg.training.steps))
     except BrokenPipeError:  # whoever read this output is gone (a Python caller, a closed pipe): stop the run
         sys.stdout = sys.stderr = open(os.devnull, "w")

@@ -15,6 +15,8 @@ import importlib
 import os
 import select
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 COMMANDS = {  # name: (module with main(argv) -> exit code, what it does)
     "train": ("grpo.commands.train", "start a run: the sampler(s) and the DeepSpeed trainer, supervised"),
@@ -49,13 +51,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script. A reader that closes the output early (`grpo --help | head -1`) ends the
-    command without a traceback: with its own exit code where it had finished, with 141 (128 +
-    SIGPIPE, what a shell shows for any tool a closed reader stopped) where the closed pipe stopped it."""
+    """The console script."""
+    run_command(main)
+
+
+def run_command(command: Callable[[], int | None]) -> NoReturn:
+    """Run a command's main and exit with its code. A reader that closes the output early (`grpo --help |
+    head -1`) ends the command without a traceback: with its own exit code where it had finished, with 141
+    (128 + SIGPIPE, what a shell shows for any tool a closed reader stopped) where the closed pipe stopped it."""
     code: int | str | None = EXIT_CLOSED_READER
     try:
         try:
-            code = main()
+            code = command()
         except SystemExit as exit_:  # argparse's --help and usage errors: flush below, not at interpreter exit
             code = exit_.code
         sys.stdout.flush()

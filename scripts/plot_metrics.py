@@ -5,7 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from grpo.cli import run_command  # noqa: E402
 from grpo.commands.plot import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_command(lambda: main(sys.argv[1:]))

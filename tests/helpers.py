@@ -1,5 +1,8 @@
 """Test helpers shared by several test files (not fixtures)."""
 
+import os
+from contextlib import contextmanager
+
 import torch
 
 from grpo.run.ports import free_loopback_address
@@ -8,6 +11,18 @@ from grpo.wire.batch import RolloutBatch
 
 def free_tcp_address() -> str:
     return free_loopback_address()
+
+
+@contextmanager
+def closed_pipe():
+    """The writing end of a pipe whose reader is gone before the first write: every write fails with EPIPE
+    (`command | head -0`, or a `grep -q` that has found its match)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        yield write_end
+    finally:
+        os.close(write_end)
 
 
 def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool = True) -> RolloutBatch:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from helpers import closed_pipe
 
 from grpo.cli import COMMANDS, EXIT_CLOSED_READER, main
 
@@ -18,21 +19,21 @@ def test_usage_lists_every_command_and_a_mistyped_one_is_named(capsys):
     assert capsys.readouterr().err.startswith("grpo: unknown command 'trian'\n")
 
 
-def run_grpo(args, stdout, unbuffered=False):
-    """The console script as a shell runs it: stdout buffered in a pipe, unless `unbuffered`."""
+GRPO = [sys.executable, "-c", "from grpo.cli import entry; entry()"]  # the console script
+
+
+def run_grpo(args, stdout, unbuffered=False, command=GRPO):
+    """The console script (or a script of scripts/) as a shell runs it: stdout buffered in a pipe, unless
+    `unbuffered`."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
-    return subprocess.run([sys.executable, "-c", "from grpo.cli import entry; entry()", *args], cwd=REPO, env=env,
-                          stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+    return subprocess.run([*command, *args], cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
 
 
-def run_with_reader_gone(args, unbuffered=False):
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader is gone before the first write: every write fails with EPIPE
-    try:
-        return run_grpo(args, write_end, unbuffered)
-    finally:
-        os.close(write_end)
+def run_with_reader_gone(args, unbuffered=False, command=GRPO):
+    with closed_pipe() as stdout:
+        return run_grpo(args, stdout, unbuffered, command)
 
 
 @pytest.mark.parametrize("args", [["--help"], *([name, "--help"] for name in COMMANDS)], ids=" ".join)
@@ -49,3 +50,9 @@ def test_a_failing_command_keeps_its_code_and_a_command_the_closed_pipe_stopped_
     assert run_with_reader_gone(missing).returncode == failed.returncode  # the verdict survives a closed reader
     stopped = run_with_reader_gone(["--help"], unbuffered=True)  # the usage's own print fails
     assert (stopped.returncode, stopped.stderr) == (EXIT_CLOSED_READER, "")
+
+
+def test_the_checkout_scripts_end_as_the_command_does():
+    """scripts/check_run.py is `grpo check` from a checkout: the same exit into a closed pipe."""
+    proc = run_with_reader_gone(["--help"], command=[sys.executable, str(REPO / "scripts" / "check_run.py")])
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 from conftest import PROCESS_CONFIG, REPO
-from helpers import free_tcp_address
+from helpers import closed_pipe, free_tcp_address
 
 from grpo.commands.train import (  # noqa: E402  # noqa: E402
     EXIT_SAMPLER_FAILED,
@@ -260,14 +260,10 @@ def test_launcher_runs_both_processes_to_a_clean_end(tmp_path, penalised_digit_m
 def test_a_launcher_whose_reader_is_gone_stops_what_it_started(tmp_path, digit_model_dir, tiny_gsm8k):
     """`grpo train ... | head -0`: the line naming the started processes is the first write; it fails, and the
     launcher stops the trainer and the sampler (started in sessions of their own) and exits 130."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
+    with closed_pipe() as stdout:
         proc = subprocess.run(launch_command(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=50"), cwd=REPO,
-                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300,
                               env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    finally:
-        os.close(write_end)
     assert (proc.returncode, proc.stderr) == (130, ""), proc.stderr[-2000:]
     left = [p for p in psutil.process_iter(["cmdline"]) if f"run.dir={tmp_path}" in " ".join(p.info["cmdline"] or [])]
     assert left == []

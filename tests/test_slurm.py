@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import PROCESS_CONFIG, REPO
 
 STANDINS = REPO / "tests" / "slurm_standins"
@@ -145,3 +146,20 @@ def test_a_failed_sampler_stops_the_trainer_and_fails_the_job_with_its_code(tmp_
     samplers = [line for line in lines if line.startswith("sampler -m grpo.workers.sampler")]
     assert len(samplers) == 1 and samplers[0].endswith("sampling.worker_index=0")
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("children, code", [
+    ("(exit 0) & pids+=($!); (exit 0) & pids+=($!)", 0),  # a node's samplers after the last step
+    ("(exit 0) & pids+=($!); (sleep 0.5; exit 3) & pids+=($!); sleep 60 & pids+=($!)", 3),
+])
+def test_a_sampler_node_ends_with_its_samplers_code_even_when_they_ended_before_the_wait(children, code):
+    """Each child has ended before the script waits (bash's `wait -n` then answers 127, not their code); a
+    failure ends the node at once, its other samplers stopped."""
+    from grpo.commands.slurm import WAIT_SAMPLERS
+
+    started = time.monotonic()
+    done = subprocess.run(["bash", "-c", f"pids=(); {children}; sleep 0.2\n{WAIT_SAMPLERS}"], capture_output=True,
+                          text=True, timeout=30)
+    assert (done.returncode, done.stderr) == (code, "")
+    assert time.monotonic() - started < 10  # the sleeper was stopped, not waited for
+

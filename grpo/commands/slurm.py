@@ -162,6 +162,18 @@ else
 fi
 exit $code
 """
+# a sampler node's end: the first sampler to fail ends the others and the node's step with its code
+WAIT_SAMPLERS = """    code=0  # the first sampler to fail ends the others: the step fails with its code
+    while [ "$code" -eq 0 ] && [ ${#pids[@]} -gt 0 ]; do  # polled: `wait -n` misses a child already reaped
+        sleep 1
+        running=()
+        for p in "${pids[@]}"; do
+            if kill -0 "$p" 2>/dev/null; then running+=("$p"); else wait "$p" || code=$?; fi
+        done
+        pids=("${running[@]}")
+    done
+    [ "$code" -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null
+    exit $code"""
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 
@@ -227,13 +239,7 @@ trainer=$!
             sampling.worker_index=$((SLURM_PROCID * {per_node} + g)) &
         pids+=($!)
     done
-    code=0
-    for _ in "${{pids[@]}}"; do  # the first sampler to fail ends the others: the step fails with its code
-        wait -n && continue
-        code=$?
-        kill -TERM "${{pids[@]}}" 2>/dev/null
-    done
-    exit $code' samplers "${{ARGS[@]}}" &
+{WAIT_SAMPLERS}' samplers "${{ARGS[@]}}" &
 samplers=$!
 
 {SUPERVISE}"""

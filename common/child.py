@@ -55,21 +55,25 @@ SET_ENVIRONMENT = {"PYTHONHASHSEED": "0"}  # a Python started by a tool orders s
 
 
 def close_inherited_sockets(keep: int) -> None:
-    """The sockets the parent had open at the fork (the sampler's connection to the trainer, an
-    engine's, an OpenEnv server's): closed, so that no code run here writes to them."""
+    """The sockets and pipes the parent had open at the fork (the sampler's connection to the
+    trainer, an engine's, an OpenEnv server's, its pipes to a jail): closed, so that no code run here
+    writes to them or reads what they carry. The standard streams stay."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
-            if fd != keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if fd != keep and fd > 2 and (stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)):
                 os.close(fd)
         except OSError:
             pass  # the listing's own descriptor, already gone
 
 
 def passed_environment(environ, names=()) -> dict[str, str]:
-    """The variables of `environ` a child sees: PASSED_ENVIRONMENT, LC_* and `names`."""
+    """The variables of `environ` a child sees: PASSED_ENVIRONMENT, LC_* and `names`; no GPU unless
+    CUDA_VISIBLE_DEVICES is among `names` (an empty CUDA_VISIBLE_DEVICES shows none)."""
     allowed = set(PASSED_ENVIRONMENT) | set(names)
-    return {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
+    passed = {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
+    return passed if "CUDA_VISIBLE_DEVICES" in names else {**passed, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _replace_environment(environment: dict[str, str]) -> None:
@@ -90,85 +94,7 @@ def _replace_environment(environment: dict[str, str]) -> None:
     tempfile.tempdir = None  # tempfile reads TMPDIR again
 
 
-SCMP_ACT_ALLOW, SCMP_CMP_MASKED_EQ = 0x7FFF0000, 7
-INT_MASK = 0xFFFFFFFF  # the kernel reads these arguments as ints: compare the low 32 bits only
-
-
-class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                ("datum_b", ctypes.c_uint64)]
-
-
-def seccomp_deny(rules: list[tuple[str, int, dict]]) -> bool:
-    """A seccomp filter on this process and every process it starts: each (system call, errno,
-    {argument index: int value, or (mask, value) for `argument & mask == value`}) rule makes that
-    call, with those arguments (all of them; none: any), fail with that errno, at the system call,
-    below Python and any C library. A call the architecture lacks is skipped. False when
-    libseccomp is missing or the filter cannot load."""
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
-    except OSError:
-        return False
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
-                                           ctypes.POINTER(_ArgCmp)]
-    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
-    ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
-    if not ctx:
-        return False
-    try:
-        for name, error, args in rules:
-            number = lib.seccomp_syscall_resolve_name(name.encode())
-            if number < 0:
-                continue
-            masked = {i: v if isinstance(v, tuple) else (INT_MASK, v & INT_MASK) for i, v in args.items()}
-            compare = (_ArgCmp * max(1, len(args)))(*[_ArgCmp(i, SCMP_CMP_MASKED_EQ, mask, value)
-                                                       for i, (mask, value) in masked.items()])
-            if lib.seccomp_rule_add_array(ctx, 0x00050000 | error, number, len(args), compare) != 0:
-                return False
-        return lib.seccomp_load(ctx) == 0
-    finally:
-        lib.seccomp_release(ctx)
-
-
 PR_SET_CHILD_SUBREAPER = 36  # the keeper adopts its descendants' orphans: none leaves its tree
-
-LANDLOCK_CREATE_RULESET, LANDLOCK_RESTRICT_SELF, LANDLOCK_ABI_VERSION = 444, 446, 1  # every architecture's numbers
-MAKE_DEVICES_AND_SOCKETS = (1 << 6) | (1 << 9) | (1 << 11)  # LANDLOCK_ACCESS_FS_MAKE_CHAR, _MAKE_SOCK, _MAKE_BLOCK
-SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # Landlock ABI 6 (Linux 6.12)
-PR_SET_NO_NEW_PRIVS = 38
-
-
-class _LandlockRuleset(ctypes.Structure):  # struct landlock_ruleset_attr
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version; 0 where it has none (or a filter refuses the call)."""
-    return max(0, ctypes.CDLL(None, use_errno=True).syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_ABI_VERSION))
-
-
-def landlock_scope() -> int:
-    """A Landlock domain for this process and every process it starts: none of them may ptrace a
-    process outside it (nor open its /proc/<pid>/mem) or make a device node or a socket file; from
-    ABI 6 (Linux 6.12) none may signal a process outside it or connect to an abstract Unix socket
-    made outside it. Root is bound too. The ABI applied; 0 where the kernel has no Landlock."""
-    abi = landlock_abi()
-    if abi < 1:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
-    ruleset = _LandlockRuleset(MAKE_DEVICES_AND_SOCKETS, 0, scoped)
-    fd = libc.syscall(LANDLOCK_CREATE_RULESET, ctypes.byref(ruleset), ctypes.sizeof(ruleset), 0)
-    if fd < 0:
-        return 0
-    try:
-        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
-            return 0
-    finally:
-        os.close(fd)
-    return abi
 
 
 class ChildFailed(RuntimeError):
@@ -184,7 +110,7 @@ class ChildRefused(RuntimeError):
     """The child's setup refused to serve (e.g. it could not be isolated); the message says why."""
 
 
-def raised_at(error: BaseException) -> str | None:
+def raised_at(error: BaseException, base: Path | None = None) -> str | None:
     """Where `error` was raised in the user's code, as 'file:line, in function': the last frame of
     its traceback outside our packages, preferring one outside the libraries too (the user's line
     that called json.loads, not json's). None when every frame is ours."""
@@ -194,7 +120,8 @@ def raised_at(error: BaseException) -> str | None:
         return None
     frame = (users or frames)[-1]
     path = Path(frame.filename)
-    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    base = base or Path.cwd()  # paths are shown from here (a jailed call's working folder is its own: the owner's)
+    shown = path.relative_to(base) if path.is_relative_to(base) else path
     return f"{shown}:{frame.lineno}, in {frame.name}"
 
 

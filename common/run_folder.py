@@ -8,6 +8,7 @@
     runs/<name>/checkpoints/         DeepSpeed checkpoints, step<N>/
     runs/<name>/weights/             published versions (unless weights.dir puts them elsewhere)
     runs/<name>/address              the transport address of a running launch
+    runs/<name>/secret               the run's secret (mode 0600): signs batches, spool files, checkpoint manifests
     runs/<name>/<process>.log        each process's log (sampler.log, sampler0.log, trainer.log)
 """
 
@@ -52,6 +53,10 @@ class RunFolder:
     @property
     def weights(self) -> Path:
         return self.root / "weights"
+
+    @property
+    def secret(self) -> Path:
+        return self.root / "secret"
 
     @property
     def address(self) -> Path:

@@ -18,6 +18,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
+from data.code_tasks import code_task_rows, is_code_tasks
 from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
 from data.procedural import TaskError, check_task, is_procedural, task_rows
 
@@ -275,10 +276,19 @@ def _read_procedural(path: str, split: str, task_args: dict) -> list:
         raise DataError(str(e)) from None
 
 
+def _read_code_tasks(split: str, task_args: dict) -> list:
+    try:
+        return code_task_rows(split, task_args)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
 def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None,
                task_args: dict | None = None) -> list:
     if path == EMBEDDED_GSM8K:
         return _read_embedded(split)
+    if is_code_tasks(path):
+        return _read_code_tasks(split, task_args or {})
     if is_procedural(path):
         return _read_procedural(path, split, task_args or {})
     folder = Path(path).expanduser()
@@ -289,6 +299,8 @@ def check_source(path: str, split: str, task_args: dict | None = None) -> None:
     """Fail now, in one line, if the data cannot be had (the launcher calls this before starting)."""
     if path == EMBEDDED_GSM8K:
         _read_embedded(split)
+    elif is_code_tasks(path):
+        _read_code_tasks(split, task_args or {})
     elif is_procedural(path):
         try:
             check_task(path, task_args or {})
@@ -305,7 +317,7 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
     """All usable problems of a split, and what was skipped. A reasoning-gym task's rows have
     their own columns (`task_args` are its settings)."""
     stats = LoadStats()
-    columns = PROCEDURAL_COLUMNS if is_procedural(path) else columns
+    columns = PROCEDURAL_COLUMNS if is_procedural(path) or is_code_tasks(path) else columns
     raw = _read_rows(path, split, stats, columns.hub_config, task_args)
     check_columns(raw, columns, f"{path} split '{split}'")
     problems = parse_rows(raw, split, stats, columns)
@@ -326,7 +338,7 @@ def check_rows(data_cfg, split: str, rows: int = CHECKED_ROWS) -> str | None:
     column is missing or none is usable (naming the setting that fixes it); a warning when most are
     skipped; None when they parse. Embedded and local files only (a Hub dataset is checked as it loads)."""
     columns, path = Columns.of(data_cfg), data_cfg.path
-    if is_procedural(path):
+    if is_procedural(path) or is_code_tasks(path):
         return None  # rows of our own making
     folder = Path(path).expanduser()
     if path == EMBEDDED_GSM8K:

@@ -1,6 +1,15 @@
 """Reward functions: built-in pure `(completion, answer) -> float`, or a user's by import path;
-and service rewards (a reward model, an HTTP endpoint, an LLM judge: rewards/services.py)."""
+and service rewards (a reward model, an HTTP endpoint, an LLM judge: rewards/services.py).
 
-from rewards.registry import REWARD_FUNCTIONS, RewardScores, batched, get_reward, score_completions
+The names below load the registry (and torch) when first used: the jail that runs rule rewards
+imports rewards.builtins alone."""
 
 __all__ = ["REWARD_FUNCTIONS", "RewardScores", "batched", "get_reward", "score_completions"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from rewards import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'rewards' has no attribute {name!r}")

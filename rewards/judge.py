@@ -28,6 +28,7 @@ import hmac
 import os
 import re
 import secrets
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 
 from rewards.http_json import Breaker, ServiceError, Unreachable, post_json
@@ -43,19 +44,50 @@ FENCE_KEY = secrets.token_bytes(16)  # drawn when the sampler starts: the model 
 # "stop_sequence", Anthropic-style "end_turn"); any other ("length", "content_filter", "abort",
 # "tool_calls", none at all) is not a verdict
 ENDED = ("stop", "eos_token", "stop_sequence", "end_turn")
-# a tag like the fence's in the completion, fullwidth and small look-alikes of < and the letters too
-FENCE_LIKE = re.compile("[<\uFE64\uFF1C](\\s*[/\uFF0F]?\\s*" + "".join(
-    f"[{c}{c.upper()}{chr(ord(c) - 0x61 + 0xFF41)}{chr(ord(c) - 0x61 + 0xFF21)}]" for c in "completion") + ")")
+# what a tag like the fence's may be written with instead of "<", "/" and the letters, once NFKC has
+# folded the fullwidth and small forms: angle brackets and slashes of other blocks, and the Cyrillic,
+# Greek and Latin letters drawn like those of "completion"
+CONFUSABLES = {**dict.fromkeys("\u2039\u3008\u27e8\u1438\u02c2", "<"),
+               **dict.fromkeys("\u2044\u2215\u29f8\u2571", "/"),
+               **dict(zip("\u0441\u043e\u0440\u0435\u0456\u04cf\u0442\u043c\u043f\u03bf\u03b9\u0131\u217c",
+                          "coepiltmnoiil")),
+               **dict(zip("\u1d04\u1d0f\u1d0d\u1d18\u029f\u1d07\u1d1b\u026a\u0274", "completin"))}  # small capitals
+FENCE_LIKE = re.compile(r"<\s*/?\s*completion")
+
+
+def _skeleton(text: str) -> tuple[str, list[int]]:
+    """`text` as the judge reads it, for finding look-alike tags: each character NFKC-folded, format
+    characters (zero-width spaces and joiners, soft hyphens) and combining marks (U+034F) dropped,
+    confusables mapped, lowercased;
+    and for each character of it, the index in `text` it came from."""
+    folded, where = [], []
+    for i, char in enumerate(text):
+        if unicodedata.category(char) in ("Cf", "Mn", "Me"):  # format characters, combining marks
+            continue
+        for c in unicodedata.normalize("NFKC", char).lower():
+            folded.append(CONFUSABLES.get(c, c))
+            where.append(i)
+    return "".join(folded), where
+
+
+def _escape_fence_like(completion: str) -> str:
+    """Every tag of the fence's form, however written (look-alikes, format characters inside), has
+    the character that opens it written "&lt;"."""
+    skeleton, where = _skeleton(completion)
+    opening = sorted({where[m.start()] for m in FENCE_LIKE.finditer(skeleton)}, reverse=True)
+    for i in opening:
+        completion = completion[:i] + "&lt;" + completion[i + 1:]
+    return completion
 
 
 def fenced(completion: str) -> str:
     """The completion between a tag pair it cannot close: the tag is a keyed hash of the completion
     under a key drawn at start, which the model never sees, so it cannot be guessed; the same
     completion gets the same request within a run (a greedy judge answers it alike). A tag of the
-    fence's form (or a look-alike) in the completion has its "<" written "&lt;"; the rest of the
+    fence's form (or a look-alike: _escape_fence_like) in the completion has its "<" written "&lt;"; the rest of the
     text is left as the model wrote it. In the 2^-64 case that the completion holds its tag, the
     next one is taken."""
-    completion = FENCE_LIKE.sub(lambda m: "&lt;" + m.group(1), completion)
+    completion = _escape_fence_like(completion)
     counter = 0
     while True:
         nonce = hmac.new(FENCE_KEY, f"{counter}:{completion}".encode(), hashlib.sha256).hexdigest()[:2 * NONCE_BYTES]

@@ -37,3 +37,20 @@ def reasoning_gym_score(completion: str, row: dict) -> float | None:
         entry = {"question": row.get("question", ""), "answer": row.get("answer", row.get("reference_answer")),
                  "metadata": metadata}
     return float(task_scorer(task)(block.strip() if block is not None else None, entry))
+
+
+def _prepare(row: dict) -> None:
+    """Run where the reward's jail forks its calls (common/jail.py), from the row alone: the task's
+    scorer and its dataset built there once, so that no call builds them again (some tasks
+    precompute every question: seconds)."""
+    metadata = row.get("metadata")
+    if isinstance(metadata, dict) and metadata.get("source_dataset"):
+        task_scorer(metadata["source_dataset"])
+        if isinstance(row.get("entry"), dict):
+            from data.procedural import original_entry
+
+            original_entry(row["entry"])
+
+
+reasoning_gym_score.prepare = _prepare
+

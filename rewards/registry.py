@@ -28,65 +28,28 @@ from typing import Callable, Sequence
 import torch
 
 from common.child import failure_text
-from common.imports import import_object, is_import_path
-from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from rewards.builtins import (  # noqa: F401 (the registry's names, as before)
+    ENV_REWARD,
+    ON_FAILURE,
+    PROMPT_TURNS,
+    REFERENCE,
+    REWARD_FUNCTIONS,
+    ROW_FUNCTIONS,
+    batched,
+    is_batched,
+    rule_reward,
+)
 from rewards.http_json import BreakerOpen, ServiceError, Unreachable
-from rewards.procedural import reasoning_gym_score
 from rewards.services import ServiceSettings, is_service, is_service_name, service_reward
-from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
 
 log = logging.getLogger(__name__)
-
-REFERENCE = "reference_answer"  # the row key that holds the parsed reference answer
-PROMPT_TURNS = "prompt_turns"  # the row key that holds the prompt's chat turns (system, few-shot turns, question)
-ENV_REWARD = "env_reward"  # the environment's own reward: it fails where the environment failed
-ON_FAILURE = ("worst", "fallback")  # rewards.on_failure: what a sample a reward failed on trains with
-
-REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {  # built-ins: (completion, reference answer)
-    "gsm8k_answer": gsm8k_answer,
-    "gsm8k_answer_lenient": gsm8k_answer_lenient,
-    "think_answer_format": think_answer_format,
-    "think_answer_format_partial": think_answer_format_partial,
-    "answer_format": answer_format,
-}
-ROW_FUNCTIONS: dict[str, Callable[[str, dict], float | None]] = {  # built-ins that read the whole row
-    "reasoning_gym": reasoning_gym_score,  # a reasoning-gym task's own scorer
-    ENV_REWARD: lambda completion, row: row.get(ENV_REWARD),  # the environment's own (grpo/environments)
-}
-
-
-def batched(fn):
-    """Mark a reward that scores a whole batch: fn(completions, rows) -> list of float | None."""
-    fn.batched = True
-    return fn
-
-
-def is_batched(fn) -> bool:
-    return getattr(fn, "batched", False) is True
-
-
-def import_reward(name: str):
-    """The reward function an import path names."""
-    return import_object(name, "rewards.names")
-
 
 def get_reward(name: str, services: ServiceSettings | None = None):
     """The reward in the row form: fn(completion, row) (or its batch form, marked `batched`; or a
     service, marked `service`, loaded with the settings `services`)."""
     if is_service_name(name):  # before import paths: a URL and reward_model:<folder> hold a colon too
         return service_reward(name, services)
-    if is_import_path(name):
-        return import_reward(name)
-    if name in ROW_FUNCTIONS:
-        return ROW_FUNCTIONS[name]
-    try:
-        builtin = REWARD_FUNCTIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward '{name}'; valid names: "
-                         f"{', '.join(sorted({*REWARD_FUNCTIONS, *ROW_FUNCTIONS}))}, "
-                         "or an import path 'package.module:function'; services: reward_model:<folder or Hub id>, "
-                         "an http(s):// URL, judge") from None
-    return lambda completion, row: builtin(completion, row[REFERENCE])
+    return rule_reward(name)
 
 
 @dataclass
@@ -111,12 +74,19 @@ class RewardScores:
         self.worst = torch.zeros(n, dtype=torch.bool) if self.worst is None else self.worst
 
 
+# rewards travel and are normalised in float32: past this, a group's sums and squares overflow (3e38 would
+# give NaN advantages); no reward of any use comes near it
+REWARD_LIMIT = 1e15
+
+
 def _checked(value) -> float | None:
     if value is None:
         return None
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"non-finite reward {value}")
+    if abs(value) > REWARD_LIMIT:
+        raise ValueError(f"reward {value} is beyond {REWARD_LIMIT:g} (its group's float32 statistics would overflow)")
     return value
 
 
@@ -253,6 +223,15 @@ def _score_batch(name: str, fn, call, completions: list, rows: list, errors: lis
     return left + _score_batch(name, fn, call, completions[half:], rows[half:], errors, split=not systematic)
 
 
+def _overflowing(scores: torch.Tensor, applies: torch.Tensor, weight: torch.Tensor,
+                 failed: torch.Tensor) -> torch.Tensor:
+    """bool [N, R]: the weighted rewards of each sample whose total (in float64) is beyond REWARD_LIMIT
+    (1e15 with weight 2): each is a failure of those rewards on that sample, never an overflow."""
+    terms = scores.double() * applies * weight  # [N, R]
+    outside = terms.sum(1).abs() > REWARD_LIMIT  # [N]
+    return outside[:, None] & applies & (weight != 0)[None, :] & ~failed & (terms != 0)
+
+
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],
                       weights: Sequence[float], fallback: float | None, call: Callable | None = None,
                       prompts: Sequence | None = None, services: ServiceSettings | None = None,
@@ -295,8 +274,15 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
                 applies[i, j] = False
             else:
                 scores[i, j] = value
-    weight = torch.tensor(list(weights), dtype=torch.float32)  # [R]
-    total = (scores * applies) @ weight  # [N]
+    weight = torch.tensor(list(weights), dtype=torch.float64)  # [R]
+    overflow = _overflowing(scores, applies, weight, failed)  # [N, R]: in a total outside float32's range
+    for j, name in enumerate(names):
+        if overflow[:, j].any():
+            failed[:, j] |= overflow[:, j]
+            scores[overflow[:, j], j] = 0.0 if fallback is None else fallback
+            failures[name] += int(overflow[:, j].sum())
+            errors.setdefault(name, f"its weighted value puts the sample's total beyond {REWARD_LIMIT:g}")
+    total = ((scores.double() * applies) @ weight).float()  # [N]
     if fallback is not None:
         return RewardScores(scores, applies, total, failures, errors, failed)
     weighted = weight != 0  # [R]: a reward only logged decides nothing

@@ -1,53 +1,93 @@
-"""Reward functions in a child process (common/child.py), so that one that hangs on a sample can be
-stopped: a hang costs that sample's score (it fails there: rewards.on_failure), never the run.
+"""Rule rewards in a jail (common/jail.py): each sample scored by a process of its own that holds
+nothing of the run but that sample's row, so a reward that runs the model's code (unit_tests) or
+hangs on a sample costs that sample's score (it fails there: rewards.on_failure), never the run,
+and reaches no other sample's answer, the sampler, the network or the run's files.
 
-The child is forked, so it has every function in `REWARD_FUNCTIONS` and every imported user module
-as the parent had them (a test's too); a row must be JSON (the data loader keeps only JSON values).
-On a timeout the child is killed, with every process the reward started (the child is a session
-of its own, ended as one), and a fresh one forked for the next call; a batched reward gets
-`rewards.timeout_s` per completion. The child sees the environment variables every child does
-(common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones named in `pass_env`.
+The jail is a Python started by exec that imports each reward once; each call is forked from it
+into its own namespaces with Landlock file rules, a seccomp filter and budgets for its whole
+process tree (docs/environments.md, "What the sandbox allows", has the table and its tests). A
+batched reward gets `rewards.timeout_s` per completion, in one call. The call sees the environment
+variables every child does (common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones
+named in `pass_env`; no network unless `network`.
 """
 
 from __future__ import annotations
 
-from common.child import Child, ChildFailed
-from rewards.registry import get_reward
+import logging
+from typing import Callable
+
+from common.child import ChildFailed
+from common.jail import Jail, JailLimits, jail_description
+
+log = logging.getLogger(__name__)
+
+WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score once in the jail's warden
 
 
 class RewardFailed(ChildFailed):
-    """The function raised in the child (`where`: the line), or did not answer within the timeout."""
-
-
-def _rewards(pipe_fd: int):
-    """The child's handler: [name, completion, row] -> the reward (a list for a batched one)."""
-    def score(request):
-        name, completion, row = request
-        value = get_reward(name)(completion, row)
-        return [_number(v) for v in value] if isinstance(completion, list) else _number(value)
-    return score, "ready"
-
-
-def _number(value) -> float | None:
-    return None if value is None else float(value)
+    """The function raised in the jail (`where`: the line), ran past the timeout or a budget."""
 
 
 class RewardSandbox:
-    def __init__(self, timeout_s: float, pass_env=()):
+    def __init__(self, timeout_s: float, pass_env=(), limits: JailLimits = JailLimits(), names=()):
+        """`names`: the rule rewards the jail imports (and warms) as it starts, not in a first call's time."""
         self.timeout_s = timeout_s
-        self._child = Child("rewards", _rewards, pass_env=pass_env)
+        self._jail = Jail("rewards", "rewards.sandbox:jailed_reward", list(names), limits, pass_env=pass_env)
+
+    @property
+    def confinement(self) -> dict:
+        """What confines a call here (namespaces, Landlock's ABI, budgets: common/jail.py)."""
+        return self._jail.info
 
     def __call__(self, name: str, completion: str | list[str], row: dict | list[dict]):
         """One sample's reward, or a batched reward's list (completion and row are then lists)."""
-        if not self._child.alive():  # killed from outside, or crashed in C
-            self._child.restart()
         batched = isinstance(completion, list)
         limit = self.timeout_s * (len(completion) if batched else 1)
         try:
-            return self._child.call([name, completion, row], limit, f"no answer within rewards.timeout_s="
-                                    f"{self.timeout_s:g} s" + (" per completion" if batched else ""))
+            return self._jail.call(name, [completion, row], limit, f"no answer within rewards.timeout_s="
+                                   f"{self.timeout_s:g} s" + (" per completion" if batched else ""))
         except ChildFailed as e:
             raise RewardFailed(str(e), e.where) from None
 
     def close(self) -> None:
-        self._child.close()
+        self._jail.close()
+
+
+def reward_sandbox(rewards) -> RewardSandbox | None:
+    """The jail of the config's rule rewards (its rewards section), None with rewards.timeout_s 0."""
+    if rewards.timeout_s <= 0:
+        return None
+    limits = JailLimits(memory_mb=rewards.memory_mb, max_processes=rewards.max_processes,
+                        network=rewards.network == "allow")
+    from rewards.services import is_service_name
+
+    names = dict.fromkeys(n for n in [*rewards.names, rewards.accuracy_reward, rewards.format_reward]
+                          if not is_service_name(n))
+    sandbox = RewardSandbox(rewards.timeout_s, rewards.pass_env, limits, names)
+    log.info("rule rewards run in a jail per sample: %s", jail_description(sandbox.confinement))
+    return sandbox
+
+
+def jailed_reward(name: str) -> Callable:
+    """What the jail runs for the rule reward `name` (run in its warden: rewards/builtins.py, no torch):
+    the function, its value made JSON (a number, None, or a batched reward's list of them). Ours are
+    warmed once there (math-verify's first parse), and a built-in's `prepare(row)` (the reasoning-gym
+    scorer's dataset) runs there before each call's fork, from the row, never the completion."""
+    from rewards.builtins import REWARD_FUNCTIONS, rule_reward
+
+    fn = rule_reward(name)
+    if name in REWARD_FUNCTIONS:
+        fn(WARM_UP, {"reference_answer": "1"})
+
+    def score(completion, row):
+        value = fn(completion, row)
+        return [_number(v) for v in value] if isinstance(completion, list) else _number(value)
+    score.__wrapped__ = fn  # the jail reads the user's module through it (common/jail_warden.py: served_files)
+    prepare = getattr(fn, "prepare", None)
+    if callable(prepare):
+        score.prepare = lambda completion, row: [prepare(r) for r in (row if isinstance(row, list) else [row])]
+    return score
+
+
+def _number(value) -> float | None:
+    return None if value is None else float(value)

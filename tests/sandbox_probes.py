@@ -47,3 +47,25 @@ def shout(size: int) -> str:
         size: How long the error message is.
     """
     raise ValueError("x" * size)
+
+
+def run_completion(completion: str, row: dict) -> float:
+    """A rule reward that runs the completion as code (what a unit-test reward does): its score is the
+    `score` the code leaves, 1.0 where it set `escaped` true (the probes of tests/test_sandbox.py)."""
+    namespace = {"__name__": "__reward__", "row": row}
+    exec(completion, namespace)
+    return float(namespace.get("score", 1.0 if namespace.get("escaped") else 0.0))
+
+
+class CodeRunner:
+    """An environment that runs the model's message as a Python program through the jail (run_tool
+    with the built-in python tool): what an environment of coding tasks does."""
+
+    def __init__(self, row: dict):
+        self.row = row
+
+    def step(self, message: str):
+        from grpo.environments import Reply
+        from grpo.environments.tools import run_tool
+
+        return Reply(text=run_tool("python", {"code": message}))

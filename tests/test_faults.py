@@ -29,6 +29,7 @@ from grpo.config import load_config
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
 from grpo.run.ports import free_local_port
+from grpo.run.secret import run_secret
 from grpo.weights.folder import publish, read_latest, verify, version_dir
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import behaviour_of
@@ -169,7 +170,7 @@ def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> Rollou
 
 def feed_trainer(trainer, address, model_dir, advantages: list[float], run_dir) -> tuple[int, str]:
     """Send one crafted batch per advantage (sampler steps 0, 1, ...); the trainer's exit code and log."""
-    sender = BatchSender(address, send_timeout_s=120)
+    sender = BatchSender(address, send_timeout_s=120, secret=run_secret(None, run_dir))  # the run's own
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     behaviour = trainer_behaviour(run_dir, model_dir)
     try:
@@ -277,7 +278,7 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
     rng = random.Random(0)
     behaviour = trainer_behaviour(tmp_path, digit_model_dir)
-    good = [encode_batch(crafted_batch(model, step, 1.0, behaviour)) for step in range(2)]
+    good = [encode_batch(crafted_batch(model, step, 1.0, behaviour), run_secret(None, tmp_path)) for step in range(2)]
     pickled = [b'{"schema": "grpo.sampler.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
     try:
         for step in range(2):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, checked_config
 
-from grpo.objective.advantages import worst_of_batch
+from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.settings.tree import ConfigError
 from rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
@@ -237,7 +237,7 @@ def test_the_reported_rates_count_a_sample_its_reward_failed_on_as_not_passing(m
     assert passes("accuracy", ["7", "8", "boom"], rows("7", "7", "7")) == [True, False, False]
 
 
-def troublesome(completion, answer):
+def troublesome(completion, row):
     """Hangs in Python, hangs inside `re` (holding the GIL), raises, or scores 2."""
     if "spin" in completion:
         while True:
@@ -249,29 +249,29 @@ def troublesome(completion, answer):
     return 2.0
 
 
-def test_sandboxed_rewards_time_out_fall_back_and_keep_going(monkeypatch):
-    monkeypatch.setitem(REWARD_FUNCTIONS, "troublesome", troublesome)  # before the fork: the child has it
+def test_sandboxed_rewards_time_out_fall_back_and_keep_going():
+    troublesome_path = f"{__file__}:troublesome"  # the jail imports it by its path
     sandbox = RewardSandbox(timeout_s=0.5)
     try:
         texts = ["ok", "spin", "ok", "regex", "boom", GOOD]
         started = time.monotonic()
-        scores = score_completions(texts, rows(*["7"] * 6), ["troublesome", "gsm8k_answer"], [1.0, 1.0], fallback=-3.0,
-                                   call=sandbox)
+        scores = score_completions(texts, rows(*["7"] * 6), [troublesome_path, "gsm8k_answer"], [1.0, 1.0],
+                                   fallback=-3.0, call=sandbox)
         elapsed = time.monotonic() - started
     finally:
         sandbox.close()
     assert scores.per_function[:, 0].tolist() == [2.0, -3.0, 2.0, -3.0, -3.0, 2.0]
     assert scores.per_function[:, 1].tolist() == [-1.0, -1.0, -1.0, -1.0, -1.0, 1.0]  # the same as in-process
-    assert scores.failures == {"troublesome": 3, "gsm8k_answer": 0}
-    assert elapsed < 10  # two 0.5 s timeouts and two forks, not a hang
+    assert scores.failures == {troublesome_path: 3, "gsm8k_answer": 0}
+    assert elapsed < 10  # two 0.5 s timeouts, not a hang
 
 
-def test_sandbox_replaces_a_child_that_was_killed():
+def test_the_sandbox_replaces_a_jail_that_was_killed():
     sandbox = RewardSandbox(timeout_s=5)
     try:
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
-        os.kill(sandbox._child._process.pid, signal.SIGKILL)
-        sandbox._child._process.join()
+        os.kill(sandbox._jail._process.pid, signal.SIGKILL)
+        sandbox._jail._process.wait()
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
     finally:
         sandbox.close()
@@ -282,12 +282,12 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from rewards.sandbox import RewardSandbox
 sandbox = RewardSandbox(timeout_s=5)
-print(sandbox._child._process.pid, flush=True)
+print(sandbox._jail._process.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_the_reward_child_dies_with_a_killed_sampler():
+def test_the_reward_jail_dies_with_a_killed_sampler():
     parent = subprocess.Popen([sys.executable, "-c", ORPHAN.format(repo=str(REPO))], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
@@ -476,3 +476,27 @@ def test_a_rule_reward_gets_the_prompts_chat_in_its_row_in_the_sandbox_too(tmp_p
             assert scores.per_function[:, 0].tolist() == [1.0, 0.0]
     finally:
         sandbox.close()
+
+
+def test_a_reward_beyond_the_limit_or_beyond_it_weighted_fails_that_sample(tmp_path):
+    """1e39 passes float64's finiteness check but is inf in float32; 3e38 is a float32, but two in a
+    group give NaN advantages (their sum overflows), and 6e14 is within the limit of 1e15 but not
+    weighted by 2. Each is a failure of that reward on that sample (the batch's worst, or the
+    fallback), never an inf total or NaN advantages; the other samples keep their scores."""
+    (tmp_path / "huge.py").write_text("def huge(completion, row):\n"
+                                      "    return {'big': 1e39, 'edge': 3e38, 'weighted': 6e14}.get(completion, 1.0)\n")
+    name = f"{tmp_path}/huge.py:huge"
+    for call in (None, RewardSandbox(timeout_s=5)):
+        try:
+            texts = ["big", "edge", "edge", "weighted", "ok"]
+            worst = score_completions(texts, rows(*"77777"), [name], [2.0], fallback=None, call=call)
+            fallback = score_completions(texts, rows(*"77777"), [name], [2.0], fallback=-1.0, call=call)
+        finally:
+            if call is not None:
+                call.close()
+        assert worst.failed[:, 0].tolist() == [True] * 4 + [False] and worst.worst.tolist() == [True] * 4 + [False]
+        assert worst.total.tolist() == [0.0] * 4 + [2.0] and worst.failures == {name: 4}
+        assert fallback.total.tolist() == [-2.0] * 4 + [2.0]
+        assert fallback.per_function[:, 0].tolist() == [-1.0] * 4 + [1.0]
+        total, scored = worst_of_batch(worst.total, worst.scored, worst.worst)
+        assert group_advantages(total, 5, scored=scored).isfinite().all()

@@ -14,6 +14,7 @@ from grpo.config import LoraConfig, ModelConfig
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.loading import add_lora, load_model
 from grpo.model.logprobs import completion_logprobs
+from grpo.run.secret import run_secret
 from grpo.weights.folder import publish, version_dir
 from grpo.wire.staleness import required_version
 from grpo.wire.transport import BatchReceiver, TransportTimeout
@@ -64,7 +65,7 @@ def test_the_required_version_is_published_in_time_and_within_max_staleness(publ
 
 def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_path, tiny_model_dir, tiny_gsm8k):
     address = free_tcp_address()
-    receiver = BatchReceiver(address)
+    receiver = BatchReceiver(address, secret=run_secret(None, tmp_path))  # the run's, as the trainer's
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
                          "training.steps=3", "training.reference_on=sampler")
     try:
@@ -118,7 +119,7 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
 
 def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_dir, tiny_gsm8k):
     address = free_tcp_address()
-    receiver = BatchReceiver(address)
+    receiver = BatchReceiver(address, secret=run_secret(None, tmp_path))  # the run's, as the trainer's
     try:
         proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
                              "training.steps=3", "data.few_shot=2")
@@ -143,7 +144,7 @@ def test_restarted_sampler_continues_with_the_next_prompts(tmp_path, tiny_model_
 def test_old_logps_read_off_generation_are_the_serving_versions_and_checked_once(tmp_path, tiny_model_dir,
                                                                                  tiny_gsm8k):
     address = free_tcp_address()
-    receiver = BatchReceiver(address)
+    receiver = BatchReceiver(address, secret=run_secret(None, tmp_path))  # the run's, as the trainer's
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=0",
                          "training.steps=2", "sampling.old_logps=generation")
     try:
@@ -167,7 +168,7 @@ def test_old_logps_read_off_generation_are_the_serving_versions_and_checked_once
 
 def test_embedded_model_streams_real_gsm8k_batches(tmp_path, gsm8k_data):
     address = free_tcp_address()
-    receiver = BatchReceiver(address)
+    receiver = BatchReceiver(address, secret=run_secret(None, tmp_path))  # the run's, as the trainer's
     proc = start_sampler(tmp_path, "smollm2-135m-instruct", gsm8k_data, address, "training.steps=1",
                          "sampling.max_new_tokens=24", "sampling.group_size=2", "sampling.prompts_per_step=1")
     try:
@@ -201,7 +202,7 @@ def test_a_reward_that_raises_on_every_sample_stops_the_sampler_with_its_error_a
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text(UNREADABLE_REWARD)
     address = free_tcp_address()
-    receiver = BatchReceiver(address)
+    receiver = BatchReceiver(address, secret=run_secret(None, tmp_path))  # the run's, as the trainer's
     proc = start_sampler(tmp_path, tiny_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10",
                          "training.steps=4", f"rewards.names=[{rewards}:exact_match]", "rewards.weights=[1.0]",
                          "rewards.max_failed_steps=2")

@@ -42,7 +42,7 @@ from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.weights.folder import MANIFEST, WeightsError, load_into, verify
-from rewards.sandbox import RewardSandbox
+from rewards.sandbox import reward_sandbox
 from rewards.strict import checks_of
 
 
@@ -73,7 +73,7 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
     # as in training
-    sandbox = RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0 else None
+    sandbox = reward_sandbox(cfg.rewards)
     start = time.perf_counter()
     try:
         with tqdm(total=len(prompts), desc="evaluate", unit="problem", file=sys.stderr) as bar:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from common.files import is_checkpoint_folder
+from data.code_tasks import is_code_tasks
 from data.mixture import source_configs
 from data.mixture import source_problems as mixture_entry_problems
 from data.procedural import is_procedural
@@ -102,9 +103,9 @@ def _data_errors(data) -> list[str]:
             errors.append(f"{named}data.few_shot={source.few_shot} shows solved problems (GSM8K's worked solutions, "
                           "or a reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
                           "data.path=reasoning-gym:<task>; set data.few_shot=0 for your own data")
-        if source.task_args and not is_procedural(source.path):
-            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task; data.path={source.path!r} "
-                          "is none (use data.path=reasoning-gym:<task>)")
+        if source.task_args and not (is_procedural(source.path) or is_code_tasks(source.path)):
+            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task or of code-tasks; "
+                          f"data.path={source.path!r} is neither (use data.path=reasoning-gym:<task> or code-tasks)")
     return errors
 
 
@@ -149,6 +150,9 @@ def _model_errors(cfg: Config) -> list[str]:
     return errors
 
 
+CODE_REWARDS = ("unit_tests", "unit_tests_partial")  # built-ins that run the model's code
+
+
 def _reward_errors(cfg: Config) -> list[str]:
     """The rewards' settings together; each reward is imported (or its service checked) in grpo.run.preflight."""
     from rewards.services import is_service_name  # late: the rewards' modules load torch
@@ -168,6 +172,11 @@ def _reward_errors(cfg: Config) -> list[str]:
             errors.append(f"rewards.{key}={name} is a service reward; the reported rates are decided by a rule "
                           "function (a built-in or your own 'module:function' that gives >= 1 when the completion "
                           f"passes): name one in rewards.{key}")
+    runs_code = list(dict.fromkeys(n for n in [*rewards.names, rewards.accuracy_reward, rewards.format_reward]
+                                   if n in CODE_REWARDS))
+    if runs_code and rewards.timeout_s <= 0:
+        errors.append(f"the rewards name {', '.join(runs_code)}, which runs the model's code: it runs only in the "
+                      "rewards' jail, and rewards.timeout_s=0 scores in the sampler; set rewards.timeout_s > 0")
     if not 0 <= rewards.overlong_buffer < cfg.sampling.max_new_tokens or rewards.overlong_penalty < 0:
         errors.append(f"rewards.overlong_buffer must be in [0, sampling.max_new_tokens) and rewards.overlong_penalty "
                       f">= 0; got {rewards.overlong_buffer} and {rewards.overlong_penalty}")

@@ -29,15 +29,10 @@ import json
 import logging
 import os
 
-from common.child import (
-    NO_ANSWER,
-    Child,
-    ChildFailed,
-    ChildRefused,
-    close_inherited_sockets,
-    landlock_scope,
-    seccomp_deny,
-)
+from common.child import NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets
+from common.jail import jail_description
+from common.jail_rules import ancestors, signal_rules
+from common.kernel_filters import landlock_scope, seccomp_deny
 from grpo.environments import Reply, cut, environment_factory
 from grpo.settings import EnvConfig
 
@@ -112,33 +107,6 @@ def hide_other_environments() -> int:
     return hidden
 
 
-def _ancestors() -> list[tuple[int, int]]:
-    """(pid, process group) of this process's parent (the keeper), its parent (the sampler) and
-    theirs, up to init."""
-    found, pid = [], os.getppid()
-    while pid > 0:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid, pgid = (int(x) for x in f.read().rsplit(")", 1)[1].split()[1:3])
-        except (OSError, ValueError):
-            break
-        found.append((pid, pgid))
-        pid = ppid
-    return found
-
-
-def signal_rules(protected: list[tuple[int, int]]) -> list[tuple[str, int, dict]]:
-    """seccomp rules for where Landlock cannot scope signals: no signal to the processes in
-    `protected` (pid, group) or their groups, none to every process (kill(-1)), and no pidfd or
-    bare-thread signal (whose target a filter cannot read)."""
-    # kill(0) is the caller's own group, never a protected one (the server has a group of its own)
-    targets = {-1} | {p for pid, pgid in protected for p in (pid, -pid, -pgid) if p != 0}
-    return ([("kill", errno.EPERM, {0: p}) for p in sorted(targets)]
-            + [(call, errno.EPERM, {0: pid}) for pid, _ in protected
-               for call in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")]
-            + [("tkill", errno.EPERM, {}), ("pidfd_send_signal", errno.EPERM, {})])
-
-
 # what no process of the child may do, whatever else confines it: reach a Unix socket (a host
 # service's, the sampler's, the trainer's; a stream socketpair(), which the pipe to the sampler and a
 # tool's own multiprocessing use, stays: it cannot connect elsewhere; a datagram one could send to a
@@ -161,7 +129,7 @@ def confine() -> dict:
     keeper, the sampler and their parents). What applied, for the log and the pool's `confinement`."""
     abi = landlock_scope()
     signals = "landlock" if abi >= 6 else "seccomp"
-    filtered = seccomp_deny(CONFINED_CALLS + (signal_rules(_ancestors()) if signals == "seccomp" else []))
+    filtered = seccomp_deny(CONFINED_CALLS + (signal_rules(ancestors()) if signals == "seccomp" else []))
     return {"landlock_abi": abi, "seccomp": filtered,
             "signals": signals if signals == "landlock" or filtered else "not confined"}
 
@@ -219,13 +187,18 @@ class _Episodes:
             _close(self.episodes.pop(gone))
 
 
-def _isolated_episodes(name: str, args: dict, limits: EnvConfig):
+def _isolated_episodes(name: str, args: dict, limits: EnvConfig, timeout_s: float):
     """The child's setup: cut off from the network, the other processes' environments hidden (in
     its namespace), within its budgets (env.network, env.memory_mb, env.max_processes, env.cpu_s),
     holding no socket of the sampler's, confined (confine); then the handler of its episodes.
     ChildRefused where it cannot be isolated. Its info: [how the network is cut off, what confines it]."""
     def setup(pipe_fd: int):
         close_inherited_sockets(keep=pipe_fd)
+        # the jail of tools (and of any environment's run_tool), started before this child confines
+        # itself: it makes namespaces of its own
+        from grpo.environments.tools import start_tool_jail
+
+        jail = start_tool_jail(list(args.get("tools", [])) if name == "tools" else [], limits, timeout_s)
         try:
             how = deny_network() if limits.network == "deny" else "allowed"
             hidden = hide_other_environments() if how == "namespace" else 0
@@ -233,7 +206,7 @@ def _isolated_episodes(name: str, args: dict, limits: EnvConfig):
         except (IsolationError, OSError, ValueError) as e:
             raise ChildRefused(str(e)) from None
         make = environment_factory(name, args)
-        return _Episodes(make), [how, {**confine(), "environments_hidden": hidden > 0}]
+        return _Episodes(make), [how, {**confine(), "environments_hidden": hidden > 0, "tool_jail": jail.info}]
     return setup
 
 
@@ -342,7 +315,7 @@ class EnvironmentPool(Replays):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
         self.timeout_s, self.limits = timeout_s, limits or EnvConfig()
         try:  # fails closed: no environment runs with a network it should not have
-            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits),
+            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits, timeout_s),
                                 pass_env=tuple(self.limits.pass_env))
         except ChildRefused as e:
             raise IsolationError(str(e)) from None
@@ -355,6 +328,7 @@ class EnvironmentPool(Replays):
                  "processes' environments %s", self.isolation, self.confinement["signals"],
                  self.confinement["landlock_abi"], "on" if self.confinement["seccomp"] else "off",
                  "hidden" if self.confinement["environments_hidden"] else "readable")
+        log.info("tool calls run in a jail each: %s", jail_description(self.confinement["tool_jail"]))
         if not self.confinement["seccomp"]:
             log.warning("no libseccomp here: the environments' child can reach the host's Unix sockets and its "
                         "processes can leave its session (docs/environments.md: What the sandbox allows)")

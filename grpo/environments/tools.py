@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 from typing import Callable
 
+from common.child import ChildFailed
 from grpo.environments import Reply, cut
 from grpo.environments.tool_calls import PARSERS, ToolCall
 
@@ -33,11 +35,9 @@ class ToolError(ValueError):
 def load_tools(paths: list[str]) -> dict[str, tuple[dict, Callable]]:
     """The functions env.tools names, by name, each with its schema (built once: the chat template
     offers it, the environment calls the function); ToolError naming a bad one."""
-    from common.imports import import_object
-
     tools = {}
     for path in paths:
-        fn = import_object(path, "env.tools")
+        fn = import_tool(path)
         if not callable(fn):
             raise ToolError(f"env.tools: {path!r} is not a function")
         schema = tool_schema(fn, path)
@@ -46,6 +46,62 @@ def load_tools(paths: list[str]) -> dict[str, tuple[dict, Callable]]:
             raise ToolError(f"env.tools: two tools are named {name!r}")
         tools[name] = (schema, fn)
     return tools
+
+
+def import_tool(path: str):
+    """The function env.tools names: a built-in tool's name (BUILT_IN_TOOLS) or an import path."""
+    from common.imports import import_object
+
+    return import_object(BUILT_IN_TOOLS.get(path, path), "env.tools")
+
+
+def start_tool_jail(paths: list[str], limits, timeout_s: float):
+    """This process's tool calls run in a jail started now (common/jail.py), with the env section's
+    budgets (`limits`: env.memory_mb, env.max_processes, env.cpu_s, env.network, env.pass_env), each
+    within what is left of its step's `timeout_s`; the jail. The environments' child starts it
+    before it confines itself (the jail makes namespaces of its own)."""
+    from common.jail import Jail, JailLimits
+
+    jail_limits = JailLimits(memory_mb=limits.memory_mb, max_processes=limits.max_processes, cpu_s=limits.cpu_s,
+                             network=limits.network == "allow")
+    _JAIL.update(jail=Jail("tools", "grpo.environments.tools:jailed_tool", paths, jail_limits,
+                           pass_env=limits.pass_env), timeout_s=timeout_s)
+    return _JAIL["jail"]
+
+
+def jailed_tool(path: str):
+    """What the jail runs for the tool `path` (in its warden): the function called with the model's
+    arguments, its result as the text the model reads."""
+    fn = import_tool(path)
+
+    def run(arguments: dict) -> str:
+        return cut(shown(fn(**arguments)))  # cut here: only what the model reads crosses back
+    run.__wrapped__ = fn  # the jail reads the tool's module through it (common/jail_warden.py: served_files)
+    return run
+
+
+def _tool_jail():
+    """(the jail this process's tool calls run in, the time of one step); one is started with the
+    env section's defaults where none was (the tool environment made outside the environments' child)."""
+    if "jail" not in _JAIL:
+        from grpo.settings import EnvConfig
+
+        start_tool_jail([], EnvConfig(), EnvConfig().timeout_s)
+    return _JAIL["jail"], _JAIL["timeout_s"]
+
+
+def run_tool(tool: str, arguments: dict, timeout_s: float | None = None) -> str:
+    """How an environment runs what the model wrote: `tool` (a built-in tool's name, e.g. "python",
+    or an import path) called with `arguments` in this process's jail, within `timeout_s` (None: a
+    step's time); its text. ChildFailed where it raised, ran past its time or a budget."""
+    jail, step_s = _tool_jail()
+    limit = step_s - STEP_MARGIN_S if timeout_s is None else timeout_s
+    return jail.call(tool, [arguments], limit, f"the tool ran past {limit:g} s")
+
+
+_JAIL: dict = {}  # this process's tool jail and step time (start_tool_jail)
+BUILT_IN_TOOLS = {"python": "grpo.environments.python_tool:python"}  # env.tools: [python]
+STEP_MARGIN_S = 0.5  # a step's tool calls end this long before env.timeout_s, so the step can answer
 
 
 def tool_schema(fn, path: str = "") -> dict:
@@ -127,7 +183,8 @@ class ToolEnvironment:
         if parser not in PARSERS:
             raise ToolError(f"env.tool_parser: unknown parser {parser!r}; valid: {', '.join(PARSERS)}")
         loaded = load_tools(tools)
-        self.tools = {name: fn for name, (_, fn) in loaded.items()}
+        self.tools = {name: path for (name, _), path in zip(loaded.items(), tools)}  # what the jail imports
+        self.functions = {name: fn for name, (_, fn) in loaded.items()}  # for their signatures
         self.parameters = {name: schema["function"].get("parameters", {}) for name, (schema, _) in loaded.items()}
         self.parse, self.calls_left = PARSERS[parser], max_calls
 
@@ -135,26 +192,29 @@ class ToolEnvironment:
         calls = self.parse(message)
         if not calls:
             return Reply(done=True)
-        results = [self.run(call) for call in calls]
+        jail, timeout_s = _tool_jail()
+        deadline = time.monotonic() + timeout_s - STEP_MARGIN_S
+        results = [self.run(call, jail, deadline, timeout_s) for call in calls]
         return Reply(text=[text for text, _ in results], role="tool", tool_calls=len(calls),
                      tool_errors=sum(kind != OK for _, kind in results),
                      malformed_calls=sum(kind == MALFORMED for _, kind in results))
 
-    def run(self, call: ToolCall) -> tuple[str, str]:
+    def run(self, call: ToolCall, jail, deadline: float, step_s: float) -> tuple[str, str]:
         """(the message the model reads, cut at MAX_RESULT_CHARS; OK / MALFORMED (unreadable, no such
-        tool, arguments that do not fit the function or its schema) / FAILED (the tool raised, or no
-        calls were left))."""
-        text, kind = self._run(call)
+        tool, arguments that do not fit the function or its schema) / FAILED (the tool raised, ran
+        past its step's time or a budget, or no calls were left)). The tool runs in `jail` until
+        `deadline` (time.monotonic(): what is left of its step, `step_s` in all); its text is all that
+        comes back."""
+        text, kind = self._run(call, jail, deadline, step_s)
         return cut(text), kind
 
-    def _run(self, call: ToolCall) -> tuple[str, str]:
+    def _run(self, call: ToolCall, jail, deadline: float, step_s: float) -> tuple[str, str]:
         if call.error is not None:
             return f"error: {call.error}", MALFORMED
         if call.name not in self.tools:
             return f"error: there is no tool {call.name!r}; tools: {', '.join(self.tools)}", MALFORMED
-        fn = self.tools[call.name]
         try:
-            inspect.signature(fn).bind(**call.arguments)
+            inspect.signature(self.functions[call.name]).bind(**call.arguments)
         except TypeError as e:
             return f"error: bad arguments for {call.name}: {e}", MALFORMED
         problem = mismatch(self.parameters[call.name], call.arguments)
@@ -164,6 +224,8 @@ class ToolEnvironment:
             return "error: no tool calls left in this episode", FAILED
         self.calls_left -= 1
         try:
-            return shown(fn(**call.arguments)), OK
-        except Exception as e:  # the tool's own error: the model reads it
-            return f"error: {type(e).__name__}: {e}", FAILED
+            text = jail.call(self.tools[call.name], [call.arguments], max(deadline - time.monotonic(), 0.0),
+                             f"the tool ran past env.timeout_s={step_s:g} s")
+            return shown(text), OK  # a str, whatever the call wrote into its answer
+        except ChildFailed as e:  # the tool's own error, its time, a budget: the model reads it
+            return f"error: {e}", FAILED

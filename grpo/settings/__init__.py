@@ -318,12 +318,15 @@ class EnvConfig:
     pass_env: list[str] = setting([], "Environment variables the environments' child sees besides PATH, HOME, LANG, "
         "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys among them, are not passed unless "
         "named here (e.g. [PYTHONPATH, HF_HOME]).")
-    memory_mb: int = setting(4096, "Address space the environments' child may add to what it had at the fork (0 = no "
-        "limit).", bound=">= 0", why="0 = no limit")
-    max_processes: int = setting(64, "Processes the environments' child may start (0 = no limit; the kernel does not "
-        "enforce it for root).", bound=">= 0", why="0 = no limit")
-    cpu_s: int = setting(3600, "CPU seconds of the environments' child over its life, and of each process it starts (0 "
-        "= no limit); past it the child is replaced like after a hang.", bound=">= 0", why="0 = no limit")
+    memory_mb: int = setting(4096, "Memory of one tool call's whole process tree in its jail, in MB (a cgroup where "
+        "one can be made, else watched; past it the call fails and the model reads why); and the address space the "
+        "environments' child may add to what it had at the fork (0 = no limit).", bound=">= 0", why="0 = no limit")
+    max_processes: int = setting(64, "Processes one tool call's tree may have at once in its jail (and the "
+        "environments' child may start, where the kernel counts them: not for root). 0 = no limit.", bound=">= 0",
+        why="0 = no limit")
+    cpu_s: int = setting(3600, "CPU seconds of each process of a tool call (past it the process is killed and the "
+        "call fails), and of the environments' child over its life (past it the child is replaced like after a hang). "
+        "0 = no limit.", bound=">= 0", why="0 = no limit")
     max_failed_steps: int = setting(2, "An environment that fails on every episode of this many sampler steps in a row "
         "(none could open or answer a step) stops the sampler (exit code 9) with its error. 0 = never stop: the model "
         "reads the errors.", bound=">= 0", why="0 = never stop")

@@ -76,12 +76,20 @@ class RewardsConfig:
         "sampling.max_new_tokens a completion's reward falls linearly to -rewards.overlong_penalty (logged as the "
         "reward overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
     overlong_penalty: float = setting(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
-    timeout_s: float = setting(10.0, "Per-sample time limit of each reward function in the sampler: they run in a "
-        "forked child process that is replaced after a timeout. 0 = in the sampler, no limit. (Service rewards run in "
-        "the sampler: rewards.remote_timeout_s.)", bound=">= 0", why="0 = no limit")
-    pass_env: list[str] = setting([], "Environment variables the reward functions' child sees besides PATH, HOME, "
+    timeout_s: float = setting(10.0, "Per-sample time limit of each rule reward: each sample is scored in a jail of "
+        "its own (no network, no file of the run, budgets for its whole process tree: docs/environments.md). 0 = in "
+        "the sampler, no limit and no jail (never with a reward that runs the model's code, such as unit_tests). "
+        "(Service rewards run in the sampler: rewards.remote_timeout_s.)", bound=">= 0", why="0 = no limit")
+    pass_env: list[str] = setting([], "Environment variables the rule rewards' jail sees besides PATH, HOME, "
         "LANG, LC_* and TMPDIR: a reward that runs the model's code must not find the sampler's API keys, so others "
-        "are passed only when named here (e.g. [HF_HOME]).")
+        "are passed only when named here (e.g. [HF_HOME]; CUDA_VISIBLE_DEVICES to let it see GPUs).")
+    network: str = setting("deny", "deny: rule rewards run without network (their own network namespace, else a "
+        "seccomp filter); allow: a rule reward that must reach a service gets the internet families.",
+        choices=("deny", "allow"))
+    memory_mb: int = setting(2048, "Memory of one reward call's whole process tree, in MB (a cgroup where one can be "
+        "made, else watched); past it the call fails (0 = no limit).", bound=">= 0", why="0 = no limit")
+    max_processes: int = setting(64, "Processes one reward call's tree may have at once (0 = no limit).",
+        bound=">= 0", why="0 = no limit")
     reward_model_device: str = setting("auto", "Device of the reward models (reward_model:...): auto (= "
         "sampling.device), cpu, cuda, cuda:N. They run in model.dtype.")
     reward_model_batch_size: int = setting(16, "Sequences per forward pass of a reward model.", bound=">= 1")

@@ -12,8 +12,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.files import CHECKPOINT_MARK, reported_write
+from common.files import CHECKPOINT_MARK, reported_write, write_atomically
 from common.run_folder import RunFolder
+from grpo.run.secret import folder_secret
+from grpo.trainer.checkpoint_files import write_manifest
 from grpo.weights import open_publisher
 from grpo.wire.delivery import TrainerState
 
@@ -34,23 +36,27 @@ def publish_weights(model, cfg: Config, version: int, rank: int) -> None:
 
 
 def save_checkpoint(engine, cfg: Config, state: TrainerState, rank: int) -> None:
-    """DeepSpeed checkpoint (every rank) plus the trainer state the samplers resume from.
-    DeepSpeed names a checkpoint in `latest` only once it is written whole. A LoRA run's holds what
+    """DeepSpeed checkpoint (every rank) plus the trainer state the samplers resume from. Rank 0
+    names a checkpoint in `latest` only once every rank wrote it and its signed manifest is written
+    (grpo/trainer/checkpoint_files.py). A LoRA run's holds what
     trains (the adapter, its optimizer state), not the frozen base: a resume loads the base from the
     model again (`load_trainable`)."""
-    ckpt_dir = RunFolder(cfg.run_dir).checkpoints
+    ckpt_dir, tag = RunFolder(cfg.run_dir).checkpoints, f"step{state.step:06d}"
     # DeepSpeed's exclude_frozen_parameters drops a frozen parameter under its first name only: a tied
     # embedding would stay in as lm_head.weight (113 MB of the embedded model's 535)
     hook = engine.module.register_state_dict_post_hook(_without_frozen) if cfg.lora.enabled else None
     try:
         with reported_write(f"the checkpoint of step {state.step}", ckpt_dir):
-            engine.save_checkpoint(str(ckpt_dir), tag=f"step{state.step:06d}",
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,  # named below, once signed
                                    client_state={"trainer": vars(state), "base": base_fingerprint(engine.module)},
                                    exclude_frozen_parameters=cfg.lora.enabled)
     finally:
         if hook is not None:
             hook.remove()
-    if rank == 0:
+    if rank == 0:  # every rank's files are written (DeepSpeed's barrier): signed, then named in `latest`
+        with reported_write(f"the manifest of the checkpoint of step {state.step}", ckpt_dir):
+            write_manifest(ckpt_dir / tag, folder_secret(cfg.run_dir))
+            write_atomically(ckpt_dir / CHECKPOINT_MARK, tag)
         state_path = RunFolder(cfg.run_dir).trainer_state
         with reported_write("the trainer state", state_path):
             state.save(state_path)

@@ -37,9 +37,18 @@ class MessageError(ValueError):
     """A message that is not a valid RolloutBatch."""
 
 
-def resolve_secret(secret: str | None) -> bytes | None:
+def resolve_secret(secret: str | bytes | None) -> bytes | None:
+    """The secret as bytes: `secret`, else the environment's GRPO_TRANSPORT_SECRET, else None."""
     secret = secret or os.environ.get(SECRET_ENV)
-    return secret.encode() if secret else None
+    return secret if isinstance(secret, bytes) or not secret else secret.encode()
+
+
+def signature_problem(frames: list[bytes], secret: bytes) -> str | None:
+    """Why `frames` (signature first) are not signed with `secret`; None when they are."""
+    if len(frames) < 2 or not hmac.compare_digest(bytes(frames[0]), _signature(secret, [bytes(f) for f in frames[1:]])):
+        return ("bad or missing signature (do both ends read the same run folder's secret file, or have the same "
+                "transport.secret?)")
+    return None
 
 
 def _signature(secret: bytes, frames: list[bytes]) -> bytes:
@@ -205,8 +214,9 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
     if size > max_bytes:
         raise MessageError(f"message of {size} bytes exceeds the cap of {max_bytes}")
     if secret is not None:
-        if len(frames) < 2 or not hmac.compare_digest(frames[0], _signature(secret, frames[1:])):
-            raise MessageError("bad or missing signature (is transport.secret the same on both sides?)")
+        problem = signature_problem(frames, secret)
+        if problem:
+            raise MessageError(problem)
         frames = frames[1:]
     header = _header(frames[0])
     specs = header["tensors"]

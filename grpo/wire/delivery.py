@@ -156,8 +156,10 @@ class Redelivery:
     file), re-send the spooled steps it has not checkpointed past, in order."""
 
     def __init__(self, spool: Spool, send_frames: Callable[[list[bytes]], None], trainer_state_path: str | Path,
-                 sampler: int = 0):
+                 sampler: int = 0, signature_problem: Callable[[list[bytes]], str | None] = lambda frames: None):
+        """`signature_problem(frames)`: why a spooled step is not the run's own (signed with its secret), or None."""
         self.spool, self.send_frames, self.path, self.sampler = spool, send_frames, Path(trainer_state_path), sampler
+        self.signature_problem = signature_problem
         self.served: str | None = None  # the trainer incarnation we have re-sent to
         self.pruned_below = 0
         self.state: TrainerState | None = None  # as last read
@@ -182,7 +184,7 @@ class Redelivery:
         self.served = incarnation
         steps = [s for s in self.spool.steps() if s < next_step]
         for step in steps:
-            self.send_frames(self.spool.get(step))
+            self.send_frames(self.signed(step))
         missing = sorted(set(range(durable, next_step)) - set(steps))
         if missing:  # only if someone deleted spool files
             log.error("sampler %d steps %s are neither checkpointed by the trainer nor in %s: they are lost",
@@ -191,6 +193,17 @@ class Redelivery:
             log.info("trainer %s resumes at sampler step %d: re-sent spooled steps %d..%d", incarnation, durable,
                      steps[0], steps[-1])
         return steps
+
+    def signed(self, step: int) -> list[bytes]:
+        """A spooled step's frames; SpoolError where they are not the run's own (changed after they were written)."""
+        frames = self.spool.get(step)
+        problem = self.signature_problem(frames)
+        if problem:
+            raise SpoolError(f"{self.spool._path(step)} was changed after this sampler wrote it, or transport.secret "
+                             f"changed since ({problem}); nothing of it is sent. If something other than the run wrote "
+                             "into the run folder, look for what; then delete the file and start the run again to "
+                             "have the step made again")
+        return frames
 
     def wait_until_checkpointed(self, end_step: int, timeout_s: float, poll_s: float = 0.2) -> None:
         """After the last step: keep serving restarted trainers until one has checkpointed every

@@ -15,7 +15,14 @@ import logging
 import time
 
 from grpo.wire.batch import RolloutBatch
-from grpo.wire.codec import DEFAULT_MAX_BYTES, MessageError, decode_batch, encode_batch, resolve_secret
+from grpo.wire.codec import (
+    DEFAULT_MAX_BYTES,
+    MessageError,
+    decode_batch,
+    encode_batch,
+    resolve_secret,
+    signature_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +54,14 @@ class BatchSender:
     """The sampler's end: encodes (signed when a secret is set) and sends, blocking at the high-water mark."""
 
     def __init__(self, address: str, *, high_water_mark: int = 2, send_timeout_s: float = 600.0,
-                 secret: str | None = None):
+                 secret: str | bytes | None = None):
         self.address = address
         self._secret = resolve_secret(secret)
         self._frames = transport_of(address).connect(address, high_water_mark, send_timeout_s)
+
+    def signature_problem(self, frames: list[bytes]) -> str | None:
+        """Why spooled `frames` would be refused by a trainer with this secret; None when they would not."""
+        return signature_problem(frames, self._secret) if self._secret else None
 
     def encode(self, batch: RolloutBatch) -> list[bytes]:
         """The frames `send_frames` sends: signed when a secret is set."""
@@ -70,11 +81,15 @@ class BatchReceiver:
     """The trainer's end: receives and decodes; a bad message is logged, counted and skipped."""
 
     def __init__(self, address: str, *, high_water_mark: int = 2, max_bytes: int = DEFAULT_MAX_BYTES,
-                 secret: str | None = None):
+                 secret: str | bytes | None = None):
         self.address, self.max_bytes = address, max_bytes
         self.rejected = 0
         self._secret = resolve_secret(secret)
         self._frames = transport_of(address).bind(address, high_water_mark, max_bytes)
+
+    def expect_secret(self, secret: str | bytes) -> None:
+        """From now on every message must be signed with `secret` (the run's: grpo/run/secret.py)."""
+        self._secret = resolve_secret(secret)
 
     def receive_frames(self, timeout_s: float) -> tuple[list[bytes], RolloutBatch]:
         """The next valid message's frames (signature stripped) and its decoded batch."""

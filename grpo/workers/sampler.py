@@ -55,6 +55,7 @@ from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
 from grpo.run.preflight import named_code_problems
 from grpo.run.progress import log_milestone
+from grpo.run.secret import run_secret
 from grpo.run.start import trained_nothing
 from grpo.sampler.batches import SamplerModels
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
@@ -66,11 +67,11 @@ from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
 from grpo.weights import open_watcher
 from grpo.weights.folder import stager_for_model
 from grpo.wire.behaviour import behaviour_of
-from grpo.wire.delivery import Redelivery, Spool, TrainerState, global_step, resume_step, steps_of_sampler
+from grpo.wire.delivery import Redelivery, Spool, SpoolError, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.wire.transport import BatchSender
 from rewards.reward_model import RewardModelError
-from rewards.sandbox import RewardSandbox
+from rewards.sandbox import reward_sandbox
 from rewards.services import ServiceSettings, ServiceStartError, start_services
 from rewards.strict import checks_of
 
@@ -116,10 +117,10 @@ def main(argv: list[str]) -> int:
     if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
         policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
-                         send_timeout_s=cfg.transport.send_timeout_s, secret=cfg.transport.secret)
-    redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler)
-    sandbox = policy.sandbox = (RewardSandbox(cfg.rewards.timeout_s, cfg.rewards.pass_env) if cfg.rewards.timeout_s > 0
-                                else None)
+                         send_timeout_s=cfg.transport.send_timeout_s, secret=run_secret(cfg.transport.secret, run_dir))
+    redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
+                            sender.signature_problem)
+    sandbox = policy.sandbox = reward_sandbox(cfg.rewards)
     evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
 
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
@@ -131,6 +132,9 @@ def main(argv: list[str]) -> int:
     except AlwaysFailing as e:  # a reward or an environment that never works: one line, not a run of hours
         log.error("%s", e)
         return EXIT_REWARD_FAILED if isinstance(e, RewardAlwaysFails) else EXIT_ENVIRONMENT_FAILED
+    except SpoolError as e:  # a spooled batch that is not the run's own, or unreadable: never sent
+        log.error("%s", e)
+        return 2
 
     if sandbox is not None:
         sandbox.close()

@@ -40,8 +40,10 @@ from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import refuse_a_changed_resume, save_run_config
 from grpo.run.preflight import named_code_problems
 from grpo.run.progress import log_milestone
-from grpo.run.start import hold_run_folder, prepare_run_folder, resume_source
+from grpo.run.secret import run_secret
+from grpo.run.start import hold_run_folder, latest_tag, prepare_run_folder, resume_source
 from grpo.trainer.build_locks import LockWaitReporter, clear_stale_locks, extensions_root
+from grpo.trainer.checkpoint_files import CheckpointChanged, check_manifest, load_safely, manifest_secret
 from grpo.trainer.loop import RunEnds, TrainingLoop
 from grpo.trainer.ranks import rank_zero_decides
 from grpo.trainer.saving import (
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
     engine = build_engine(cfg, model, world, objective)
     try:  # every rank reads the same checkpoint, so all refuse it together
         state = resume(cfg, engine, model, rank)
-    except CheckpointMismatch as e:
+    except (CheckpointMismatch, CheckpointChanged) as e:
         log.error("%s", e)
         return 2
     ends = RunEnds.open(cfg, state, receiver, stop) if rank == 0 else None
@@ -151,11 +153,16 @@ def resume(cfg: Config, engine, model, rank: int) -> TrainerState:
     the versions published after it, which belong to the trajectory being redone, are removed. (A
     fresh start finds no versions: `claim_run_on_rank_zero` refused a used run folder.) A checkpoint
     this trainer cannot continue (other ZeRO ranks, another base model under a LoRA adapter) raises
-    CheckpointMismatch before anything is loaded or removed."""
+    CheckpointMismatch, and one whose files are not those its run wrote CheckpointChanged, before
+    anything is loaded or removed."""
     state = TrainerState()
     resume_from = resume_source(cfg.checkpoint.resume, cfg.run_dir)
     if resume_from is not None:
         check_resumable(resume_from, cfg.deepspeed, dist.get_world_size())
+        unchecked = check_manifest(resume_from / latest_tag(resume_from), manifest_secret(resume_from, cfg))
+        if unchecked:
+            log.warning("%s", unchecked)
+        load_safely(engine)  # nothing in its files is unpickled but data
         _, client = engine.load_checkpoint(str(resume_from), custom_load_fn=load_trainable)
         check_base(client.get("base"), base_fingerprint(engine.module), cfg.model)
         state = TrainerState.from_dict(client["trainer"])
@@ -192,13 +199,13 @@ def claim_run_on_rank_zero(cfg: Config, world: int, device) -> tuple[BatchReceiv
         claimed["lock"] = hold_run_folder(cfg)
         changed = refuse_a_changed_resume(cfg)  # before anything is written
         claimed["receiver"] = BatchReceiver(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
-                                            max_bytes=int(cfg.transport.max_message_mb * 2**20),
-                                            secret=cfg.transport.secret)
+                                            max_bytes=int(cfg.transport.max_message_mb * 2**20))
         try:
             moved = prepare_run_folder(cfg, held=True)
             if moved is not None:
                 log.warning("run.overwrite=true: the earlier contents of %s were moved to %s", cfg.run_dir, moved)
             ensure_writable(cfg.run_dir)
+            claimed["receiver"].expect_secret(run_secret(cfg.transport.secret, cfg.run_dir))  # in the folder kept
             save_run_config(cfg)  # the config of an earlier launch is kept beside it
         except Exception:
             claimed["receiver"].close()

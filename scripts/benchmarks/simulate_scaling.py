@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from grpo.config import load_config  # noqa: E402
 from grpo.objective import Objective  # noqa: E402
 from grpo.run.ports import free_local_port  # noqa: E402
+from grpo.run.secret import run_secret  # noqa: E402
 from grpo.weights.folder import INITIAL_DIGEST, Staged, WeightWatcher  # noqa: E402
 from grpo.wire.batch import RolloutBatch  # noqa: E402
 from grpo.wire.behaviour import behaviour_of  # noqa: E402
@@ -91,7 +92,8 @@ def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float
     served = {"digest": INITIAL_DIGEST}
     watcher = WeightWatcher(cfg.weights_dir, [lambda folder, manifest, version:
                                               Staged(lambda: served.update(digest=manifest["digest"]))])
-    sender = BatchSender(cfg.transport.address, send_timeout_s=300)
+    sender = BatchSender(cfg.transport.address, send_timeout_s=300,
+                         secret=run_secret(cfg.transport.secret, cfg.run_dir))
     try:
         for step in range(steps_of_sampler(index, cfg.training.steps, cfg.sampling.num_workers)):
             g = global_step(index, step, cfg.sampling.num_workers)

@@ -1,0 +1,175 @@
+"""What the jail costs: a tool call and a rule reward, each in a jail of its own (common/jail.py),
+against the same call made where it ran before the jail (the tool in the environments' child, the
+reward in a forked child that serves every sample), side by side in one run, alternating.
+
+    .venv/bin/python scripts/benchmarks/bench_jail.py                 # 200 calls each, 4 lanes x 12 slow calls
+    .venv/bin/python scripts/benchmarks/bench_jail.py --calls 50 --slow-calls 4
+
+Printed: ms per call of a trivial tool (one step of an episode through EnvironmentPool: parse the
+call, run it, build the reply), of the calculator tool, and of a trivial reward (RewardSandbox
+against the forked child); then episodes/s on the 1-second tool workload (each episode one step
+whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from common.child import Child  # noqa: E402
+from grpo.environments import Reply  # noqa: E402
+from grpo.environments.pool import EnvironmentPool  # noqa: E402
+from grpo.environments.tool_calls import PARSERS  # noqa: E402
+from grpo.environments.tools import load_tools, shown  # noqa: E402
+from rewards.sandbox import RewardSandbox  # noqa: E402
+
+HERE = str(Path(__file__).resolve())
+CALCULATE = "grpo.environments.calculator:calculate"
+
+
+def noop(x: int) -> int:
+    """Return x.
+
+    Args:
+        x: A number.
+    """
+    return x
+
+
+def slow(x: int) -> int:
+    """Wait one second, then return x.
+
+    Args:
+        x: A number.
+    """
+    time.sleep(1.0)
+    return x
+
+
+def trivial_reward(completion: str, row: dict) -> float:
+    return float(completion == row["reference_answer"])
+
+
+class DirectTools:
+    """The tool environment as it ran before the jail: each function called in the environments' child."""
+
+    reply_roles = ("tool",)
+
+    def __init__(self, row: dict, tools: list[str], parser: str = "hermes"):
+        self.functions = {name: fn for name, (_, fn) in load_tools(tools).items()}
+        self.parse = PARSERS[parser]
+
+    def step(self, message: str) -> Reply:
+        calls = self.parse(message)
+        return Reply(text=[shown(self.functions[c.name](**c.arguments)) for c in calls], role="tool",
+                     tool_calls=len(calls))
+
+
+def _forked_rewards(pipe_fd: int):
+    """The former reward child's handler: every sample scored in one forked process."""
+    from rewards.builtins import rule_reward
+
+    return (lambda request: rule_reward(request[0])(request[1], request[2])), "ready"
+
+
+def pools(tool: str, lanes: int = 1) -> dict[str, list[EnvironmentPool]]:
+    args = {"tools": [tool], "parser": "hermes"}
+    return {"before": [EnvironmentPool(f"{HERE}:DirectTools", args, 30.0) for _ in range(lanes)],
+            "jailed": [EnvironmentPool("tools", args, 30.0) for _ in range(lanes)]}
+
+
+def tool_message(name: str, arguments: dict) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def per_call_ms(steps: dict, calls: int) -> dict[str, float]:
+    """Median ms per call of each variant, calls alternating between them in blocks of 10."""
+    times = {name: [] for name in steps}
+    for block in range(0, calls, 10):
+        for name in (list(steps) if block % 20 == 0 else list(steps)[::-1]):
+            for _ in range(min(10, calls - block)):
+                started = time.perf_counter()
+                steps[name]()
+                times[name].append((time.perf_counter() - started) * 1000)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def report(label: str, ms: dict[str, float]) -> None:
+    print(f"{label:<34} before {ms['before']:7.2f} ms   jailed {ms['jailed']:7.2f} ms   "
+          f"extra {ms['jailed'] - ms['before']:6.2f} ms   ratio {ms['jailed'] / ms['before']:5.2f}x")
+
+
+def bench_tool(tool: str, name: str, arguments: dict, calls: int, label: str) -> None:
+    made = pools(tool)
+    message = tool_message(name, arguments)
+    try:
+        steps = {variant: (lambda pool=found[0]: pool.step("e", {}, [], message)) for variant, found in made.items()}
+        for step in steps.values():
+            step()  # warm-up: the child and the jail started, the modules imported
+        report(label, per_call_ms(steps, calls))
+    finally:
+        for found in made.values():
+            found[0].close()
+
+
+def bench_reward(calls: int) -> None:
+    forked, jailed = Child("rewards", _forked_rewards), RewardSandbox(timeout_s=10.0)
+    name, row = f"{HERE}:trivial_reward", {"reference_answer": "7"}
+    try:
+        steps = {"before": lambda: forked.call([name, "7", row], 10.0, "timeout"),
+                 "jailed": lambda: jailed(name, "7", row)}
+        for step in steps.values():
+            step()
+        report("trivial reward (one sample)", per_call_ms(steps, calls))
+    finally:
+        forked.close()
+        jailed.close()
+
+
+def bench_slow_tool(lanes: int, per_lane: int) -> None:
+    made = pools(f"{HERE}:slow", lanes)
+    message = tool_message("slow", {"x": 1})
+    try:
+        rates = {}
+        for variant in ("before", "jailed", "jailed", "before"):
+            def lane(pool):
+                for n in range(per_lane):
+                    pool.step(f"e{n}", {}, [], message)
+            started = time.perf_counter()
+            threads = [threading.Thread(target=lane, args=(pool,)) for pool in made[variant]]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            rates.setdefault(variant, []).append(lanes * per_lane / (time.perf_counter() - started))
+        before, jailed = statistics.mean(rates["before"]), statistics.mean(rates["jailed"])
+        print(f"{'1-second tool, episodes/s':<34} before {before:7.3f}      jailed {jailed:7.3f}      "
+              f"ratio {jailed / before:5.3f}x ({lanes} lanes x {per_lane} episodes, two runs each)")
+    finally:
+        for found in made.values():
+            for pool in found:
+                pool.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--lanes", type=int, default=4)
+    parser.add_argument("--slow-calls", type=int, default=12, help="episodes per lane on the 1-second tool")
+    args = parser.parse_args()
+    bench_tool(f"{HERE}:noop", "noop", {"x": 1}, args.calls, "trivial tool (one episode step)")
+    bench_tool(CALCULATE, "calculate", {"expression": "48 / 2 + 7 * 3"}, args.calls, "calculator tool (one step)")
+    bench_reward(args.calls)
+    bench_slow_tool(args.lanes, args.slow_calls)
+
+
+if __name__ == "__main__":
+    main()

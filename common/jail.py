@@ -99,8 +99,9 @@ class Jail:
         requests_read, self._requests = os.pipe()
         self._answers, answers_write = os.pipe()
         self.folder = tempfile.mkdtemp(prefix=f"grpo-jail-{self.name}-")  # its calls' folders, removed with it
+        # the owner's import path, in its order; the working folder never before it (Python >= 3.11)
         environment = {**passed_environment(os.environ, self.pass_env), **SET_ENVIRONMENT,
-                       "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+                       "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONSAFEPATH": "1"}
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "common.jail_warden", str(requests_read), str(answers_write), str(os.getpid())],

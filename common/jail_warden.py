@@ -30,6 +30,7 @@ from common.kernel_filters import load_seccomp_program
 EXIT_GRACE_S = 0.05  # how long a call that answered has to exit before its tree is killed
 TICK_S = 0.02  # how often the warden looks at a running call's budgets
 SHOWN_OUTPUT_BYTES = 4000  # of what a call printed, copied to the log
+REQUEST_LIMIT = 2**30  # the owner's requests (a batched reward's whole batch): ours, not the model's
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
@@ -71,7 +72,7 @@ def serve(requests: int, answers: int, owner: int) -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a call's orphans come here, where they are ended with it
     if os.getppid() != owner:
         return
-    setup = read_frame(requests)
+    setup = read_frame(requests, limit=REQUEST_LIMIT)
     limits = JailLimits(**{**setup["limits"], "writable": tuple(setup["limits"]["writable"])})
     jail = confinement(limits, setup["folder"], (requests, answers))
     try:
@@ -85,7 +86,7 @@ def serve(requests: int, answers: int, owner: int) -> None:
     write_frame(answers, ["ready", info])
     while True:
         try:
-            target, arguments, timeout_s = read_frame(requests)
+            target, arguments, timeout_s = read_frame(requests, limit=REQUEST_LIMIT)
         except EOFError:
             return
         try:

@@ -439,7 +439,7 @@ def test_every_declared_choice_refuses_other_values_with_one_text():
     from grpo.settings.tree import field_problems, get_key
 
     choices = {key: options for key, options, _ in declared("choices")}
-    assert len(choices) == 20 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
+    assert len(choices) == 21 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
     for key, options in choices.items():
         *parents, leaf = key.split(".")
         for value in options:

@@ -92,8 +92,9 @@ def test_the_repetition_penalty_shapes_the_draw_and_the_recorded_log_probs_stay_
     with torch.no_grad():
         recomputed = completion_logprobs(model, [torch.tensor(p) for p in PROMPTS], rollouts.completion_ids,
                                          [3, 3, 3], temperature=1.0)
-    for recorded, again in zip(rollouts.logps, recomputed):
-        torch.testing.assert_close(recorded, again, rtol=0, atol=1e-5)
+    for recorded, again in zip(rollouts.logps, recomputed):  # logits of ~56: one float32 ulp is 3.8e-6, and the
+        # decode loop's cached attention and the recompute's sum in other orders (a few ulps; penalised: ~28 apart)
+        torch.testing.assert_close(recorded, again, rtol=0, atol=2e-5)
     assert max(abs(x) for r in rollouts.logps for x in r.tolist()) < math.log(20)  # ~uniform over ten digits
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
 from common.run_folder import RunFolder
@@ -34,18 +35,29 @@ def read_or_make_secret(path: Path) -> str:
     """The secret in `path`; one made there first when there is none (mode 0600, never seen half-written)."""
     if not path.exists():
         made = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        _write_private(made, secrets.token_hex(32) + "\n")
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
             os.link(made, path)  # fails where another process linked its own first: theirs is read below
         except FileExistsError:
             pass
+        except OSError:  # a file system without hard links: created in place (a reader waits for its line)
+            try:
+                _write_private(path, made.read_text())
+            except FileExistsError:
+                pass
         finally:
             made.unlink(missing_ok=True)
-    text = path.read_text().strip()
-    if not text:
-        raise ValueError(f"{path} is empty: delete it to have a new secret made, or set transport.secret")
-    return text
+    for _ in range(100):
+        text = path.read_text().strip()
+        if text:
+            return text
+        time.sleep(0.01)  # being written in place by another process
+    raise ValueError(f"{path} is empty: delete it to have a new secret made, or set transport.secret")
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

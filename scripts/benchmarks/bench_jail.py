@@ -5,8 +5,8 @@ reward in a forked child that serves every sample), side by side in one run, alt
     .venv/bin/python scripts/benchmarks/bench_jail.py                 # 200 calls each, 4 lanes x 12 slow calls
     .venv/bin/python scripts/benchmarks/bench_jail.py --calls 50 --slow-calls 4
 
-Printed: ms per call of a trivial tool (one step of an episode through EnvironmentPool: parse the
-call, run it, build the reply), of the calculator tool, and of a trivial reward (RewardSandbox
+Printed: ms per call of a trivial tool (a new episode's first step through EnvironmentPool: open
+it, parse the call, run it, build the reply), of the calculator tool, and of a trivial reward (RewardSandbox
 against the forked child); then episodes/s on the 1-second tool workload (each episode one step
 whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them).
 """
@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +112,9 @@ def bench_tool(tool: str, name: str, arguments: dict, calls: int, label: str) ->
     made = pools(tool)
     message = tool_message(name, arguments)
     try:
-        steps = {variant: (lambda pool=found[0]: pool.step("e", {}, [], message)) for variant, found in made.items()}
+        # a new episode each call (an episode has env.args max_calls=8 calls): its opening is in both
+        steps = {variant: (lambda pool=found[0]: pool.step(uuid.uuid4().hex, {}, [], message))
+                 for variant, found in made.items()}
         for step in steps.values():
             step()  # warm-up: the child and the jail started, the modules imported
         report(label, per_call_ms(steps, calls))

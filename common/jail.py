@@ -33,7 +33,9 @@ from common.jail_budget import sweep_cgroups
 
 HEADER = struct.Struct(">I")
 MAX_ANSWER_BYTES = 16 * 2**20  # a call's answer past this fails the call (a tool's text is cut far below it)
-WARDEN_GRACE_S = 10.0  # how long past a call's own limit the owner waits for the warden before replacing it
+# how long past a call's own limit the owner waits for a live warden before replacing it: a dead one is
+# seen at once (its pipe closes); a built-in's caches (`prepare`) are built before the call's clock starts
+WARDEN_GRACE_S = 60.0
 START_TIMEOUT_S = 60.0
 JAILED = "GRPO_JAILED"  # "1" in a jailed call's environment: code that must run only here checks it
 

@@ -8,9 +8,10 @@ each call is checked against its tool's schema (the arguments' names, required o
 and run, and its result, or the error (a malformed call, an unknown tool, arguments that do not
 fit, a tool that raised), cut at MAX_RESULT_CHARS, goes back as a `tool`-role message, one per
 call, rendered by the template. A message without a call is the answer: the episode ends. The
-environment runs in the environments' child like any other (grpo/environments/pool.py): no
-network, `env.timeout_s` for the calls of one message, and the confinement docs/environments.md
-tabulates ("What the sandbox allows").
+environment runs in the environments' child like any other (grpo/environments/pool.py); each
+call runs in a jail of its own that the child started (common/jail.py), within what is left of
+the message's `env.timeout_s`, and only its text comes back: docs/environments.md tabulates what
+a call can reach ("What the sandbox allows"). `env.tools: [python]` is the built-in code tool.
 """
 
 from __future__ import annotations

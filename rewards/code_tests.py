@@ -34,13 +34,14 @@ import re
 import subprocess
 import sys
 
+from common.jail import JAILED  # set in a jailed call's environment
+
 CODE_TIMEOUT_S = 5.0  # the program's time for all its tests (within rewards.timeout_s)
 FLOAT_TOLERANCE = 1e-6
 MAX_VALUE_CHARS = 100_000  # a value's repr past this fails its test (literal_eval of a huge text is slow)
 FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 UNCLOSED = re.compile(r"```(?:python|py)?[ \t]*\n(.*)$", re.DOTALL)  # a block cut by the token limit, or never closed
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-JAILED = "GRPO_JAILED"  # set in a jailed call's environment (common/jail.py)
 
 HARNESS = r"""
 import json, sys

@@ -275,7 +275,7 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
             else:
                 scores[i, j] = value
     weight = torch.tensor(list(weights), dtype=torch.float64)  # [R]
-    overflow = _overflowing(scores, applies, weight, failed)  # [N, R]: in a total outside float32's range
+    overflow = _overflowing(scores, applies, weight, failed)  # [N, R]: in a total beyond REWARD_LIMIT
     for j, name in enumerate(names):
         if overflow[:, j].any():
             failed[:, j] |= overflow[:, j]

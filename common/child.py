@@ -24,11 +24,13 @@ sets alike when an episode is rebuilt), and not the block of variables the paren
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import logging
 import multiprocessing
+import multiprocessing.spawn
 import os
 import shutil
 import signal
@@ -36,6 +38,7 @@ import stat
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -288,15 +291,39 @@ def _kill(pid: int) -> None:
         pass  # gone
 
 
+_STARTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main():
+    """Children of the fork server started in here do not run the caller's main module again (as
+    multiprocessing's spawn does, to find what it pickled there): a script's top level would run in the
+    child, and `setup` is a function of a module anyway."""
+    real = multiprocessing.spawn.get_preparation_data
+
+    def prepared(name):
+        return {k: v for k, v in real(name).items() if k not in ("init_main_from_path", "init_main_from_name")}
+
+    with _STARTING:
+        multiprocessing.spawn.get_preparation_data = prepared
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = real
+
+
 class Child:
     """The parent's side. `setup(pipe_fd) -> (handler, info)` runs in the child after the fork:
     `handler(request) -> answer` serves each request (an optional `handler.close()` runs when the
     pipe closes), `info` is reported back as `self.info`; setup raises ChildRefused to refuse.
-    `pass_env`: environment variables the child sees besides PATH, HOME, LANG, LC_* and TMPDIR."""
+    `pass_env`: environment variables the child sees besides PATH, HOME, LANG, LC_* and TMPDIR.
+    `clean`: the child is forked from multiprocessing's fork server, a process started by exec that has
+    loaded nothing of the caller's (no data, no model), not from the caller; `setup` is then pickled
+    to it (a top-level function or a functools.partial of one)."""
 
-    def __init__(self, name: str, setup: Callable, pass_env=()):
+    def __init__(self, name: str, setup: Callable, pass_env=(), clean: bool = False):
         self.name, self.setup, self.restarts, self.pass_env = name, setup, 0, tuple(pass_env)
-        self._context = multiprocessing.get_context("fork")
+        self._context = multiprocessing.get_context("forkserver" if clean else "fork")
         self._session = None
         self._start()
 
@@ -306,7 +333,8 @@ class Child:
         self._conn, child = self._context.Pipe()
         self._process = self._context.Process(target=_serve, args=(child, self._conn, self.setup, environment),
                                               daemon=True, name=self.name)
-        self._process.start()
+        with _without_main() if self._context.get_start_method() == "forkserver" else contextlib.nullcontext():
+            self._process.start()
         self._session = self._process.pid  # the keeper leads the session
         child.close()
         if not self._conn.poll(START_TIMEOUT_S):

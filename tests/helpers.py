@@ -30,15 +30,17 @@ def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool 
     n = sum(group_sizes)
     lengths = torch.randint(1, 9, (n,), generator=g).tolist()
     completions = [torch.randint(0, 50000, (c,), generator=g) for c in lengths]
+    prompts = [torch.randint(0, 50000, (p,), generator=g) for p in (5, 11)[:len(group_sizes)]]
+    old_logps = [-torch.rand(c, generator=g) for c in lengths]
+    ref_logps = [-torch.rand(c, generator=g) for c in lengths] if with_ref else None
+    rewards = torch.randn(n, 2, generator=g)
     return RolloutBatch(
-        step=step, policy_version=max(0, step - 1),
-        prompt_ids=[torch.randint(0, 50000, (p,), generator=g) for p in (5, 11)[:len(group_sizes)]],
-        completion_ids=completions, group_sizes=list(group_sizes),
-        old_logps=[-torch.rand(c, generator=g) for c in lengths],
-        ref_logps=[-torch.rand(c, generator=g) for c in lengths] if with_ref else None,
-        rewards=torch.randn(n, 2, generator=g), reward_names=["gsm8k_answer", "think_answer_format"],
+        step=step, policy_version=max(0, step - 1), prompt_ids=prompts,
+        completion_ids=completions, group_sizes=list(group_sizes), old_logps=old_logps, ref_logps=ref_logps,
+        rewards=rewards, reward_names=["gsm8k_answer", "think_answer_format"],
         advantages=torch.randn(n, generator=g), truncated=torch.rand(n, generator=g) > 0.5,
-        meta={"sample_ids": ["train-1", "train-2"], "metrics": {"a": 1.5}})
+        meta={"sample_ids": ["train-1", "train-2"], "metrics": {"a": 1.5}},
+        totals=rewards.sum(1), scored=torch.arange(n) != 1, worst=torch.arange(n) == 0)
 
 
 def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
@@ -49,6 +51,6 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
         assert (x is None) == (y is None), name
         if x is not None:
             assert len(x) == len(y) and all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y)), name
-    for name in ("rewards", "advantages", "truncated"):
+    for name in ("rewards", "advantages", "truncated", "totals", "scored", "worst"):
         x, y = getattr(a, name), getattr(b, name)
         assert torch.equal(x, y) and x.dtype == y.dtype, name

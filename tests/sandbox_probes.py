@@ -69,3 +69,22 @@ class CodeRunner:
         from grpo.environments.tools import run_tool
 
         return Reply(text=run_tool("python", {"code": message}))
+
+
+class InOwnProcess:
+    """An environment that runs the model's message in its own process (what no environment should do;
+    here to see what that process holds): the printed output is the reply."""
+
+    def __init__(self, row: dict):
+        self.row = row
+
+    def step(self, message: str):
+        import contextlib
+        import io
+
+        from grpo.environments import Reply
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(message, {})
+        return Reply(text=printed.getvalue())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.objective.advantages import advantages_problem, group_advantages, worst_of_batch
 
 
 def test_worked_numbers_group_scale():
@@ -164,3 +164,67 @@ def test_failing_never_earns_more_than_the_worst_graded_answer():
     advantages = group_advantages(out, 4, scored=kept)
     assert out[3] == 0.0
     torch.testing.assert_close(advantages[:4], torch.tensor([2.5, 2.5, 2.5, -7.5]) / (5 + 1e-4), rtol=0, atol=1e-6)
+
+
+def sampler_made(scale: str = "group"):
+    """What the sampler sends for two groups of three, rewards [answer, format] weighted [2, 0.5] plus
+    the overlong penalty (weight 1, added after the worst): sample 1 failed the answer reward (it
+    scores the batch's worst honest total, 0.5, then its own penalty -0.25), sample 5 could not be
+    asked (unscored), the rest honest."""
+    rewards = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, -0.25], [0.0, 0.0, 0.0],
+                            [1.0, 0.0, -1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    weights = torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)
+    after_worst = torch.tensor([False, False, True])
+    base = (rewards[:, :2].double() @ weights[:2]).float()  # [2.5, 0.5, 0, 2, 2.5, 0]
+    worst = torch.tensor([False, True, False, False, False, False])
+    scored = torch.tensor([True, True, True, True, True, False])
+    base, scored = worst_of_batch(base, scored & ~worst, worst)
+    totals = base + rewards[:, 2]
+    return rewards, weights, after_worst, totals, scored, worst, group_advantages(totals, [3, 3], scale=scale,
+                                                                                  scored=scored)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_advantages_the_sampler_makes_follow_from_their_rewards(scale):
+    rewards, weights, after_worst, totals, scored, worst, advantages = sampler_made(scale)
+    assert totals.tolist() == [2.5, 0.0 - 0.25, 0.0, 1.0, 2.5, 0.0]  # the failed one: the worst honest total, 0
+    assert advantages_problem(advantages, totals, scored, worst, rewards, weights, after_worst, [3, 3], scale) == ""
+
+
+def forged(change):
+    rewards, weights, after_worst, totals, scored, worst, advantages = sampler_made()
+    parts = dict(advantages=advantages, totals=totals, scored=scored, worst=worst, rewards=rewards)
+    change(parts)
+    return advantages_problem(parts["advantages"], parts["totals"], parts["scored"], parts["worst"],
+                              parts["rewards"], weights, after_worst, [3, 3], "group")
+
+
+def remade(parts):  # a forger who also makes the advantages agree with the totals it forged
+    parts["advantages"] = group_advantages(parts["totals"], [3, 3], scored=parts["scored"])
+
+
+def test_forged_advantages_totals_failures_and_unscored_samples_are_each_named():
+    def advantages(p):
+        p["advantages"][2] = 1e4
+
+    def total(p):
+        p["totals"][2] = 9.0
+        remade(p)
+
+    def reward_without_total(p):  # the reward raised, the total left: also caught
+        p["rewards"][3, 0] = 5.0
+
+    def failed_above_its_group(p):
+        p["totals"][1] = 3.0
+        remade(p)
+
+    def unscored_advantage(p):
+        p["advantages"][5] = 0.5
+
+    assert forged(advantages) == ("sample 2's advantage 10000 is not the group-scaled one of its totals "
+                                  f"({float(sampler_made()[6][2]):.6g})")
+    assert forged(total) == "sample 2's total 9 is not its weighted rewards 0"
+    assert forged(reward_without_total) == "sample 3's total 1 is not its weighted rewards 9"
+    assert forged(failed_above_its_group) == \
+        "sample 1 failed a reward but scores 3.25, above an honest answer of its group"
+    assert forged(unscored_advantage) == "sample 5 was not scored but has advantage 0.5"

@@ -3,6 +3,8 @@ child-process pool, the HF engine on a tiny model, and the trainer's loss on the
 
 import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -278,40 +280,47 @@ def listening_port():
     return server, server.getsockname()[1]
 
 
-@pytest.mark.parametrize("isolation", ["namespace", "seccomp"])
-def test_neither_the_c_socket_module_nor_a_subprocess_reaches_the_network(isolation, monkeypatch):
-    """The namespace, and the seccomp filter where user namespaces are refused (forced here by an
-    unshare that fails): both act below Python, on every process the child starts."""
-    import grpo.environments.pool as pool_module
+def refused_namespaces(environment: str, message: str, *flags: str) -> list:
+    """tests/refused_namespaces.py: the environment stepped once where new namespaces are refused."""
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "refused_namespaces.py"), environment, message, *flags],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
 
-    if isolation == "seccomp":
-        monkeypatch.setattr(pool_module, "unshare_network", lambda: False)  # the forked child inherits it
+
+@pytest.mark.parametrize("isolation", ["namespace", "seccomp"])
+def test_neither_the_c_socket_module_nor_a_subprocess_reaches_the_network(isolation):
+    """The namespace, and the seccomp filter where user namespaces are refused (here by a seccomp
+    filter on the sampler, as a container's profile refuses them): both act below Python, on every
+    process the child starts."""
     server, port = listening_port()
-    pool = EnvironmentPool(f"{ENVS}:SocketProbe", {}, timeout_s=60.0)
     try:
-        assert pool.isolation == isolation
-        reply, failure = pool.step("a", {}, [], str(port))
-        assert failure is None and "connected" not in reply.text and reply.text.endswith(", subprocess refused")
+        if isolation == "seccomp":
+            how, text, failure = refused_namespaces(f"{ENVS}:SocketProbe", str(port))
+        else:
+            pool = EnvironmentPool(f"{ENVS}:SocketProbe", {}, timeout_s=60.0)
+            try:
+                (reply, failure), how = pool.step("a", {}, [], str(port)), pool.isolation
+                text = reply.text
+            finally:
+                pool.close()
+        assert how == isolation
+        assert failure is None and "connected" not in text and text.endswith(", subprocess refused")
         if isolation == "seccomp":  # the filter reads the family as the kernel does: its low 32 bits
-            assert reply.text == "_socket PermissionError, raw socket refused, subprocess refused"
+            assert text == "_socket PermissionError, raw socket refused, subprocess refused"
         else:  # sockets can be made in the namespace; nothing is reachable from it
-            assert reply.text.startswith("_socket OSError")
+            assert text.startswith("_socket OSError")
     finally:
-        pool.close()
         server.close()
 
 
-def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allowed(monkeypatch):
-    import grpo.environments.pool as pool_module
-    from grpo.environments.pool import IsolationError
+def test_without_isolation_the_child_refuses_to_start_unless_the_network_is_allowed():
     from grpo.settings import EnvConfig
 
-    def cannot():
-        raise IsolationError("the environments' child cannot be cut off from the network here (no user namespaces, "
-                             "no libseccomp): set env.network=allow to run environments with network access")
-    monkeypatch.setattr(pool_module, "deny_network", cannot)  # the forked child inherits it
-    with pytest.raises(IsolationError, match="set env.network=allow"):
-        EnvironmentPool(f"{ENVS}:Counter", {}, 5.0)
+    # neither namespaces nor seccomp filters to be had (refused by a filter on the sampler)
+    assert refused_namespaces(f"{ENVS}:Counter", "1", "--no-seccomp") == [
+        "refused", "the environments' child cannot be cut off from the network here (no user namespaces, no "
+                   "libseccomp): set env.network=allow to run environments with network access"]
     server, port = listening_port()
     pool = EnvironmentPool(f"{ENVS}:NetworkProbe", {}, 5.0, EnvConfig(network="allow"))
     try:

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo.config import load_config
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
+from grpo.objective.advantages import group_advantages
 from grpo.run.ports import free_local_port
 from grpo.run.secret import run_secret
 from grpo.weights.folder import publish, read_latest, verify, version_dir
@@ -147,35 +148,43 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_the_spool_loses_nothing(
     assert all(at == first for at, first in resends), logs
 
 
-def trainer_behaviour(run_dir, model_dir) -> dict:
-    """The behaviour settings the trainer in `run_dir` expects (from the config it saved at start)."""
+def trainer_settings(run_dir, model_dir) -> tuple:
+    """The config the trainer in `run_dir` saved at start, and the behaviour settings it expects."""
     wait_for(lambda: (run_dir / "config.yaml").is_file(), "the trainer's config.yaml")
     cfg = load_config(run_dir / "config.yaml")
-    return behaviour_of(cfg, AutoTokenizer.from_pretrained(model_dir), Objective.of(cfg).header())
+    return cfg, behaviour_of(cfg, AutoTokenizer.from_pretrained(model_dir), Objective.of(cfg).header())
 
 
-def crafted_batch(model, step: int, advantage: float, behaviour: dict) -> RolloutBatch:
-    """Two groups of four 3-token digit completions with the model's own log-probs; an
-    advantage of 3e38 overflows the loss to inf."""
+def crafted_batch(model, step: int, finite: bool, cfg, behaviour: dict) -> RolloutBatch:
+    """Two groups of four 3-token digit completions with the model's own log-probs, half of each group
+    right (the first reward 1), its advantages those of its rewards. Not `finite`: reference log-probs
+    200 above the policy's overflow the KL term (training.beta > 0), and the loss is inf."""
     g = torch.Generator().manual_seed(step)
     prompts = [torch.randint(3, 60, (6,), generator=g) for _ in range(2)]
     completions = [torch.randint(3, 60, (3,), generator=g) for _ in range(8)]
     with torch.no_grad():
         logps = completion_logprobs(model, prompts, completions, [4, 4], temperature=0.9)  # the sampling temperature
+    rewards = torch.zeros(8, len(cfg.rewards.names))
+    rewards[:, 0] = torch.tensor([1.0, 0.0] * 4)
+    totals = rewards[:, 0] * cfg.rewards.weights[0]
     return RolloutBatch(step=step, policy_version=0, prompt_ids=prompts, completion_ids=completions,
-                        group_sizes=[4, 4], old_logps=logps, ref_logps=logps, rewards=torch.zeros(8, 1),
-                        reward_names=["r"], advantages=torch.tensor([advantage, -advantage] * 4),
-                        truncated=torch.zeros(8, dtype=torch.bool), behaviour=behaviour)
+                        group_sizes=[4, 4], old_logps=logps, ref_logps=logps if finite else [x + 200 for x in logps],
+                        rewards=rewards, reward_names=list(cfg.rewards.names),
+                        advantages=group_advantages(totals, 4, scale=cfg.training.advantage_scale),
+                        truncated=torch.zeros(8, dtype=torch.bool), behaviour=behaviour, totals=totals,
+                        scored=torch.ones(8, dtype=torch.bool), worst=torch.zeros(8, dtype=torch.bool))
 
 
-def feed_trainer(trainer, address, model_dir, advantages: list[float], run_dir) -> tuple[int, str]:
-    """Send one crafted batch per advantage (sampler steps 0, 1, ...); the trainer's exit code and log."""
+def feed_trainer(trainer, address, model_dir, finite: list[bool], run_dir, forge=None) -> tuple[int, str]:
+    """Send one crafted batch per entry of `finite` (sampler steps 0, 1, ...), each changed by `forge`
+    when given; the trainer's exit code and log."""
     sender = BatchSender(address, send_timeout_s=120, secret=run_secret(None, run_dir))  # the run's own
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    behaviour = trainer_behaviour(run_dir, model_dir)
+    cfg, behaviour = trainer_settings(run_dir, model_dir)
     try:
-        for step, advantage in enumerate(advantages):
-            sender.send(crafted_batch(model, step, advantage, behaviour))
+        for step, ok in enumerate(finite):
+            batch = crafted_batch(model, step, ok, cfg, behaviour)
+            sender.send(forge(batch) if forge else batch)
         code = trainer.wait(timeout=300)
     finally:
         sender.close()
@@ -189,8 +198,9 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_with_a_checkpoi
     address = free_tcp_address()
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.max_bad_steps=2",
                             "weights.keep_last=10", "training.steps=10", "training.lr_schedule=linear",
-                            "training.min_lr_ratio=0.1", "sampling.max_staleness=10")  # crafted batches: v0
-    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0, 3e38, 3e38], tmp_path)
+                            "training.min_lr_ratio=0.1", "sampling.max_staleness=10",  # crafted batches: v0
+                            "training.beta=0.04")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [True, False, True, False, False], tmp_path)
     assert code == EXIT_BAD_STEPS, log[-3000:]
     assert "2 steps in a row (up to step 5) had a non-finite loss or gradient" in log
     trained = rows(tmp_path)
@@ -211,7 +221,7 @@ def test_a_batch_staler_than_max_staleness_stops_the_trainer_before_it_trains(tm
     the trainer's v0 and v1, step 2 is two versions behind v2."""
     address = free_tcp_address()
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "sampling.max_staleness=1")
-    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)
+    code, log = feed_trainer(trainer, address, digit_model_dir, [True, True, True], tmp_path)
     assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
     assert ("sampler 0 step 2 was sampled with weights v0, 2 versions behind this trainer's v2; "
             "sampling.max_staleness=1 allows 1. Nothing was trained with it.") in log
@@ -225,8 +235,8 @@ def test_the_learning_rate_clock_counts_optimizer_updates_with_several_passes(tm
     address = free_tcp_address()
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "training.num_iterations=2",
                             "training.steps=3", "training.lr_schedule=linear", "training.min_lr_ratio=0.1",
-                            "sampling.max_staleness=10")
-    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 3e38, 1.0], tmp_path)
+                            "sampling.max_staleness=10", "training.beta=0.04")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [True, False, True], tmp_path)
     assert code == 0, log[-3000:]
     trained = rows(tmp_path)
     assert [r["optimizer_updates"] for r in trained] == [2, 0, 2] and [r["skipped"] for r in trained] == [0, 1, 0]
@@ -246,7 +256,7 @@ def test_a_failed_write_stops_the_trainer_clearly_and_leaves_nothing_partial(tmp
     # (the adapter and its optimizer state) does not
     trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "checkpoint.every=2",
                             "sampling.max_staleness=10", preexec_fn=limit_file_size)
-    code, log = feed_trainer(trainer, address, digit_model_dir, [1.0, 1.0, 1.0], tmp_path)
+    code, log = feed_trainer(trainer, address, digit_model_dir, [True, True, True], tmp_path)
     assert code == EXIT_WRITE_FAILED, log[-3000:]
     assert f"cannot write the checkpoint of step 2 to {tmp_path / 'checkpoints'}" in log
     assert "Nothing partial is visible" in log
@@ -277,8 +287,9 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     raw.connect(address)
     model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
     rng = random.Random(0)
-    behaviour = trainer_behaviour(tmp_path, digit_model_dir)
-    good = [encode_batch(crafted_batch(model, step, 1.0, behaviour), run_secret(None, tmp_path)) for step in range(2)]
+    cfg, behaviour = trainer_settings(tmp_path, digit_model_dir)
+    good = [encode_batch(crafted_batch(model, step, True, cfg, behaviour), run_secret(None, tmp_path))
+            for step in range(2)]
     pickled = [b'{"schema": "grpo.sampler.rollout/1"}', b"\x80\x04\x95" + rng.randbytes(40)]  # a pickle-looking frame
     try:
         for step in range(2):
@@ -295,6 +306,42 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
     assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     trained = rows(tmp_path)
     assert [r["step"] for r in trained] == [1, 2] and trained[-1]["trainer/rejected_messages"] == 22
+
+
+@pytest.mark.parametrize("forgery,named", [
+    ("advantages", "sampler 0 step 1's advantages do not follow from its rewards under this run's rewards.weights "
+                   "and training.advantage_scale=group: sample 0's advantage 10000 is not the group-scaled one of "
+                   "its totals (0.865"),
+    ("totals", "sample 1's total 3 is not its weighted rewards 0"),
+    ("worst", "sample 0 failed a reward but scores 5, above an honest answer of its group"),
+    ("unscored", "sample 0 was not scored but has advantage 0.865"),
+])
+def test_a_batch_whose_advantages_do_not_follow_from_its_rewards_stops_the_trainer(tmp_path, digit_model_dir,
+                                                                                  tiny_gsm8k, forgery, named):
+    """Signed with the run's secret, so that only the advantage check stands between it and the loss:
+    step 0 trains, step 1 is forged (advantages of 1e4, a total raised, a failed sample scored above
+    its group, an unscored one with an advantage), and the trainer names the sample and exits."""
+    def forge(batch):
+        if batch.step != 1:
+            return batch
+        if forgery == "advantages":
+            batch.advantages[0] = 1e4
+        elif forgery == "totals":  # a wrong answer's total raised, its advantages remade to agree with it
+            batch.totals[1] = 3.0
+            batch.advantages = group_advantages(batch.totals, 4)
+        elif forgery == "worst":  # a failed sample claims a total above its group's
+            batch.worst[0], batch.totals[0] = True, 5.0
+            batch.advantages = group_advantages(batch.totals, 4)
+        else:
+            batch.scored[0] = False
+        return batch
+
+    address = free_tcp_address()
+    trainer = start_trainer(tmp_path, digit_model_dir, tiny_gsm8k, address, "sampling.max_staleness=10")
+    code, log = feed_trainer(trainer, address, digit_model_dir, [True, True], tmp_path, forge=forge)
+    assert code == EXIT_BEHAVIOUR_MISMATCH, log[-3000:]
+    assert named in log and "Nothing was trained with it" in log
+    assert [r["step"] for r in rows(tmp_path)] == [1] and read_latest(tmp_path / "weights") == 1
 
 
 def test_a_batch_sampled_at_another_temperature_stops_the_trainer_before_it_trains(tmp_path, digit_model_dir,

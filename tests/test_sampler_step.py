@@ -1,6 +1,7 @@
 """One sampler step through the engine interface: a fake engine that implements `RolloutEngine`
 (no model of its own) and the HF engine drive the same `make_batch`."""
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -21,8 +22,10 @@ from grpo.sampler.episode_records import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
 from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
 from grpo.sampler.rollout.hf_engine import HFEngine
+from grpo.trainer.advantage_check import check_advantages
 from grpo.trainer.training_step import denominators_of
 from grpo.weights.folder import Staged
+from grpo.wire.behaviour import BehaviourMismatch
 from rewards import score_completions
 
 
@@ -178,6 +181,7 @@ def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_round
     assert engine.seeds == [base, base + ROUND_SEED_STRIDE]
     assert batch.rewards[:, 0].tolist() == [1.0, -1.0, 1.0, -1.0]  # "7" right, "8" wrong, per group
     assert batch.advantages.abs().min() > 0
+    check_advantages(batch, cfg)  # the trainer recomputes the kept groups' advantages from their rewards
     m = batch.meta["metrics"]
     assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_dropped_fraction"], m["sampling/dynamic_cap_hit"]) == \
         (2.0, 0.5, 0.0)  # 4 groups generated, 2 trained
@@ -187,7 +191,8 @@ def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_round
 
 def test_dynamic_sampling_at_its_cap_fills_with_dropped_groups_and_says_so():
     rounds = [numbered_prompts(10, 12), numbered_prompts(14, 15), numbered_prompts(16, 18)]
-    _, engine, batch = dynamic_batch(rounds)
+    cfg, engine, batch = dynamic_batch(rounds)
+    check_advantages(batch, cfg)
     assert batch.meta["sample_ids"] == ["train-10", "train-15"]  # the one informative group, then the first dropped
     assert len(engine.seeds) == 3 and batch.advantages[:2].tolist() == [0.0, 0.0]
     m = batch.meta["metrics"]
@@ -299,6 +304,9 @@ def test_a_sample_a_reward_failed_on_scores_its_groups_worst_honest_total(tmp_pa
     7, 7, 9, 10, mean 33/4 = 8.25, deviations -1.25, -1.25, 0.75, 1.75, unbiased std
     sqrt((1.5625 * 2 + 0.5625 + 3.0625) / 3) = sqrt(2.25) = 1.5. Raising on a wrong answer never pays."""
     name, batch = four_per_prompt_steps(tmp_path)
+    check_advantages(batch, config(f"rewards.names=[{name}]"))  # the trainer recomputes them: 7 is the failure's
+    assert batch.totals.tolist() == [7.0, 7.0, 9.0, 10.0] * 2
+    assert batch.worst.tolist() == [False, True, False, False] * 2
     expected = [-1.25 / (1.5 + 1e-4), -1.25 / (1.5 + 1e-4), 0.75 / (1.5 + 1e-4), 1.75 / (1.5 + 1e-4)] * 2
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-6)
     assert batch.rewards[:, 0].tolist() == [7.0, 0.0, 9.0, 10.0] * 2  # 0 on the wire where it failed
@@ -314,6 +322,7 @@ def test_with_on_failure_fallback_a_failed_sample_is_scored_as_the_fallback(tmp_
     """Per group: 7, -1 (the fallback), 9, 10: mean 25/4 = 6.25, deviations 0.75, -7.25, 2.75, 3.75,
     unbiased std sqrt((0.5625 + 52.5625 + 7.5625 + 14.0625) / 3) = sqrt(24.916667) = 4.991660."""
     name, batch = four_per_prompt_steps(tmp_path, "rewards.on_failure=fallback")
+    check_advantages(batch, config(f"rewards.names=[{name}]"))
     std = (74.75 / 3) ** 0.5
     expected = [0.75 / (std + 1e-4), -7.25 / (std + 1e-4), 2.75 / (std + 1e-4), 3.75 / (std + 1e-4)] * 2
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-6)
@@ -460,3 +469,17 @@ def test_in_flight_loads_take_newer_versions_only():
         watcher = Watcher(latest)
         assert in_flight_poll(cfg.sampling, policy, watcher)() is loads and watcher.polls == int(loads)
     assert in_flight_poll(load_config(None, []).sampling, policy, Watcher(6)) is None
+
+
+def test_a_batch_without_totals_or_scored_by_other_rewards_is_refused_by_name():
+    cfg, _, batch = dynamic_batch([numbered_prompts(10, 11), numbered_prompts(13, 15)])
+    foreign = dataclasses.replace(batch, reward_names=["gsm8k_answer"])
+    with pytest.raises(BehaviourMismatch, match=r"sampler 0 step 4 was scored with rewards this run does not have "
+                                                r"\(gsm8k_answer\); this run's are gsm8k_answer_lenient"):
+        check_advantages(foreign, cfg)
+    with pytest.raises(BehaviourMismatch, match="sampler 0 step 4 carries no reward totals"):
+        check_advantages(dataclasses.replace(batch, totals=None), cfg)
+    reweighted = config("sampling.dynamic_sampling=true", "rewards.weights=[2.0]")
+    with pytest.raises(BehaviourMismatch, match=r"training.advantage_scale=group: sample 0's total 1 is not its "
+                                                r"weighted rewards 2"):
+        check_advantages(batch, reweighted)

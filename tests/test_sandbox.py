@@ -136,6 +136,29 @@ def test_the_call_holds_nothing_of_the_sampler(inside, monkeypatch):
         HELD.clear()
 
 
+def test_the_environments_own_process_holds_nothing_of_the_sampler(monkeypatch):
+    """An environment's process holds its episodes and nothing else: it is forked from a process made by
+    exec before the sampler's data, so neither the rows' answers in the sampler's memory nor its API key
+    are in its heap or environment, and no module of the data is loaded."""
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    HELD.update(answers=[f"answer-{n}-{uuid.uuid4().hex}" for n in range(3)], key=SECRET)
+    import data.embedded  # noqa: F401 the sampler's data module, loaded here
+    pool = EnvironmentPool(f"{PROBES}:InOwnProcess", {}, 30.0)
+    try:
+        reversed_needles = [n[::-1] for n in [SECRET, *HELD["answers"]]]
+        code = (f"import gc, os, sys\nneedles = [n[::-1] for n in {reversed_needles!r}]\n"
+                "def strings(o):\n    items = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple, "
+                "set)) else ()\n    return [v for v in list(items) if isinstance(v, str)]\n"
+                "print(any(n in v and not any(v is m for m in needles) for o in gc.get_objects() "
+                "for v in strings(o) for n in needles), any(n in v for v in os.environ.values() for n in needles),"
+                "'data.embedded' in sys.modules)")
+        reply, failure = pool.step(uuid.uuid4().hex, {}, [], code)
+        assert failure is None and reply.text.split() == ["False", "False", "False"]
+    finally:
+        pool.close()
+        HELD.clear()
+
+
 def test_a_reward_call_sees_its_own_row_alone():
     """Two samples scored one after the other: the second's call finds the first's answer nowhere
     (nor anything the first left behind: the first's process and folder are gone)."""

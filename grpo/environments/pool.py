@@ -1,7 +1,8 @@
 """The episodes' environments in a child process: a step that hangs or raises costs that step,
 never the run.
 
-The child is the reward sandbox's kind (common/child.py: forked, JSON over a pipe, never pickle, a
+The child is common/child.py's kind (forked from multiprocessing's fork server, a Python started by
+exec that never held the data or the model; JSON over a pipe, never pickle, a
 time limit per call, replaced when it hangs or dies, a session of its own ended as one, an
 allow-list of environment variables: PATH, HOME, LANG, LC_*, its own TMPDIR, env.pass_env). It is
 cut off from the network at start (a network namespace of its own where the kernel allows
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -187,27 +189,31 @@ class _Episodes:
             _close(self.episodes.pop(gone))
 
 
-def _isolated_episodes(name: str, args: dict, limits: EnvConfig, timeout_s: float):
-    """The child's setup: cut off from the network, the other processes' environments hidden (in
-    its namespace), within its budgets (env.network, env.memory_mb, env.max_processes, env.cpu_s),
-    holding no socket of the sampler's, confined (confine); then the handler of its episodes.
-    ChildRefused where it cannot be isolated. Its info: [how the network is cut off, what confines it]."""
-    def setup(pipe_fd: int):
-        close_inherited_sockets(keep=pipe_fd)
-        # the jail of tools (and of any environment's run_tool), started before this child confines
-        # itself: it makes namespaces of its own
-        from grpo.environments.tools import start_tool_jail
+def isolated_episodes(name: str, args: dict, limits: EnvConfig, timeout_s: float, pipe_fd: int):
+    """The child's setup (a fork of the fork server: it holds nothing of the sampler's, not the data):
+    cut off from the network, the other processes' environments hidden (in its namespace), within its
+    budgets (env.network, env.memory_mb, env.max_processes, env.cpu_s), holding no socket of the
+    sampler's, confined (confine); then the handler of its episodes. ChildRefused where it cannot be
+    isolated. Its info: [how the network is cut off, what confines it]."""
+    close_inherited_sockets(keep=pipe_fd)
+    # the jail of tools (and of any environment's run_tool), started before this child confines
+    # itself: it makes namespaces of its own
+    from grpo.environments.tools import start_tool_jail
 
-        jail = start_tool_jail(list(args.get("tools", [])) if name == "tools" else [], limits, timeout_s)
-        try:
-            how = deny_network() if limits.network == "deny" else "allowed"
-            hidden = hide_other_environments() if how == "namespace" else 0
-            limit_resources(limits.memory_mb, limits.max_processes, limits.cpu_s, own_namespace=how == "namespace")
-        except (IsolationError, OSError, ValueError) as e:
-            raise ChildRefused(str(e)) from None
-        make = environment_factory(name, args)
-        return _Episodes(make), [how, {**confine(), "environments_hidden": hidden > 0, "tool_jail": jail.info}]
-    return setup
+    try:
+        jail_info = start_tool_jail(list(args.get("tools", [])) if name == "tools" else [], limits, timeout_s).info
+    except ChildRefused as e:  # the tool environment cannot run without it; another one only if it calls run_tool
+        if name == "tools":
+            raise
+        jail_info = f"not started ({e}): run_tool fails"
+    try:
+        how = deny_network() if limits.network == "deny" else "allowed"
+        hidden = hide_other_environments() if how == "namespace" else 0
+        limit_resources(limits.memory_mb, limits.max_processes, limits.cpu_s, own_namespace=how == "namespace")
+    except (IsolationError, OSError, ValueError) as e:
+        raise ChildRefused(str(e)) from None
+    make = environment_factory(name, args)
+    return _Episodes(make), [how, {**confine(), "environments_hidden": hidden > 0, "tool_jail": jail_info}]
 
 
 def opening_of(environment) -> str | None:
@@ -315,8 +321,9 @@ class EnvironmentPool(Replays):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
         self.timeout_s, self.limits = timeout_s, limits or EnvConfig()
         try:  # fails closed: no environment runs with a network it should not have
-            self._child = Child("environments", _isolated_episodes(name, dict(args), self.limits, timeout_s),
-                                pass_env=tuple(self.limits.pass_env))
+            self._child = Child("environments", functools.partial(isolated_episodes, name, dict(args), self.limits,
+                                                                  timeout_s),
+                                pass_env=tuple(self.limits.pass_env), clean=True)
         except ChildRefused as e:
             raise IsolationError(str(e)) from None
         self.isolation, self.confinement = self._child.info  # the network's ("namespace", ...), and the rest's

@@ -21,7 +21,7 @@ import json
 import time
 from typing import Callable
 
-from common.child import ChildFailed
+from common.child import ChildFailed, ChildRefused
 from grpo.environments import Reply, cut
 from grpo.environments.tool_calls import PARSERS, ToolCall
 
@@ -65,9 +65,23 @@ def start_tool_jail(paths: list[str], limits, timeout_s: float):
 
     jail_limits = JailLimits(memory_mb=limits.memory_mb, max_processes=limits.max_processes, cpu_s=limits.cpu_s,
                              network=limits.network == "allow")
-    _JAIL.update(jail=Jail("tools", "grpo.environments.tools:jailed_tool", paths, jail_limits,
-                           pass_env=limits.pass_env), timeout_s=timeout_s)
+    try:
+        _JAIL.update(jail=Jail("tools", "grpo.environments.tools:jailed_tool", paths, jail_limits,
+                               pass_env=limits.pass_env), timeout_s=timeout_s)
+    except ChildRefused as e:  # each run_tool says why, rather than run what the model wrote unjailed
+        _JAIL.update(jail=RefusedJail(str(e)), timeout_s=timeout_s)
+        raise
     return _JAIL["jail"]
+
+
+class RefusedJail:
+    """Stands for a jail that could not start: every call fails with the reason."""
+
+    def __init__(self, why: str):
+        self.why, self.info = why, f"not started: {why}"
+
+    def call(self, *_args, **_kwargs):
+        raise ChildFailed(self.why)
 
 
 def jailed_tool(path: str):

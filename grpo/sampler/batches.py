@@ -301,7 +301,8 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
-        token_versions=rollouts.token_versions if rollouts.model_masks is None else None)
+        token_versions=rollouts.token_versions if rollouts.model_masks is None else None,
+        totals=scores.total, scored=scores.scored, worst=scores.worst)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
     metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
     if kept.episodes is not None:

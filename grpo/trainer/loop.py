@@ -25,6 +25,7 @@ from grpo.objective import Objective
 from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
 from grpo.settings import Config, TrainingConfig, to_dict
+from grpo.trainer.advantage_check import check_advantages
 from grpo.trainer.ranks import broadcast_frames, rank_zero_decides
 from grpo.trainer.saving import publish_weights, save_checkpoint
 from grpo.trainer.training_step import train_step, within_age
@@ -74,8 +75,9 @@ def with_order_key(received: tuple[list[bytes], RolloutBatch]) -> tuple[tuple[li
 class TrainingLoop:
     """Every rank runs one; only rank 0 has the run's ends. `run()` trains until training.steps are
     done, SIGTERM, or too many non-finite steps in a row, and returns what to tell the user (empty
-    when nothing went wrong). A batch made with other settings than `expected`, or with weights this
-    run did not publish, raises BehaviourMismatch on every rank before anything is trained with it."""
+    when nothing went wrong). A batch made with other settings than `expected`, with weights this
+    run did not publish, or with advantages that do not follow from its rewards, raises
+    BehaviourMismatch on every rank before anything is trained with it."""
 
     def __init__(self, cfg: Config, engine, model, state: TrainerState, ends: RunEnds | None, expected: dict,
                  objective: Objective, device):
@@ -109,6 +111,7 @@ class TrainingLoop:
         # rank 0 decoded it on arrival; the others with the same cap
         batch = item[1] if item is not None else decode_batch(frames, max_bytes=self.ends_max_bytes)
         check_behaviour(batch.behaviour, self.expected, batch.sampler, batch.step)
+        check_advantages(batch, self.cfg)
         check_staleness(self.state.step, batch.policy_version, self.cfg.sampling.max_staleness, batch.sampler,
                         batch.step)
         rank_zero_decides(lambda: self.check_weights(batch), self.device, BehaviourMismatch,

@@ -16,8 +16,9 @@ import torch
 from grpo.weights.folder import INITIAL_DIGEST
 
 # /2: every token carries the weights version that sampled it (token_versions); /3: no loss denominators
-# (the trainer counts them from the batch it holds)
-SCHEMA = "grpo.rollout/3"
+# (the trainer counts them from the batch it holds); /4: each sample's total and whether it was scored or failed
+# (the trainer recomputes the advantages from them)
+SCHEMA = "grpo.rollout/4"
 ENVIRONMENT_TOKEN = -1  # token_versions of a token an environment wrote (episodes): no version sampled it
 
 
@@ -43,6 +44,10 @@ class RolloutBatch:
     # (grpo/sampler/episodes.py); the environment's are context only, out of the loss. None: every token is the model's
     # N x int32 [C_j]: the weights version that sampled each token; ENVIRONMENT_TOKEN where an environment wrote it
     token_versions: list[torch.Tensor] | None = None
+    # what the advantages were made from (grpo/objective/advantages.py), so that the trainer can check them:
+    totals: torch.Tensor | None = None  # float32 [N], the weighted rewards (a failed sample: the batch's worst)
+    scored: torch.Tensor | None = None  # bool [N], the samples in their group's mean and std
+    worst: torch.Tensor | None = None  # bool [N], the samples a reward failed on, scoring the batch's worst
     schema: str = SCHEMA
 
     def __post_init__(self):
@@ -102,6 +107,9 @@ FIELDS = (
     Field("truncated", "tensor", "|b1", rows="completion"),
     Field("model_mask", "ragged", "|b1", rows="token", optional=True),
     Field("token_versions", "ragged", "<i4", rows="token"),
+    Field("totals", "tensor", "<f4", rows="completion", optional=True),
+    Field("scored", "tensor", "|b1", rows="completion", optional=True),
+    Field("worst", "tensor", "|b1", rows="completion", optional=True),
     Field("meta", "header", dict),
     Field("behaviour", "header", dict),
     Field("weights_digest", "header", str),

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 SECRET_ENV = "GRPO_TRANSPORT_SECRET"
 DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
+EARLIER_SCHEMAS = ("grpo.rollout/1", "grpo.rollout/2", "grpo.rollout/3")
 
 TENSORS = {f.name: f for f in TENSOR_FIELDS}
 TORCH_DTYPE = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
@@ -104,12 +105,10 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header is not JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("schema") == "grpo.rollout/1":
-        raise MessageError(f"a batch of schema grpo.rollout/1, from a sampler older than this trainer, which "
-                           f"speaks {SCHEMA} (a weights version on every token): run the sampler of the same version")
-    if header.get("schema") == "grpo.rollout/2":  # a spool of an earlier version: /3 less its loss denominators,
-        header = {k: v for k, v in header.items() if k not in ("num_tokens", "num_sequences")}  # counted here now
-        header["schema"] = SCHEMA
+    if header.get("schema") in EARLIER_SCHEMAS:
+        raise MessageError(f"a batch of schema {header['schema']}, from a sampler older than this trainer, which "
+                           f"speaks {SCHEMA} (what each sample's advantage was made from): run the sampler of the "
+                           "same version")
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
     for key, kind in HEADER_TYPES.items():

@@ -8,12 +8,15 @@ reward in a forked child that serves every sample), side by side in one run, alt
 Printed: ms per call of a trivial tool (a new episode's first step through EnvironmentPool: open
 it, parse the call, run it, build the reply), of the calculator tool, and of a trivial reward (RewardSandbox
 against the forked child); then episodes/s on the 1-second tool workload (each episode one step
-whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them).
+whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them); then ms to start the
+environments' child (as at a run's start and after a hung step), forked from a sampler holding
+`--sampler-mb` MB against forked from the fork server that the child now comes from.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -27,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from common.child import Child  # noqa: E402
 from grpo.environments import Reply  # noqa: E402
-from grpo.environments.pool import EnvironmentPool  # noqa: E402
+from grpo.environments.pool import EnvironmentPool, isolated_episodes  # noqa: E402
 from grpo.environments.tool_calls import PARSERS  # noqa: E402
 from grpo.environments.tools import load_tools, shown  # noqa: E402
+from grpo.settings import EnvConfig  # noqa: E402
 from rewards.sandbox import RewardSandbox  # noqa: E402
 
 HERE = str(Path(__file__).resolve())
@@ -162,16 +166,39 @@ def bench_slow_tool(lanes: int, per_lane: int) -> None:
                 pool.close()
 
 
+def bench_child_start(starts: int, held_mb: int) -> None:
+    """The environments' child started and closed: forked from this process holding `held_mb` MB (as a
+    sampler holds its model and data), against forked from the fork server (which holds none of it)."""
+    held = bytearray(held_mb << 20)
+    held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident, as a loaded model is
+    setup = functools.partial(isolated_episodes, f"{HERE}:DirectTools", {"tools": [f"{HERE}:noop"], "parser": "hermes"},
+                              EnvConfig(), 30.0)
+    steps = {"sampler": lambda: Child("environments", setup).close(),
+             "fork server": lambda: Child("environments", setup, clean=True).close()}
+    for step in steps.values():
+        step()  # warm-up: the fork server started
+    ms = per_call_ms(steps, starts)
+    print(f"{'environments child start':<34} from the sampler ({held_mb} MB) {ms['sampler']:7.1f} ms   "
+          f"from the fork server {ms['fork server']:7.1f} ms   ratio {ms['fork server'] / ms['sampler']:5.2f}x")
+    del held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--slow-calls", type=int, default=12, help="episodes per lane on the 1-second tool")
+    parser.add_argument("--starts", type=int, default=20, help="starts of the environments' child per variant")
+    parser.add_argument("--sampler-mb", type=int, default=2048, help="memory the sampler holds when it forks")
+    parser.add_argument("--only-starts", action="store_true", help="measure the child's start alone")
     args = parser.parse_args()
+    if args.only_starts:
+        return bench_child_start(args.starts, args.sampler_mb)
     bench_tool(f"{HERE}:noop", "noop", {"x": 1}, args.calls, "trivial tool (one episode step)")
     bench_tool(CALCULATE, "calculate", {"expression": "48 / 2 + 7 * 3"}, args.calls, "calculator tool (one step)")
     bench_reward(args.calls)
     bench_slow_tool(args.lanes, args.slow_calls)
+    bench_child_start(args.starts, args.sampler_mb)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 train: $(STAMP)
-	$(PY) scripts/launch.py --config $(CONFIG) $(ARGS)
+	$(VENV)/bin/grpo train --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check --quiet .

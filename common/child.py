@@ -1,11 +1,12 @@
-"""A forked child that serves JSON requests over a pipe with a time limit per call: how code we
-cannot trust to return runs (reward functions, environments).
+"""A child process that serves JSON requests over a pipe with a time limit per call: how code we
+cannot trust to return runs (environments).
 
 A thread cannot do it: a catastrophic regular expression runs inside `re` without releasing the
-GIL, so the caller itself would hang. The child is forked, so it has every function and imported
-user module the parent had (a test's too). Requests and answers cross the pipe as JSON, never
-pickle. A call that does not answer in time, or a child that died, gets the child killed and a
-fresh one forked; the caller sees `ChildFailed`, which says where in the user's code an error was
+GIL, so the caller itself would hang. The child is forked (it has every function and imported user
+module the parent had), or with `clean` a new Python started by exec (common/child_boot.py: it holds
+nothing of the parent's, and imports what it serves by name). Requests and answers cross the pipe as
+JSON, never pickle. A call that does not answer in time, or a child that died, gets the child killed
+and a fresh one started; the caller sees `ChildFailed`, which says where in the user's code an error was
 raised (`raised_at`).
 
 The child is a session of its own: a keeper process, which runs no served code, and under it the
@@ -24,21 +25,19 @@ sets alike when an episode is rebuilt), and not the block of variables the paren
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
 import logging
 import multiprocessing
-import multiprocessing.spawn
 import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -167,9 +166,11 @@ def _keep(server: int, parent: int) -> None:
     _end_session()
 
 
-def _serve(conn, parent_end, setup: Callable, environment: dict[str, str]) -> None:
-    parent_end.close()  # else this copy of the parent's end keeps the pipe open after the parent dies
-    parent = os.getppid()
+def _serve(conn, parent_end, setup: Callable, environment: dict[str, str], parent: int | None = None) -> None:
+    """The child: `parent_end` None and `parent` the caller's pid where it was started by exec."""
+    if parent_end is not None:
+        parent_end.close()  # else this copy of the parent's end keeps the pipe open after the parent dies
+    parent = os.getppid() if parent is None else parent
     os.setsid()  # a session of its own: the parent ends it, and everything in it (end_session)
     _replace_environment(environment)
     keeper = os.getpid()
@@ -291,25 +292,23 @@ def _kill(pid: int) -> None:
         pass  # gone
 
 
-_STARTING = threading.Lock()
+class _Started:
+    """A started Python (subprocess.Popen) as the rest of Child uses a multiprocessing.Process."""
 
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
 
-@contextlib.contextmanager
-def _without_main():
-    """Children of the fork server started in here do not run the caller's main module again (as
-    multiprocessing's spawn does, to find what it pickled there): a script's top level would run in the
-    child, and `setup` is a function of a module anyway."""
-    real = multiprocessing.spawn.get_preparation_data
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
 
-    def prepared(name):
-        return {k: v for k, v in real(name).items() if k not in ("init_main_from_path", "init_main_from_name")}
-
-    with _STARTING:
-        multiprocessing.spawn.get_preparation_data = prepared
+    def join(self, timeout: float | None = None) -> None:
         try:
-            yield
-        finally:
-            multiprocessing.spawn.get_preparation_data = real
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()  # nothing once reaped: its number is never another process's
 
 
 class Child:
@@ -317,13 +316,13 @@ class Child:
     `handler(request) -> answer` serves each request (an optional `handler.close()` runs when the
     pipe closes), `info` is reported back as `self.info`; setup raises ChildRefused to refuse.
     `pass_env`: environment variables the child sees besides PATH, HOME, LANG, LC_* and TMPDIR.
-    `clean`: the child is forked from multiprocessing's fork server, a process started by exec that has
-    loaded nothing of the caller's (no data, no model), not from the caller; `setup` is then pickled
-    to it (a top-level function or a functools.partial of one)."""
+    `clean`: the child is a new Python started by exec (`python -m common.child_boot`), which holds
+    nothing of the caller's (no data, no model, no variable outside the allow-list); `setup` is then
+    ("module:function", [JSON arguments]), called there as function(*arguments, pipe_fd)."""
 
-    def __init__(self, name: str, setup: Callable, pass_env=(), clean: bool = False):
-        self.name, self.setup, self.restarts, self.pass_env = name, setup, 0, tuple(pass_env)
-        self._context = multiprocessing.get_context("forkserver" if clean else "fork")
+    def __init__(self, name: str, setup, pass_env=(), clean: bool = False):
+        self.name, self.setup, self.restarts, self.pass_env, self.clean = name, setup, 0, tuple(pass_env), clean
+        self._context = multiprocessing.get_context("fork")
         self._session = None
         self._start()
 
@@ -331,12 +330,15 @@ class Child:
         self.tmp = tempfile.mkdtemp(prefix=f"grpo-{self.name}-")  # its TMPDIR, removed with it
         environment = {**passed_environment(os.environ, self.pass_env), **SET_ENVIRONMENT, "TMPDIR": self.tmp}
         self._conn, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(child, self._conn, self.setup, environment),
-                                              daemon=True, name=self.name)
-        with _without_main() if self._context.get_start_method() == "forkserver" else contextlib.nullcontext():
-            self._process.start()
+        try:
+            self._process = _Started(self._exec(child, environment)) if self.clean else self._fork(child, environment)
+        except OSError as e:  # no process could be made (out of memory or processes)
+            self._conn.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise ChildRefused(f"the {self.name} process could not start: {e}") from None
+        finally:
+            child.close()
         self._session = self._process.pid  # the keeper leads the session
-        child.close()
         if not self._conn.poll(START_TIMEOUT_S):
             self._stop(grace_s=0.0)
             raise ChildRefused(f"the {self.name} process did not start within {START_TIMEOUT_S:g} s")
@@ -348,6 +350,24 @@ class Child:
         if status != "ready":
             self._stop(grace_s=0.0)
             raise ChildRefused(self.info)
+
+    def _fork(self, child, environment: dict[str, str]):
+        process = self._context.Process(target=_serve, args=(child, self._conn, self.setup, environment),
+                                        daemon=True, name=self.name)
+        process.start()
+        return process
+
+    def _exec(self, child, environment: dict[str, str]) -> subprocess.Popen:
+        """A new Python serving `setup` on the pipe `child`: it is told what to serve over the pipe (the
+        variables it gets may hold keys: never on its command line)."""
+        function, arguments = self.setup
+        # the caller's import path, in its order; the working folder never before it (Python >= 3.11)
+        paths = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONSAFEPATH": "1"}
+        process = subprocess.Popen([sys.executable, "-m", "common.child_boot", str(child.fileno()), str(os.getpid())],
+                                   pass_fds=(child.fileno(),), env={**environment, **paths}, stdin=subprocess.DEVNULL)
+        self._conn.send_bytes(json.dumps({"setup": function, "arguments": arguments, "environment": environment,
+                                          "name": self.name}).encode())
+        return process
 
     def alive(self) -> bool:
         return self._process.is_alive()

@@ -177,7 +177,10 @@ class Jail:
 
 
 def jail_description(info: dict) -> str:
-    """A jail's `info` for the log: "namespaces, own /proc, no capabilities, Landlock ABI 7, budgets by cgroup v1"."""
+    """A jail's `info` for the log: "namespaces, own /proc, no capabilities, Landlock ABI 7, budgets by cgroup v1"
+    (or why it did not start: {"refused": why})."""
+    if "refused" in info:
+        return f"none: it could not start ({info['refused']}), so every call fails"
     parts = ["namespaces" if info.get("namespaces") else "no namespaces (refused here)"]
     parts += ["own /proc"] if info.get("own_proc") else []
     parts += ["no capabilities"] if info.get("capabilities_dropped") else ["capabilities kept"]

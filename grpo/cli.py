@@ -6,7 +6,7 @@
     grpo plot runs/a runs/b [--out docs/figures]
     grpo check runs/<name> --steps N
 
-`grpo <command> --help` says more. The scripts in scripts/ run the same code from a checkout.
+`grpo <command> --help` says more; `python -m grpo <command>` is the same with a given interpreter.
 """
 
 from __future__ import annotations

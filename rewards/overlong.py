@@ -16,3 +16,9 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: floa
         return 0.0
     excess = length - (max_new_tokens - buffer)
     return min(0.0, -excess / buffer * factor)
+
+
+def reward_columns(names, weights, buffer: int) -> tuple[list[str], list[float]]:
+    """A batch's reward columns and their weights: the configured rewards (rewards.names and
+    rewards.weights), then this penalty with weight 1 when it is on (rewards.overlong_buffer > 0)."""
+    return [*names, *([NAME] if buffer > 0 else [])], [*map(float, weights), *([1.0] if buffer > 0 else [])]

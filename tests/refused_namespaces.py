@@ -1,12 +1,13 @@
 """An environment stepped once by a sampler on a machine that refuses new namespaces (as a container's
 seccomp profile does: Docker's default refuses unshare), and with --no-seccomp, seccomp filters too: the
-environments' child, forked from a clean fork server, inherits what the kernel refuses this process.
+environments' child, a Python started by exec, inherits what the kernel refuses this process.
 
-argv: environment (path:Class), message[, --no-seccomp]. Prints one JSON line: [isolation, reply text,
-failure], or ["refused", the error]."""
+argv: environment (path:Class), message[, --no-seccomp][, --network-allowed]. Prints one JSON line:
+[isolation, reply text, failure], or ["refused", the error]."""
 
 import errno
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from grpo.environments.pool import (  # noqa: E402
     EnvironmentPool,
     IsolationError,
 )
+from grpo.settings import EnvConfig  # noqa: E402
 
 PR_SET_SECCOMP = 22
 
@@ -30,8 +32,10 @@ if __name__ == "__main__":
     if "--no-seccomp" in sys.argv:  # a filter refuses new filters after itself
         rules += [("seccomp", errno.EINVAL, {}), ("prctl", errno.EINVAL, {0: PR_SET_SECCOMP})]
     assert seccomp_deny(rules), "this test needs libseccomp"
+    logging.basicConfig(level=logging.INFO)
     try:
-        pool = EnvironmentPool(environment, {}, 60.0)
+        pool = EnvironmentPool(environment, {}, 60.0,
+                               EnvConfig(network="allow" if "--network-allowed" in sys.argv else "deny"))
     except IsolationError as e:
         print(json.dumps(["refused", str(e)]), flush=True)
         sys.exit(0)

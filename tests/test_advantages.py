@@ -188,7 +188,8 @@ def sampler_made(scale: str = "group"):
 def test_the_advantages_the_sampler_makes_follow_from_their_rewards(scale):
     rewards, weights, after_worst, totals, scored, worst, advantages = sampler_made(scale)
     assert totals.tolist() == [2.5, 0.0 - 0.25, 0.0, 1.0, 2.5, 0.0]  # the failed one: the worst honest total, 0
-    assert advantages_problem(advantages, totals, scored, worst, rewards, weights, after_worst, [3, 3], scale) == ""
+    assert advantages_problem(advantages, totals, scored, worst, rewards, weights, after_worst, [3, 3], scale,
+                              1e15) == ""
 
 
 def forged(change):
@@ -196,7 +197,7 @@ def forged(change):
     parts = dict(advantages=advantages, totals=totals, scored=scored, worst=worst, rewards=rewards)
     change(parts)
     return advantages_problem(parts["advantages"], parts["totals"], parts["scored"], parts["worst"],
-                              parts["rewards"], weights, after_worst, [3, 3], "group")
+                              parts["rewards"], weights, after_worst, [3, 3], "group", 1e15)
 
 
 def remade(parts):  # a forger who also makes the advantages agree with the totals it forged
@@ -222,9 +223,36 @@ def test_forged_advantages_totals_failures_and_unscored_samples_are_each_named()
         p["advantages"][5] = 0.5
 
     assert forged(advantages) == ("sample 2's advantage 10000 is not the group-scaled one of its totals "
-                                  f"({float(sampler_made()[6][2]):.6g})")
+                                  f"({float(sampler_made()[6][2]):.9g})")
     assert forged(total) == "sample 2's total 9 is not its weighted rewards 0"
     assert forged(reward_without_total) == "sample 3's total 1 is not its weighted rewards 9"
     assert forged(failed_above_its_group) == \
         "sample 1 failed a reward but scores 3.25, above an honest answer of its group"
     assert forged(unscored_advantage) == "sample 5 was not scored but has advantage 0.5"
+
+
+def test_a_total_beyond_the_limit_or_nan_never_passes():
+    """Two failed samples of a group claiming -3e38 would make the recomputed advantages NaN, which
+    compares false against anything: the totals' limit and NaN-safe comparisons refuse both."""
+    def failed_far_below(p):
+        p["worst"][3:5], p["totals"][3:5] = True, -3e38
+        p["advantages"][3:6] = torch.tensor([-1e4, 1e4, 0.0])
+
+    assert forged(failed_far_below) == "sample 3's total -3.00000001e+38 is beyond the rewards' limit 1e+15"
+
+    def nan_advantage(p):
+        p["advantages"][0] = float("nan")
+
+    assert forged(nan_advantage).startswith("sample 0's advantage nan is not the group-scaled one")
+
+
+def test_a_large_overlong_penalty_is_not_a_rounding_error():
+    """A penalty of 300 in float32 with a small base: compared at the scale of the largest part."""
+    rewards = torch.tensor([[1.0, -299.82345], [0.0, 0.0]])
+    weights, after_worst = torch.tensor([2.0, 1.0], dtype=torch.float64), torch.tensor([False, True])
+    totals = torch.tensor([2.0], dtype=torch.float32) + rewards[:1, 1]
+    totals = torch.cat([totals, torch.zeros(1)])
+    scored, worst = torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)
+    advantages = group_advantages(totals, [2], scored=scored)
+    assert advantages_problem(advantages, totals, scored, worst, rewards, weights, after_worst, [2], "group",
+                              1e15) == ""

@@ -52,7 +52,7 @@ def test_a_failing_command_keeps_its_code_and_a_command_the_closed_pipe_stopped_
     assert (stopped.returncode, stopped.stderr) == (EXIT_CLOSED_READER, "")
 
 
-def test_the_checkout_scripts_end_as_the_command_does():
-    """scripts/check_run.py is `grpo check` from a checkout: the same exit into a closed pipe."""
-    proc = run_with_reader_gone(["--help"], command=[sys.executable, str(REPO / "scripts" / "check_run.py")])
+def test_python_dash_m_grpo_ends_as_the_command_does():
+    """`python -m grpo` is the `grpo` command with a given interpreter: the same exit into a closed pipe."""
+    proc = run_with_reader_gone(["check", "--help"], command=[sys.executable, "-m", "grpo"])
     assert (proc.returncode, proc.stderr) == (0, "")

@@ -261,7 +261,7 @@ def test_names_users_bring_from_trl_openrlhf_and_verl_are_mapped_to_ours(theirs,
     # veRL (verl/trainer/config/ppo_trainer.yaml)
     ("actor_rollout_ref.model.path", "did you mean 'model.name_or_path'?"),
     ("trainer.save_freq", "did you mean 'checkpoint.every'?"),
-    ("trainer.n_gpus_per_node", "scripts/launch.py places the processes on the GPUs it sees (CUDA_VISIBLE_DEVICES); "
+    ("trainer.n_gpus_per_node", "grpo train places the processes on the GPUs it sees (CUDA_VISIBLE_DEVICES); "
                                 "launch.trainer_ranks sets how many of them train, the rest sample"),
     ("actor_rollout_ref.actor.optim.lr", "did you mean 'training.learning_rate'?"),
     ("actor_rollout_ref.actor.clip_ratio_high", "did you mean 'training.clip_high'?"),

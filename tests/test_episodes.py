@@ -1085,3 +1085,14 @@ def test_an_environments_reward_that_nothing_trains_on_is_said_once(tiny_model_d
                                           r"sampling.max_new_tokens, and rewards.names \(gsm8k_answer_lenient, "
                                           r"think_answer_format_partial\) does not hold env_reward"):
         load_config(None, [f"env.name={ENVS}:WinOrLose", "env.truncated_reward=-1"])
+
+
+def test_an_environment_that_runs_no_tool_starts_where_the_tool_jail_cannot_and_run_tool_says_why():
+    """Where the jail cannot start (here: no seccomp filter can be loaded), an environment that never
+    calls run_tool still runs; the log says that calls would fail, and why."""
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "refused_namespaces.py"), f"{ENVS}:Counter", "1",
+                          "--no-seccomp", "--network-allowed"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    how, text, failure = json.loads(out.stdout.splitlines()[-1])
+    assert (how, failure) == ("allowed", None) and text
+    assert "tool calls run in a jail each: none: it could not start (the tools jail could not start" in out.stderr

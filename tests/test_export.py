@@ -1,4 +1,4 @@
-"""scripts/export.py and grpo/run/outputs.py on a run folder made without training (tiny random model)."""
+"""grpo export and grpo/run/outputs.py on a run folder made without training (tiny random model)."""
 
 import json
 import shutil

@@ -271,12 +271,12 @@ def test_an_unwritable_run_folder_stops_the_launcher_and_the_sampler_at_start(tm
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     bad = blocker / "run"
-    for script in ("scripts/launch.py", "sampling_worker.py"):
-        proc = subprocess.run([sys.executable, str(REPO / script), "--config", str(PROCESS_CONFIG),
+    for command in (["-m", "grpo", "train"], [str(REPO / "sampling_worker.py")]):
+        proc = subprocess.run([sys.executable, *command, "--config", str(PROCESS_CONFIG),
                                f"run.dir={bad}", f"model.name_or_path={digit_model_dir}", f"data.path={tiny_gsm8k}"],
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert f"the run folder {bad} is not writable (Not a directory" in proc.stdout + proc.stderr, script
+        assert f"the run folder {bad} is not writable (Not a directory" in proc.stdout + proc.stderr, command
 
 
 def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path, digit_model_dir, tiny_gsm8k):

@@ -1,5 +1,5 @@
 """The recipes in configs/: each loads and validates offline, and the GPU ones plan as their
-comments say (scripts/launch.py --dry-run with faked GPU counts)."""
+comments say (grpo train --dry-run with faked GPU counts)."""
 
 
 import pytest

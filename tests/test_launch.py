@@ -1,4 +1,4 @@
-"""scripts/launch.py: placement, --help and --dry-run plans, the rank check, the fresh-start guard, a
+"""grpo train: placement, --help and --dry-run plans, the rank check, the fresh-start guard, a
 real two-step run, two runs at once, the time limit, and a killed sampler stopping everything."""
 
 import json
@@ -68,12 +68,12 @@ def test_one_rank_runs_the_worker_itself_and_several_go_through_deepspeed():
 
 
 def test_help_says_how_to_start_and_where_the_keys_are():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "launch.py"), "--help"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "grpo", "train", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
     lines = proc.stdout.splitlines()
     assert lines[0] == "usage: grpo train [--config config.yaml] [--dry-run] [key=value ...]"
-    assert lines[1] == "       python scripts/launch.py ...    (the same, from a checkout)"
+    assert lines[1] == "       python -m grpo train ...    (the same with a given interpreter)"
     assert lines[2].startswith('       make train ARGS="..."    (passes the same')
     for text in ("config.yaml by default", "configs/ holds recipes", "--help-config", "docs/config.md", "--gpus N"):
         assert text in proc.stdout, text
@@ -221,7 +221,7 @@ def test_gpus_is_for_planning_only(capsys, args, message):
 def launch_command(run_dir, model_dir, data_dir, *extra, own_address=True):
     """A tiny run; with own_address=False the launcher picks the transport address itself."""
     address = [f"transport.address={free_tcp_address()}"] if own_address else []
-    return [sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(PROCESS_CONFIG),
+    return [sys.executable, "-m", "grpo", "train", "--config", str(PROCESS_CONFIG),
             f"run.dir={run_dir}", f"model.name_or_path={model_dir}", f"data.path={data_dir}", *address,
             "sampling.prompts_per_step=2", "sampling.group_size=4", "sampling.max_new_tokens=1", "lora.r=4",
             "launch.cpu_threads=1", *extra]
@@ -328,7 +328,7 @@ def test_a_hub_id_without_the_hub_fails_in_one_line_before_anything_starts(tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=free_tcp_address().replace("tcp://", "http://"), HF_HOME=str(tmp_path / "hf"))
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "launch.py"), "--config", str(REPO / "config.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "grpo", "train", "--config", str(REPO / "config.yaml"),
                            f"run.dir={tmp_path / 'run'}", override], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     elapsed = time.monotonic() - started

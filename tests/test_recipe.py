@@ -1,5 +1,5 @@
 """A user's second run: their own data and reward module, evaluation during training, dynamic
-sampling, through the real processes; and the in-training evaluation against scripts/evaluate.py."""
+sampling, through the real processes; and the in-training evaluation against grpo evaluate."""
 
 import json
 
@@ -88,7 +88,7 @@ def test_dynamic_sampling_through_the_processes(tmp_path, digit_model_dir, tiny_
 
 
 def test_the_training_evaluation_and_evaluate_py_agree_on_the_same_weights(tmp_path, tiny_model_dir, tiny_gsm8k):
-    """The sampler's evaluator (weights hot-swapped into its engine) and scripts/evaluate.py (the
+    """The sampler's evaluator (weights hot-swapped into its engine) and grpo evaluate (the
     published folder loaded afresh) write the same completions and the same rates."""
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", f"data.path={tiny_gsm8k}", "lora.r=4",
                              "sampling.max_new_tokens=5", "eval.every=2", "eval.num_problems=5", "eval.batch_size=2"])

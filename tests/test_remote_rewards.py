@@ -575,7 +575,7 @@ def test_a_service_reward_config_loads_without_calling_anything():
 
 
 def test_check_run_flags_a_service_reward_that_failed_on_every_sample_of_every_step():
-    """scripts/check_run.py, as CI runs it after training against the example server."""
+    """grpo check, as CI runs it after training against the example server."""
     from grpo.commands.check import service_problems
 
     url = "http://127.0.0.1:8123/score"

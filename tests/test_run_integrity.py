@@ -86,6 +86,35 @@ def test_a_spooled_step_changed_after_it_was_written_is_never_sent(tmp_path):
         sender.close()
 
 
+def test_a_spooled_step_of_an_earlier_schema_stops_the_resend_naming_the_folder_to_delete(tmp_path):
+    """A run resumed after an upgrade: its spool holds a batch of the earlier schema, which the trainer
+    could not read (it would count it as malformed and wait for it). The re-send stops at it instead,
+    naming the file and the spool folder whose deletion has its steps made again."""
+    secret = run_secret(None, tmp_path)
+    spool, sent = Spool(tmp_path / "spool"), []
+    sender = BatchSender(free_tcp_address(), secret=secret)
+    try:
+        signature, header, *tensors = encode_batch(make_batch(), secret)
+        earlier = [json.dumps({**json.loads(header), "schema": "grpo.rollout/3"}).encode(), *tensors]
+        spool.put(0, encode_batch(make_batch(), secret))
+        spool.put(1, [hmac_of(secret, earlier), *earlier])
+        TrainerState(step=0, next_steps={0: 0}).save(tmp_path / "trainer_state.json")
+        redelivery = Redelivery(spool, sent.append, tmp_path / "trainer_state.json", 0, sender.signature_problem)
+        with pytest.raises(SpoolError, match=r"step00000001.batch holds a batch of schema grpo.rollout/3, written "
+                                             r"by an earlier release.*Delete the sampler's spool folder"):
+            redelivery.check(next_step=2)
+        assert len(sent) == 1
+    finally:
+        sender.close()
+
+
+def hmac_of(secret: bytes, frames: list[bytes]) -> bytes:
+    """The transport's signature of `frames` (grpo/wire/codec.py)."""
+    from grpo.wire.codec import _signature
+
+    return _signature(secret, frames)
+
+
 class Planted:
     """What a process that can write the run folder leaves in a checkpoint: unpickling it runs code."""
 

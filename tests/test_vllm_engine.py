@@ -550,7 +550,7 @@ def test_vllm_on_the_cpu_gets_the_samplers_threads_unless_the_user_set_them():
 
 @needs_vllm
 def test_vllm_serves_a_merged_export_as_transformers_does(tmp_path):
-    """scripts/export.py --merge writes a plain model folder: vLLM (the CPU build here, with the
+    """grpo export --merge writes a plain model folder: vLLM (the CPU build here, with the
     engine settings of the sampler) loads it by path, and its greedy tokens equal transformers'
     greedy tokens on the same folder."""
     import os

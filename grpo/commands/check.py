@@ -1,7 +1,7 @@
 """Check a finished run folder the way a user would use it (CI's smoke step runs this after `make train`).
 
     grpo check runs/ci-smoke --steps 2 [--max-logp-difference 1e-3] [--completions 2]
-    (or python scripts/check_run.py ...)
+    (or grpo check ...)
 
 Asserts: `metrics.jsonl` has one row per step 1..N (with env.name, each with the episode metrics; and, if asked,
 every row's

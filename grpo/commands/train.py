@@ -43,7 +43,7 @@ STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
 
 USAGE = """\
 usage: grpo train [--config config.yaml] [--dry-run] [key=value ...]
-       python scripts/launch.py ...    (the same, from a checkout)
+       python -m grpo train ...    (the same with a given interpreter)
        make train ARGS="..."    (passes the same: make train ARGS="--dry-run training.steps=50";
                                  CONFIG=configs/<recipe>.yaml picks the config file)
 

@@ -1,8 +1,8 @@
 """The episodes' environments in a child process: a step that hangs or raises costs that step,
 never the run.
 
-The child is common/child.py's kind (forked from multiprocessing's fork server, a Python started by
-exec that never held the data or the model; JSON over a pipe, never pickle, a
+The child is common/child.py's kind (a Python started by exec, which never held the data, the model
+or a variable outside the allow-list; JSON over a pipe, never pickle, a
 time limit per call, replaced when it hangs or dies, a session of its own ended as one, an
 allow-list of environment variables: PATH, HOME, LANG, LC_*, its own TMPDIR, env.pass_env). It is
 cut off from the network at start (a network namespace of its own where the kernel allows
@@ -24,8 +24,8 @@ episode as failed (ReplayMismatch), never shows it another world.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -137,7 +137,7 @@ def confine() -> dict:
 
 
 def limit_resources(memory_mb: int, processes: int, cpu_s: int, own_namespace: bool) -> None:
-    """Budgets of the child above what it has at the fork (it is a copy of the sampler): address
+    """Budgets of the child above what it has at its start (a Python with its modules imported): address
     space (each thread's stack and arena count too), processes and threads (only in its own user
     namespace, where the kernel counts the child's alone; not enforced for root), CPU seconds over
     its life and of each process it starts; 0 leaves one unlimited. Past them an allocation or fork
@@ -189,13 +189,15 @@ class _Episodes:
             _close(self.episodes.pop(gone))
 
 
-def isolated_episodes(name: str, args: dict, limits: EnvConfig, timeout_s: float, pipe_fd: int):
-    """The child's setup (a fork of the fork server: it holds nothing of the sampler's, not the data):
+def isolated_episodes(name: str, args: dict, limits: dict, timeout_s: float, pipe_fd: int):
+    """The child's setup (a Python started by exec: it holds nothing of the sampler's, not the data;
+    `limits`: the env section as a dict):
     cut off from the network, the other processes' environments hidden (in its namespace), within its
     budgets (env.network, env.memory_mb, env.max_processes, env.cpu_s), holding no socket of the
     sampler's, confined (confine); then the handler of its episodes. ChildRefused where it cannot be
     isolated. Its info: [how the network is cut off, what confines it]."""
     close_inherited_sockets(keep=pipe_fd)
+    limits = EnvConfig(**limits)
     # the jail of tools (and of any environment's run_tool), started before this child confines
     # itself: it makes namespaces of its own
     from grpo.environments.tools import start_tool_jail
@@ -205,7 +207,7 @@ def isolated_episodes(name: str, args: dict, limits: EnvConfig, timeout_s: float
     except ChildRefused as e:  # the tool environment cannot run without it; another one only if it calls run_tool
         if name == "tools":
             raise
-        jail_info = f"not started ({e}): run_tool fails"
+        jail_info = {"refused": str(e)}
     try:
         how = deny_network() if limits.network == "deny" else "allowed"
         hidden = hide_other_environments() if how == "namespace" else 0
@@ -321,8 +323,8 @@ class EnvironmentPool(Replays):
         environment_factory(name, args)  # a bad env.name fails here, in the sampler, in one line
         self.timeout_s, self.limits = timeout_s, limits or EnvConfig()
         try:  # fails closed: no environment runs with a network it should not have
-            self._child = Child("environments", functools.partial(isolated_episodes, name, dict(args), self.limits,
-                                                                  timeout_s),
+            self._child = Child("environments", ("grpo.environments.pool:isolated_episodes",
+                                                 [name, dict(args), dataclasses.asdict(self.limits), timeout_s]),
                                 pass_env=tuple(self.limits.pass_env), clean=True)
         except ChildRefused as e:
             raise IsolationError(str(e)) from None

@@ -78,7 +78,7 @@ class RefusedJail:
     """Stands for a jail that could not start: every call fails with the reason."""
 
     def __init__(self, why: str):
-        self.why, self.info = why, f"not started: {why}"
+        self.why, self.info = why, {"refused": why}
 
     def call(self, *_args, **_kwargs):
         raise ChildFailed(self.why)

@@ -93,39 +93,45 @@ def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor,
 
 def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor,
                        rewards: torch.Tensor, weights: torch.Tensor, after_worst: torch.Tensor,
-                       group_sizes: Sequence[int], scale: str) -> str:
+                       group_sizes: Sequence[int], scale: str, limit: float) -> str:
     """Why a batch's advantages do not follow from its rewards ("" when they do), the way the sampler
     makes them: each total is its weighted rewards (float[N, R] @ weights float[R]), except that a
     failed (`worst`) sample's part before the `after_worst` columns (the overlong penalty) is at most
-    every honest total of its group (the batch's lowest honest one); an unscored sample has advantage
-    0; and the advantages are group_advantages(totals) under `scale`."""
+    every honest total of its group (the batch's lowest honest one); that part is within `limit`
+    (what the sampler lets a total reach); an unscored sample has advantage 0; and the advantages
+    are group_advantages(totals) under `scale`. Every comparison fails on NaN."""
     penalty = rewards.double()[:, after_worst] @ weights.double()[after_worst]  # [N]
     weighted = rewards.double()[:, ~after_worst] @ weights.double()[~after_worst]  # [N]
     base = totals.double() - penalty  # [N]: the total before the columns added after the worst
-    close = lambda a, b: (a - b).abs() <= 1e-5 * b.abs().clamp(min=1.0)  # noqa: E731 float32 totals
+    # float32 totals: rounded relative to the largest of the values summed
+    size = torch.stack([totals.double().abs(), weighted.abs(), penalty.abs()]).amax(0).clamp(min=1.0)  # [N]
+    outside = ~(base.abs() <= limit * (1 + 1e-6))  # [N]
+    if outside.any():
+        i = int(outside.nonzero()[0])
+        return f"sample {i}'s total {float(totals[i]):.9g} is beyond the rewards' limit {limit:g}"
     replaced = scored & worst  # [N]
-    wrong = ~replaced & ~close(base, weighted)  # [N]
+    wrong = ~replaced & ~((base - weighted).abs() <= 1e-5 * size)  # [N]
     if wrong.any():
         i = int(wrong.nonzero()[0])
         expected = float(weighted[i] + penalty[i])
-        return f"sample {i}'s total {float(totals[i]):.6g} is not its weighted rewards {expected:.6g}"
+        return f"sample {i}'s total {float(totals[i]):.9g} is not its weighted rewards {expected:.9g}"
     sizes = expand_group_sizes(group_sizes, totals.numel())
     group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # [N]
     honest = scored & ~worst  # [N]
     lowest = torch.full((len(sizes),), torch.inf, dtype=torch.float64).scatter_reduce(
         0, group, torch.where(honest, base, torch.inf), "amin")  # [B]
-    above = replaced & (base > lowest[group]) & ~close(base, lowest[group])  # [N]
+    above = replaced & ~(base <= lowest[group] + 1e-5 * size)  # [N]
     if above.any():
         i = int(above.nonzero()[0])
-        return f"sample {i} failed a reward but scores {float(base[i]):.6g}, above an honest answer of its group"
+        return f"sample {i} failed a reward but scores {float(base[i]):.9g}, above an honest answer of its group"
     unscored = ~scored & (advantages != 0)  # [N]
     if unscored.any():
         i = int(unscored.nonzero()[0])
-        return f"sample {i} was not scored but has advantage {float(advantages[i]):.6g}"
+        return f"sample {i} was not scored but has advantage {float(advantages[i]):.9g}"
     expected = group_advantages(totals, sizes, scale=scale, scored=scored)  # [N]
-    off = (advantages - expected).abs() > 1e-4 * expected.abs().clamp(min=1.0)  # [N]
+    off = ~((advantages - expected).abs() <= 1e-4 * expected.abs().clamp(min=1.0))  # [N]
     if off.any():
         i = int(off.nonzero()[0])
-        return (f"sample {i}'s advantage {float(advantages[i]):.6g} is not the {scale}-scaled one of its totals "
-                f"({float(expected[i]):.6g})")
+        return (f"sample {i}'s advantage {float(advantages[i]):.9g} is not the {scale}-scaled one of its totals "
+                f"({float(expected[i]):.9g})")
     return ""

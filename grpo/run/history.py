@@ -59,7 +59,9 @@ REFUSED = {
     "env.tools": TASK, "env.args": TASK, "env.tool_parser": TASK,
 }
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
-for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.advantage_scale"):
+# and what the trainer recomputes every batch's advantages with (grpo/trainer/advantage_check.py)
+for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.advantage_scale", "rewards.names",
+             "rewards.weights", "rewards.overlong_buffer", "rewards.overlong_penalty"):
     if _key not in REFUSED and not any(_key.startswith(name) for name in REFUSED if name.endswith(".")):
         REFUSED[_key] = SPOOLED
 

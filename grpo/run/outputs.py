@@ -1,4 +1,4 @@
-"""Reading what a finished or running run left in its folder (scripts/evaluate.py --run, scripts/export.py).
+"""Reading what a finished or running run left in its folder (grpo evaluate --run, grpo export).
 
     runs/<name>/config.yaml       the resolved config the trainer wrote at its start (every key)
     runs/<name>/metrics.jsonl     one row per step; evaluation rows have eval/answer_accuracy

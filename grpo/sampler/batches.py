@@ -32,7 +32,7 @@ from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
 from rewards import RewardScores, score_completions
 from rewards.overlong import NAME as OVERLONG
-from rewards.overlong import overlong_penalty
+from rewards.overlong import overlong_penalty, reward_columns
 from rewards.registry import ENV_REWARD
 from rewards.services import ServiceSettings
 from rewards.strict import checks_of, strict_rates
@@ -76,7 +76,7 @@ def step_seed(cfg: Config, step: int) -> int:
 
 def reward_names(rewards: RewardsConfig) -> list[str]:
     """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
-    return list(rewards.names) + ([OVERLONG] if rewards.overlong_buffer > 0 else [])
+    return reward_columns(rewards.names, rewards.weights, rewards.overlong_buffer)[0]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy answers to a fixed set of problems, scored with the strict rewards.
 
-One function serves both `scripts/evaluate.py` (any weights, by hand) and the evaluation during
+One function serves both `grpo evaluate` (any weights, by hand) and the evaluation during
 training (`eval.every`): the sampler runs it between steps with the weights it serves, so the
 two agree on the same weights. The result's rates are those the configured rewards decide
 (rewards/strict.py: GSM8K's strict pair by default), with the binomial standard error of the accuracy.

@@ -182,9 +182,9 @@ class SamplingConfig:
         "prompts per step; short of informative groups after them, the batch is filled with dropped ones and "
         "sampling/dynamic_cap_hit is logged.", bound=">= 1")
     num_workers: int = setting(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
-        "scripts/launch.py starts this many). Together they make the batches one sampler would: global step g is made "
+        "grpo train starts this many). Together they make the batches one sampler would: global step g is made "
         "by sampler g % N.", bound=">= 1")
-    worker_index: int = setting(0, "This sampler's index, 0 .. num_workers - 1 (set by scripts/launch.py).")
+    worker_index: int = setting(0, "This sampler's index, 0 .. num_workers - 1 (set by grpo train).")
     vllm: VllmSettings = field(default_factory=lambda: VllmSettings())
     generation_batch_size: int = setting(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
         "refilled at once with the step's next one (sampling.continuous_batching).", bound=">= 1")
@@ -280,7 +280,7 @@ class EvalConfig:
     split: str = setting("test", "Held-out split of data.path.")
     batch_size: int = setting(16, "Prompts generated at once during evaluation.", bound=">= 1")
     on_start: bool = setting(True, "Also evaluate version 0, the starting weights (false: the first evaluation is at "
-        "eval.every; the starting weights' numbers are those of scripts/evaluate.py without weights).")
+        "eval.every; the starting weights' numbers are those of grpo evaluate without weights).")
 
 
 @dataclass

@@ -5,15 +5,15 @@ the tables behind the suggestions of an unknown config key (grpo/settings/tree.p
 # ("training.beta"), a key with a note, or a sentence where no key does (a hint that does not start
 # with one of our keys). veRL's names are those of verl/trainer/config/ppo_trainer.yaml, OpenRLHF's
 # the flags of openrlhf/cli/train_ppo_ray.py (flat, e.g. --pretrain, and dotted, e.g. --ckpt.save_steps).
-GPU_PLACEMENT = ("scripts/launch.py places the processes on the GPUs it sees (CUDA_VISIBLE_DEVICES); "
+GPU_PLACEMENT = ("grpo train places the processes on the GPUs it sees (CUDA_VISIBLE_DEVICES); "
                  "launch.trainer_ranks sets how many of them train, the rest sample")
-NODES = ("scripts/launch.py runs one node; across nodes start the trainer with deepspeed --hostfile and "
+NODES = ("grpo train runs one node; across nodes start the trainer with deepspeed --hostfile and "
          "each sampler on its host (docs/running.md)")
 NO_ENTROPY = "the loss has no entropy bonus (the entropy is logged as entropy)"
 ADVANTAGES = "advantages are group-relative (GRPO); training.advantage_scale sets their scale (group, batch, none)"
 BOTH_CLIPS = "training.clip_low and training.clip_high (set separately)"
 RUN_FOLDER = "run.dir (checkpoints go to <run.dir>/checkpoints, weights to <run.dir>/weights)"
-EXPORT = ("scripts/export.py runs/<name> --out DIR writes the trained model (the run keeps its weights in "
+EXPORT = ("grpo export runs/<name> --out DIR writes the trained model (the run keeps its weights in "
           "<run.dir>/weights)")
 REWARD_MODEL = "rewards.names=[reward_model:<folder or Hub id>]"
 REWARD_FUNCTION = "rewards.names=[path/to/file.py:function]"

@@ -68,14 +68,14 @@ class CheckpointConfig:
 
 @dataclass
 class LaunchConfig:
-    trainer_ranks: int = setting(0, "Trainer ranks started by scripts/launch.py. 0 = auto: every GPU but the last "
+    trainer_ranks: int = setting(0, "Trainer ranks started by grpo train. 0 = auto: every GPU but the last "
         "(which samples), one GPU shared by both, or 1 rank on a CPU-only machine.", bound=">= 0", why="0 = automatic")
     cpu_threads: int = setting(0, "Threads per process on a CPU-only machine. 0 = the cores split between sampler and "
         "trainer.", bound=">= 0", why="0 = automatic")
-    max_minutes: float = setting(0.0, "Wall-clock budget for scripts/launch.py: at this many minutes it stops both "
+    max_minutes: float = setting(0.0, "Wall-clock budget for grpo train: at this many minutes it stops both "
         "processes cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.",
         bound=">= 0", why="0 = no limit")
     stall_s: float = setting(180.0, "A worker that writes nothing to its log for this long during its start-up (before "
         "the sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks written to its log, "
-        "and the console says where it is; still silent after twice this, scripts/launch.py stops the run. 0 = never.",
+        "and the console says where it is; still silent after twice this, grpo train stops the run. 0 = never.",
         bound=">= 0", why="0 = never")

@@ -10,31 +10,48 @@ from grpo.objective.advantages import advantages_problem
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch
 from rewards.overlong import NAME as OVERLONG
+from rewards.overlong import overlong_penalty, reward_columns
+from rewards.registry import REWARD_LIMIT
 
 if TYPE_CHECKING:
     from grpo.settings import Config
 
 
 def check_advantages(batch: RolloutBatch, cfg: Config) -> None:
-    """Raise unless the batch's advantages follow from its rewards: its totals are its rewards weighted by
-    this run's rewards.weights (the overlong penalty with weight 1, added after a failed sample takes the
-    batch's worst: grpo/sampler/batches.py), and its advantages are those totals' under
-    training.advantage_scale (grpo.objective.advantages.advantages_problem). The trainer trains on nothing else."""
+    """Raise unless the batch's advantages follow from its rewards: its reward columns are this run's
+    (rewards.names, then the overlong penalty when it is on, recomputed here from the completions'
+    lengths), its totals those columns weighted by rewards.weights (the penalty with weight 1, added
+    after a failed sample takes the batch's worst: grpo/sampler/batches.py), and its advantages those
+    totals' under training.advantage_scale (grpo.objective.advantages.advantages_problem). The trainer
+    trains on nothing else."""
     where = f"sampler {batch.sampler} step {batch.step}"
-    if batch.totals is None or batch.scored is None or batch.worst is None:
-        raise BehaviourMismatch(f"{where} carries no reward totals, so its advantages cannot be checked; "
-                                "nothing was trained with it. Run the sampler of this trainer's version.")
-    weights = {**dict(zip(cfg.rewards.names, cfg.rewards.weights)), OVERLONG: 1.0}
-    unknown = [name for name in batch.reward_names if name not in weights]
-    if unknown:
-        raise BehaviourMismatch(f"{where} was scored with rewards this run does not have ({', '.join(unknown)}); "
-                                f"this run's are {', '.join(cfg.rewards.names)}. Nothing was trained with it.")
+    rewards = cfg.rewards
+    names, weights = reward_columns(rewards.names, rewards.weights, rewards.overlong_buffer)
+    if batch.reward_names != names:
+        raise BehaviourMismatch(f"{where} was scored with the rewards {batch.reward_names}, this run's are {names}; "
+                                "nothing was trained with it. Start the sampler with the same rewards.names and "
+                                "rewards.overlong_buffer.")
+    problem = overlong_problem(batch, cfg) if rewards.overlong_buffer > 0 else ""
     scale = cfg.training.advantage_scale
-    problem = advantages_problem(
+    problem = problem or advantages_problem(
         batch.advantages, batch.totals, batch.scored, batch.worst, batch.rewards,
-        torch.tensor([weights[name] for name in batch.reward_names], dtype=torch.float64),
-        torch.tensor([name == OVERLONG for name in batch.reward_names], dtype=torch.bool), batch.group_sizes, scale)
+        torch.tensor(weights, dtype=torch.float64), torch.tensor([name == OVERLONG for name in names]),
+        batch.group_sizes, scale, REWARD_LIMIT)
     if problem:
         raise BehaviourMismatch(f"{where}'s advantages do not follow from its rewards under this run's "
                                 f"rewards.weights and training.advantage_scale={scale}: {problem}. "
                                 "Nothing was trained with it.")
+
+
+def overlong_problem(batch: RolloutBatch, cfg: Config) -> str:
+    """Where the batch's overlong column is not the penalty of its completions' lengths ("" nowhere)."""
+    rewards = cfg.rewards
+    expected = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, rewards.overlong_buffer,
+                                              rewards.overlong_penalty) for c in batch.completion_ids])  # [N]
+    found = batch.rewards[:, -1].double()  # [N]
+    off = ~((found - expected).abs() <= 1e-6 * expected.abs().clamp(min=1.0))  # [N]
+    if not off.any():
+        return ""
+    i = int(off.nonzero()[0])
+    return (f"sample {i}'s overlong penalty {float(found[i]):.9g} is not its length's "
+            f"({len(batch.completion_ids[i])} tokens: {float(expected[i]):.9g})")

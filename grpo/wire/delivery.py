@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.files import write_atomically
+from grpo.wire.batch import SCHEMA
 
 MAGIC = b"GRPOSPL1"
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for a batch says so
@@ -203,6 +204,12 @@ class Redelivery:
                              f"changed since ({problem}); nothing of it is sent. If something other than the run wrote "
                              "into the run folder, look for what; then delete the file and start the run again to "
                              "have the step made again")
+        schema = _schema(frames[1])
+        if schema != SCHEMA:
+            raise SpoolError(f"{self.spool._path(step)} holds a batch of schema {schema}, written by an earlier "
+                             f"release, which this trainer (schema {SCHEMA}) cannot read; nothing of it is sent. "
+                             f"Delete the sampler's spool folder {self.spool.folder} and start the run again to "
+                             "have its steps made again")
         return frames
 
     def wait_until_checkpointed(self, end_step: int, timeout_s: float, poll_s: float = 0.2) -> None:
@@ -281,3 +288,11 @@ class Inbox:
     def _wanted(self, state: TrainerState) -> str:
         sampler, _ = owner(state.step, self.num_samplers)
         return f"sampler {sampler} step {state.next_step(sampler)}"
+
+
+def _schema(header: bytes) -> str:
+    """The schema a spooled batch's header names ("unknown" where it names none)."""
+    try:
+        return str(json.loads(header).get("schema", "unknown"))[:80]
+    except (ValueError, AttributeError):
+        return "unknown"

@@ -10,7 +10,7 @@ on the whole machine, each evaluated at the same marks.
 
 Each run is scripts/benchmarks/bench_learn.py's run of ours (launch.max_minutes, every version kept);
 a mark at minute m evaluates the last version published by m with the same greedy evaluation
-(scripts/evaluate.py, the first --eval-problems problems of eval.split), after both runs. Printed:
+(grpo evaluate, the first --eval-problems problems of eval.split), after both runs. Printed:
 held-out accuracy at each mark, trained steps per minute (the versions published over the budget), and
 from each run's metrics.jsonl the share of the trainer's step time it waited for a batch, the share of
 the sampler's generation it waited for weights, and (in-flight) the loads and their KV recompute time.

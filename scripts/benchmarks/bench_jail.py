@@ -10,7 +10,7 @@ it, parse the call, run it, build the reply), of the calculator tool, and of a t
 against the forked child); then episodes/s on the 1-second tool workload (each episode one step
 whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them); then ms to start the
 environments' child (as at a run's start and after a hung step), forked from a sampler holding
-`--sampler-mb` MB against forked from the fork server that the child now comes from.
+`--sampler-mb` MB against started by exec, as the child now is.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,18 +169,18 @@ def bench_slow_tool(lanes: int, per_lane: int) -> None:
 
 def bench_child_start(starts: int, held_mb: int) -> None:
     """The environments' child started and closed: forked from this process holding `held_mb` MB (as a
-    sampler holds its model and data), against forked from the fork server (which holds none of it)."""
+    sampler holds its model and data), against a new Python started by exec (which holds none of it)."""
     held = bytearray(held_mb << 20)
     held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident, as a loaded model is
-    setup = functools.partial(isolated_episodes, f"{HERE}:DirectTools", {"tools": [f"{HERE}:noop"], "parser": "hermes"},
-                              EnvConfig(), 30.0)
-    steps = {"sampler": lambda: Child("environments", setup).close(),
-             "fork server": lambda: Child("environments", setup, clean=True).close()}
+    arguments = [f"{HERE}:DirectTools", {"tools": [f"{HERE}:noop"], "parser": "hermes"}, asdict(EnvConfig()), 30.0]
+    steps = {"fork": lambda: Child("environments", functools.partial(isolated_episodes, *arguments)).close(),
+             "exec": lambda: Child("environments", ("grpo.environments.pool:isolated_episodes", arguments),
+                                   clean=True).close()}
     for step in steps.values():
-        step()  # warm-up: the fork server started
+        step()  # warm-up
     ms = per_call_ms(steps, starts)
-    print(f"{'environments child start':<34} from the sampler ({held_mb} MB) {ms['sampler']:7.1f} ms   "
-          f"from the fork server {ms['fork server']:7.1f} ms   ratio {ms['fork server'] / ms['sampler']:5.2f}x")
+    print(f"{'environments child start':<34} forked from the sampler ({held_mb} MB) {ms['fork']:7.1f} ms   "
+          f"started by exec {ms['exec']:7.1f} ms   ratio {ms['exec'] / ms['fork']:5.2f}x")
     del held
 
 

@@ -16,7 +16,7 @@ A mark at minute m evaluates the weights of the last update completed by then: o
 published version whose manifest was written by m; TRL, the adapter saved at the end of its
 last optimizer step by m (saved after every step; the save is in TRL's time). Minute 0 is the
 base model for both. Every mark is evaluated after both runs, with the same greedy evaluation
-(scripts/evaluate.py: the first --eval-problems problems of eval.split, scored by
+(grpo evaluate: the first --eval-problems problems of eval.split, scored by
 rewards.accuracy_reward), so evaluation takes no training time. Printed and written to --out:
 held-out accuracy with its standard error at every mark for both, the minutes each needs to
 reach TRL's final accuracy, and a figure of accuracy against minutes.
@@ -102,7 +102,7 @@ def run_ours(config: Path, minutes: float, overrides: list[str], folder: Path) -
     from grpo.run.ports import free_loopback_address
 
     run_dir = folder / "ours"
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(config), f"run.dir={run_dir}",
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(config), f"run.dir={run_dir}",
            f"launch.max_minutes={minutes}", "training.steps=100000", "weights.keep_last=100000",
            "checkpoint.every=100000", "eval.every=0", "logging.tensorboard=false",
            f"transport.address={free_loopback_address()}", *overrides]
@@ -192,8 +192,8 @@ def evaluate_marks(config: Path, overrides: list[str], systems: dict[str, dict],
                    folder: Path) -> dict[str, list[dict]]:
     """Each system's held-out accuracy at each mark (weights evaluated once each; the base once for all)."""
     import torch
-    from evaluate import evaluate
 
+    from grpo.commands.evaluate import evaluate
     from grpo.config import parse_cli
     from grpo.run.preflight import named_code_problems
     from grpo.sampler.evaluation import summary

@@ -6,7 +6,7 @@ trainer's first step, warm (the embedded model converted and DeepSpeed's CPU op 
     .venv/bin/python scripts/benchmarks/bench_startup.py --config configs/needle_haystack.yaml --repeats 3
     .venv/bin/python scripts/benchmarks/bench_startup.py --cold                     # also from empty caches
 
-Each run is `scripts/launch.py ... training.steps=2` in a fresh run folder; the milestones are read
+Each run is `grpo train ... training.steps=2` in a fresh run folder; the milestones are read
 off its logs' timestamps: the sampler ready (its prompts built), its first batch sent (generated,
 scored, its log-probs made), the trainer ready (DeepSpeed initialised) and its first step done.
 Cold runs point GRPO_CACHE and TORCH_EXTENSIONS_DIR at empty folders; `--cold` also times
@@ -56,7 +56,7 @@ def launch(config: str, env: dict, overrides: list[str]) -> tuple[dict[str, floa
     """One two-step run: its milestones and its whole wall time."""
     run_dir = Path(tempfile.mkdtemp(prefix="bench-startup-", dir=ROOT / "runs"))
     shutil.rmtree(run_dir)
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", config, f"run.dir={run_dir}",
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", config, f"run.dir={run_dir}",
            "training.steps=2", "logging.tensorboard=false", *overrides]
     start = time.time()
     done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -73,7 +73,8 @@ def process_label(cmdline: list[str], parent_cmdline: list[str]) -> str:
         if len(cmdline) > 1 and Path(cmdline[1]).name == "deepspeed":
             return "DeepSpeed runner"
         return "trainer rank"
-    if "launch.py" in text or "grpo.commands.train" in text or Path(cmdline[min(1, len(cmdline) - 1)]).name == "grpo":
+    if "grpo.commands.train" in text or cmdline[1:3] == ["-m", "grpo"] or \
+            Path(cmdline[min(1, len(cmdline) - 1)]).name == "grpo":
         return "launcher"
     return "other"
 
@@ -168,13 +169,11 @@ def matmul_ceiling(config: Path, overrides: list[str]) -> dict:
     the trainer and the sampler half the cores each) and with all of them."""
     import torch
 
+    from grpo.commands.train import placement
     from grpo.config import parse_cli
     from grpo.model.flops import ModelShape, measure_matmul_rate
     from grpo.model.loading import load_model
     from grpo.run.preflight import named_code_problems
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from launch import placement
 
     cfg = parse_cli(["--config", str(config), *overrides], checks=[named_code_problems])
     shape = ModelShape.of(load_model(cfg.model))
@@ -210,7 +209,7 @@ def run_ours(workload: str, args, overrides: list[str], folder: Path, name: str 
     from grpo.run.ports import free_loopback_address
 
     run_dir = folder / f"{name}-{workload}"
-    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--config", str(args.config), f"run.dir={run_dir}",
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(args.config), f"run.dir={run_dir}",
            *WORKLOADS[workload], f"training.steps={args.steps}", "checkpoint.every=100000",
            "logging.tensorboard=false", f"transport.address={free_loopback_address()}", *overrides]
     measured = run_measured(cmd, folder / f"{name}-{workload}.log", dict(os.environ))

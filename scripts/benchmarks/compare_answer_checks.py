@@ -3,7 +3,7 @@
     .venv/bin/python scripts/benchmarks/compare_answer_checks.py runs/eval/base.samples.jsonl [more.samples.jsonl ...]
     .venv/bin/python scripts/benchmarks/compare_answer_checks.py --solutions      # GSM8K test's own worked solutions
 
-Samples files are what scripts/evaluate.py writes next to its summary (the completion and the
+Samples files are what grpo evaluate writes next to its summary (the completion and the
 reference answer of each problem). `--solutions` builds one completion per GSM8K test problem
 from its worked solution: the reasoning in <think> and, in <answer>, the solution's last
 sentence as written (units, '$', the sum that gives the number) — the way a verbose model

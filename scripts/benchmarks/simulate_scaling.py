@@ -76,16 +76,27 @@ def tiny_model(folder: Path, hidden_size: int = 64) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def fixed_batch(behaviour: dict) -> RolloutBatch:
-    """4 prompts x 8 completions of 24 tokens; its contents do not matter, its cost does."""
+def fixed_batch(behaviour: dict, cfg: Config) -> RolloutBatch:
+    """4 prompts x 8 completions of 24 tokens; its contents do not matter, its cost does (its advantages
+    follow from its rewards, as the trainer checks)."""
+    from grpo.objective.advantages import group_advantages
+    from rewards.overlong import overlong_penalty, reward_columns
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (64,), generator=g) for _ in range(4)]
     completions = [torch.randint(3, 500, (24,), generator=g) for _ in range(32)]
+    r = cfg.rewards
+    names, weights = reward_columns(r.names, r.weights, r.overlong_buffer)
+    rewards = torch.randn(32, len(names), generator=g)
+    if r.overlong_buffer > 0:
+        rewards[:, -1] = overlong_penalty(24, cfg.sampling.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
+    totals = (rewards.double() @ torch.tensor(weights, dtype=torch.float64)).float()
     return RolloutBatch(step=0, policy_version=0, prompt_ids=prompts, completion_ids=completions,
                         group_sizes=[8] * 4, old_logps=[torch.full((24,), -6.0) for _ in completions],
-                        ref_logps=None, rewards=torch.randn(32, 1, generator=g), reward_names=["r"],
-                        advantages=torch.randn(32, generator=g), truncated=torch.zeros(32, dtype=torch.bool),
-                        behaviour=behaviour)
+                        ref_logps=None, rewards=rewards, reward_names=names,
+                        advantages=group_advantages(totals, 8, scale=cfg.training.advantage_scale),
+                        truncated=torch.zeros(32, dtype=torch.bool), behaviour=behaviour, totals=totals,
+                        scored=torch.ones(32, dtype=torch.bool), worst=torch.zeros(32, dtype=torch.bool))
 
 
 def fake_sampler(index: int, cfg: Config, batch: RolloutBatch, generate_s: float, errors: list) -> None:
@@ -118,7 +129,7 @@ def simulate(samplers: int, generate_s: float, staleness: int, steps: int, ranks
     cfg = load_config(ROOT / "config.yaml", overrides)
     from grpo.model.loading import load_tokenizer
 
-    batch = fixed_batch(behaviour_of(cfg, load_tokenizer(cfg.model), Objective.of(cfg).header()))
+    batch = fixed_batch(behaviour_of(cfg, load_tokenizer(cfg.model), Objective.of(cfg).header()), cfg)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "trainer.log", "wb") as log:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 CPU_BATCHED_TOKENS = 4096  # the CPU build's own default budget of tokens per engine step
-INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where scripts/launch.py runs a vllm sampler; by hand: "
+INSTALL_HINT = ("make install-vllm (it builds .venv-vllm, where grpo train runs a vllm sampler; by hand: "
                 ".venv-vllm/bin/python sampling_worker.py sampling.engine=vllm)")
 
 

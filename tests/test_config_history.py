@@ -219,3 +219,14 @@ def test_a_checkpoint_of_a_trained_step_still_counts(tmp_path):
     assert resume_source("auto", run_dir) == run_dir / "checkpoints"
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "loss": 0.5}\n')
     assert earlier_outputs(run_dir, run_dir / "weights") == ["checkpoints", "metrics.jsonl (2 rows)"]
+
+
+def test_the_reward_columns_and_weights_are_refused_on_a_resume_and_the_rest_of_rewards_is_not():
+    """The trainer recomputes every batch's advantages with rewards.names, weights and the overlong
+    penalty: a spooled batch scored with other ones would stop it. The judge, services, time limits may change."""
+    cfg = load_config(None, [])
+    spooled = "batches record it: the trainer would refuse those spooled with the old value"
+    changes = {"rewards.weights": ([1.0, 1.0], [2.0, 1.0]), "rewards.names": (["a"], ["b"]),
+               "rewards.overlong_buffer": (0, 4), "rewards.overlong_penalty": (1.0, 2.0),
+               "rewards.timeout_s": (10.0, 20.0), "rewards.on_failure": ("worst", "fallback")}
+    assert refused_changes(changes, cfg, cfg) == {key: spooled for key in list(changes)[:4]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common.files import write_atomically
+from grpo.common.files import write_atomically
 
 
 @dataclass

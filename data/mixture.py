@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from data.cursor import PromptCursor
+from grpo.data.cursor import PromptCursor
 
 BLOCK = 4096  # positions whose sources are drawn together (one generator per block: seeking is cheap)
 SOURCE_KEYS = ("path", "weight", "split", "prompt_column", "answer_column", "answer_format", "hub_config", "few_shot",

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
-from data.code_tasks import code_task_rows, is_code_tasks
-from data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
-from data.procedural import TaskError, check_task, is_procedural, task_rows
+from grpo.common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
+from grpo.data.code_tasks import code_task_rows, is_code_tasks
+from grpo.data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
+from grpo.data.procedural import TaskError, check_task, is_procedural, task_rows
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sources import ModelError
-from data.problems import Problem
+from grpo.common.sources import ModelError
+from grpo.data.problems import Problem
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def few_shot_examples(data_cfg, count: int) -> list[Problem]:
     """The first `count` train problems (data.few_shot), solved, to show before every question."""
     if count == 0:
         return []
-    from data.problems import load_split
+    from grpo.data.problems import load_split
 
     problems, _ = load_split(data_cfg, "train")
     return problems[:count]

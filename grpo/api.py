@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from common.imports import USER_PATH_ENV, importing_user_code
-from common.run_folder import RunFolder
+from grpo.common.imports import USER_PATH_ENV, importing_user_code
+from grpo.common.run_folder import RunFolder
 
 Overrides = Mapping[str, Any] | Sequence[str] | None
 
@@ -197,7 +197,7 @@ def launch(config: str | os.PathLike | None = "config.yaml", overrides: Override
     env = dict(os.environ, PYTHONSAFEPATH="1")  # the working folder never shadows our packages (Python >= 3.11)
     if checkout_root():  # not installed: the launcher imports grpo from the checkout
         env["PYTHONPATH"] = os.pathsep.join([checkout_root(), *filter(None, [env.get("PYTHONPATH")])])
-    if roots:  # the given code's folders, imported last (common/imports.py: user_code_importable)
+    if roots:  # the given code's folders, imported last (grpo/common/imports.py: user_code_importable)
         env[USER_PATH_ENV] = os.pathsep.join([*roots, *filter(None, [env.get(USER_PATH_ENV)])])
     process = subprocess.Popen([sys.executable, "-u", "-m", "grpo.commands.train", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env)

@@ -9,7 +9,7 @@ __all__ = ["REWARD_FUNCTIONS", "RewardScores", "batched", "get_reward", "score_c
 
 def __getattr__(name: str):
     if name in __all__:
-        from rewards import registry
+        from grpo.rewards import registry
 
         return getattr(registry, name)
     raise AttributeError(f"module 'rewards' has no attribute {name!r}")

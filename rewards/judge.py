@@ -31,7 +31,7 @@ import secrets
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 
-from rewards.http_json import Breaker, ServiceError, Unreachable, post_json
+from grpo.rewards.http_json import Breaker, ServiceError, Unreachable, post_json
 
 PLACEHOLDERS = ("question", "completion", "answer")
 _PLACEHOLDER_RE = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from rewards.gsm8k_answer import last_answer_block
+from grpo.rewards.gsm8k_answer import last_answer_block
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,7 +30,7 @@ def reasoning_gym_score(completion: str, row: dict) -> float | None:
         return None
     block = last_answer_block(completion)
     if isinstance(row.get("entry"), dict):
-        from data.procedural import original_entry
+        from grpo.data.procedural import original_entry
 
         entry = original_entry(row["entry"])
     else:  # a row made elsewhere (a user's own dataset of reasoning-gym rows): as the row holds it
@@ -40,14 +40,14 @@ def reasoning_gym_score(completion: str, row: dict) -> float | None:
 
 
 def _prepare(row: dict) -> None:
-    """Run where the reward's jail forks its calls (common/jail.py), from the row alone: the task's
+    """Run where the reward's jail forks its calls (grpo/common/jail.py), from the row alone: the task's
     scorer and its dataset built there once, so that no call builds them again (some tasks
     precompute every question: seconds)."""
     metadata = row.get("metadata")
     if isinstance(metadata, dict) and metadata.get("source_dataset"):
         task_scorer(metadata["source_dataset"])
         if isinstance(row.get("entry"), dict):
-            from data.procedural import original_entry
+            from grpo.data.procedural import original_entry
 
             original_entry(row["entry"])
 

@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from common.child import failure_text
-from rewards.builtins import (  # noqa: F401 (the registry's names, as before)
+from grpo.common.child import failure_text
+from grpo.rewards.builtins import (  # noqa: F401 (the registry's names, as before)
     ENV_REWARD,
     ON_FAILURE,
     PROMPT_TURNS,
@@ -39,8 +39,8 @@ from rewards.builtins import (  # noqa: F401 (the registry's names, as before)
     is_batched,
     rule_reward,
 )
-from rewards.http_json import BreakerOpen, ServiceError, Unreachable
-from rewards.services import ServiceSettings, is_service, is_service_name, service_reward
+from grpo.rewards.http_json import BreakerOpen, ServiceError, Unreachable
+from grpo.rewards.services import ServiceSettings, is_service, is_service_name, service_reward
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
-from rewards.http_json import Breaker, ServiceError, post_json
+from grpo.rewards.http_json import Breaker, ServiceError, post_json
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from common.model_files import DTYPES, resolve_device, resolve_model_path
-from common.sources import EMBEDDED_MODELS, HUB_ID_RE, cached_hub_snapshot, hub_unreachable_reason
+from grpo.common.model_files import DTYPES, resolve_device, resolve_model_path
+from grpo.common.sources import EMBEDDED_MODELS, HUB_ID_RE, cached_hub_snapshot, hub_unreachable_reason
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Rule rewards in a jail (common/jail.py): each sample scored by a process of its own that holds
+"""Rule rewards in a jail (grpo/common/jail.py): each sample scored by a process of its own that holds
 nothing of the run but that sample's row, so a reward that runs the model's code (unit_tests) or
 hangs on a sample costs that sample's score (it fails there: rewards.on_failure), never the run,
 and reaches no other sample's answer, the sampler, the network or the run's files.
@@ -7,7 +7,7 @@ The jail is a Python started by exec that imports each reward once; each call is
 into its own namespaces with Landlock file rules, a seccomp filter and budgets for its whole
 process tree (docs/environments.md, "What the sandbox allows", has the table and its tests). A
 batched reward gets `rewards.timeout_s` per completion, in one call. The call sees the environment
-variables every child does (common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones
+variables every child does (grpo/common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones
 named in `pass_env`; no network unless `network`.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from common.child import ChildFailed
-from common.jail import Jail, JailLimits, jail_description
+from grpo.common.child import ChildFailed
+from grpo.common.jail import Jail, JailLimits, jail_description
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,11 @@ class RewardSandbox:
     def __init__(self, timeout_s: float, pass_env=(), limits: JailLimits = JailLimits(), names=()):
         """`names`: the rule rewards the jail imports (and warms) as it starts, not in a first call's time."""
         self.timeout_s = timeout_s
-        self._jail = Jail("rewards", "rewards.sandbox:jailed_reward", list(names), limits, pass_env=pass_env)
+        self._jail = Jail("rewards", "grpo.rewards.sandbox:jailed_reward", list(names), limits, pass_env=pass_env)
 
     @property
     def confinement(self) -> dict:
-        """What confines a call here (namespaces, Landlock's ABI, budgets: common/jail.py)."""
+        """What confines a call here (namespaces, Landlock's ABI, budgets: grpo/common/jail.py)."""
         return self._jail.info
 
     def __call__(self, name: str, completion: str | list[str], row: dict | list[dict]):
@@ -59,7 +59,7 @@ def reward_sandbox(rewards) -> RewardSandbox | None:
         return None
     limits = JailLimits(memory_mb=rewards.memory_mb, max_processes=rewards.max_processes,
                         network=rewards.network == "allow")
-    from rewards.services import is_service_name
+    from grpo.rewards.services import is_service_name
 
     names = dict.fromkeys(n for n in [*rewards.names, rewards.accuracy_reward, rewards.format_reward]
                           if not is_service_name(n))
@@ -73,7 +73,7 @@ def jailed_reward(name: str) -> Callable:
     the function, its value made JSON (a number, None, or a batched reward's list of them). Ours are
     warmed once there (math-verify's first parse), and a built-in's `prepare(row)` (the reasoning-gym
     scorer's dataset) runs there before each call's fork, from the row, never the completion."""
-    from rewards.builtins import REWARD_FUNCTIONS, rule_reward
+    from grpo.rewards.builtins import REWARD_FUNCTIONS, rule_reward
 
     fn = rule_reward(name)
     if name in REWARD_FUNCTIONS:
@@ -82,7 +82,7 @@ def jailed_reward(name: str) -> Callable:
     def score(completion, row):
         value = fn(completion, row)
         return [_number(v) for v in value] if isinstance(completion, list) else _number(value)
-    score.__wrapped__ = fn  # the jail reads the user's module through it (common/jail_warden.py: served_files)
+    score.__wrapped__ = fn  # the jail reads the user's module through it (grpo/common/jail_warden.py: served_files)
     prepare = getattr(fn, "prepare", None)
     if callable(prepare):
         score.prepare = lambda completion, row: [prepare(r) for r in (row if isinstance(row, list) else [row])]

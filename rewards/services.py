@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rewards.judge import Judge, pattern_problem
-from rewards.remote import RemoteReward, is_url, url_problem
-from rewards.reward_model import PREFIX as REWARD_MODEL
+from grpo.rewards.judge import Judge, pattern_problem
+from grpo.rewards.remote import RemoteReward, is_url, url_problem
+from grpo.rewards.reward_model import PREFIX as REWARD_MODEL
 
 JUDGE = "judge"
 
@@ -66,7 +66,7 @@ def service_reward(name: str, settings: ServiceSettings | None):
         raise ValueError(f"reward {name!r} is a service (reward model, HTTP endpoint or judge): score it with "
                          "score_completions(..., prompts=..., services=ServiceSettings.of(cfg))")
     if name.startswith(REWARD_MODEL):
-        from rewards.reward_model import load_reward_model
+        from grpo.rewards.reward_model import load_reward_model
 
         s = settings
         return load_reward_model(name.removeprefix(REWARD_MODEL), s.device, s.dtype, s.batch_size, s.cache_dir,
@@ -108,7 +108,7 @@ def service_problems(name: str, settings: ServiceSettings) -> list[str]:
     naming its config key; found at start without loading a model or calling anything (a reward
     model's config.json is read)."""
     if name.startswith(REWARD_MODEL):
-        from rewards.reward_model import RewardModelError, check_classifier
+        from grpo.rewards.reward_model import RewardModelError, check_classifier
 
         try:
             check_classifier(name.removeprefix(REWARD_MODEL), settings.cache_dir, settings.trust_remote_code)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
-from rewards.registry import PROMPT_TURNS, REFERENCE, get_reward, score_one_function
+from grpo.rewards.registry import PROMPT_TURNS, REFERENCE, get_reward, score_one_function
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rewards.parsing import find_numbers
+from grpo.rewards.parsing import find_numbers
 
 FORMAT_OK, FORMAT_BAD = 1.25, -1.0
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")

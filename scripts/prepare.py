@@ -41,8 +41,8 @@ def installed_deepspeed_ops() -> dict:
 def main(argv: list[str]) -> int:
     if argv == ["--has-shm-op"]:
         return 0 if installed_deepspeed_ops().get(SHM_OP) else 1
-    from common.model_files import resolve_model_path
-    from common.sources import EMBEDDED_MODELS
+    from grpo.common.model_files import resolve_model_path
+    from grpo.common.sources import EMBEDDED_MODELS
 
     for alias in EMBEDDED_MODELS:
         t = time.perf_counter()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rewards.gsm8k_answer import gsm8k_answer  # noqa: E402
+from grpo.rewards.gsm8k_answer import gsm8k_answer  # noqa: E402
 
 MAX_REQUEST_BYTES = 64 * 2**20  # a batch of completions is megabytes at most
 

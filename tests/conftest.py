@@ -58,7 +58,7 @@ def shared_gsm8k() -> Path:
 @pytest.fixture
 def gsm8k_data() -> str:
     """The real GSM8K, as the default run reads it: the copy embedded in the project."""
-    from data.embedded import EMBEDDED_GSM8K
+    from grpo.data.embedded import EMBEDDED_GSM8K
 
     return EMBEDDED_GSM8K
 
@@ -143,8 +143,8 @@ def service_settings(**changes):
     """The service rewards' settings of the default config, with `changes` (rewards/services.py)."""
     import dataclasses
 
+    from grpo.rewards.services import ServiceSettings
     from grpo.settings import Config
-    from rewards.services import ServiceSettings
 
     return dataclasses.replace(ServiceSettings.of(Config()), **changes)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.kernel_filters import seccomp_deny  # noqa: E402
+from grpo.common.kernel_filters import seccomp_deny  # noqa: E402
 from grpo.environments.pool import (  # noqa: E402
     CLONE_NEWNET,
     CLONE_NEWNS,

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from test_episodes import chatty_model_dir  # noqa: F401 (a fixture: ends a message about one token in eleven)
 from test_launch import launch
 
-from data.cursor import PromptCursor
-from data.problems import load_problems
-from data.prompts import build_prompts
 from grpo.config import load_config
+from grpo.data.cursor import PromptCursor
+from grpo.data.problems import load_problems
+from grpo.data.prompts import build_prompts
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.sampler.rollout.hf_engine import HFEngine

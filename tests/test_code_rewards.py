@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from data.code_tasks import FAMILIES, code_task_rows, task_row
+from grpo.data.code_tasks import FAMILIES, code_task_rows, task_row
 from grpo.environments.pool import EnvironmentPool
-from rewards.code_tests import completion_code, split_test
-from rewards.sandbox import RewardFailed, RewardSandbox
+from grpo.rewards.code_tests import completion_code, split_test
+from grpo.rewards.sandbox import RewardFailed, RewardSandbox
 
 ROW = {"tests": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"],
        "reference_answer": "def add(a, b):\n    return a + b"}
@@ -113,7 +113,7 @@ def test_a_program_that_hangs_or_floods_fails_its_tests_not_the_reward(sandbox):
 
 
 def test_unit_tests_refuse_to_run_outside_the_jail():
-    from rewards.code_tests import unit_tests
+    from grpo.rewards.code_tests import unit_tests
 
     with pytest.raises(RuntimeError, match="runs only in the rewards' jail"):
         unit_tests(fenced("def add(a, b):\n    return a + b"), ROW)

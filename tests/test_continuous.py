@@ -13,9 +13,9 @@ from conftest import REPO, tiny_model
 from test_episodes import CharTokenizer
 from test_episodes import chatty_model as chatty
 
-from data.problems import Problem
-from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
 from grpo.environments.lanes import Lanes
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner

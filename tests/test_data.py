@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from data.cursor import PromptCursor
-from data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
-from data.problems import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
-from data.prompts import build_prompts, encode_prompts, prompt_text
 from grpo.config import DataConfig, load_config
+from grpo.data.cursor import PromptCursor
+from grpo.data.embedded import EMBEDDED_DIR, EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
+from grpo.data.problems import Columns, DataError, load_problems, load_split, parse_final_answer, solution_reasoning
+from grpo.data.prompts import build_prompts, encode_prompts, prompt_text
 from grpo.settings.tree import ConfigError
 
 
@@ -222,8 +222,8 @@ def test_an_environments_opening_joins_the_question_in_its_user_turn(tiny_model_
     user turn, so templates that require alternating roles take it; the prefill stays last."""
     from transformers import AutoTokenizer
 
-    from data.problems import Problem
-    from data.prompts import with_opening
+    from grpo.data.problems import Problem
+    from grpo.data.prompts import with_opening
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     problem = Problem("train-0", "Guess the word.", "crane")

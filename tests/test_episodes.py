@@ -12,9 +12,9 @@ import torch
 from conftest import REPO, checked_config, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.problems import Problem
-from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
 from grpo.environments import Reply
 from grpo.environments.calculator import Calculator, evaluate
 from grpo.environments.pool import EnvironmentPool
@@ -506,8 +506,8 @@ def test_an_opening_too_long_for_the_prompt_budget_is_cut_to_fit(chatty, caplog)
 def test_an_opening_is_plain_text_in_the_question_turn_before_the_prefill(tiny_model_dir):
     """The real path: a prompt rendered from its chat turns, a prefill, an opening holding the
     template's own control tokens, which cannot end the user turn; the G episodes generate from it."""
-    from data.problems import Problem
-    from data.prompts import encode_prompts, prompt_text
+    from grpo.data.problems import Problem
+    from grpo.data.prompts import encode_prompts, prompt_text
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -817,7 +817,7 @@ def test_the_well_formed_rate_counts_the_model_messages_that_made_a_tool_call(ti
     could be read) it is 3 of 4."""
     from test_tools import CALCULATE, CALL, ScriptedModel
 
-    from data.prompts import build_prompts
+    from grpo.data.prompts import build_prompts
     from grpo.environments import environment_args, prompt_options
     from grpo.model.loading import read_chat_template
 

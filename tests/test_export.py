@@ -264,7 +264,7 @@ def test_every_exported_file_is_0644_and_every_folder_0755(lora_run, tmp_path, t
 
 
 def test_an_export_of_the_embedded_model_names_its_public_base_not_a_cache_folder(tmp_path):
-    from common.model_files import resolve_model_path
+    from grpo.common.model_files import resolve_model_path
 
     run = tmp_path / "embedded"
     cfg = make_run(run, "model.name_or_path=smollm2-135m-instruct")

@@ -411,7 +411,7 @@ def test_step_time_is_the_steps_own_and_start_up_is_not_in_it(tmp_path, capsys):
 def test_a_resumed_trainers_rows_are_shown_though_it_rewrote_the_file_shorter(tmp_path, capsys):
     """A resume from the checkpoint of step 10 of 12 trained steps: the trainer rewrites metrics.jsonl
     with rows 1-10, then appends 11, 12 again; each is shown, no earlier row is."""
-    from common.files import write_atomically
+    from grpo.common.files import write_atomically
 
     metrics, now = tmp_path / "metrics.jsonl", time.time()
     old = [json.dumps({"step": i, "wall_time": now - 100 + i}) for i in range(1, 13)]

@@ -122,7 +122,7 @@ def test_a_sliding_window_within_the_sequence_is_why_the_shared_prefix_path_refu
 def test_check_supported_refuses_at_start_in_one_line_naming_the_field():
     import transformers
 
-    from common.sources import ModelError
+    from grpo.common.sources import ModelError
     from grpo.config import load_config
     from grpo.model.logprobs import check_supported
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from data.mixture import MixtureCursor, evaluation_source, source_configs
 from grpo.config import ConfigError, load_config
+from grpo.data.mixture import MixtureCursor, evaluation_source, source_configs
 from grpo.run.epochs import steps_for_epochs, with_epochs_as_steps
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from common.model_files import resolve_model_path
-from common.sources import embedded_gguf_path
+from grpo.common.model_files import resolve_model_path
+from grpo.common.sources import embedded_gguf_path
 from grpo.config import Config, LoraConfig, ModelConfig
 from grpo.model.loading import ModelError, add_lora, load_model
 
@@ -21,7 +21,7 @@ def test_embedded_model_loads_offline_with_its_chat_template(smollm2):
 
 
 def test_embedded_model_is_converted_once_to_a_cached_folder():
-    from common.model_files import convert_embedded
+    from grpo.common.model_files import convert_embedded
 
     folder = convert_embedded("smollm2-135m-instruct")
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()

@@ -5,13 +5,13 @@ import json
 import pytest
 from conftest import checked_config
 
-from data.problems import DataError, load_problems, load_split
-from data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
-from data.prompts import Prompt, build_prompts, solved_answer
 from grpo.config import load_config
+from grpo.data.problems import DataError, load_problems, load_split
+from grpo.data.procedural import DEFAULT_SEED, TEST_SEED_OFFSET, split_settings, task_rows
+from grpo.data.prompts import Prompt, build_prompts, solved_answer
+from grpo.rewards import get_reward
+from grpo.rewards.strict import passes, reward_rows, strict_rates
 from grpo.settings.tree import ConfigError
-from rewards import get_reward
-from rewards.strict import passes, reward_rows, strict_rates
 
 CHAIN_SUM = "reasoning-gym:chain_sum"
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "size": 300, "test_size": 200}
@@ -132,7 +132,7 @@ def test_the_held_out_split_asks_each_question_once():
 
 
 def test_a_task_whose_train_split_holds_every_question_says_so_instead_of_an_empty_held_out_set():
-    from data.procedural import TaskError
+    from grpo.data.procedural import TaskError
 
     one_digit_sums = {  # 10 x 10 digits x (+, -): 200 questions
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "size": 2000}
@@ -158,7 +158,7 @@ def test_every_task_scores_its_own_reference_answer_through_our_path_as_reasonin
     rearc's grids then never equal the answer's): the scorer gets the task's own entry, regenerated."""
     import reasoning_gym
 
-    from data.procedural import create, task_names
+    from grpo.data.procedural import create, task_names
 
     needs_settings = {"composite"}  # made of other tasks named in its settings
     checked = 0

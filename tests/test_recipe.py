@@ -7,11 +7,11 @@ import torch
 from test_launch import launch
 from test_training import LEARNING, run_both
 
-from data.cursor import PromptCursor
-from data.problems import load_split
-from data.prompts import build_prompts
 from grpo.commands.evaluate import evaluate  # noqa: E402
 from grpo.config import load_config
+from grpo.data.cursor import PromptCursor
+from grpo.data.problems import load_split
+from grpo.data.prompts import build_prompts
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.run.metrics_log import MetricsLog
 from grpo.sampler.evaluation import TrainingEvaluator, evaluated_through_at_start

@@ -18,21 +18,21 @@ import torch
 from conftest import REPO, checked_config, service_settings, tiny_model
 from test_sampler_step import DigitTokenizer, FailureStreaks, FakeEngine, config, steps
 
-from data.problems import Problem
-from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
 from grpo.model.loading import add_lora
 from grpo.objective import Denominators, Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.rewards import score_completions
+from grpo.rewards.http_json import Breaker, ServiceError, post_json, retry_after
+from grpo.rewards.judge import fenced
+from grpo.rewards.sandbox import RewardSandbox
+from grpo.rewards.services import ServiceSettings, service_reward
 from grpo.sampler.batches import SamplerModels, make_batch
 from grpo.settings import DEFAULT_JUDGE_PATTERN, DEFAULT_JUDGE_PROMPT, JudgeConfig
 from grpo.settings.tree import ConfigError
 from grpo.trainer.training_step import denominators_of
-from rewards import score_completions
-from rewards.http_json import Breaker, ServiceError, post_json, retry_after
-from rewards.judge import fenced
-from rewards.sandbox import RewardSandbox
-from rewards.services import ServiceSettings, service_reward
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
 TURNS = ({"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "What is 3 + 4?"})
@@ -555,7 +555,7 @@ def test_a_mistyped_service_reward_is_one_config_error_at_start(overrides, messa
 
 def test_a_judges_api_key_is_looked_for_by_the_sampler_at_start_not_by_every_config_load():
     """The trainer, an export or an evaluation of the run load its config without the key."""
-    from rewards.services import ServiceSettings, ServiceStartError, start_services
+    from grpo.rewards.services import ServiceSettings, ServiceStartError, start_services
 
     cfg = load_config(None, ["rewards.names=[judge]", "rewards.weights=[1.0]", "rewards.judge.url=http://127.0.0.1:8000/v1",
                              "rewards.judge.model=m", "rewards.judge.api_key_env=NO_SUCH_KEY_HERE"])

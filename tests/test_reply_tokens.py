@@ -12,8 +12,8 @@ from test_tools import ScriptedModel
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from data.problems import Problem
-from data.prompts import encode_prompts
+from grpo.data.problems import Problem
+from grpo.data.prompts import encode_prompts
 from grpo.environments.pool import EnvironmentPool
 from grpo.model.loading import read_chat_template
 from grpo.sampler.episodes import EpisodeRunner
@@ -112,7 +112,7 @@ def test_an_environments_opening_is_tokenized_as_the_whole_prompt_is(tokenizer):
     """An OpenEnv opening ending in a sentence joins the question's user turn: the prompt's ids are the
     tokenization of the template's rendering of the opened conversation, in one piece; one holding a
     special token's text stays plain text (one <|im_end|> in its tokens: the template's own)."""
-    from data.prompts import with_opening
+    from grpo.data.prompts import with_opening
 
     problem = Problem("train-0", "Guess the number.", "4")
     [prompt], _ = encode_prompts(tokenizer, [problem], "SYS", "<think>\n", 512)

@@ -10,11 +10,11 @@ from conftest import checked_config, service_settings
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from grpo.config import load_config
+from grpo.rewards import score_completions
+from grpo.rewards.reward_model import fit_ids, load_reward_model, padding_id
+from grpo.rewards.sandbox import RewardSandbox
+from grpo.rewards.services import ServiceSettings, service_reward
 from grpo.settings.tree import ConfigError
-from rewards import score_completions
-from rewards.reward_model import fit_ids, load_reward_model, padding_id
-from rewards.sandbox import RewardSandbox
-from rewards.services import ServiceSettings, service_reward
 
 SYSTEM = {"role": "system", "content": "Answer in tags."}
 PROMPTS = [(SYSTEM, {"role": "user", "content": "What is 3 + 4?"}),

@@ -15,13 +15,13 @@ import torch
 from conftest import REPO, checked_config
 
 from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.rewards import REWARD_FUNCTIONS, get_reward, score_completions
+from grpo.rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
+from grpo.rewards.overlong import overlong_penalty
+from grpo.rewards.sandbox import RewardSandbox
+from grpo.rewards.strict import passes, strict_rates
+from grpo.rewards.think_format import think_answer_format, think_answer_format_partial
 from grpo.settings.tree import ConfigError
-from rewards import REWARD_FUNCTIONS, get_reward, score_completions
-from rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
-from rewards.overlong import overlong_penalty
-from rewards.sandbox import RewardSandbox
-from rewards.strict import passes, strict_rates
-from rewards.think_format import think_answer_format, think_answer_format_partial
 
 GOOD = "<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>"
 
@@ -280,7 +280,7 @@ def test_the_sandbox_replaces_a_jail_that_was_killed():
 ORPHAN = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from rewards.sandbox import RewardSandbox
+from grpo.rewards.sandbox import RewardSandbox
 sandbox = RewardSandbox(timeout_s=5)
 print(sandbox._jail._process.pid, flush=True)
 time.sleep(600)
@@ -301,7 +301,7 @@ def test_the_reward_jail_dies_with_a_killed_sampler():
 
 
 USER_REWARDS = '''
-from rewards import batched
+from grpo.rewards import batched
 
 def length_penalty(completion, row):
     """-0.01 per character past the row's limit; does not apply to rows without one."""
@@ -382,7 +382,7 @@ def test_a_batched_reward_that_fails_on_one_sample_costs_that_sample_alone(tmp_p
 def test_a_batched_reward_that_always_fails_is_not_split_down_to_every_sample(tmp_path):
     """8 samples: the batch, its first half (4), that half's halves (2, then 1 and 1), then the
     second halves whole (2 and 4): 7 calls, not 8 single ones after the batch's; all fall back."""
-    from rewards.registry import get_reward
+    from grpo.rewards.registry import get_reward
 
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     name = f"{tmp_path}/my_rewards.py:always_raises"
@@ -448,7 +448,7 @@ def test_a_rewards_failure_names_the_line_of_the_users_code_that_raised(tmp_path
 
 
 QUESTION_REWARD = '''
-from rewards import batched
+from grpo.rewards import batched
 
 @batched
 def echoes_the_question(completions, rows):
@@ -458,9 +458,9 @@ def echoes_the_question(completions, rows):
 
 
 def test_a_rule_reward_gets_the_prompts_chat_in_its_row_in_the_sandbox_too(tmp_path):
-    from data.problems import Problem
-    from data.prompts import Prompt
-    from rewards.strict import reward_rows
+    from grpo.data.problems import Problem
+    from grpo.data.prompts import Prompt
+    from grpo.rewards.strict import reward_rows
 
     (tmp_path / "question_reward.py").write_text(QUESTION_REWARD)
     turns = ({"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2 + 2?"})

@@ -8,13 +8,14 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from data.cursor import PromptCursor
-from data.problems import Problem
-from data.prompts import Prompt
 from grpo.config import load_config
+from grpo.data.cursor import PromptCursor
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Denominators, Objective
+from grpo.rewards import score_completions
 from grpo.run.ports import free_local_port
 from grpo.sampler.batches import SamplerModels, environment_failures, make_batch, step_seed
 from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
@@ -27,7 +28,6 @@ from grpo.trainer.training_step import denominators_of
 from grpo.weights.folder import Staged
 from grpo.wire.behaviour import BehaviourMismatch
 from grpo.wire.codec import MessageError, decode_batch, encode_batch
-from rewards import score_completions
 
 
 class FakeEngine:

@@ -9,8 +9,8 @@ import torch
 from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 
-from data.cursor import PromptCursor
 from grpo.config import LoraConfig, ModelConfig
+from grpo.data.cursor import PromptCursor
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.loading import add_lora, load_model
 from grpo.model.logprobs import completion_logprobs

@@ -21,11 +21,11 @@ import psutil
 import pytest
 from conftest import REPO
 
-from common.child import ChildFailed
-from common.jail import Jail, JailLimits
+from grpo.common.child import ChildFailed
+from grpo.common.jail import Jail, JailLimits
 from grpo.environments.pool import EnvironmentPool
+from grpo.rewards.sandbox import RewardFailed, RewardSandbox
 from grpo.settings import EnvConfig
-from rewards.sandbox import RewardFailed, RewardSandbox
 
 PROBES = str(REPO / "tests" / "sandbox_probes.py")
 TOOLS = {"tools": [f"{PROBES}:python", f"{PROBES}:shell"], "parser": "hermes"}
@@ -142,7 +142,7 @@ def test_the_environments_own_process_holds_nothing_of_the_sampler(monkeypatch):
     are in its heap or environment, and no module of the data is loaded."""
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
     HELD.update(answers=[f"answer-{n}-{uuid.uuid4().hex}" for n in range(3)], key=SECRET)
-    import data.embedded  # noqa: F401 the sampler's data module, loaded here
+    import grpo.data.embedded  # noqa: F401 the sampler's data module, loaded here
     pool = EnvironmentPool(f"{PROBES}:InOwnProcess", {}, 30.0)
     try:
         reversed_needles = [n[::-1] for n in [SECRET, *HELD["answers"]]]
@@ -151,7 +151,7 @@ def test_the_environments_own_process_holds_nothing_of_the_sampler(monkeypatch):
                 "set)) else ()\n    return [v for v in list(items) if isinstance(v, str)]\n"
                 "print(any(n in v and not any(v is m for m in needles) for o in gc.get_objects() "
                 "for v in strings(o) for n in needles), any(n in v for v in os.environ.values() for n in needles),"
-                "'data.embedded' in sys.modules)")
+                "'grpo.data.embedded' in sys.modules)")
         reply, failure = pool.step(uuid.uuid4().hex, {}, [], code)
         assert failure is None and reply.text.split() == ["False", "False", "False"]
     finally:
@@ -374,7 +374,7 @@ def test_the_jail_ends_when_the_sampler_is_killed(tmp_path):
     try:
         assert json.loads(sampler.stdout.readline()) == [["ok\n"], None]
         family = psutil.Process(sampler.pid).children(recursive=True)
-        assert any("common.jail" in " ".join(p.cmdline()) for p in family)
+        assert any("grpo.common.jail" in " ".join(p.cmdline()) for p in family)
         sampler.kill()
         sampler.wait()
         gone, alive = psutil.wait_procs(family, timeout=10)
@@ -449,7 +449,7 @@ def test_a_process_that_leaves_its_session_still_ends_with_its_call(tmp_path):
 LOGGING_OWNER = """
 import sys
 sys.path.insert(0, {repo!r})
-from common.jail import Jail
+from grpo.common.jail import Jail
 print("the owner's own line", file=sys.stderr, flush=True)
 jail = Jail("probe", "grpo.environments.tools:jailed_tool", [{probes!r} + ":python"])
 print(jail.call({probes!r} + ":python", [{{"code": {code!r}}}], 20.0, "timeout"), flush=True)
@@ -488,7 +488,7 @@ def test_an_answer_nested_too_deeply_fails_its_call_and_the_jail_goes_on():
 
 
 def test_a_killed_warden_leaves_no_folder_or_cgroup_and_closing_twice_is_harmless():
-    from common.jail_budget import PREFIX, _v1_parents, _v2_parent
+    from grpo.common.jail_budget import PREFIX, _v1_parents, _v2_parent
 
     jail = Jail("probe", "grpo.environments.tools:jailed_tool", [f"{PROBES}:python"])
     first, warden = jail.folder, jail._process.pid

@@ -129,8 +129,8 @@ def test_embedded_smollm2_on_a_real_gsm8k_prompt_with_sampled_completions(smollm
     """Over 30 layers float32 rounding alone moves log-probs by ~2e-5 (the plain path against a
     float64 forward), more than the 1e-5 used on tiny models. So exactness is checked in
     float64, and in float32 the two paths must differ by less than that rounding noise."""
-    from data.problems import load_problems
-    from data.prompts import prompt_text
+    from grpo.data.problems import load_problems
+    from grpo.data.prompts import prompt_text
 
     model, tokenizer = smollm2
     problem = load_problems(str(gsm8k_data), "test")[0][0]

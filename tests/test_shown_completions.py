@@ -4,8 +4,8 @@ written by the trainer to completions.jsonl at the step they trained, dropped pa
 import json
 import math
 
-from data.problems import Problem
-from data.prompts import Prompt
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
 from grpo.run.metrics_log import MetricsLog
 from grpo.sampler.shown_completions import MAX_SHOWN_CHARS, shown_completions, shown_text
 

@@ -7,10 +7,10 @@ import torch
 from conftest import REPO, checked_config
 from transformers import AutoTokenizer
 
-from common.sources import ModelError
-from data.problems import Problem
-from data.prompts import build_prompts, check_template_offers_tools
+from grpo.common.sources import ModelError
 from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import build_prompts, check_template_offers_tools
 from grpo.environments import Reply, environment_args, prompt_options
 from grpo.environments.calculator import calculate
 from grpo.environments.pool import EnvironmentPool
@@ -219,7 +219,7 @@ def test_the_gsm8k_tool_example_offers_the_tool_and_shows_solved_calls(tiny_mode
     shot = Problem("train-0", "48 clips in April, half as many in May: how many?", "72",
                    row={"answer": "48/2 = <<48/2=24>>24 in May. 48+24 = <<48+24=72>>72 in all.\n#### 72"},
                    reasoning="48/2 = 24 in May. 48+24 = 72 in all.")
-    from data.prompts import encode_prompts
+    from grpo.data.prompts import encode_prompts
 
     options = prompt_options(cfg.env)
     prompts, _ = encode_prompts(tokenizer, [Problem("train-1", "What is 2 + 2?", "4")], cfg.data.system_prompt,

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from data.problems import load_problems
-from data.prompts import build_prompts
 from grpo.config import load_config
+from grpo.data.problems import load_problems
+from grpo.data.prompts import build_prompts
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.batches import SamplerModels, make_batch
@@ -164,8 +164,8 @@ def test_recorded_logps_are_the_trainers_tempered_logps(served):
 
 
 def chat_prompts(tokenizer):
-    from data.problems import Problem
-    from data.prompts import Prompt
+    from grpo.data.problems import Problem
+    from grpo.data.prompts import Prompt
 
     questions = ("Say hello in one word.", "Name one colour.")
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)

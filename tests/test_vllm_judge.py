@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import service_settings, wait_until_healthy
 
-from common.model_files import resolve_model_path
+from grpo.common.model_files import resolve_model_path
+from grpo.rewards import score_completions
+from grpo.rewards.http_json import post_json
+from grpo.rewards.judge import Judge
 from grpo.run.ports import free_local_port
 from grpo.sampler.rollout.vllm_arguments import cpu_threads_environment
 from grpo.settings import JudgeConfig
-from rewards import score_completions
-from rewards.http_json import post_json
-from rewards.judge import Judge
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make install-vllm)")

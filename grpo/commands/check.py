@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common.run_folder import RunFolder
+from grpo.common.run_folder import RunFolder
 from grpo.config import load_config
 from grpo.model.loading import load_model, load_tokenizer
 from grpo.run.rows import is_evaluation_row
@@ -79,7 +79,7 @@ def check(run_dir: Path, steps: int, max_logp_difference: float | None = None, c
 def service_problems(cfg, rows: list[dict]) -> list[str]:
     """A reward model, HTTP reward or judge that failed on every sample of every step (its server
     was never up, say): the run learned nothing from it, which would otherwise pass unseen."""
-    from rewards.services import is_service_name
+    from grpo.rewards.services import is_service_name
 
     per_round = cfg.sampling.prompts_per_step * cfg.sampling.group_size
     problems = []

@@ -26,24 +26,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.model_files import resolve_device
-from common.run_folder import RunFolder
-from common.sources import SourceError
-from data.mixture import evaluation_source, source_configs
-from data.problems import load_split
-from data.prompts import build_prompts
+from grpo.common.model_files import resolve_device
+from grpo.common.run_folder import RunFolder
+from grpo.common.sources import SourceError
 from grpo.config import Config, ConfigError, parse_cli
+from grpo.data.mixture import evaluation_source, source_configs
+from grpo.data.problems import load_split
+from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.rewards.sandbox import reward_sandbox
+from grpo.rewards.strict import checks_of
 from grpo.run.outputs import RunOutputsError, run_config, run_of_weights, version_folder
 from grpo.run.preflight import named_code_problems
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.weights.folder import MANIFEST, WeightsError, load_into, verify
-from rewards.sandbox import reward_sandbox
-from rewards.strict import checks_of
 
 
 def load_evaluated_model(cfg: Config, weights: Path | None, device):

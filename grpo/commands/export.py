@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from common.files import aside_name
-from common.sources import EMBEDDED_MODELS, SourceError
+from grpo.common.files import aside_name
+from grpo.common.sources import EMBEDDED_MODELS, SourceError
 from grpo.config import Config, ConfigError, to_dict
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root
 from grpo.weights.folder import MANIFEST, WeightsError, verify
@@ -84,7 +84,7 @@ def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from common.model_files import DTYPES, resolve_model_path
+    from grpo.common.model_files import DTYPES, resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
                                                 dtype=DTYPES["float32"], trust_remote_code=cfg.model.trust_remote_code)

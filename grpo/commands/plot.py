@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.run_folder import RunFolder
+from grpo.common.run_folder import RunFolder
 
 
 @dataclass(frozen=True)

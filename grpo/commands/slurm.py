@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.files import write_atomically
 from grpo.commands.processes import SAMPLER_MODULE, TRAINER_MODULE, checkout_root, sampler_python
+from grpo.common.files import write_atomically
 from grpo.settings import Config
 
 SCRIPT_NAME = "train.sbatch"

@@ -23,12 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from common.files import RunFolderError, ensure_writable, write_atomically
-from common.imports import user_code_importable
-from common.run_folder import RunFolder
 from grpo.commands.processes import SAMPLER_MODULE, TRAINER_MODULE, checkout_root, sampler_python
 from grpo.commands.slurm import main as slurm_main
 from grpo.commands.slurm import take_options
+from grpo.common.files import RunFolderError, ensure_writable, write_atomically
+from grpo.common.imports import user_code_importable
+from grpo.common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, TransportConfig, parse_cli, reference_text
 from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import resume_changes

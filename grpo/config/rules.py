@@ -15,11 +15,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from common.files import is_checkpoint_folder
-from data.code_tasks import is_code_tasks
-from data.mixture import source_configs
-from data.mixture import source_problems as mixture_entry_problems
-from data.procedural import is_procedural
+from grpo.common.files import is_checkpoint_folder
+from grpo.data.code_tasks import is_code_tasks
+from grpo.data.mixture import source_configs
+from grpo.data.mixture import source_problems as mixture_entry_problems
+from grpo.data.procedural import is_procedural
 from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
 from grpo.settings.tree import ConfigError, field_problems
 
@@ -155,7 +155,7 @@ CODE_REWARDS = ("unit_tests", "unit_tests_partial")  # built-ins that run the mo
 
 def _reward_errors(cfg: Config) -> list[str]:
     """The rewards' settings together; each reward is imported (or its service checked) in grpo.run.preflight."""
-    from rewards.services import is_service_name  # late: the rewards' modules load torch
+    from grpo.rewards.services import is_service_name  # late: the rewards' modules load torch
 
     errors, rewards = [], cfg.rewards
     if not rewards.names:

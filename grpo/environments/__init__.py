@@ -73,7 +73,7 @@ OPENENV = ("openenv:", "openenv+")  # OpenEnv's environments: in-process, or ser
 
 def _environment_class(name: str):
     """The class or factory a built-in name or an import path names (not an openenv: one)."""
-    from common.imports import import_object
+    from grpo.common.imports import import_object
 
     if name not in BUILT_IN and ":" not in name:
         raise ValueError(f"env.name: unknown environment {name!r}; valid: {', '.join(VALID_NAMES)}")
@@ -95,7 +95,7 @@ def args_problems(name: str, args: dict) -> list[str]:
 
 
 def _openenv_class(name: str):
-    from common.imports import import_object
+    from grpo.common.imports import import_object
 
     return import_object(name.removeprefix("openenv:"), "env.name")
 
@@ -137,7 +137,7 @@ def prompt_options(env_cfg) -> dict:
         demonstration = env_cfg.args.get("demonstration")
         demonstrate = None
         if demonstration:
-            from common.imports import import_object
+            from grpo.common.imports import import_object
 
             demonstrate = import_object(demonstration, "env.args.demonstration")
         return {"demonstrate": demonstrate, "tools": tool_schemas(list(env_cfg.tools))}

@@ -23,7 +23,7 @@ import typing
 import zlib
 
 from grpo.environments import Reply
-from rewards.registry import PROMPT_TURNS
+from grpo.rewards.registry import PROMPT_TURNS
 
 SETTINGS = ("init", "action", "action_field", "observation_field", "role")
 NOT_SHOWN = ("done", "reward", "metadata")
@@ -34,7 +34,7 @@ def openenv_factory(path: str, args: dict):
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action
 
-    from common.imports import import_object
+    from grpo.common.imports import import_object
 
     unknown = sorted(set(args) - set(SETTINGS))
     if unknown:

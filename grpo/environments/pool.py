@@ -1,7 +1,7 @@
 """The episodes' environments in a child process: a step that hangs or raises costs that step,
 never the run.
 
-The child is common/child.py's kind (a Python started by exec, which never held the data, the model
+The child is grpo/common/child.py's kind (a Python started by exec, which never held the data, the model
 or a variable outside the allow-list; JSON over a pipe, never pickle, a
 time limit per call, replaced when it hangs or dies, a session of its own ended as one, an
 allow-list of environment variables: PATH, HOME, LANG, LC_*, its own TMPDIR, env.pass_env). It is
@@ -31,10 +31,10 @@ import json
 import logging
 import os
 
-from common.child import NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets
-from common.jail import jail_description
-from common.jail_rules import ancestors, signal_rules
-from common.kernel_filters import landlock_scope, seccomp_deny
+from grpo.common.child import NO_ANSWER, Child, ChildFailed, ChildRefused, close_inherited_sockets
+from grpo.common.jail import jail_description
+from grpo.common.jail_rules import ancestors, signal_rules
+from grpo.common.kernel_filters import landlock_scope, seccomp_deny
 from grpo.environments import Reply, cut, environment_factory
 from grpo.settings import EnvConfig
 

@@ -1,6 +1,6 @@
 """The built-in `python` tool (env.tools: [python]): the model's code run by a Python of its own.
 
-Like every tool it is called in a jail of its own (common/jail.py: no network, no file of the run
+Like every tool it is called in a jail of its own (grpo/common/jail.py: no network, no file of the run
 but its temporary folder, budgets for the whole call), so the model's code reaches nothing that
 scores it; inside the call it runs in a subprocess (`python -I`), so whatever it does to its own
 process, the tool's answer is what that process printed and how it ended.

@@ -9,7 +9,7 @@ and run, and its result, or the error (a malformed call, an unknown tool, argume
 fit, a tool that raised), cut at MAX_RESULT_CHARS, goes back as a `tool`-role message, one per
 call, rendered by the template. A message without a call is the answer: the episode ends. The
 environment runs in the environments' child like any other (grpo/environments/pool.py); each
-call runs in a jail of its own that the child started (common/jail.py), within what is left of
+call runs in a jail of its own that the child started (grpo/common/jail.py), within what is left of
 the message's `env.timeout_s`, and only its text comes back: docs/environments.md tabulates what
 a call can reach ("What the sandbox allows"). `env.tools: [python]` is the built-in code tool.
 """
@@ -21,7 +21,7 @@ import json
 import time
 from typing import Callable
 
-from common.child import ChildFailed, ChildRefused
+from grpo.common.child import ChildFailed, ChildRefused
 from grpo.environments import Reply, cut
 from grpo.environments.tool_calls import PARSERS, ToolCall
 
@@ -51,17 +51,17 @@ def load_tools(paths: list[str]) -> dict[str, tuple[dict, Callable]]:
 
 def import_tool(path: str):
     """The function env.tools names: a built-in tool's name (BUILT_IN_TOOLS) or an import path."""
-    from common.imports import import_object
+    from grpo.common.imports import import_object
 
     return import_object(BUILT_IN_TOOLS.get(path, path), "env.tools")
 
 
 def start_tool_jail(paths: list[str], limits, timeout_s: float):
-    """This process's tool calls run in a jail started now (common/jail.py), with the env section's
+    """This process's tool calls run in a jail started now (grpo/common/jail.py), with the env section's
     budgets (`limits`: env.memory_mb, env.max_processes, env.cpu_s, env.network, env.pass_env), each
     within what is left of its step's `timeout_s`; the jail. The environments' child starts it
     before it confines itself (the jail makes namespaces of its own)."""
-    from common.jail import Jail, JailLimits
+    from grpo.common.jail import Jail, JailLimits
 
     jail_limits = JailLimits(memory_mb=limits.memory_mb, max_processes=limits.max_processes, cpu_s=limits.cpu_s,
                              network=limits.network == "allow")
@@ -91,7 +91,7 @@ def jailed_tool(path: str):
 
     def run(arguments: dict) -> str:
         return cut(shown(fn(**arguments)))  # cut here: only what the model reads crosses back
-    run.__wrapped__ = fn  # the jail reads the tool's module through it (common/jail_warden.py: served_files)
+    run.__wrapped__ = fn  # the jail reads the tool's module through it (grpo/common/jail_warden.py: served_files)
     return run
 
 

@@ -1,5 +1,5 @@
 """Loading the policy: any Hub id or local folder, or the embedded SmolLM2 from PyPI (where the
-files come from, the embedded model's conversion: common/model_files.py)."""
+files come from, the embedded model's conversion: grpo/common/model_files.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.model_files import DTYPES, resolve_model_path
-from common.sources import EMBEDDED_MODELS, ModelError
+from grpo.common.model_files import DTYPES, resolve_model_path
+from grpo.common.sources import EMBEDDED_MODELS, ModelError
 from grpo.settings import ALL_LINEAR
 
 if TYPE_CHECKING:

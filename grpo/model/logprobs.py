@@ -189,7 +189,7 @@ def unsupported_features(hf_config, shared_prefix: bool, max_tokens: int) -> lis
 
 def check_supported(model, cfg: Config) -> None:
     """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong."""
-    from common.sources import ModelError
+    from grpo.common.sources import ModelError
 
     causal_lm = unwrap_causal_lm(model)
     problems = unsupported_features(causal_lm.config, cfg.training.shared_prefix,

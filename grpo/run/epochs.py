@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import math
 
-from common.sources import SourceError
-from data.mixture import source_configs
-from data.problems import load_split
+from grpo.common.sources import SourceError
+from grpo.data.mixture import source_configs
+from grpo.data.problems import load_split
 from grpo.settings import Config
 from grpo.settings.tree import ConfigError
 

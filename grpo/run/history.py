@@ -25,8 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from common.files import CHECKPOINT_MARK, RunFolderError, fsync_path, write_atomically
-from common.run_folder import RunFolder
+from grpo.common.files import CHECKPOINT_MARK, RunFolderError, fsync_path, write_atomically
+from grpo.common.run_folder import RunFolder
 from grpo.config import Config, ConfigError, all_keys, get_key, load_config, save_config
 from grpo.run.start import continues_the_run
 from grpo.wire.behaviour import BEHAVIOUR_KEYS

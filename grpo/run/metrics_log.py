@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.files import reported_write, write_atomically
-from common.run_folder import RunFolder
+from grpo.common.files import reported_write, write_atomically
+from grpo.common.run_folder import RunFolder
 from grpo.run.rows import is_evaluation_row
 
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import yaml
 
-from common.run_folder import RunFolder
+from grpo.common.run_folder import RunFolder
 from grpo.config import Checks, Config, ConfigError, load_config
 from grpo.run.rows import is_evaluation_row
 from grpo.weights.folder import WeightsError, published_versions, read_latest, version_dir

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.sources import ModelError
-from data.mixture import evaluation_source, source_configs
-from data.procedural import TaskError, check_task, is_procedural
+from grpo.common.sources import ModelError
+from grpo.data.mixture import evaluation_source, source_configs
+from grpo.data.procedural import TaskError, check_task, is_procedural
 from grpo.settings.tree import get_key
 
 if TYPE_CHECKING:
@@ -25,8 +25,8 @@ CUDA_KEYS = ("sampling.device", "rewards.reward_model_device")
 def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the model and the data: the model can be had, the data source exists,
     and its first rows parse with the configured columns and answer format."""
-    from common.sources import SourceError, check_model_source
-    from data.problems import check_rows, check_source
+    from grpo.common.sources import SourceError, check_model_source
+    from grpo.data.problems import check_rows, check_source
 
     problems, warnings = [], []
     evaluated, training = evaluation_source(cfg.data), source_configs(cfg.data)
@@ -115,8 +115,8 @@ def _model_problems(chat_template: str | None) -> list[str]:
 def _reward_problems(cfg: Config) -> list[str]:
     """Each reward imported (a user's module now, not at the first step) or, a service, checked without
     calling it (a reward model's config.json is read)."""
-    from rewards.registry import get_reward
-    from rewards.services import ServiceSettings, is_service_name, service_problems
+    from grpo.rewards.registry import get_reward
+    from grpo.rewards.services import ServiceSettings, is_service_name, service_problems
 
     rewards, problems = cfg.rewards, []
     for key, name in [*[("rewards.names", name) for name in rewards.names],

@@ -10,8 +10,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from common.files import CHECKPOINT_MARK
-from common.run_folder import RunFolder
+from grpo.common.files import CHECKPOINT_MARK
+from grpo.common.run_folder import RunFolder
 from grpo.run.rows import is_evaluation_row
 
 ZERO_SPREAD = "sampling/zero_spread_fraction"  # the share of a step's groups whose rewards are all equal

@@ -16,7 +16,7 @@ import secrets
 import time
 from pathlib import Path
 
-from common.run_folder import RunFolder
+from grpo.common.run_folder import RunFolder
 from grpo.wire.codec import resolve_secret
 
 

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.files import CHECKPOINT_MARK, RunFolderError, aside_name, is_checkpoint_folder
-from common.run_folder import RunFolder
+from grpo.common.files import CHECKPOINT_MARK, RunFolderError, aside_name, is_checkpoint_folder
+from grpo.common.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from grpo.settings import Config

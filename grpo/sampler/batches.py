@@ -21,6 +21,12 @@ from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
 from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.rewards import RewardScores, score_completions
+from grpo.rewards.overlong import NAME as OVERLONG
+from grpo.rewards.overlong import overlong_penalty, reward_columns
+from grpo.rewards.registry import ENV_REWARD
+from grpo.rewards.services import ServiceSettings
+from grpo.rewards.strict import checks_of, strict_rates
 from grpo.sampler.dynamic_sampling import choose_groups, has_spread, round_seed
 from grpo.sampler.episode_records import episode_metrics
 from grpo.sampler.failures import FailedOnAll, FailureStreaks
@@ -30,12 +36,6 @@ from grpo.sampler.rollout import RolloutEngine, Rollouts
 from grpo.sampler.shown_completions import shown_completions
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
-from rewards import RewardScores, score_completions
-from rewards.overlong import NAME as OVERLONG
-from rewards.overlong import overlong_penalty, reward_columns
-from rewards.registry import ENV_REWARD
-from rewards.services import ServiceSettings
-from rewards.strict import checks_of, strict_rates
 
 if TYPE_CHECKING:
     from grpo.settings import Config, RewardsConfig

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.prompts import special_texts
+from grpo.data.prompts import special_texts
 from grpo.environments.lanes import Lanes
 from grpo.environments.pool import ReplayMismatch, shown_digest
+from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import episode_loop
-from rewards.strict import reward_rows
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -227,7 +227,7 @@ class EpisodeRunner:
         The G episodes of a prompt start from one seed, so they open alike; where they do not (a
         reset that ignores its seed), the first one's opening is shown. An opening that would make
         the prompt longer than data.max_prompt_tokens is cut to fit."""
-        from data.prompts import with_opening
+        from grpo.data.prompts import with_opening
 
         shown = []
         opened = [self._opening(episodes[j], f"{self.runs}/{j}", rows[j // group_size]) for j in range(len(episodes))]

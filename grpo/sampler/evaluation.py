@@ -13,8 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+from grpo.rewards.strict import GSM8K_CHECKS, passes
 from grpo.sampler.generation import generate_completions
-from rewards.strict import GSM8K_CHECKS, passes
 
 
 def greedy_samples(engine, tokenizer, prompts: list, prefill: str, batch_size: int, progress=None,

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rewards.registry import ENV_REWARD
-from rewards.services import is_service_name
+from grpo.rewards.registry import ENV_REWARD
+from grpo.rewards.services import is_service_name
 
 if TYPE_CHECKING:
+    from grpo.rewards import RewardScores
     from grpo.settings import Config
-    from rewards import RewardScores
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.rewards.strict import reward_rows
 from grpo.sampler.rollout import Rollouts
-from rewards.strict import reward_rows
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.files import write_atomically
+from grpo.common.files import write_atomically
 from grpo.wire.delivery import Spool
 
 

@@ -33,7 +33,7 @@ from grpo.settings.tree import setting
 
 # Choice lists that several fields share; the modules that implement a choice keep their own table of
 # it (tests/test_architecture.py checks the two agree).
-DTYPES = ("float32", "bfloat16", "float16")  # common/model_files.py maps each to torch's
+DTYPES = ("float32", "bfloat16", "float16")  # grpo/common/model_files.py maps each to torch's
 TOOL_PARSERS = ("hermes", "llama3_json")  # grpo/environments/tool_calls.py: PARSERS
 TRANSPORT_SCHEMES = ("tcp", "ipc", "inproc")  # transport.address's; grpo/wire/transport.py: TRANSPORTS
 SHIPPED_CHAT_TEMPLATES = ("chatml-tools",)  # model.chat_template's names besides a file (grpo/model/loading.py)
@@ -370,7 +370,7 @@ def to_dict(cfg: Config) -> dict:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config (after defaults and overrides) as YAML."""
-    from common.files import write_atomically
+    from grpo.common.files import write_atomically
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

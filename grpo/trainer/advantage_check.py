@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.objective.advantages import advantages_problem
+from grpo.rewards.overlong import NAME as OVERLONG
+from grpo.rewards.overlong import overlong_penalty, reward_columns
+from grpo.rewards.registry import REWARD_LIMIT
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch
-from rewards.overlong import NAME as OVERLONG
-from rewards.overlong import overlong_penalty, reward_columns
-from rewards.registry import REWARD_LIMIT
 
 if TYPE_CHECKING:
     from grpo.settings import Config

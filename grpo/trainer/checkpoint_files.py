@@ -66,7 +66,7 @@ def _signed(files: dict, secret: bytes) -> str:
 
 def write_manifest(folder: Path, secret: bytes) -> None:
     """`folder`'s files (but the manifest), their sizes and digests, signed with `secret`."""
-    from common.files import write_atomically
+    from grpo.common.files import write_atomically
 
     files = {p.name: [p.stat().st_size, _digest(p)] for p in sorted(Path(folder).iterdir())
              if p.is_file() and p.name != MANIFEST}
@@ -77,7 +77,7 @@ def write_manifest(folder: Path, secret: bytes) -> None:
 def manifest_secret(checkpoints: Path, cfg) -> bytes | None:
     """The secret of the run that wrote `checkpoints`: this run's for its own folder; for a folder
     elsewhere (checkpoint.resume), its run's `secret` file beside it, None where there is none."""
-    from common.run_folder import RunFolder
+    from grpo.common.run_folder import RunFolder
     from grpo.run.secret import folder_secret
 
     if Path(checkpoints).resolve() == RunFolder(cfg.run_dir).checkpoints.resolve():

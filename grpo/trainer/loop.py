@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from common.run_folder import RunFolder
+from grpo.common.run_folder import RunFolder
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.logprobs import verify_shared_prefix
 from grpo.objective import Objective

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.files import CHECKPOINT_MARK, reported_write, write_atomically
-from common.run_folder import RunFolder
+from grpo.common.files import CHECKPOINT_MARK, reported_write, write_atomically
+from grpo.common.run_folder import RunFolder
 from grpo.run.secret import folder_secret
 from grpo.trainer.checkpoint_files import write_manifest
 from grpo.weights import open_publisher

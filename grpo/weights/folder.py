@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from common.files import fsync_path, write_atomically
+from grpo.common.files import fsync_path, write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from common.files import write_atomically
+from grpo.common.files import write_atomically
 from grpo.wire.batch import SCHEMA
 
 MAGIC = b"GRPOSPL1"

@@ -36,21 +36,25 @@ import sys
 
 import torch
 
-from common.files import RunFolderError, ensure_writable
-from common.imports import user_code_importable
-from common.model_files import resolve_device
-from common.run_folder import RunFolder
-from common.sources import SourceError
-from data.cursor import PromptCursor
-from data.mixture import MixtureCursor, evaluation_source, source_configs
-from data.problems import load_split
-from data.prompts import build_prompts
+from grpo.common.files import RunFolderError, ensure_writable
+from grpo.common.imports import user_code_importable
+from grpo.common.model_files import resolve_device
+from grpo.common.run_folder import RunFolder
+from grpo.common.sources import SourceError
 from grpo.config import Config, exit_code, help_requested, parse_cli
+from grpo.data.cursor import PromptCursor
+from grpo.data.mixture import MixtureCursor, evaluation_source, source_configs
+from grpo.data.problems import load_split
+from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
 from grpo.model.loading import add_lora, load_model, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
+from grpo.rewards.reward_model import RewardModelError
+from grpo.rewards.sandbox import reward_sandbox
+from grpo.rewards.services import ServiceSettings, ServiceStartError, start_services
+from grpo.rewards.strict import checks_of
 from grpo.run.epochs import with_epochs_as_steps
 from grpo.run.history import ResumeRefused, refuse_a_changed_resume, save_run_config, settings_a_resume_keeps
 from grpo.run.preflight import named_code_problems
@@ -70,10 +74,6 @@ from grpo.wire.behaviour import behaviour_of
 from grpo.wire.delivery import Redelivery, Spool, SpoolError, TrainerState, global_step, resume_step, steps_of_sampler
 from grpo.wire.staleness import oldest_version, wait_for_version
 from grpo.wire.transport import BatchSender
-from rewards.reward_model import RewardModelError
-from rewards.sandbox import reward_sandbox
-from rewards.services import ServiceSettings, ServiceStartError, start_services
-from rewards.strict import checks_of
 
 log = logging.getLogger("sampler")
 EXIT_REWARD_FAILED = 8  # a reward failed on every sample of rewards.max_failed_steps steps in a row

@@ -29,9 +29,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from common.files import RunFolderError, WriteFailed, ensure_writable
-from common.imports import user_code_importable
-from common.sources import SourceError
+from grpo.common.files import RunFolderError, WriteFailed, ensure_writable
+from grpo.common.imports import user_code_importable
+from grpo.common.sources import SourceError
 from grpo.config import Config, exit_code, help_requested, parse_cli
 from grpo.model.loading import load_policy, load_tokenizer
 from grpo.model.logprobs import check_supported

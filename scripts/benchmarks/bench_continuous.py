@@ -74,10 +74,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
-    from common.model_files import resolve_device
-    from data.problems import load_split
-    from data.prompts import build_prompts
+    from grpo.common.model_files import resolve_device
     from grpo.config import load_config
+    from grpo.data.problems import load_split
+    from grpo.data.prompts import build_prompts
     from grpo.model.loading import add_lora, load_model, load_tokenizer
 
     slow = args.workload == "slow-env"

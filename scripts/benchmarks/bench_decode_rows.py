@@ -66,9 +66,9 @@ class DecodeBench:
     def __init__(self, args):
         import torch
 
-        from data.problems import load_split
-        from data.prompts import build_prompts
         from grpo.config import load_config
+        from grpo.data.problems import load_split
+        from grpo.data.prompts import build_prompts
         from grpo.model.flops import ModelShape, measure_matmul_rate
         from grpo.model.loading import add_lora, load_model, load_tokenizer
         from grpo.sampler.rollout.decoding import left_pad

@@ -99,9 +99,9 @@ def hf_engine_at(revision: str):
 def child(out_path: str, engine_name: str, few_shot: int, repeats: int, overrides: list[str]) -> None:
     import torch
 
-    from data.problems import load_split
-    from data.prompts import build_prompts
     from grpo.config import load_config
+    from grpo.data.problems import load_split
+    from grpo.data.prompts import build_prompts
     from grpo.model.loading import add_lora, load_model, load_tokenizer
     from grpo.sampler.batches import step_seed
     from grpo.sampler.rollout import make_engine

@@ -48,10 +48,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from common.model_files import resolve_device  # noqa: E402
-from data.problems import load_split  # noqa: E402
-from data.prompts import build_prompts  # noqa: E402
+from grpo.common.model_files import resolve_device  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
+from grpo.data.problems import load_split  # noqa: E402
+from grpo.data.prompts import build_prompts  # noqa: E402
 from grpo.environments import prompt_options  # noqa: E402
 from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo.run.preflight import named_code_problems  # noqa: E402

@@ -34,8 +34,8 @@ MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_
 def default_batch(cfg: Config, model):
     """One sampler step of `model` (HF engine) on the first prompts_per_step train problems after
     the few-shot ones: the real batch the trainer benchmarks here work on."""
-    from data.problems import load_split
-    from data.prompts import build_prompts
+    from grpo.data.problems import load_split
+    from grpo.data.prompts import build_prompts
     from grpo.model.loading import load_tokenizer
     from grpo.sampler.batches import SamplerModels, make_batch
     from grpo.sampler.rollout.hf_engine import HFEngine

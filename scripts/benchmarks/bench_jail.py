@@ -1,4 +1,4 @@
-"""What the jail costs: a tool call and a rule reward, each in a jail of its own (common/jail.py),
+"""What the jail costs: a tool call and a rule reward, each in a jail of its own (grpo/common/jail.py),
 against the same call made where it ran before the jail (the tool in the environments' child, the
 reward in a forked child that serves every sample), side by side in one run, alternating.
 
@@ -29,13 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from common.child import Child  # noqa: E402
+from grpo.common.child import Child  # noqa: E402
 from grpo.environments import Reply  # noqa: E402
 from grpo.environments.pool import EnvironmentPool, isolated_episodes  # noqa: E402
 from grpo.environments.tool_calls import PARSERS  # noqa: E402
 from grpo.environments.tools import load_tools, shown  # noqa: E402
+from grpo.rewards.sandbox import RewardSandbox  # noqa: E402
 from grpo.settings import EnvConfig  # noqa: E402
-from rewards.sandbox import RewardSandbox  # noqa: E402
 
 HERE = str(Path(__file__).resolve())
 CALCULATE = "grpo.environments.calculator:calculate"
@@ -81,7 +81,7 @@ class DirectTools:
 
 def _forked_rewards(pipe_fd: int):
     """The former reward child's handler: every sample scored in one forked process."""
-    from rewards.builtins import rule_reward
+    from grpo.rewards.builtins import rule_reward
 
     return (lambda request: rule_reward(request[0])(request[1], request[2])), "ready"
 

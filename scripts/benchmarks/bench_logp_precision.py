@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.problems import load_split  # noqa: E402
-from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
+from grpo.data.problems import load_split  # noqa: E402
+from grpo.data.prompts import build_prompts  # noqa: E402
 from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo.model.logprobs import completion_logprobs  # noqa: E402
 from grpo.sampler.rollout.hf_engine import HFEngine  # noqa: E402

@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.problems import load_split  # noqa: E402
-from data.prompts import build_prompts  # noqa: E402
 from grpo.config import parse_cli  # noqa: E402
+from grpo.data.problems import load_split  # noqa: E402
+from grpo.data.prompts import build_prompts  # noqa: E402
 from grpo.model.completions import cut_at_eos  # noqa: E402
 from grpo.model.loading import load_policy, load_tokenizer  # noqa: E402
 from grpo.model.logprobs import completion_logprobs  # noqa: E402

@@ -117,7 +117,7 @@ def main() -> None:
 
     import torch
 
-    from common.model_files import convert_embedded
+    from grpo.common.model_files import convert_embedded
 
     convert_embedded("smollm2-135m-instruct")  # convert before timing anything
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rewards.gsm8k_answer import CORRECT, gsm8k_answer, last_answer_block  # noqa: E402
-from rewards.parsing import THOUSANDS_COMMA, find_numbers  # noqa: E402
+from grpo.rewards.gsm8k_answer import CORRECT, gsm8k_answer, last_answer_block  # noqa: E402
+from grpo.rewards.parsing import THOUSANDS_COMMA, find_numbers  # noqa: E402
 
 
 def previous_rule(completion: str, answer: str) -> bool:
@@ -80,8 +80,8 @@ def compare(samples: list[dict]) -> dict:
 
 def solution_samples() -> list[dict]:
     """GSM8K test's worked solutions as completions whose answer is the last sentence as written."""
-    from data.embedded import embedded_rows
-    from data.problems import parse_final_answer, solution_reasoning
+    from grpo.data.embedded import embedded_rows
+    from grpo.data.problems import parse_final_answer, solution_reasoning
 
     samples = []
     for row in embedded_rows("test"):

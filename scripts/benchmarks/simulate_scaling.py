@@ -80,7 +80,7 @@ def fixed_batch(behaviour: dict, cfg: Config) -> RolloutBatch:
     """4 prompts x 8 completions of 24 tokens; its contents do not matter, its cost does (its advantages
     follow from its rewards, as the trainer checks)."""
     from grpo.objective.advantages import group_advantages
-    from rewards.overlong import overlong_penalty, reward_columns
+    from grpo.rewards.overlong import overlong_penalty, reward_columns
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (64,), generator=g) for _ in range(4)]

@@ -18,11 +18,11 @@ def trl_prompt_rows(cfg: Config, steps: int) -> list[dict]:
     """The prompts our sampler would take in `steps` steps, as TRL's dataset rows: plain text that
     TRL tokenizes to exactly our token ids, and the row our rewards get, as JSON (TRL passes the
     columns to reward functions; one string column holds any dataset's row)."""
-    from data.cursor import PromptCursor
-    from data.problems import load_split
-    from data.prompts import build_prompts, few_shot_examples, prompt_text
+    from grpo.data.cursor import PromptCursor
+    from grpo.data.problems import load_split
+    from grpo.data.prompts import build_prompts, few_shot_examples, prompt_text
     from grpo.model.loading import load_tokenizer
-    from rewards.strict import reward_rows
+    from grpo.rewards.strict import reward_rows
 
     tokenizer = load_tokenizer(cfg.model)
     problems, _ = load_split(cfg.data, cfg.data.split)
@@ -42,7 +42,7 @@ def trl_prompt_rows(cfg: Config, steps: int) -> list[dict]:
 
 def trl_reward(name: str, prefill: str):
     """One of our reward functions in TRL's form; ours score the prefill + completion with the row."""
-    from rewards import get_reward
+    from grpo.rewards import get_reward
 
     function = get_reward(name)  # the row form: fn(completion, row)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.model_files import resolve_model_path
+from grpo.common.model_files import resolve_model_path
 
 if TYPE_CHECKING:
     from grpo.settings import Config

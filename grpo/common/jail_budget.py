@@ -1,4 +1,4 @@
-"""The budgets of a jailed call's whole process tree (common/jail.py): memory and processes.
+"""The budgets of a jailed call's whole process tree (grpo/common/jail.py): memory and processes.
 
 Where a cgroup can be made beside the warden's own (cgroup v2 with the memory and pids controllers
 delegated, or v1's memory and pids hierarchies writable, as for root in most containers), each call

@@ -3,7 +3,7 @@ cannot trust to return runs (environments).
 
 A thread cannot do it: a catastrophic regular expression runs inside `re` without releasing the
 GIL, so the caller itself would hang. The child is forked (it has every function and imported user
-module the parent had), or with `clean` a new Python started by exec (common/child_boot.py: it holds
+module the parent had), or with `clean` a new Python started by exec (grpo/common/child_boot.py: it holds
 nothing of the parent's, and imports what it serves by name). Requests and answers cross the pipe as
 JSON, never pickle. A call that does not answer in time, or a child that died, gets the child killed
 and a fresh one started; the caller sees `ChildFailed`, which says where in the user's code an error was
@@ -43,11 +43,12 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from grpo.common.packages import CODE_PACKAGES, DATA_PACKAGE, package_folder
+
 PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 30.0
 NO_ANSWER = object()  # what a handler returns for a request that wants no answer
-ROOT = Path(__file__).resolve().parents[1]
-OUR_CODE = tuple(f"{ROOT / package}{os.sep}" for package in ("grpo", "rewards", "data", "common"))
+OUR_CODE = tuple(f"{package_folder(name)}{os.sep}" for name in (*CODE_PACKAGES, DATA_PACKAGE))
 LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
 # what a child sees of the parent's environment (and every LC_* name); secrets such as API keys only by name
 # (env.pass_env, rewards.pass_env)
@@ -316,7 +317,7 @@ class Child:
     `handler(request) -> answer` serves each request (an optional `handler.close()` runs when the
     pipe closes), `info` is reported back as `self.info`; setup raises ChildRefused to refuse.
     `pass_env`: environment variables the child sees besides PATH, HOME, LANG, LC_* and TMPDIR.
-    `clean`: the child is a new Python started by exec (`python -m common.child_boot`), which holds
+    `clean`: the child is a new Python started by exec (`python -m grpo.common.child_boot`), which holds
     nothing of the caller's (no data, no model, no variable outside the allow-list); `setup` is then
     ("module:function", [JSON arguments]), called there as function(*arguments, pipe_fd)."""
 
@@ -363,8 +364,9 @@ class Child:
         function, arguments = self.setup
         # the caller's import path, in its order; the working folder never before it (Python >= 3.11)
         paths = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONSAFEPATH": "1"}
-        process = subprocess.Popen([sys.executable, "-m", "common.child_boot", str(child.fileno()), str(os.getpid())],
-                                   pass_fds=(child.fileno(),), env={**environment, **paths}, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen([sys.executable, "-m", "grpo.common.child_boot", str(child.fileno()),
+                                    str(os.getpid())], pass_fds=(child.fileno(),), env={**environment, **paths},
+                                   stdin=subprocess.DEVNULL)
         self._conn.send_bytes(json.dumps({"setup": function, "arguments": arguments, "environment": environment,
                                           "name": self.name}).encode())
         return process

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common.sources import EMBEDDED_MODELS, embedded_gguf_path, model_source
+from grpo.common.sources import EMBEDDED_MODELS, embedded_gguf_path, model_source
 
 log = logging.getLogger(__name__)
 

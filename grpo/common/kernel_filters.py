@@ -2,7 +2,7 @@
 refused with an errno, by rule or as a compiled program loaded by many processes) and Landlock
 (the ABI the kernel has, and a scope that keeps signals, ptrace and abstract Unix sockets within
 a domain). Used by the environments' child (grpo/environments/pool.py) and the jail
-(common/jail_rules.py)."""
+(grpo/common/jail_rules.py)."""
 
 from __future__ import annotations
 

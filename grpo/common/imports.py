@@ -64,16 +64,13 @@ def import_object(name: str, key: str):
     return function
 
 
-PROJECT_PACKAGES = ("common", "data", "rewards", "grpo")
 USER_PATH_ENV = "GRPO_USER_PATH"  # folders of the user's code given to grpo.launch (os.pathsep-separated)
 
 
 def user_code_importable() -> None:
-    """`package.module:name` in the config imports from the working folder and GRPO_USER_PATH too:
-    they go last on sys.path, after the project's packages, so that a user's file named like one of
-    them (rewards.py, data/) does not shadow it."""
-    for package in PROJECT_PACKAGES:  # imported first: their modules then come from them, whatever the path holds
-        importlib.import_module(package)
+    """`package.module:name` in the config imports from the working folder and GRPO_USER_PATH too (last
+    on sys.path). The project installs `grpo` alone, so no user package (rewards, data, common) is shadowed
+    by one of ours, nor shadows it."""
     for folder in [os.getcwd(), *filter(None, os.environ.get(USER_PATH_ENV, "").split(os.pathsep))]:
         if folder not in sys.path:
             sys.path.append(folder)

@@ -1,11 +1,11 @@
 """Untrusted code runs here: each call in a jail of its own that holds nothing of the run.
 
     owner (the sampler's rewards, an environments' child) ──JSON frames over two pipes──► warden
-    warden (common/jail_warden.py): a Python started by exec (it holds nothing of the run: no
+    warden (grpo/common/jail_warden.py): a Python started by exec (it holds nothing of the run: no
             dataset, no model, no secret, no other process's memory), the named functions imported
             once; per call it forks:
-        call: its own session, folder and cgroup (common/jail_budget.py), user/mount/PID/IPC/network
-              namespaces, Landlock file rules, seccomp, no capabilities, rlimits (common/jail_rules.py);
+        call: its own session, folder and cgroup (grpo/common/jail_budget.py), user/mount/PID/IPC/network
+              namespaces, Landlock file rules, seccomp, no capabilities, rlimits (grpo/common/jail_rules.py);
               runs fn(*arguments) and writes back one JSON answer; then its whole tree is ended
 
 The owner reads back the function's JSON value (a tool's result, a reward) and nothing else: a
@@ -28,8 +28,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from common.child import SET_ENVIRONMENT, ChildFailed, ChildRefused, end_session, passed_environment
-from common.jail_budget import sweep_cgroups
+from grpo.common.child import SET_ENVIRONMENT, ChildFailed, ChildRefused, end_session, passed_environment
+from grpo.common.jail_budget import sweep_cgroups
 
 HEADER = struct.Struct(">I")
 MAX_ANSWER_BYTES = 16 * 2**20  # a call's answer past this fails the call (a tool's text is cut far below it)
@@ -87,7 +87,7 @@ class Jail:
     """The owner's side: a warden started by exec, serving `call(target, arguments)`. `resolver`:
     the import path of `resolve(target) -> function` (the owner's: rewards/sandbox.py:jailed_reward,
     grpo/environments/tools.py:jailed_tool), run in the warden; `targets`: what it resolves at start
-    (the rest on first use); `pass_env`: variables the calls see besides the allow-list of common/child.py."""
+    (the rest on first use); `pass_env`: variables the calls see besides the allow-list of grpo/common/child.py."""
 
     def __init__(self, name: str, resolver: str, targets: list[str] = (), limits: JailLimits = JailLimits(),
                  pass_env=()):
@@ -106,7 +106,8 @@ class Jail:
                        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONSAFEPATH": "1"}
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "common.jail_warden", str(requests_read), str(answers_write), str(os.getpid())],
+                [sys.executable, "-m", "grpo.common.jail_warden", str(requests_read), str(answers_write),
+                 str(os.getpid())],
                 pass_fds=(requests_read, answers_write), env=environment, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, start_new_session=True)
         finally:

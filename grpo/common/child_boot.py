@@ -1,8 +1,8 @@
-"""The start of a child that common/child.py's Child(clean=True) makes by exec: a new Python that holds
+"""The start of a child that grpo/common/child.py's Child(clean=True) makes by exec: a new Python that holds
 nothing of its parent's. Its first message on the pipe names the setup to serve and its arguments; then it
-serves as a forked child does (common.child._serve: a keeper, a server, the session ended as one).
+serves as a forked child does (grpo.common.child._serve: a keeper, a server, the session ended as one).
 
-    python -m common.child_boot <pipe fd> <parent pid>
+    python -m grpo.common.child_boot <pipe fd> <parent pid>
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 from multiprocessing.connection import Connection
 
-from common.child import _serve
+from grpo.common.child import _serve
 
 
 def main(argv: list[str]) -> None:

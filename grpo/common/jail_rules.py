@@ -1,4 +1,4 @@
-"""What confines one jailed call (common/jail.py): its namespaces, its files, its system calls, its
+"""What confines one jailed call (grpo/common/jail.py): its namespaces, its files, its system calls, its
 capabilities and its budgets. Each function applies to the calling process and every process it
 starts, and says what it could apply, so that the jail can report it (and the tests check it).
 
@@ -18,7 +18,7 @@ starts, and says what it could apply, so that the jail can report it (and the te
 - Capabilities (`drop_capabilities`): none left, in any set, bounding set included.
 - Budgets (`limit_call`): rlimits of address space, CPU seconds, file size and core dumps on each
   process; the OOM killer's first choice (oom_score_adj 1000). The whole call tree's memory and
-  process count are held by a cgroup where one can be made (common/jail_budget.py), else watched.
+  process count are held by a cgroup where one can be made (grpo/common/jail_budget.py), else watched.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import os
 import resource
 import sys
 import sysconfig
-from pathlib import Path
 
-from common.kernel_filters import (
+from grpo.common.kernel_filters import (
     LANDLOCK_CREATE_RULESET,
     LANDLOCK_RESTRICT_SELF,
     PR_SET_NO_NEW_PRIVS,
     landlock_abi,
     seccomp_program,
 )
+from grpo.common.packages import CODE_PACKAGES, DATA_PACKAGE, package_folder
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, \
     0x20000000, 0x40000000
@@ -58,8 +58,6 @@ NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/host.conf", "/etc/gai.c
                  "/etc/ca-certificates", "/etc/pki")
 DEVICES = {"/dev/null": READ_FILE | WRITE_FILE, "/dev/zero": READ_FILE, "/dev/full": READ_FILE | WRITE_FILE,
            "/dev/random": READ_FILE, "/dev/urandom": READ_FILE}
-PROJECT_PACKAGES = ("grpo", "rewards", "common")  # the project's code (data/ holds datasets: only its .py files)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def enter_namespaces(network: bool) -> bool:
@@ -101,7 +99,8 @@ def readable_folders(network: bool = False) -> list[str]:
     names and checking certificates read."""
     paths = {*SYSTEM_FOLDERS, sys.prefix, sys.base_prefix, sys.exec_prefix, *(NETWORK_FILES if network else ()),
              *(sysconfig.get_paths()[kind] for kind in ("stdlib", "platstdlib", "purelib", "platlib")),
-             *(str(ROOT / package) for package in PROJECT_PACKAGES), *map(str, (ROOT / "data").glob("*.py"))}
+             *(str(package_folder(name)) for name in CODE_PACKAGES),
+             *map(str, package_folder(DATA_PACKAGE).glob("*.py"))}
     return sorted(paths)
 
 
@@ -123,7 +122,8 @@ def file_rules(writable: list[str], readable: list[str], network: bool) -> tuple
     if fd < 0:
         return -1, 0
     rules = [(p, READ_ONLY) for p in [*readable, *SYSTEM_FILES]] + [(p, rights) for p in writable]
-    rules += [(str(ROOT / "data"), READ_DIR)]  # its modules are found by listing it; its datasets stay unread
+    # its modules are found by listing it; its datasets stay unread
+    rules += [(str(package_folder(DATA_PACKAGE)), READ_DIR)]
     for path, allowed in [*rules, *DEVICES.items()]:
         _add_rule(libc, fd, path, allowed & rights)
     return fd, abi
@@ -173,7 +173,7 @@ FORBIDDEN_CALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_get
 
 
 def jail_filter(network: bool, protected_signals: list[tuple[str, int, dict]]) -> bytes | None:
-    """The call's seccomp filter, compiled (common.child.seccomp_program): FORBIDDEN_CALLS fail with
+    """The call's seccomp filter, compiled (grpo.common.child.seccomp_program): FORBIDDEN_CALLS fail with
     EPERM; socket() of any family but the internet ones (where `network`) fails with EACCES (an
     allow-list: AF_XDP, packet, netlink, Unix, vsock, and families the kernel adds later),
     socketpair() makes only stream Unix pairs (a `multiprocessing.Pipe`); `protected_signals`

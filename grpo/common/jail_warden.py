@@ -1,10 +1,10 @@
-"""The jail's warden (common/jail.py has the picture and the owner's side): a Python started by exec
+"""The jail's warden (grpo/common/jail.py has the picture and the owner's side): a Python started by exec
 that imports the functions it serves once and forks a jailed process for each call.
 
 Per call: a folder of its own (the only one it may write, with the limits' `writable`), a cgroup
-(common/jail_budget.py), then in the child a session of its own, rlimits, namespaces (user, mount,
+(grpo/common/jail_budget.py), then in the child a session of its own, rlimits, namespaces (user, mount,
 PID, IPC and, unless allowed, network), no capabilities, a Landlock domain made for that call and
-the seccomp filter compiled once (common/jail_rules.py). The call's stdout and stderr go to a file
+the seccomp filter compiled once (grpo/common/jail_rules.py). The call's stdout and stderr go to a file
 in its folder, whose first lines the warden copies to its own stderr marked as the call's. Every
 descriptor but its answer pipe is closed. After the answer (or the time limit, or a budget) every
 process the call started is killed, adopted orphans included (the warden is a subreaper); the
@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.child import ChildRefused, _replace_environment, end_session, raised_at
-from common.jail import HEADER, JAILED, MAX_ANSWER_BYTES, JailLimits, read_frame, write_frame
-from common.kernel_filters import load_seccomp_program
+from grpo.common.child import ChildRefused, _replace_environment, end_session, raised_at
+from grpo.common.jail import HEADER, JAILED, MAX_ANSWER_BYTES, JailLimits, read_frame, write_frame
+from grpo.common.kernel_filters import load_seccomp_program
 
 EXIT_GRACE_S = 0.05  # how long a call that answered has to exit before its tree is killed
 TICK_S = 0.02  # how often the warden looks at a running call's budgets
@@ -54,8 +54,8 @@ class Confinement:
 
 
 def confinement(limits: JailLimits, folder: str, keep: tuple[int, ...]) -> Confinement:
-    from common import jail_rules as rules
-    from common.kernel_filters import landlock_abi
+    from grpo.common import jail_rules as rules
+    from grpo.common.kernel_filters import landlock_abi
 
     # where Landlock cannot scope signals and the call gets no PID namespace: none to the warden and above
     protect = [] if landlock_abi() >= 6 else rules.signal_rules([(os.getpid(), os.getpgid(0)), *rules.ancestors()])
@@ -66,7 +66,7 @@ def confinement(limits: JailLimits, folder: str, keep: tuple[int, ...]) -> Confi
 def serve(requests: int, answers: int, owner: int) -> None:
     """The loop: the first frame names the resolver, what to import, the limits and the folder;
     then each frame is a call. Ends when the owner closes its pipe or dies."""
-    from common.imports import import_object
+    from grpo.common.imports import import_object
 
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a call's orphans come here, where they are ended with it
@@ -131,7 +131,7 @@ def _prepare(fn, arguments: list) -> None:
 
 def describe_jail(jail: Confinement) -> dict:
     """What a call here gets (probed in a throw-away call), for the owner's log and the tests."""
-    from common.jail_budget import CallBudget
+    from grpo.common.jail_budget import CallBudget
 
     probe, clean_up = run_call(lambda: None, [], 30.0, jail)
     clean_up()
@@ -148,8 +148,8 @@ def run_call(fn, arguments: list, timeout_s: float, jail: Confinement):
     its folder and cgroups). Every process of the call is ended before it returns."""
     import tempfile
 
-    from common import jail_rules as rules
-    from common.jail_budget import CallBudget
+    from grpo.common import jail_rules as rules
+    from grpo.common.jail_budget import CallBudget
 
     folder = tempfile.mkdtemp(dir=jail.folder)
     ruleset, abi = rules.file_rules([folder, *jail.limits.writable], jail.readable, jail.limits.network)
@@ -195,7 +195,7 @@ def _end_call(pid: int) -> None:
     deadline = time.monotonic() + EXIT_GRACE_S
     while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
         time.sleep(0.0005)
-    end_session(os.getpid())  # every descendant of the warden (common/child.py: this process spared)
+    end_session(os.getpid())  # every descendant of the warden (grpo/common/child.py: this process spared)
     while True:
         try:
             if os.waitpid(-1, os.WNOHANG) == (0, 0):
@@ -205,7 +205,7 @@ def _end_call(pid: int) -> None:
 
 
 def _await(read_end: int, pid: int, deadline: float, budget) -> list:
-    from common.child import session_members
+    from grpo.common.child import session_members
 
     poller = select.poll()
     poller.register(read_end, select.POLLIN)
@@ -249,7 +249,7 @@ def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[
             answer_fd: int) -> None:
     """The call's first process: confined, then fn(*arguments); its answer written to `answer_fd`.
     Never returns."""
-    from common import jail_rules as rules
+    from grpo.common import jail_rules as rules
 
     status, limits, owner_folder = 0, jail.limits, Path.cwd()
     try:

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import json
+import random
 
 PREFIX = "reasoning-gym:"
 SPLITS = ("train", "test")
@@ -100,12 +101,13 @@ def task_rows(path: str, split: str, task_args: dict) -> list[dict]:
     settings = json_safe(split_settings(task_args, split))
     # through the scorer's cache: the reward sandbox, forked after the data is loaded, starts with
     # the dataset built (some tasks precompute every question: seconds, within its time limit)
-    dataset = _dataset(task, _settings_key(settings))
+    key = _settings_key(settings)
     rows = [{"question": e["question"], "answer": str(e["answer"]), "metadata": json_safe(e["metadata"]),
              "entry": {"task": task, "settings": settings, "index": i}}
-            for i, e in enumerate(dataset)]
+            for i, e in ((i, _entry(task, key, i)) for i in range(len(_dataset(task, key))))]
     if split == "test":  # distinct questions that train does not hold
-        seen = {e["question"] for e in _dataset(task, _settings_key(split_settings(task_args, "train")))}
+        train = _settings_key(split_settings(task_args, "train"))
+        seen = {_entry(task, train, i)["question"] for i in range(len(_dataset(task, train)))}
         generated = len(rows)
         rows = [row for row in rows if row["question"] not in seen and not seen.add(row["question"])]
         if not rows:  # a small value space: the train split already holds every question
@@ -126,7 +128,14 @@ def _dataset(task: str, settings_json: str):
 
 @functools.lru_cache(maxsize=4096)  # a group's G completions share one entry
 def _entry(task: str, settings_json: str, index: int) -> dict:
-    return _dataset(task, settings_json)[index]
+    """Entry `index`, the same wherever and whenever it is made: some tasks (list_functions) draw from
+    Python's global `random` as they make an entry, so it is seeded from the entry's name for the call."""
+    state = random.getstate()
+    random.seed(f"{task}|{settings_json}|{index}")
+    try:
+        return _dataset(task, settings_json)[index]
+    finally:
+        random.setstate(state)
 
 
 def original_entry(reference: dict) -> dict:

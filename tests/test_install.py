@@ -2,6 +2,7 @@
 and grpo.data), so that a user's own rewards, data or common package imports beside ours."""
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,9 +24,15 @@ print(json.dumps({"user": [common.MINE, data.MINE, rewards.MINE], "grpo": grpo._
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel pip builds from the checkout's tracked files (copied: a build writes build/ beside them)."""
+    tree, out = tmp_path_factory.mktemp("tree"), tmp_path_factory.mktemp("wheel")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, tree / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, timeout=300)
+                    str(tree)], check=True, capture_output=True, timeout=300)
     return next(out.glob("*.whl"))
 
 

@@ -172,3 +172,18 @@ def test_every_task_scores_its_own_reference_answer_through_our_path_as_reasonin
             assert get_reward("reasoning_gym")(completion, {**row, "reference_answer": row["answer"]}) == expected, task
             checked += 1
     assert checked == 3 * (len(task_names()) - len(needs_settings))
+
+
+def test_an_entry_is_regenerated_the_same_whatever_the_global_random_state():
+    """list_functions draws from Python's global `random` as it makes an entry: the row a sampler shows
+    and the entry the reward's jail regenerates (another process, another state) must be the same one."""
+    import random
+
+    import grpo.data.procedural as procedural
+
+    random.seed(1)
+    rows = procedural.task_rows("reasoning-gym:list_functions", "train", {"size": 3, "seed": 0})
+    procedural._entry.cache_clear()
+    procedural._dataset.cache_clear()
+    random.seed(2)
+    assert [procedural.original_entry(row["entry"])["question"] for row in rows] == [row["question"] for row in rows]

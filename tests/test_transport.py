@@ -291,7 +291,8 @@ def test_nothing_that_arrives_over_a_socket_is_unpickled():
     paths = [wire / "transport.py", wire / "codec.py", wire / "zmq_transport.py", wire / "batch.py",
              wire / "delivery.py", REPO / "grpo" / "workers" / "trainer.py",
              REPO / "grpo" / "trainer" / "loop.py", REPO / "grpo" / "trainer" / "ranks.py",
-             REPO / "grpo" / "workers" / "sampler.py", REPO / "rewards" / "sandbox.py", REPO / "common" / "child.py",
+             REPO / "grpo" / "workers" / "sampler.py", REPO / "rewards" / "sandbox.py",
+             *(REPO / "grpo" / "common" / f"{name}.py" for name in ("child", "child_boot", "jail", "jail_warden")),
              REPO / "grpo" / "environments" / "pool.py", *(REPO / "rewards" / f"{name}.py" for name in
                                                             ("http_json", "remote", "judge")),
              REPO / "scripts" / "reward_server.py"]  # the HTTP rewards' client and the example server

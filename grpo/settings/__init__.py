@@ -204,7 +204,7 @@ class SamplingConfig:
     episode_feed_tokens: int = setting(0, "Episodes on the HF engine: an environment's reply is fed to the model at "
         "most this many tokens a decode step, beside the other episodes' one token each, so a long tool output does "
         "not widen every episode's step; 0 = the whole reply in one step, which measured faster on 2 CPU cores "
-        "(docs/performance.md).", bound=">= 0", why="0 = a reply in one step")
+        "(docs/notes/generation.md).", bound=">= 0", why="0 = a reply in one step")
     old_logps: str = setting("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after "
         "generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass "
         "fewer; checked against the recompute on the second step of each start).", choices=("recompute", "generation"))

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from grpo.common.files import write_atomically
 from grpo.wire.batch import SCHEMA
+from grpo.wire.codec import EARLIER_SCHEMAS
 
 MAGIC = b"GRPOSPL1"
 WAIT_NOTE_S = 30.0  # how often a trainer waiting for a batch says so
@@ -205,7 +206,7 @@ class Redelivery:
                              "into the run folder, look for what; then delete the file and start the run again to "
                              "have the step made again")
         schema = _schema(frames[1])
-        if schema != SCHEMA:
+        if schema in EARLIER_SCHEMAS:
             raise SpoolError(f"{self.spool._path(step)} holds a batch of schema {schema}, written by an earlier "
                              f"release, which this trainer (schema {SCHEMA}) cannot read; nothing of it is sent. "
                              f"Delete the sampler's spool folder {self.spool.folder} and start the run again to "
@@ -290,9 +291,9 @@ class Inbox:
         return f"sampler {sampler} step {state.next_step(sampler)}"
 
 
-def _schema(header: bytes) -> str:
-    """The schema a spooled batch's header names ("unknown" where it names none)."""
+def _schema(header: bytes) -> str | None:
+    """The schema a spooled batch's header names (None where it names none: the trainer says what is wrong)."""
     try:
-        return str(json.loads(header).get("schema", "unknown"))[:80]
+        return json.loads(header).get("schema")
     except (ValueError, AttributeError):
-        return "unknown"
+        return None

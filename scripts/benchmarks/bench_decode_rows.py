@@ -12,7 +12,7 @@ model GFLOP of a step (every linear map, the adapters and the LM head on each ro
 the keys so far: grpo/model/flops.py), GFLOP/s, MFU against the fp32 matmul ceiling measured first on the
 same threads, and the rate at which a step reads the model's weights (all weight matrices once a
 step / step time: far below the memory's rate here, so a few-row step is bound by small-batch
-matmul efficiency and per-op overhead, not by memory bandwidth; docs/performance.md).
+matmul efficiency and per-op overhead, not by memory bandwidth; docs/notes/generation.md).
 `--compile` also runs each row count with the model's forward under `torch.compile` (dynamic
 shapes: the cache grows every token), alternating with the eager forward, and prints the ratio;
 the compile itself (minutes on the CPU) is in the untimed warm-up.

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # default_batch: bench
 
 # glibc malloc keeping freed memory instead of returning it (trim) and mapping it afresh, with
 # and without transparent huge pages: measured against the page faults of the trainer's step
-# (no gain once the LM-head chunks fit the heap, grpo/model/logprobs.py; docs/performance.md)
+# (no gain once the LM-head chunks fit the heap, grpo/model/logprobs.py; docs/notes/optimisations.md)
 MALLOC_KEEP = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
 
 VARIANTS = {  # name: (config overrides on top of the command line's, environment)

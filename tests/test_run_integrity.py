@@ -156,6 +156,7 @@ def test_a_checkpoints_files_are_checked_against_its_signed_manifest(tmp_path):
     assert check_manifest(folder, secret).startswith(f"{folder} has no {MANIFEST} (written by an earlier version")
 
 
+@pytest.mark.slow  # trains a step, then starts the trainer three times
 def test_a_resume_from_a_checkpoint_with_a_planted_pickle_stops_and_runs_nothing(tmp_path, tiny_model_dir,
                                                                                   tiny_gsm8k):
     """Trained one step (a checkpoint at step 1); its model-states file is replaced by a pickle that

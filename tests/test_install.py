@@ -60,3 +60,17 @@ def test_a_users_own_rewards_data_and_common_import_beside_the_installed_grpo(wh
     assert found["user"] == ["the user's common", "the user's data", "the user's rewards"]
     assert found["grpo"] == str(unpacked / "grpo" / "__init__.py")
     assert found["rewards"] == str(unpacked / "grpo" / "rewards" / "builtins.py") and found["rows"] == 1319
+
+
+def test_a_checkout_on_the_python_path_without_an_install_imports_grpo_rewards_and_data(tmp_path):
+    """A Python without this project installed (no site: no editable finder), the checkout on PYTHONPATH,
+    as a vLLM environment of its own runs the sampler: grpo.rewards and grpo.data are the folders beside grpo/."""
+    import site
+
+    code = ("import sys; sys.path.extend(sys.argv[1:]); import grpo.rewards.overlong, grpo.data.embedded; "
+            "print(grpo.rewards.overlong.__file__, grpo.data.embedded.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code, *site.getsitepackages()], cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(REPO / "rewards" / "overlong.py"), str(REPO / "data" / "embedded.py")]

@@ -166,3 +166,20 @@ def test_no_module_over_450_lines_and_no_function_over_70():
                 long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
                                       f"{node.end_lineno - node.lineno + 1} lines")
     assert (long_modules, long_functions) == ([], [])
+
+
+def test_an_engine_is_one_line_in_each_table_and_the_config_reads_its_traits(monkeypatch):
+    """A new engine joins with its import path (ENGINES) and its traits (ENGINE_TRAITS, whose names are
+    sampling.engine's choices): the config's rules read what it supports, with nothing else to edit."""
+    import grpo.settings.engines as engines
+    from grpo.config import load_config
+    from grpo.sampler.rollout import ENGINES
+    from grpo.settings.tree import ConfigError
+
+    assert tuple(ENGINES) == engines.ENGINE_NAMES == choices_of(Config, "sampling.engine")
+    traits = {**engines.ENGINE_TRAITS, "hf": engines.EngineTraits(adapter_extras=False, stop_with_in_flight=False)}
+    monkeypatch.setattr("grpo.config.rules.ENGINE_TRAITS", traits)  # the HF engine, as if it served no DoRA
+    with pytest.raises(ConfigError, match=r"sampling.engine=hf cannot serve an adapter with lora.use_dora=true"):
+        load_config(None, ["lora.use_dora=true"])
+    with pytest.raises(ConfigError, match=r"sampling.stop with sampling.in_flight_updates on hf"):
+        load_config(None, ["sampling.stop=[x]", "sampling.in_flight_updates=true"])

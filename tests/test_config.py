@@ -141,9 +141,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "sampling.old_logps=generation (a recompute after generation would score every token with the newest "
      "weights); got continuous_batching=True, old_logps=recompute"),
     (["sampling.in_flight_updates=true", "sampling.engine=vllm", "sampling.in_flight_kv=keep"],
-     "sampling.in_flight_updates on vLLM needs lora.enabled=true (its requests move to each new adapter; full "
-     "weights load between steps) and sampling.in_flight_kv=recompute (a moved request's prefix is prefilled "
-     "again); got lora.enabled=True, in_flight_kv=keep"),
+     "sampling.in_flight_updates on vllm needs lora.enabled=true (its requests move to each new adapter; full "
+     "weights load between steps) and sampling.in_flight_kv in ['recompute'] (a moved request's prefix is "
+     "prefilled again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
     (["training.max_token_age=-2"], "training.max_token_age must be >= 0 or -1 (-1 = off); got -2"),
     (["training.max_token_age=1", "weights.publish_every=3", "sampling.max_staleness=2"],

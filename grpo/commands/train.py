@@ -37,6 +37,7 @@ from grpo.run.preflight import device_problems, named_code_problems, planning_no
 from grpo.run.progress import StepProgress, WorkerLogs, format_duration, stop_summary
 from grpo.run.start import planned_start, prepare_run_folder
 from grpo.run.watchdog import StartupWatch
+from grpo.settings.engines import ENGINE_TRAITS
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
@@ -218,7 +219,7 @@ def plan_lines(cfg: Config, plan: dict, state: str, address_picked: bool, gpus_g
         ranks = f"{plan['ranks']} rank{'s' * (plan['ranks'] > 1)}"
         what = ranks if name == "trainer" else f"engine {cfg.sampling.engine}"
         lines.append(f"{name:<11} {what}, {devices}")
-        if name != "trainer" and cfg.sampling.engine == "vllm":
+        if name != "trainer" and ENGINE_TRAITS[cfg.sampling.engine].own_python:
             found = process["command"][0] != sys.executable
             lines.append(f"  python   {process['command'][0]}" + ("" if found else
                          f" (sampling.vllm.python={cfg.sampling.vllm.python} does not exist: make install-vllm)"))

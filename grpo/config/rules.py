@@ -21,6 +21,7 @@ from grpo.data.mixture import source_configs
 from grpo.data.mixture import source_problems as mixture_entry_problems
 from grpo.data.procedural import is_procedural
 from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
+from grpo.settings.engines import ENGINE_TRAITS
 from grpo.settings.tree import ConfigError, field_problems
 
 if TYPE_CHECKING:
@@ -73,18 +74,21 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
                       "sampling.old_logps=generation (a recompute after generation would score every token with "
                       f"the newest weights); got continuous_batching={sampling.continuous_batching}, "
                       f"old_logps={sampling.old_logps}")
-    if sampling.in_flight_updates and sampling.engine == "vllm" \
-            and (not lora_enabled or sampling.in_flight_kv != "recompute"):
-        errors.append("sampling.in_flight_updates on vLLM needs lora.enabled=true (its requests move to each new "
-                      "adapter; full weights load between steps) and sampling.in_flight_kv=recompute (a moved "
-                      f"request's prefix is prefilled again); got lora.enabled={lora_enabled}, "
-                      f"in_flight_kv={sampling.in_flight_kv}")
+    engine = ENGINE_TRAITS[sampling.engine]
+    if sampling.in_flight_updates and ((engine.in_flight_needs_lora and not lora_enabled)
+                                       or sampling.in_flight_kv not in engine.in_flight_kv):
+        errors.append(f"sampling.in_flight_updates on {sampling.engine} needs "
+                      + ("lora.enabled=true (its requests move to each new adapter; full weights load between "
+                         "steps) and " if engine.in_flight_needs_lora else "")
+                      + f"sampling.in_flight_kv in {list(engine.in_flight_kv)} (a moved request's prefix is prefilled "
+                      f"again); got lora.enabled={lora_enabled}, in_flight_kv={sampling.in_flight_kv}")
     if any(not stop for stop in sampling.stop):
         errors.append("sampling.stop holds an empty string, which every text holds: each completion would end "
                       "after its first token; remove it")
-    if sampling.stop and sampling.in_flight_updates and sampling.engine == "vllm":
-        errors.append("sampling.stop with sampling.in_flight_updates on vLLM: a request moved to a new adapter is made "
-                      "again from its tokens, and the text it had already matched is not seen again; use one of them")
+    if sampling.stop and sampling.in_flight_updates and not engine.stop_with_in_flight:
+        errors.append(f"sampling.stop with sampling.in_flight_updates on {sampling.engine}: a request moved to a new "
+                      "adapter is made again from its tokens, and the text it had already matched is not seen again; "
+                      "use one of them")
     if 0 <= sampling.max_staleness < publish_every - 1:  # step g needs a version >= g - max_staleness
         errors.append(f"sampling.max_staleness={sampling.max_staleness} cannot hold with weights.publish_every="
                       f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
@@ -137,8 +141,9 @@ def _model_errors(cfg: Config) -> list[str]:
     if lora.enabled and lora.use_dora and cfg.deepspeed.zero_stage == 3:
         errors.append("lora.use_dora with deepspeed.zero_stage=3: DoRA reads each base weight outside its layer's "
                       "forward, where ZeRO-3 holds only a shard of it; use zero_stage 2 or lower, or plain LoRA")
-    if lora.enabled and cfg.sampling.engine == "vllm" and (lora.use_dora or lora.modules_to_save):
-        errors.append("sampling.engine=vllm cannot serve an adapter with " + " and ".join(
+    serves_extras = ENGINE_TRAITS[cfg.sampling.engine].adapter_extras
+    if lora.enabled and not serves_extras and (lora.use_dora or lora.modules_to_save):
+        errors.append(f"sampling.engine={cfg.sampling.engine} cannot serve an adapter with " + " and ".join(
             [*(["lora.use_dora=true"] if lora.use_dora else []),
              *([f"lora.modules_to_save={list(lora.modules_to_save)}"] if lora.modules_to_save else [])])
             + " (vLLM loads plain LoRA adapters only); use sampling.engine=hf, or train without them")

@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 import yaml
 
+from grpo.settings.engines import ENGINE_NAMES, IN_FLIGHT_KV
 from grpo.settings.rewards import DEFAULT_JUDGE_PATTERN as DEFAULT_JUDGE_PATTERN  # re-exported: the tree's names
 from grpo.settings.rewards import DEFAULT_JUDGE_PROMPT as DEFAULT_JUDGE_PROMPT
 from grpo.settings.rewards import JudgeConfig as JudgeConfig
@@ -149,7 +150,7 @@ class VllmSettings:
 @dataclass
 class SamplingConfig:
     engine: str = setting("hf", "Rollout engine: 'hf' (transformers, any device) or 'vllm' (optional: make "
-        "install-vllm; CUDA or CPU build).", choices=("hf", "vllm"))
+        "install-vllm; CUDA or CPU build).", choices=ENGINE_NAMES)
     device: str = setting("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
     dtype: str = setting("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
         "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer mismatch "
@@ -200,7 +201,7 @@ class SamplingConfig:
     in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
         "column again under the new weights (each recorded log-prob is its token's under its own version given its "
         "whole prefix); 'keep' goes on from the KV of the weights before (cheaper, not exact: the sampler/trainer "
-        "mismatch metrics show the cost; HF engine only).", choices=("recompute", "keep"))
+        "mismatch metrics show the cost; HF engine only).", choices=IN_FLIGHT_KV)
     episode_feed_tokens: int = setting(0, "Episodes on the HF engine: an environment's reply is fed to the model at "
         "most this many tokens a decode step, beside the other episodes' one token each, so a long tool output does "
         "not widen every episode's step; 0 = the whole reply in one step, which measured faster on 2 CPU cores "

@@ -17,7 +17,7 @@ import copy
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from grpo.rewards.judge import Judge, pattern_problem
 from grpo.rewards.remote import RemoteReward, is_url, url_problem
@@ -52,8 +52,72 @@ class ServiceSettings:
                    rewards.remote_retries, cfg.model.cache_dir, cfg.model.trust_remote_code, rewards.judge)
 
 
+@dataclass(frozen=True)
+class Service:
+    """One kind of service reward: which names are it, how it loads (once per process for the same
+    settings), what is wrong with a name and its settings (found at start, each naming its config key),
+    and what it needs at the sampler's start besides loading (an API key)."""
+
+    matches: Callable[[str], bool]
+    load: Callable[[str, ServiceSettings], Any]
+    problems: Callable[[str, ServiceSettings], list[str]]
+    ready: Callable[[str, ServiceSettings], None] = lambda name, settings: None
+
+
+def _load_reward_model(name: str, s: ServiceSettings):
+    from grpo.rewards.reward_model import load_reward_model
+
+    return load_reward_model(name.removeprefix(REWARD_MODEL), s.device, s.dtype, s.batch_size, s.cache_dir,
+                             s.trust_remote_code)
+
+
+def _reward_model_problems(name: str, s: ServiceSettings) -> list[str]:
+    from grpo.rewards.reward_model import RewardModelError, check_classifier
+
+    try:
+        check_classifier(name.removeprefix(REWARD_MODEL), s.cache_dir, s.trust_remote_code)
+    except RewardModelError as e:
+        return [f"rewards.names: {e}"]
+    return []
+
+
+def _judge_key_ready(name: str, s: ServiceSettings) -> None:
+    key = s.judge.api_key_env
+    if key and key not in os.environ:
+        raise ServiceStartError(f"rewards.judge.api_key_env names {key}, which is not set in the sampler's "
+                                "environment: export it before starting")
+
+
+_LOADED: dict[str, Any] = {}  # loaded once per process for the same settings (a judge keeps its breaker)
+
+
+def _once(key: list, make: Callable[[], Any]):
+    text = json.dumps(key, sort_keys=True)
+    if text not in _LOADED:
+        _LOADED[text] = make()
+    return _LOADED[text]
+
+
+# a judge keeps a copy of its settings: a config changed later in this process does not change it
+SERVICES = {
+    "reward_model": Service(lambda name: name.startswith(REWARD_MODEL), _load_reward_model, _reward_model_problems),
+    "judge": Service(lambda name: name == JUDGE,
+                     lambda name, s: _once([name, vars(s.judge), s.timeout_s, s.retries],
+                                           lambda: Judge(copy.deepcopy(s.judge), s.timeout_s, s.retries)),
+                     lambda name, s: judge_problems(s.judge), _judge_key_ready),
+    "http": Service(is_url, lambda name, s: _once([name, None, s.timeout_s, s.retries],
+                                                  lambda: RemoteReward(name, s.timeout_s, s.retries)),
+                    lambda name, s: [f"rewards.names: {p}" for p in [url_problem(name)] if p]),
+}
+
+
+def service_of(name: str) -> Service | None:
+    """The kind of service reward `name` is (SERVICES), None for a function."""
+    return next((service for service in SERVICES.values() if service.matches(name)), None)
+
+
 def is_service_name(name: str) -> bool:
-    return name.startswith(REWARD_MODEL) or name == JUDGE or is_url(name)
+    return service_of(name) is not None
 
 
 def is_service(fn) -> bool:
@@ -65,25 +129,7 @@ def service_reward(name: str, settings: ServiceSettings | None):
     if settings is None:
         raise ValueError(f"reward {name!r} is a service (reward model, HTTP endpoint or judge): score it with "
                          "score_completions(..., prompts=..., services=ServiceSettings.of(cfg))")
-    if name.startswith(REWARD_MODEL):
-        from grpo.rewards.reward_model import load_reward_model
-
-        s = settings
-        return load_reward_model(name.removeprefix(REWARD_MODEL), s.device, s.dtype, s.batch_size, s.cache_dir,
-                                 s.trust_remote_code)
-    return _endpoint(name, settings.judge if name == JUDGE else None, settings.timeout_s, settings.retries)
-
-
-_ENDPOINTS: dict[str, Any] = {}  # loaded once per process for the same settings (a judge keeps its breaker)
-
-
-def _endpoint(name: str, judge, timeout_s: float, retries: int):
-    key = json.dumps([name, vars(judge) if judge is not None else None, timeout_s, retries], sort_keys=True)
-    if key not in _ENDPOINTS:
-        # a judge keeps a copy of its settings: a config changed later in this process does not change it
-        _ENDPOINTS[key] = Judge(copy.deepcopy(judge), timeout_s, retries) if name == JUDGE else \
-            RemoteReward(name, timeout_s, retries)
-    return _ENDPOINTS[key]
+    return service_of(name).load(name, settings)
 
 
 class ServiceStartError(ValueError):
@@ -96,10 +142,7 @@ def start_services(names: list[str], settings: ServiceSettings) -> None:
     it: the trainer, an export or an evaluation of the run load the same config without it).
     ServiceStartError or RewardModelError naming what is missing."""
     for name in filter(is_service_name, names):
-        key = settings.judge.api_key_env
-        if name == JUDGE and key and key not in os.environ:
-            raise ServiceStartError(f"rewards.judge.api_key_env names {key}, which is not set in the sampler's "
-                                    "environment: export it before starting")
+        service_of(name).ready(name, settings)
         service_reward(name, settings)
 
 
@@ -107,17 +150,7 @@ def service_problems(name: str, settings: ServiceSettings) -> list[str]:
     """What is wrong with a service reward's name (in rewards.names) and settings, each problem
     naming its config key; found at start without loading a model or calling anything (a reward
     model's config.json is read)."""
-    if name.startswith(REWARD_MODEL):
-        from grpo.rewards.reward_model import RewardModelError, check_classifier
-
-        try:
-            check_classifier(name.removeprefix(REWARD_MODEL), settings.cache_dir, settings.trust_remote_code)
-        except RewardModelError as e:
-            return [f"rewards.names: {e}"]
-        return []
-    if name != JUDGE:
-        return [f"rewards.names: {p}" for p in [url_problem(name)] if p]
-    return judge_problems(settings.judge)
+    return service_of(name).problems(name, settings)
 
 
 def judge_problems(j) -> list[str]:

@@ -500,3 +500,29 @@ def test_a_reward_beyond_the_limit_or_beyond_it_weighted_fails_that_sample(tmp_p
         assert fallback.per_function[:, 0].tolist() == [-1.0] * 4 + [1.0]
         total, scored = worst_of_batch(worst.total, worst.scored, worst.worst)
         assert group_advantages(total, 5, scored=scored).isfinite().all()
+
+
+def test_a_reward_service_is_one_line_in_its_table(monkeypatch):
+    """A new kind of service joins SERVICES: the config's checks, the start and the scoring find it there."""
+    from grpo.config import load_config
+    from grpo.rewards import score_completions, services
+    from grpo.run.preflight import named_code_problems
+
+    def load(name, settings):
+        def score(completions, rows, prompts):
+            return [float(len(c)) for c in completions]
+        score.service = True
+        return score
+
+    dummy = services.Service(lambda name: name.startswith("dummy:"), load,
+                             lambda name, settings: [] if name != "dummy:bad" else ["rewards.names: dummy:bad is bad"])
+    monkeypatch.setitem(services.SERVICES, "dummy", dummy)
+    assert services.is_service_name("dummy:x") and not services.is_service_name("gsm8k_answer")
+    bad = load_config(None, ["rewards.names=[dummy:bad]", "rewards.weights=[1.0]"])
+    assert "rewards.names: dummy:bad is bad" in named_code_problems(bad)  # the start's checks
+    cfg = load_config(None, ["rewards.names=[dummy:x]", "rewards.weights=[1.0]"])
+    settings = services.ServiceSettings.of(cfg)
+    services.start_services(cfg.rewards.names, settings)
+    scores = score_completions(["ab", "abcd"], [{}, {}], ["dummy:x"], [1.0], None, prompts=[[], []],
+                               services=settings)
+    assert scores.total.tolist() == [2.0, 4.0]

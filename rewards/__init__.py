@@ -2,7 +2,7 @@
 and service rewards (a reward model, an HTTP endpoint, an LLM judge: rewards/services.py).
 
 The names below load the registry (and torch) when first used: the jail that runs rule rewards
-imports rewards.builtins alone."""
+imports grpo.rewards.builtins alone. Installed as grpo.rewards (pyproject.toml's package-dir)."""
 
 __all__ = ["REWARD_FUNCTIONS", "RewardScores", "batched", "get_reward", "score_completions"]
 

@@ -38,34 +38,33 @@ def test_the_sampler_imports_nothing_of_the_trainer_and_the_trainer_no_engine():
 
 
 def test_each_declared_choice_list_is_what_its_implementing_module_offers():
-    """The settings declare each choice (grpo/settings); the modules that implement one keep their own
-    table of it: the two agree, so a name added to one and not the other fails here."""
-    from grpo import objective
+    """The settings declare each choice (grpo/settings): a list that a module below the settings
+    implements (a registry of names) agrees with it, so a name added to one and not the other fails
+    here; every other list is defined once, in grpo/settings/choices.py, and imported where used."""
     from grpo.common.model_files import DTYPES
     from grpo.data.problems import ANSWER_FORMATS
-    from grpo.environments.pool import NETWORK_MODES
     from grpo.environments.tool_calls import PARSERS
     from grpo.model.loading import TEMPLATES
-    from grpo.model.logprobs import OLD_LOGPS_SOURCES
     from grpo.rewards.registry import ON_FAILURE
-    from grpo.run.tracking import TRACKERS, WANDB_MODES
     from grpo.sampler.rollout import ENGINES
-    from grpo.settings import SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES
-    from grpo.trainer.schedule import SCHEDULES
+    from grpo.settings import SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, choices
     from grpo.weights import CHANNELS
     from grpo.wire.transport import TRANSPORTS
 
     implemented = {"model.dtype": tuple(DTYPES), "sampling.dtype": ("auto", *DTYPES),
                    "data.answer_format": ANSWER_FORMATS, "sampling.engine": tuple(ENGINES),
-                   "sampling.old_logps": OLD_LOGPS_SOURCES, "training.aggregation": objective.AGGREGATIONS,
-                   "training.kl_estimator": objective.KL_ESTIMATORS, "training.importance_sampling": objective.IS_MODES,
-                   "training.advantage_scale": objective.ADVANTAGE_SCALES, "training.lr_schedule": SCHEDULES,
-                   "logging.backend": TRACKERS, "logging.wandb_mode": WANDB_MODES, "env.network": NETWORK_MODES,
                    "env.tool_parser": tuple(PARSERS), "rewards.on_failure": ON_FAILURE,
                    "weights.channel": tuple(CHANNELS)}
     for key, offered in implemented.items():
         assert choices_of(Config, key) == offered, key
     assert SHIPPED_CHAT_TEMPLATES == tuple(TEMPLATES) and TRANSPORT_SCHEMES == tuple(TRANSPORTS)
+    declared = {"sampling.old_logps": choices.OLD_LOGPS_SOURCES, "training.aggregation": choices.AGGREGATIONS,
+                "training.kl_estimator": choices.KL_ESTIMATORS, "training.importance_sampling": choices.IS_MODES,
+                "training.advantage_scale": choices.ADVANTAGE_SCALES, "training.lr_schedule": choices.SCHEDULES,
+                "logging.backend": choices.TRACKERS, "logging.wandb_mode": choices.WANDB_MODES,
+                "env.network": choices.NETWORK_MODES, "rewards.network": choices.NETWORK_MODES}
+    for key, listed in declared.items():
+        assert choices_of(Config, key) is listed, key
 
 
 def imported_modules(path) -> set[str]:

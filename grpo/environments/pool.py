@@ -242,7 +242,6 @@ def _close(environment) -> None:
             log.warning("an environment's close() raised %s: %s", type(e).__name__, e)
 
 
-NETWORK_MODES = ("deny", "allow")  # env.network
 
 
 def failed_reply(failure: str) -> Reply:

@@ -18,7 +18,6 @@ from grpo.model.shared_prefix import NO_MASK, install_shared_prefix_attention, p
 if TYPE_CHECKING:
     from grpo.settings import Config
 
-OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps (grpo/sampler/batches.py policy_logprobs)
 
 # A [chunk, vocab] float32 logits block under glibc's largest mmap threshold (32 MiB): freed, it
 # goes back to the heap and the next chunk reuses it. 1,024-row blocks (200 MB at a 49k vocab)

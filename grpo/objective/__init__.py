@@ -18,17 +18,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from grpo.settings import clip_range
+from grpo.settings.choices import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
 
 if TYPE_CHECKING:
     from grpo.settings import Config
 
 LEVELS = ("token", "sequence")
-AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGE_SCALES = ("group", "batch", "none")
 MAX_LOG_RATIO = 20.0  # keeps exp() finite when the sampler's and trainer's numbers disagree wildly
-# training.importance_sampling: how pi_proximal / pi_behaviour weighs each token's loss
-IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # the loss's metrics: summed over micro-batches and ranks weighted by loss tokens, except these
 ADDITIVE = ("loss", "policy_loss")  # computed with global denominators: the pieces sum to the whole's value

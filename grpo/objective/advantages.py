@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from grpo.objective import ADVANTAGE_SCALES as SCALES
+from grpo.settings.choices import ADVANTAGE_SCALES as SCALES
 
 
 def expand_group_sizes(group_sizes: int | Sequence[int], total: int) -> list[int]:

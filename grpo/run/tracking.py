@@ -20,8 +20,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("none", "wandb", "trackio")  # logging.backend
-WANDB_MODES = ("offline", "online")  # logging.wandb_mode
 
 
 def numeric(row: dict) -> dict[str, float]:

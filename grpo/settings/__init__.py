@@ -17,6 +17,15 @@ from typing import Optional, Union
 
 import yaml
 
+from grpo.settings.choices import (
+    ADVANTAGE_SCALES,
+    AGGREGATIONS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    NETWORK_MODES,
+    OLD_LOGPS_SOURCES,
+    SCHEDULES,
+)
 from grpo.settings.engines import ENGINE_NAMES, IN_FLIGHT_KV
 from grpo.settings.rewards import DEFAULT_JUDGE_PATTERN as DEFAULT_JUDGE_PATTERN  # re-exported: the tree's names
 from grpo.settings.rewards import DEFAULT_JUDGE_PROMPT as DEFAULT_JUDGE_PROMPT
@@ -208,7 +217,7 @@ class SamplingConfig:
         "(docs/notes/generation.md).", bound=">= 0", why="0 = a reply in one step")
     old_logps: str = setting("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after "
         "generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass "
-        "fewer; checked against the recompute on the second step of each start).", choices=("recompute", "generation"))
+        "fewer; checked against the recompute on the second step of each start).", choices=OLD_LOGPS_SOURCES)
     wait_timeout_s: float = setting(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
@@ -227,7 +236,7 @@ class TrainingConfig:
     lr_schedule: str = setting("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay "
         "to training.min_lr_ratio * learning_rate after training.steps x num_iterations optimizer updates. Counted in "
         "updates that were applied: a skipped (non-finite) pass does not advance it.",
-        choices=("constant", "linear", "cosine"))
+        choices=SCHEDULES)
     warmup_steps: int = setting(0, "Linear learning-rate warm-up, in applied optimizer updates.", bound=">= 0")
     min_lr_ratio: float = setting(0.0, "The floor of the linear / cosine decay, as a fraction of "
         "training.learning_rate.", bound="in [0, 1]")
@@ -239,14 +248,14 @@ class TrainingConfig:
     reference_on: str = setting("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, "
         "before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' "
         "balances the two when the sampler is the slower one.", choices=("sampler", "trainer"))
-    kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=("k1", "k2", "k3"))
+    kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=KL_ESTIMATORS)
     clip_low: Optional[float] = setting(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).",
         bound="in [0, 1)")
     clip_high: Optional[float] = setting(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).", bound=">= 0")
     aggregation: str = setting("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo "
-        "(constant).", choices=("grpo", "dapo", "dr_grpo"))
+        "(constant).", choices=AGGREGATIONS)
     advantage_scale: str = setting("group", "Advantage normalisation: group std, batch std, or none.",
-        choices=("group", "batch", "none"))
+        choices=ADVANTAGE_SCALES)
     num_iterations: int = setting(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
     max_tokens_per_micro_batch: int = setting(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
         "group gets one to itself). Activations scale with it: 2048 is one default group per micro-batch, 0.53x the "
@@ -257,7 +266,7 @@ class TrainingConfig:
         "against the sampler's log-probs), or clip against the trainer's own pre-update log-probs and weigh each token "
         "by pi_trainer / pi_sampler, per token or per sequence, truncated at the cap or masked above it: "
         "token_truncate, token_mask, sequence_truncate, sequence_mask.",
-        choices=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+        choices=IS_MODES)
     importance_sampling_cap: float = setting(2.0, "Cap of the importance weight (training.importance_sampling).",
         bound="> 0")
     max_token_age: int = setting(-1, "Tokens sampled more than this many versions before the policy being trained "
@@ -315,7 +324,7 @@ class EnvConfig:
         "each call to the server (connect, reset, step).", bound="> 0")
     network: str = setting("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
         "filter on socket(); where neither exists it refuses to start); allow: environments that need the network (a "
-        "web tool, a remote judge) get it.", choices=("deny", "allow"))
+        "web tool, a remote judge) get it.", choices=NETWORK_MODES)
     pass_env: list[str] = setting([], "Environment variables the environments' child sees besides PATH, HOME, LANG, "
         "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys among them, are not passed unless "
         "named here (e.g. [PYTHONPATH, HF_HOME]).")

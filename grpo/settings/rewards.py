@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo.settings.choices import NETWORK_MODES
 from grpo.settings.tree import setting
 
 # A judge that sees the question, the reference and the answer, and ends with a score the pattern reads.
@@ -85,7 +86,7 @@ class RewardsConfig:
         "are passed only when named here (e.g. [HF_HOME]; CUDA_VISIBLE_DEVICES to let it see GPUs).")
     network: str = setting("deny", "deny: rule rewards run without network (their own network namespace, else a "
         "seccomp filter); allow: a rule reward that must reach a service gets the internet families.",
-        choices=("deny", "allow"))
+        choices=NETWORK_MODES)
     memory_mb: int = setting(2048, "Memory of one reward call's whole process tree, in MB (a cgroup where one can be "
         "made, else watched); past it the call fails (0 = no limit).", bound=">= 0", why="0 = no limit")
     max_processes: int = setting(64, "Processes one reward call's tree may have at once (0 = no limit).",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from grpo.settings.choices import TRACKERS, WANDB_MODES
 from grpo.settings.tree import setting
 
 
@@ -46,7 +47,7 @@ class LoggingConfig:
     level: str = setting("INFO", "Python logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     tensorboard: bool = setting(True, "Also write TensorBoard events to <run.dir>/tb.")
     backend: str = setting("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric "
-        "names against `step`: none, wandb or trackio (grpo/run/tracking.py).", choices=("none", "wandb", "trackio"))
+        "names against `step`: none, wandb or trackio (grpo/run/tracking.py).", choices=TRACKERS)
     project: str = setting("grpo-trainer", "The tracker's project; the run is named run.name.")
     completions_per_step: int = setting(4, "The first N completions of each step (the first prompts' groups), with "
         "the prompt's chat turns, the completion (an episode: its whole conversation, the environment's turns "
@@ -54,7 +55,7 @@ class LoggingConfig:
         "'completions' table; `grpo check` prints the last ones. Each text is cut at 16000 characters.",
         bound=">= 0", why="0 = off")
     wandb_mode: str = setting("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
-        "them later with `wandb sync`) or online (needs `wandb login`).", choices=("offline", "online"))
+        "them later with `wandb sync`) or online (needs `wandb login`).", choices=WANDB_MODES)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "linear", "cosine")
+from grpo.settings.choices import SCHEDULES
 
 
 def learning_rate_at(updates: int, peak: float, schedule: str = "constant", warmup_steps: int = 0,

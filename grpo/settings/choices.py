@@ -1,0 +1,13 @@
+"""Each choice list of the config, defined once: the settings declare them as a key's choices, and the
+module that implements each choice imports its list from here."""
+
+KL_ESTIMATORS = ("k1", "k2", "k3")  # training.kl_estimator
+AGGREGATIONS = ("grpo", "dapo", "dr_grpo")  # training.aggregation
+ADVANTAGE_SCALES = ("group", "batch", "none")  # training.advantage_scale
+# training.importance_sampling
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SCHEDULES = ("constant", "linear", "cosine")  # training.lr_schedule
+OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps
+NETWORK_MODES = ("deny", "allow")  # env.network, rewards.network
+TRACKERS = ("none", "wandb", "trackio")  # logging.backend
+WANDB_MODES = ("offline", "online")  # logging.wandb_mode

@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check --quiet .
 	$(PY) -m pytest -q $(ARGS)
 
-# the tests that start no process or rank (tests/README.md): about 70 s on 2 cores
+# the tests that start no process or rank (tests/README.md): about 65 s on 2 cores
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 

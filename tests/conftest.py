@@ -18,12 +18,12 @@ PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests ru
 # the files whose tests start no process or rank (but those marked slow in them): every other file's
 # tests are slow; `pytest -m "not slow"` runs the rest in about a minute (tests/README.md)
 FAST_FILES = {
-    "test_advantages.py", "test_architecture.py", "test_config.py", "test_config_history.py", "test_data.py",
-    "test_delivery.py", "test_export.py", "test_flops.py", "test_generation_settings.py", "test_gpu_configs.py",
-    "test_logprobs.py", "test_lora_settings.py", "test_losses.py", "test_mismatch.py",
-    "test_mixture.py", "test_models.py", "test_procedural.py", "test_rollout.py", "test_run_integrity.py",
-    "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",
-    "test_skipping_adamw.py", "test_transport.py",
+    "test_advantages.py", "test_architecture.py", "test_calculator.py", "test_codec.py", "test_config.py",
+    "test_config_history.py", "test_data.py", "test_delivery.py", "test_dynamic_sampling.py", "test_export.py",
+    "test_flops.py", "test_generation_settings.py", "test_gpu_configs.py", "test_logprobs.py",
+    "test_lora_settings.py", "test_losses.py", "test_mismatch.py", "test_mixture.py", "test_models.py",
+    "test_procedural.py", "test_rollout.py", "test_run_integrity.py", "test_sampler_step.py", "test_schedule.py",
+    "test_shared_prefix.py", "test_shown_completions.py", "test_skipping_adamw.py", "test_transport.py",
 }
 
 
@@ -198,3 +198,27 @@ def checked_config(*args, **kwargs):
     from grpo.run.preflight import named_code_problems
 
     return load_config(*args, checks=[named_code_problems], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def chatty():
+    """A tiny model that ends its messages often, and a character tokenizer (tests/episode_helpers.py)."""
+    from episode_helpers import CharTokenizer, chatty_model
+
+    return chatty_model(), CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def chatty_model_dir(digit_model_dir, tmp_path_factory):
+    """The digit model (tests/conftest.py) that also ends its message about one token in eleven."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(digit_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(digit_model_dir)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = model.lm_head.weight[digits].mean(0)
+    folder = tmp_path_factory.mktemp("chatty-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

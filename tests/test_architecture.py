@@ -128,6 +128,7 @@ def test_each_seam_names_implementations_that_give_its_interface():
     import importlib
     import inspect
 
+    from grpo.commands.launchers import LAUNCHERS
     from grpo.sampler.rollout import ENGINES, RolloutEngine
     from grpo.weights import CHANNELS
     from grpo.wire.transport import TRANSPORTS
@@ -148,6 +149,10 @@ def test_each_seam_names_implementations_that_give_its_interface():
     for name, module in CHANNELS.items():
         channel = importlib.import_module(module)
         assert callable(channel.publisher) and callable(channel.watcher), name
+    for name, module in LAUNCHERS.items():
+        launcher = importlib.import_module(module)
+        assert list(inspect.signature(launcher.launch).parameters) == ["options", "cfg", "args", "dry_run"], name
+        assert callable(launcher.take_options) and launcher.OPTIONS_HELP.startswith("  --"), name
 
 
 def test_no_module_over_450_lines_and_no_function_over_70():
@@ -182,3 +187,38 @@ def test_an_engine_is_one_line_in_each_table_and_the_config_reads_its_traits(mon
         load_config(None, ["lora.use_dora=true"])
     with pytest.raises(ConfigError, match=r"sampling.stop with sampling.in_flight_updates on hf"):
         load_config(None, ["sampling.stop=[x]", "sampling.in_flight_updates=true"])
+
+
+def test_a_launcher_is_one_line_in_its_table(monkeypatch, capsys):
+    """A new launcher joins with its module and one line in LAUNCHERS: `grpo train --<name>` hands it its
+    own flags and the loaded config, `grpo train --help` shows its flags, and two launchers are refused."""
+    import types
+
+    from grpo.commands.launchers import LAUNCHERS
+    from grpo.commands.train import main
+
+    launched = []
+    dummy = types.ModuleType("dummy_launcher")
+    dummy.OPTIONS_HELP = "  --dummy         start the run nowhere (--region R)"
+    dummy.take_options = lambda argv: ({"region": argv[argv.index("--region") + 1]},
+                                       argv[:argv.index("--region")] + argv[argv.index("--region") + 2:])
+    dummy.launch = lambda options, cfg, args, dry_run: (launched.append((options, cfg.training.steps, args, dry_run))
+                                                        or 5)
+    monkeypatch.setitem(sys.modules, "dummy_launcher", dummy)
+    monkeypatch.setitem(LAUNCHERS, "dummy", "dummy_launcher")
+
+    assert main(["--dummy", "--region", "eu", "--dry-run", "training.steps=3"]) == 5
+    assert launched == [({"region": "eu"}, 3, ["training.steps=3"], True)]
+    assert main(["--help"]) == 0
+    assert "  --dummy         start the run nowhere (--region R)\n" in capsys.readouterr().out
+    assert main(["--dummy", "--slurm", "--region", "eu"]) == 2
+    assert capsys.readouterr().err == "error: --dummy and --slurm: a run has one launcher\n"
+    assert launched == [({"region": "eu"}, 3, ["training.steps=3"], True)]
+
+
+def test_every_test_file_is_in_the_map_of_tests_readme():
+    """tests/README.md maps each module to its test file: every file is there, and only files that exist."""
+    import re
+
+    listed = set(re.findall(r"^\| `(test_\w+\.py)` \|", (REPO / "tests" / "README.md").read_text(), re.M))
+    assert listed == {path.name for path in (REPO / "tests").glob("test_*.py")}

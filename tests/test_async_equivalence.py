@@ -11,7 +11,6 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
-from test_episodes import chatty_model_dir  # noqa: F401 (a fixture: ends a message about one token in eleven)
 from test_launch import launch
 
 from grpo.config import load_config

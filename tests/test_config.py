@@ -342,6 +342,18 @@ def test_docs_config_documents_every_config_key():
     assert reference_markdown() in reference, "docs/config.md is stale: paste grpo.config.reference_markdown()"
 
 
+def test_every_help_is_at_most_two_lines():
+    """`--help-config` wraps each key's help (with its declared bound) at 100 columns, indented by 4:
+    no help takes more than two lines there; what more there is to say goes to docs/config.md's Details."""
+    import textwrap
+
+    from grpo.settings.tree import _leaves as help_of_every_key
+
+    long = [key for key, _, help in help_of_every_key(Config, Config())
+            if len(textwrap.wrap(help, width=100, initial_indent="    ", subsequent_indent="    ")) > 2]
+    assert long == []
+
+
 def test_defaults_are_not_shared_between_instances():
     a, b = Config(), Config()
     a.lora.target_modules.append("x")

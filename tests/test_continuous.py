@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 from conftest import REPO, tiny_model
-from test_episodes import CharTokenizer
-from test_episodes import chatty_model as chatty
+from episode_helpers import CharTokenizer
+from episode_helpers import chatty_model as chatty
 
 from grpo.config import load_config
 from grpo.data.problems import Problem

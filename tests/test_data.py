@@ -248,7 +248,8 @@ def test_chat_template_kwargs_reach_the_prompts_the_sampler_generates_from(tmp_p
 
     (tmp_path / "thinking.jinja").write_text(THINKING_TEMPLATE)
     common = [f"model.name_or_path={tiny_model_dir}", f"model.chat_template={tmp_path / 'thinking.jinja'}",
-              f"data.path={tiny_gsm8k}", "data.few_shot=0", "data.prefill=", "lora.r=4"]
+              f"data.path={tiny_gsm8k}", "data.few_shot=0", "data.prefill=", "lora.r=4",
+              "rewards.timeout_s=0"]  # no rewards run: no jail to start
     texts = {}
     for name, extra in (("off", ["data.chat_template_kwargs={enable_thinking: false}"]), ("default", [])):
         policy, sources = load_policy_and_prompts(load_config(None, [*common, *extra]))

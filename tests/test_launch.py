@@ -17,15 +17,15 @@ import yaml
 from conftest import PROCESS_CONFIG, REPO
 from helpers import closed_pipe, free_tcp_address
 
-from grpo.commands.train import (  # noqa: E402  # noqa: E402
+from grpo.commands.local import (  # noqa: E402
     EXIT_SAMPLER_FAILED,
     gpu_count,
-    main,
     placement,
     placement_problem,
     rank_problem,
     trainer_command,
 )
+from grpo.commands.train import main  # noqa: E402
 from grpo.run.preflight import planning_note  # noqa: E402
 from grpo.run.progress import StepProgress, format_duration, progress_line, stop_summary  # noqa: E402
 from grpo.weights.folder import read_latest

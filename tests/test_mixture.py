@@ -76,7 +76,7 @@ def test_the_sampler_loads_each_source_and_draws_from_them_by_weight(tmp_path, t
     from grpo.workers.sampler import load_policy_and_prompts, resume_position
 
     cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", two_sources(tmp_path), "data.few_shot=0",
-                             f"run.dir={tmp_path / 'run'}", "lora.r=4"])
+                             f"run.dir={tmp_path / 'run'}", "lora.r=4", "rewards.timeout_s=0"])  # no jail: no scores
     assert [s.path for s in source_configs(cfg.data)] == [str(tmp_path / "plus"), str(tmp_path / "times")]
     assert evaluation_source(cfg.data).path == str(tmp_path / "plus")
     _, sources = load_policy_and_prompts(cfg)

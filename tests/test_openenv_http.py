@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import REPO, checked_config, wait_until_healthy
-from test_episodes import chatty, prompts_of  # noqa: F401 (chatty: a fixture)
+from episode_helpers import prompts_of
 
 from grpo.config import load_config
 from grpo.environments import Reply, remote

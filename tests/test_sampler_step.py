@@ -2,11 +2,11 @@
 (no model of its own) and the HF engine drive the same `make_batch`."""
 
 import dataclasses
-import hashlib
 
 import pytest
 import torch
 from conftest import tiny_model
+from engine_helpers import DigitTokenizer, FakeEngine, ScriptedEngine, config, dynamic_batch, numbered_prompts, prompts
 
 from grpo.config import load_config
 from grpo.data.cursor import PromptCursor
@@ -18,65 +18,15 @@ from grpo.objective import Denominators, Objective
 from grpo.rewards import score_completions
 from grpo.run.ports import free_local_port
 from grpo.sampler.batches import SamplerModels, environment_failures, make_batch, step_seed
-from grpo.sampler.dynamic_sampling import ROUND_SEED_STRIDE, has_spread, round_seed
+from grpo.sampler.dynamic_sampling import has_spread
 from grpo.sampler.episode_records import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
-from grpo.sampler.rollout import SEED_BLOCK, RolloutEngine, Rollouts, prompt_seeds
+from grpo.sampler.rollout import RolloutEngine
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.advantage_check import check_advantages
 from grpo.trainer.training_step import denominators_of
-from grpo.weights.folder import Staged
 from grpo.wire.behaviour import BehaviourMismatch
 from grpo.wire.codec import MessageError, decode_batch, encode_batch
-
-
-class FakeEngine:
-    """Two fixed completions per prompt with fixed log-probs, as a remote engine would return them."""
-
-    generates_with_scoring_model = False  # a remote engine holds its own copy of the weights
-
-    def __init__(self):
-        self.version, self.weights_digest, self.loaded = 0, "initial", []
-
-    @classmethod
-    def build(cls, cfg, model, tokenizer):
-        return cls()
-
-    def generate(self, prompts, group_size, *, seed=None, greedy=False):
-        n = len(prompts) * group_size
-        completions = [torch.tensor([7 + j % group_size, 1]) for j in range(n)]  # token 1 is EOS
-        logps = [torch.tensor([-0.5 - j, -0.25]) for j in range(n)]
-        return Rollouts(completions, [False] * n, logps)
-
-    def stage_weights(self, folder, manifest, version):
-        def commit():
-            self.loaded.append(version)
-            self.version, self.weights_digest = version, manifest["digest"]
-        return Staged(commit)
-
-    def load_weights(self, folder, manifest, version):
-        self.stage_weights(folder, manifest, version).commit()
-
-    def close(self):
-        pass
-
-
-class DigitTokenizer:
-    pad_token_id, eos_token_id = 0, 1
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(str(int(t)) for t in row if int(t) != 1) for row in ids]
-
-
-def prompts():
-    return [Prompt(Problem(f"train-{i}", f"q{i}", str(7 + i)), [3, 4, 5 + i]) for i in range(2)]
-
-
-def config(*overrides):
-    # engine=vllm with the default old_logps=generation: the combination the engine interface unblocked
-    return load_config(None, ["sampling.engine=vllm", "sampling.group_size=2", "lora.r=4", "training.beta=0",
-                              "rewards.names=[gsm8k_answer_lenient]", "rewards.weights=[1.0]", "data.prefill=",
-                              *overrides])
 
 
 def test_both_engines_implement_the_interface():
@@ -143,101 +93,6 @@ def test_a_step_whose_weights_changed_while_it_decoded_is_the_batch_of_its_oldes
                                          temperature=cfg.sampling.temperature)
     eos_gap = max(abs(a[1] - b[1]).item() for a, b in zip(batch.old_logps, recomputed))
     assert batch.meta["metrics"]["sampler/engine_logp_gap_max"] == eos_gap
-
-
-class ScriptedEngine(FakeEngine):
-    """A prompt whose last token is even gets G equal completions (no reward spread); an odd one
-    gets completions "7", "8", ... (the answer reward tells them apart). Records each call's seed."""
-
-    def __init__(self):
-        super().__init__()
-        self.seeds = []
-
-    def generate(self, prompts, group_size, *, seed=None, greedy=False):
-        self.seeds.append(seed)
-        ids = [torch.tensor([7 + (j if p[-1] % 2 else 0), 1]) for p in prompts for j in range(group_size)]
-        return Rollouts(ids, [False] * len(ids), [torch.tensor([-0.5, -0.25])] * len(ids))
-
-
-def numbered_prompts(*last_tokens):
-    return [Prompt(Problem(f"train-{t}", f"q{t}", "7"), [3, 4, t]) for t in last_tokens]
-
-
-def dynamic_batch(rounds, *overrides):
-    cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3", *overrides)
-    engine = ScriptedEngine()
-    policy = SamplerModels.of(cfg, engine, add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
-    batch = make_batch(cfg, policy, rounds[0], step=4, metrics_so_far={},
-                       measure_logp_gap=False, more_prompts=lambda r: rounds[r])
-    return cfg, engine, batch
-
-
-def test_dynamic_sampling_keeps_groups_with_differing_rewards_drawing_more_rounds():
-    rounds = [numbered_prompts(10, 11), numbered_prompts(13, 15), numbered_prompts(17, 19)]
-    cfg, engine, batch = dynamic_batch(rounds)
-    # round 0: 10 is flat, 11 differs; round 1: 13 differs -> two informative groups (15, which
-    # differs too, is not needed), no third round
-    assert batch.meta["sample_ids"] == ["train-11", "train-13"] and [p[-1].item() for p in batch.prompt_ids] == [11, 13]
-    base = cfg.seed * 1_000_003 + 4
-    assert engine.seeds == [base, base + ROUND_SEED_STRIDE]
-    assert batch.rewards[:, 0].tolist() == [1.0, -1.0, 1.0, -1.0]  # "7" right, "8" wrong, per group
-    assert batch.advantages.abs().min() > 0
-    check_advantages(batch, cfg)  # the trainer recomputes the kept groups' advantages from their rewards
-    m = batch.meta["metrics"]
-    assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_dropped_fraction"], m["sampling/dynamic_cap_hit"]) == \
-        (2.0, 0.5, 0.0)  # 4 groups generated, 2 trained
-    assert m["sampling/zero_spread_fraction"] == 0.25  # only 10 was flat
-    assert m["sampling/generated_tokens"] == 16.0  # 2 rounds x 2 prompts x G 2 x 2 tokens
-
-
-def test_dynamic_sampling_at_its_cap_fills_with_dropped_groups_and_says_so():
-    rounds = [numbered_prompts(10, 12), numbered_prompts(14, 15), numbered_prompts(16, 18)]
-    cfg, engine, batch = dynamic_batch(rounds)
-    check_advantages(batch, cfg)
-    assert batch.meta["sample_ids"] == ["train-10", "train-15"]  # the one informative group, then the first dropped
-    assert len(engine.seeds) == 3 and batch.advantages[:2].tolist() == [0.0, 0.0]
-    m = batch.meta["metrics"]
-    assert (m["sampling/dynamic_rounds"], m["sampling/dynamic_cap_hit"]) == (3.0, 1.0)
-    assert m["sampling/dynamic_dropped_fraction"] == 4 / 6  # 6 groups generated, 2 trained
-    assert m["sampling/zero_spread_fraction"] == 5 / 6  # all but 15
-
-
-def test_without_dynamic_sampling_one_round_and_the_step_seed():
-    rounds = [numbered_prompts(10, 12), numbered_prompts(14, 15)]
-    cfg, engine, batch = dynamic_batch(rounds, "sampling.dynamic_sampling=false")
-    assert batch.meta["sample_ids"] == ["train-10", "train-12"] and engine.seeds == [cfg.seed * 1_000_003 + 4]
-    assert "sampling/dynamic_rounds" not in batch.meta["metrics"]
-
-
-def test_round_positions_depend_on_the_global_step_alone_so_a_resume_draws_the_same_prompts():
-    """Step g owns stream positions [g*B*R, (g+1)*B*R): a sampler that restarts at step 3 (a new
-    cursor restored from the saved state) draws exactly what the uninterrupted one drew."""
-    from grpo.sampler.sampling_step import round_prompts
-
-    cfg = config("sampling.dynamic_sampling=true", "sampling.dynamic_sampling_max_rounds=3")
-    prompts = numbered_prompts(*range(100, 125))  # 25: the stream crosses into epoch 1 at step 4
-    cursor = PromptCursor(len(prompts), cfg.seed)
-    drawn = {(g, r): round_prompts(cfg.sampling, cursor, prompts, g)(r) for g in range(6) for r in (0, 2, 1)}
-    stream = [i for epoch in range(3) for i in torch.randperm(25, generator=torch.Generator().manual_seed(
-        cfg.seed * 1_000_003 + epoch)).tolist()]
-    for (g, r), chosen in drawn.items():
-        assert [p.problem.id for p in chosen] == [prompts[i].problem.id for i in stream[(g * 3 + r) * 2:][:2]]
-    restored = PromptCursor(len(prompts), cfg.seed)
-    restored.load_state_dict(cursor.state_dict())
-    assert all(round_prompts(cfg.sampling, restored, prompts, g)(r) == drawn[g, r] for g in (3, 5) for r in range(3))
-
-
-def test_every_prompt_of_every_step_gets_its_own_block_of_seeds():
-    """vLLM seeds sample j of a request with seed + j: each prompt's seed starts a block of
-    SEED_BLOCK seeds that no other prompt of any step or round of a run reaches."""
-    cfg = config()
-    calls = [round_seed(step_seed(cfg, g), r) for g in range(500) for r in range(3)]
-    seeds = [s for call in calls for s in prompt_seeds(call, 16)]
-    assert len({s // SEED_BLOCK for s in seeds}) == len(seeds) == 500 * 3 * 16
-    assert all(s % SEED_BLOCK == 0 and 0 <= s < 2**63 for s in seeds)
-    assert prompt_seeds(calls[0], 16) == prompt_seeds(calls[0], 16)  # a re-run draws the same
-    digest = hashlib.sha256(b"7/1").digest()  # worked value: the hash of "seed/index", 63 bits, rounded down
-    assert prompt_seeds(7, 2)[1] == (int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK
 
 
 # ----------------------------------------------------------------------------- what never works stops the run

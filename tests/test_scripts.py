@@ -305,3 +305,59 @@ def test_compare_answer_checks_counts_the_verdicts_math_verify_changes():
         "right both": 1, "wrong both": 1, "right only with math-verify": 2, "right only with the previous rule": 0,
         "changed": 2}
     assert sorted(c["class"] for c in result["changes"]) == ["+ LaTeX", "+ an equation (the value after '=')"]
+
+
+NOT_A_COMMAND = {"trl_recipe.py"}  # a module bench_vs_trl.py and bench_learn.py import
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in (REPO / "scripts" / "benchmarks").glob("*.py")
+                                          if path.name not in NOT_A_COMMAND))
+def test_every_benchmark_starts_and_answers_help(script):
+    """Each benchmark's smallest mode: its module imports what it imports at the top and prints its help
+    (what it imports inside its functions is checked by name above)."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / script), "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, "Traceback" in out.stderr) == (0, False), out.stderr[-2000:]
+    assert out.stdout.strip()
+
+
+def doc_snippets() -> list[tuple[str, str]]:
+    """(page, code) for every code block and inline code of the README and docs/ (not docs/notes/)."""
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return [(page.name, snippet) for page in pages for snippet in
+            re.findall(r"```.*?```", page.read_text(), re.S) + re.findall(r"`[^`\n]+`", page.read_text())]
+
+
+def test_every_command_the_docs_show_exists_with_the_flags_they_give(capsys):
+    """`grpo <command> --flag`, `make <target>` and `scripts/...py` in the docs: the command exists and
+    its --help names each flag, the Makefile has the target, the script is there."""
+    import importlib
+    import re
+
+    from grpo.cli import COMMANDS
+
+    helps = {}
+    for name, (module, _) in COMMANDS.items():
+        try:
+            importlib.import_module(module).main(["--help"])
+        except SystemExit:  # argparse's --help
+            pass
+        helps[name] = capsys.readouterr().out
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    wrong, flags_checked = [], 0
+    for page, snippet in doc_snippets():
+        for line in snippet.splitlines():
+            for command, rest in re.findall(r"(?:^|[\s`(])(?:\.venv/bin/)?grpo ([a-z][\w-]*)(.*)", line):
+                if command not in COMMANDS:
+                    wrong.append(f"{page}: grpo {command}")
+                    continue
+                flags = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest)
+                flags_checked += len(flags)
+                wrong += [f"{page}: grpo {command} {flag}" for flag in flags if flag not in helps[command]]
+            wrong += [f"{page}: make {target}" for target in re.findall(r"(?:^|[\s`])make ([a-z][\w-]*)", line)
+                      if target not in targets]
+            wrong += [f"{page}: {path}" for path in re.findall(r"(scripts/[\w/]+\.py)", line)
+                      if not (REPO / path).exists()]
+    assert wrong == [] and flags_checked > 50

@@ -14,7 +14,7 @@ import time
 import psutil
 from test_launch import launch
 
-from grpo.commands.train import EXIT_SAMPLER_FAILED
+from grpo.commands.local import EXIT_SAMPLER_FAILED
 from grpo.run.watchdog import catches_sigusr1, is_worker, where
 from grpo.trainer.build_locks import LockWaitReporter, build_locks, clear_stale_locks, lock_holders
 

@@ -1,4 +1,4 @@
-"""What starts the run's processes, here (grpo/commands/train.py) and on a cluster
+"""What starts the run's processes, here (grpo/commands/local.py) and on a cluster
 (grpo/commands/slurm.py): their modules, the Python each runs in, where our packages come from."""
 
 from __future__ import annotations

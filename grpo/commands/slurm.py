@@ -33,6 +33,10 @@ SIGTERM_LEAD_S = 120  # Slurm's SIGTERM before the time limit: the trainer's che
 FLAGS = {"--nodes": "nodes", "--trainer-nodes": "trainer_nodes", "--gpus-per-node": "gpus_per_node",
          "--partition": "partition", "--time": "time", "--account": "account"}
 NUMBERS = ("nodes", "trainer_nodes", "gpus_per_node")
+OPTIONS_HELP = """\
+  --slurm         write <run.dir>/slurm/train.sbatch for a Slurm cluster and submit it with sbatch
+                  (--dry-run: print it): --nodes N, --trainer-nodes T (1), --gpus-per-node G (8; 0:
+                  CPU nodes), --partition, --time, --account (docs/running.md, "Slurm")"""
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,13 @@ class SlurmJob:
                 f"launch.trainer_ranks={self.trainer_ranks}", "run.overwrite=false"]
 
 
-def take_options(argv: list[str]) -> tuple[dict | None, list[str]]:
-    """The --slurm options ({} of them when --slurm is given, None when not) and the rest of argv."""
-    if "--slurm" not in argv:
-        return None, argv
+def take_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """The job's options (--nodes, ...) and the rest of argv."""
     options, rest, i = {"nodes": None, "trainer_nodes": 1, "gpus_per_node": 8}, [], 0
     while i < len(argv):
         arg = argv[i]
         name = arg.split("=", 1)[0]
-        if arg == "--slurm":
-            pass
-        elif name in FLAGS:
+        if name in FLAGS:
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in arg else 1
             key = FLAGS[name]
@@ -274,7 +274,7 @@ def submit(script: Path) -> int:
     return done.returncode
 
 
-def main(options: dict, cfg: Config, args: list[str], dry_run: bool) -> int:
+def launch(options: dict, cfg: Config, args: list[str], dry_run: bool) -> int:
     """`grpo train --slurm ...`: the script printed (--dry-run), or written to <run.dir>/slurm/ and
     submitted. Everything a real start checks is checked first, with the job's own settings."""
     from grpo.config import ConfigError, parse_cli

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerModels:
-    """What a step generates and scores with."""
+    """What a step generates and scores with, built whole once per process."""
 
     engine: RolloutEngine  # generates, and says which weights version it serves
     model: Any  # the scoring model: recomputed old log-probs, reference log-probs with the adapter off

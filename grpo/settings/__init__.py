@@ -71,9 +71,8 @@ DEFAULT_SYSTEM_PROMPT = (
 class RunConfig:
     name: str = setting("gsm8k-lora-grpo", "Run name; the run folder defaults to runs/<name>.")
     dir: Optional[str] = setting(None, "Run folder (config, logs, metrics, weights, checkpoints). Default runs/<name>.")
-    overwrite: bool = setting(False, "A fresh start into a run folder that holds an earlier run's weights, checkpoints "
-        "or metrics: false refuses; true moves the old contents aside into <name>.replaced-<date> beside it (nothing "
-        "is deleted).")
+    overwrite: bool = setting(False, "A fresh start into a used run folder: false refuses; true moves its old "
+        "contents aside into <name>.replaced-<date> beside it (nothing is deleted).")
 
 
 @dataclass
@@ -87,8 +86,7 @@ class ModelConfig:
     cache_dir: Optional[str] = setting(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
     trust_remote_code: bool = setting(False, "Allow custom modelling code from the Hub.")
     chat_template: Optional[str] = setting(None, "Replace the tokenizer's chat template: a Jinja template file, or "
-        "'chatml-tools' (shipped: ChatML with Hermes-style tool calls, for ChatML models whose own template does not "
-        "offer tools, e.g. the embedded SmolLM2). Exported models keep it.")
+        "'chatml-tools' (shipped: ChatML with Hermes-style tool calls). Exported models keep it.")
 
 
 @dataclass
@@ -103,24 +101,18 @@ class LoraConfig:
     use_dora: bool = setting(False, "DoRA: the adapter learns each weight's magnitude and direction apart (PEFT's "
         "use_dora; slower per step). HF engine only: vLLM cannot serve a DoRA adapter.")
     modules_to_save: list[str] = setting([], "Modules trained whole beside the adapter and published with it, e.g. "
-        "[lm_head] (PEFT's modules_to_save; the reference is the model with them as loaded). HF engine only: vLLM "
-        "serves no such adapter.")
+        "[lm_head] (PEFT's modules_to_save). HF engine only.")
 
 
 @dataclass
 class DataConfig:
-    path: str = setting("gsm8k-embedded", "'gsm8k-embedded' (the GSM8K copy inside the project, offline), a Hub "
-        "dataset id (e.g. openai/gsm8k, config 'main'), a local folder with train.jsonl/test.jsonl or parquet, or "
-        "'reasoning-gym:<task>' (a procedural task generated from a seed, offline; data.task_args).")
-    task_args: dict = setting({}, "data.path=reasoning-gym:<task> only: the task's settings (the fields of its "
-        "reasoning-gym config, e.g. min_terms), size and seed of the train split (10000, 0), test_size and test_seed "
-        "of the held-out split (1000, seed + 1e9; questions the train split holds are removed).")
+    path: str = setting("gsm8k-embedded", "'gsm8k-embedded' (offline), a Hub dataset id, a local folder with "
+        "train.jsonl/test.jsonl or parquet, or 'reasoning-gym:<task>' (procedural, offline; data.task_args).")
+    task_args: dict = setting({}, "data.path=reasoning-gym:<task> only: the task's settings (its reasoning-gym "
+        "config's fields, e.g. min_terms) and size, seed, test_size, test_seed of the splits.")
     split: str = setting("train", "Split used for training prompts.")
     sources: list[dict] = setting([], "A mixture of datasets instead of data.path: [{path: ..., weight: 3}, {path: "
-        "..., weight: 1}]; each prompt comes from source k with probability weight_k / the weights' sum (a seeded "
-        "draw: a restart draws the same), each source's prompts in a shuffled order of their own. An entry may also "
-        "set split, prompt_column, answer_column, answer_format, hub_config, few_shot, task_args (else data's); "
-        "evaluations read data.eval_path, else the first source.")
+        "..., weight: 1}]; each prompt comes from source k with probability weight_k / the weights' sum.")
     eval_path: Optional[str] = setting(None, "The dataset evaluations read (eval.split of it; grpo evaluate too), in "
         "data.path's forms and with its columns and answer format; unset: data.path. The few-shot examples stay "
         "data.path's.")
@@ -135,9 +127,8 @@ class DataConfig:
     max_prompt_tokens: int = setting(512, "Prompts longer than this (after the chat template) are dropped and counted.",
         bound=">= 1")
     system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")
-    chat_template_kwargs: dict = setting({}, "Arguments of the chat template, passed to apply_chat_template with every "
-        "chat it renders (prompts, an episode's turns), e.g. {enable_thinking: false} for Qwen3; both engines generate "
-        "from these prompts.")
+    chat_template_kwargs: dict = setting({}, "Arguments passed to apply_chat_template with every chat it renders "
+        "(prompts, an episode's turns), e.g. {enable_thinking: false} for Qwen3.")
     prefill: str = setting("<think>\n", "Text placed at the start of the assistant turn (e.g. '<think>'); part of "
         "every completion's context.")
     few_shot: int = setting(2, "Solved examples (the first N train problems, answered in the <think>/<answer> format) "
@@ -162,8 +153,7 @@ class SamplingConfig:
         "install-vllm; CUDA or CPU build).", choices=ENGINE_NAMES)
     device: str = setting("auto", "Device of the sampler: auto, cpu, cuda, cuda:N.")
     dtype: str = setting("auto", "dtype of the rollout engine and the sampler's log-prob model: auto (= model.dtype), "
-        "float32, bfloat16, float16. Lower than the trainer's, it makes a sampler/trainer mismatch "
-        "(sampling/sampling_logp_difference; see training.importance_sampling).", choices=("auto", *DTYPES))
+        "float32, bfloat16, float16.", choices=("auto", *DTYPES))
     prompts_per_step: int = setting(2, "Prompts per step (B).", bound=">= 1")
     group_size: int = setting(8, "Completions per prompt (G).", bound=">= 2", why="group-relative advantages need two")
     max_new_tokens: int = setting(200, "Completion length limit; longer completions are cut and marked truncated. With "
@@ -172,52 +162,38 @@ class SamplingConfig:
         bound="> 0", why="use a small value for near-greedy")
     top_p: float = setting(1.0, "Nucleus sampling (1.0 = off).", bound="in (0, 1]")
     top_k: int = setting(0, "Top-k sampling (0 = off).", bound=">= 0", why="0 = off")
-    min_p: float = setting(0.0, "Min-p sampling: tokens below min_p x the likeliest token's probability are not drawn. "
-        "As top_p/top_k: the recorded log-prob stays the full softmax(logits / T), the trainer's; the vLLM engine then "
-        "needs sampling.old_logps=recompute.", bound="in [0, 1)", why="0 = off")
-    repetition_penalty: float = setting(1.0, "Draws with every token of the prompt and the completion so far made less "
-        "likely (a logit > 0 divided by it, one < 0 multiplied), as transformers and vLLM do; the recorded log-prob "
-        "stays the policy's unpenalised one (the vLLM engine then needs sampling.old_logps=recompute). Sampled steps "
-        "only: greedy evaluations take the plain argmax.", bound="> 0", why="1 = off")
-    stop: list[str] = setting([], "Stop strings: a completion ends once its text holds one of them, the token that "
-        "completes it kept (so is the string, for the rewards); not with env.name (an episode's turns end at the chat "
-        "template's turn end). Evaluations stop at them too.")
+    min_p: float = setting(0.0, "Min-p sampling: tokens below min_p x the likeliest token's probability are not drawn "
+        "(0 = off). The vLLM engine needs sampling.old_logps=recompute.", bound="in [0, 1)", why="0 = off")
+    repetition_penalty: float = setting(1.0, "Make the prompt's and completion's tokens less likely (a logit > 0 "
+        "divided by it, < 0 multiplied); 1 = off. vLLM needs sampling.old_logps=recompute.", bound="> 0", why="1 = off")
+    stop: list[str] = setting([], "Stop strings: a completion ends once its text holds one, the token that completes "
+        "it kept. Not with env.name. Evaluations stop at them too.")
     max_staleness: int = setting(1, "How many versions older than its step a batch's weights may be: step g samples "
-        "with a version >= g - max_staleness (0 = on-policy). At least publish_every - 1; the trainer refuses (exit 7) "
-        "a batch beyond it. Where the weights served may also generate the next step, its completions start in the "
-        "rows a step leaves free at its end (sampling.continuous_batching).", bound=">= 0", why="0 = on-policy")
+        "with a version >= g - max_staleness (0 = on-policy; at least weights.publish_every - 1).",
+        bound=">= 0", why="0 = on-policy")
     dynamic_sampling: bool = setting(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
         "advantage) and generate more prompts until prompts_per_step groups differ (grpo/sampler/dynamic_sampling.py).")
-    dynamic_sampling_max_rounds: int = setting(3, "With dynamic sampling: at most this many rounds of prompts_per_step "
-        "prompts per step; short of informative groups after them, the batch is filled with dropped ones and "
-        "sampling/dynamic_cap_hit is logged.", bound=">= 1")
-    num_workers: int = setting(1, "Sampler processes feeding the trainer (the trainer needs the same value; "
-        "grpo train starts this many). Together they make the batches one sampler would: global step g is made "
-        "by sampler g % N.", bound=">= 1")
+    dynamic_sampling_max_rounds: int = setting(3, "With dynamic sampling: at most this many rounds of "
+        "prompts_per_step prompts per step, then the batch is filled with dropped groups.", bound=">= 1")
+    num_workers: int = setting(1, "Sampler processes feeding the trainer (the trainer needs the same value; grpo "
+        "train starts this many); global step g is made by sampler g % N.", bound=">= 1")
     worker_index: int = setting(0, "This sampler's index, 0 .. num_workers - 1 (set by grpo train).")
     vllm: VllmSettings = field(default_factory=lambda: VllmSettings())
     generation_batch_size: int = setting(64, "Most sequences decoded at once (HF engine): a finished sequence's row is "
         "refilled at once with the step's next one (sampling.continuous_batching).", bound=">= 1")
-    continuous_batching: bool = setting(True, "HF engine: one decode loop per call whose rows are refilled as "
-        "sequences end, and whose episodes leave the batch while their environment answers "
-        "(grpo/sampler/rollout/continuous.py); vLLM: one task of its async engine per sequence or episode. false = "
-        "blocks of generation_batch_size rows, each decoded until its slowest sequence ends, environments called "
-        "inside the loop; on vLLM, episodes turn by turn (for comparison).")
-    in_flight_updates: bool = setting(False, "Single completions, sampling.old_logps=generation: a version published "
-        "while a step decodes is loaded without waiting for its sequences to end (HF engine: between two decode steps; "
-        "vLLM, LoRA: within 0.1 s, each live request made again from its tokens so far with the new adapter); each "
-        "token records the version that drew it (the batch's token_versions; policy_version is the oldest).")
-    in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' computes every cached "
-        "column again under the new weights (each recorded log-prob is its token's under its own version given its "
-        "whole prefix); 'keep' goes on from the KV of the weights before (cheaper, not exact: the sampler/trainer "
-        "mismatch metrics show the cost; HF engine only).", choices=IN_FLIGHT_KV)
+    continuous_batching: bool = setting(True, "Refill decode rows as sequences end; episodes leave the batch while "
+        "their environment answers. false = blocks of generation_batch_size rows (for comparison).")
+    in_flight_updates: bool = setting(False, "Single completions, sampling.old_logps=generation: load a version "
+        "published mid-step without waiting for its sequences to end; each token records its version.")
+    in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' recomputes every cached "
+        "column under the new weights (exact); 'keep' reuses the old KV (cheaper, inexact; HF only).",
+        choices=IN_FLIGHT_KV)
     episode_feed_tokens: int = setting(0, "Episodes on the HF engine: an environment's reply is fed to the model at "
-        "most this many tokens a decode step, beside the other episodes' one token each, so a long tool output does "
-        "not widen every episode's step; 0 = the whole reply in one step, which measured faster on 2 CPU cores "
-        "(docs/notes/generation.md).", bound=">= 0", why="0 = a reply in one step")
+        "most this many tokens a decode step (0 = the whole reply in one step).", bound=">= 0",
+        why="0 = a reply in one step")
     old_logps: str = setting("generation", "Old-policy log-probs: 'recompute' (a shared-prefix forward after "
-        "generation) or 'generation' (the log-probs the engine recorded for the tokens it drew: one forward pass "
-        "fewer; checked against the recompute on the second step of each start).", choices=OLD_LOGPS_SOURCES)
+        "generation) or 'generation' (those the engine recorded while drawing: one forward pass fewer).",
+        choices=OLD_LOGPS_SOURCES)
     wait_timeout_s: float = setting(1800.0, "How long the sampler waits for new weights before giving up.")
 
 
@@ -225,17 +201,14 @@ class SamplingConfig:
 class TrainingConfig:
     steps: int = setting(200, "Training steps: sampler batches to train on, each with training.num_iterations "
         "optimizer updates; weight versions count these steps.", bound=">= 1")
-    epochs: float = setting(0.0, "The run's length in passes over its problems instead of training.steps (which is "
-        "then ignored): every process sets training.steps = ceil(epochs x problems / sampling.prompts_per_step), the "
-        "problems being the rows of data.split (of each data.sources entry) before any is dropped for length. A pass "
-        "is that many prompts drawn: each problem once without a mixture or dynamic sampling's extra rounds.",
+    epochs: float = setting(0.0, "Run length in passes over the problems instead of training.steps (then ignored): "
+        "steps = ceil(epochs x problems / sampling.prompts_per_step).",
         bound=">= 0", why="0 = training.steps")
     use_gspo: bool = setting(False, "GSPO: sequence-level importance ratio (and its clip defaults) instead of GRPO's "
         "token-level.")
     learning_rate: float = setting(2e-4, "AdamW peak learning rate.", bound="> 0")
-    lr_schedule: str = setting("constant", "Learning-rate schedule after the warm-up: constant, linear or cosine decay "
-        "to training.min_lr_ratio * learning_rate after training.steps x num_iterations optimizer updates. Counted in "
-        "updates that were applied: a skipped (non-finite) pass does not advance it.",
+    lr_schedule: str = setting("constant", "Learning-rate schedule after the warm-up: constant, or linear or cosine "
+        "decay to min_lr_ratio x learning_rate over steps x num_iterations updates.",
         choices=SCHEDULES)
     warmup_steps: int = setting(0, "Linear learning-rate warm-up, in applied optimizer updates.", bound=">= 0")
     min_lr_ratio: float = setting(0.0, "The floor of the linear / cosine decay, as a fraction of "
@@ -245,9 +218,8 @@ class TrainingConfig:
     max_bad_steps: int = setting(3, "A step whose loss or gradient is NaN/inf is skipped (no update); this many in a "
         "row stop the run with a checkpoint and an error.", bound=">= 1")
     beta: float = setting(0.04, "KL coefficient to the reference policy (0 = no reference log-probs).", bound=">= 0")
-    reference_on: str = setting("trainer", "Which process computes the reference log-probs: 'sampler' (adapter off, "
-        "before sending) or 'trainer' (adapter off, no grad, inside each micro-batch and pass; LoRA only). 'trainer' "
-        "balances the two when the sampler is the slower one.", choices=("sampler", "trainer"))
+    reference_on: str = setting("trainer", "Which process computes the reference log-probs (adapter off): 'sampler' "
+        "(before sending) or 'trainer' (no grad, per micro-batch; LoRA only).", choices=("sampler", "trainer"))
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=KL_ESTIMATORS)
     clip_low: Optional[float] = setting(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).",
         bound="in [0, 1)")
@@ -258,21 +230,16 @@ class TrainingConfig:
         choices=ADVANTAGE_SCALES)
     num_iterations: int = setting(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
     max_tokens_per_micro_batch: int = setting(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
-        "group gets one to itself). Activations scale with it: 2048 is one default group per micro-batch, 0.53x the "
-        "trainer's peak RSS of 8192 at the same speed.", bound=">= 1")
+        "group gets one to itself); activation memory scales with it.", bound=">= 1")
     mask_truncated_completions: bool = setting(False, "Drop completions that hit max_new_tokens from the loss (dr_grpo "
         "still divides by every completion of the batch, as TRL does).")
-    importance_sampling: str = setting("none", "Behaviour-policy correction (the decoupled objective): none (clip "
-        "against the sampler's log-probs), or clip against the trainer's own pre-update log-probs and weigh each token "
-        "by pi_trainer / pi_sampler, per token or per sequence, truncated at the cap or masked above it: "
-        "token_truncate, token_mask, sequence_truncate, sequence_mask.",
+    importance_sampling: str = setting("none", "Sampler/trainer mismatch correction: none, or weigh each token by "
+        "pi_trainer / pi_sampler: token_truncate, token_mask, sequence_truncate, sequence_mask.",
         choices=IS_MODES)
     importance_sampling_cap: float = setting(2.0, "Cap of the importance weight (training.importance_sampling).",
         bound="> 0")
     max_token_age: int = setting(-1, "Tokens sampled more than this many versions before the policy being trained "
-        "leave the loss (they stay as context; the batch's denominators count what is left): with "
-        "sampling.in_flight_updates a completion's early tokens can be older than its late ones, and "
-        "sampling.max_staleness bounds the oldest. -1 = off.", bound=">= 0 or -1", why="-1 = off")
+        "leave the loss (they stay as context). -1 = off.", bound=">= 0 or -1", why="-1 = off")
     shared_prefix: bool = setting(True, "Compute each prompt once per group (shared-prefix forward); false = the plain "
         "repeated-prompt forward, the fallback.")
     verify_shared_prefix: bool = setting(False, "On the first batch, check the shared-prefix forward against the plain "
@@ -281,11 +248,9 @@ class TrainingConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = setting(0, "Evaluate every N weights versions during training, and at the end (0 = off): greedy "
-        "answers to eval.num_problems held-out problems with the weights the sampler serves, logged as "
-        "eval/answer_accuracy, eval/format_rate (strict) in metrics.jsonl at that version's step. Sampler 0 loads each "
-        "mark's version on its way to newer ones, so every mark is evaluated (its batches may then be up to "
-        "sampling.max_staleness versions old).", bound=">= 0", why="0 = off")
+    every: int = setting(0, "Evaluate every N weights versions and at the end (0 = off): greedy answers to "
+        "eval.num_problems held-out problems, logged as eval/answer_accuracy and eval/format_rate.", bound=">= 0",
+        why="0 = off")
     num_problems: int = setting(200, "The first N problems of eval.split (the same ones every time).", bound=">= 1")
     split: str = setting("test", "Held-out split of data.path.")
     batch_size: int = setting(16, "Prompts generated at once during evaluation.", bound=">= 1")
@@ -295,51 +260,36 @@ class EvalConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = setting("", "Multi-turn episodes: an environment answers between the model's turns (grpo/environments, "
-        "docs/environments.md). '' = off (one completion per prompt); 'calculator' (the GSM8K calculator tool); "
-        "'tools' (Python functions as tools: env.tools); 'openenv:package.module:Class' (an OpenEnv Environment); "
-        "'openenv+http://host:port' or 'openenv+https://host[:port][/path]' (an OpenEnv server: one session per "
-        "episode, from the sampler); 'package.module:factory' or 'path/to/file.py:factory' (your own: factory(row, "
-        "**env.args)).")
+    name: str = setting("", "Multi-turn episodes, an environment answering between the model's turns: '' = off, "
+        "calculator, tools, openenv:..., openenv+http(s)://..., or your own factory.")
     args: dict = setting({}, "Keyword arguments of the environment's factory (openenv: the adapter's settings; tools: "
-        "max_calls (8), demonstration (an import path of fn(row, answer) -> chat turns: few-shot examples solved with "
-        "the tools)).")
+        "max_calls (8), demonstration).")
     tools: list[str] = setting([], "Python functions the model may call, as 'package.module:function' or "
-        "'path/to/file.py:function' (type hints and a docstring with an 'Args:' section: transformers builds each "
-        "one's JSON schema), offered through the chat template; env.name defaults to 'tools' when they are set. "
-        "docs/environments.md.")
+        "'path/to/file.py:function'; env.name defaults to 'tools' when they are set.")
     tool_parser: str = setting("hermes", "How the model's tool calls are read: hermes (<tool_call>{json}</tool_call>: "
         "Qwen2.5/3, SmolLM3, chatml-tools) or llama3_json (Llama 3.1/3.2 JSON calls).", choices=TOOL_PARSERS)
     max_turns: int = setting(4, "Model turns per episode at most. sampling.max_new_tokens bounds the whole episode: "
         "model and environment tokens together.", bound="> 0")
     truncated_reward: Optional[float] = setting(None, "The env_reward of an episode cut at sampling.max_new_tokens "
-        "before the environment scored it: unset, the batch's worst (running out of tokens never scores above losing); "
-        "a number, that value (e.g. the game's loss, -1). Needs env_reward in rewards.names.")
-    concurrency: int = setting(0, "With continuous batching: environment calls of different episodes in flight at "
-        "once, off the decode loop (lanes: each a child process of its own, or a client of a served environment); 0 = "
-        "one per row of the decode batch (sampling.generation_batch_size). Without, they are made one at a time.",
+        "before it was scored: unset = the batch's worst; a number = that. Needs env_reward in rewards.names.")
+    concurrency: int = setting(0, "With continuous batching: environment calls in flight at once, off the decode loop "
+        "(0 = one per row of the decode batch). Without, one at a time.",
         bound=">= 0", why="0 = one call per row of the decode batch")
-    timeout_s: float = setting(10.0, "Time limit of one environment step. Environments run in a child process without "
-        "network; a step that raises or runs past this is an error message to the model. openenv+http: the limit of "
-        "each call to the server (connect, reset, step).", bound="> 0")
-    network: str = setting("deny", "deny: the environments' child has no network (a network namespace, else a seccomp "
-        "filter on socket(); where neither exists it refuses to start); allow: environments that need the network (a "
-        "web tool, a remote judge) get it.", choices=NETWORK_MODES)
+    timeout_s: float = setting(10.0, "Time limit of one environment step; a step that raises or runs past it is an "
+        "error message to the model. openenv+http: of each call to the server.", bound="> 0")
+    network: str = setting("deny", "deny: the environments' child has no network (it refuses to start where that "
+        "cannot be enforced); allow: environments that need the network get it.", choices=NETWORK_MODES)
     pass_env: list[str] = setting([], "Environment variables the environments' child sees besides PATH, HOME, LANG, "
-        "LC_* and TMPDIR (its own temporary folder): the sampler's others, API keys among them, are not passed unless "
-        "named here (e.g. [PYTHONPATH, HF_HOME]).")
-    memory_mb: int = setting(4096, "Memory of one tool call's whole process tree in its jail, in MB (a cgroup where "
-        "one can be made, else watched; past it the call fails and the model reads why); and the address space the "
-        "environments' child may add to what it had at the fork (0 = no limit).", bound=">= 0", why="0 = no limit")
+        "LC_* and TMPDIR, e.g. [PYTHONPATH, HF_HOME]; no others are passed.")
+    memory_mb: int = setting(4096, "Memory in MB of one tool call's process tree (past it the call fails), and what "
+        "the environments' child may add after the fork. 0 = no limit.", bound=">= 0", why="0 = no limit")
     max_processes: int = setting(64, "Processes one tool call's tree may have at once in its jail (and the "
         "environments' child may start, where the kernel counts them: not for root). 0 = no limit.", bound=">= 0",
         why="0 = no limit")
-    cpu_s: int = setting(3600, "CPU seconds of each process of a tool call (past it the process is killed and the "
-        "call fails), and of the environments' child over its life (past it the child is replaced like after a hang). "
-        "0 = no limit.", bound=">= 0", why="0 = no limit")
-    max_failed_steps: int = setting(2, "An environment that fails on every episode of this many sampler steps in a row "
-        "(none could open or answer a step) stops the sampler (exit code 9) with its error. 0 = never stop: the model "
-        "reads the errors.", bound=">= 0", why="0 = never stop")
+    cpu_s: int = setting(3600, "CPU seconds of each process of a tool call (past it the call fails), and of the "
+        "environments' child over its life (then it is replaced). 0 = no limit.", bound=">= 0", why="0 = no limit")
+    max_failed_steps: int = setting(2, "An environment that fails on every episode of this many sampler steps in a "
+        "row stops the sampler (exit code 9). 0 = never stop.", bound=">= 0", why="0 = never stop")
 
 
 @dataclass

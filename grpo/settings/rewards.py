@@ -25,17 +25,12 @@ DEFAULT_JUDGE_PATTERN = r"(?m)^[ \t*]*Score:[ \t*]*(-?\d+(?:\.\d+)?)[\s*.]*\Z"  
 @dataclass
 class JudgeConfig:
     url: str = setting("", "rewards.names=[judge]: the OpenAI-compatible endpoint's base URL, e.g. "
-        "http://127.0.0.1:8000/v1 (vllm serve, SGLang, llama.cpp, Ollama, https://api.openai.com/v1); POSTs go to "
-        "<url>/chat/completions.")
+        "http://127.0.0.1:8000/v1; POSTs go to <url>/chat/completions.")
     model: str = setting("", "The model the judge endpoint serves (the 'model' of each request).")
-    prompt: str = setting(DEFAULT_JUDGE_PROMPT, "The judge's one user message: {question} (the prompt's last user "
-        "turn), {completion} and {answer} (the row's reference_answer) are filled in; other braces stay as they are. "
-        "{completion} comes inside a fence the completion cannot close: <completion-N> ... </completion-N>, N a keyed "
-        "hash it cannot guess (docs/rewards.md: prompt injection).")
-    pattern: str = setting(DEFAULT_JUDGE_PATTERN, "Regular expression with one group: the reward is the group of its "
-        "last match in the reply, as a float. The default reads 'Score: N' only as the reply's last line. A reply "
-        "without a match, with a verdict outside rewards.judge.range, or not ended by itself (a finish_reason other "
-        "than stop, eos_token, stop_sequence or end_turn, or none) is a failure for that sample (rewards.on_failure).")
+    prompt: str = setting(DEFAULT_JUDGE_PROMPT, "The judge's one user message: {question} (the last user turn), "
+        "{completion} and {answer} (reference_answer) are filled in; other braces stay as they are.")
+    pattern: str = setting(DEFAULT_JUDGE_PATTERN, "Regular expression with one group: the reward is that group of its "
+        "last match in the reply, as a float; no match is a failure (rewards.on_failure).")
     range: list[float] = setting([0.0, 10.0], "[low, high]: the verdicts the judge may give; one outside is a failure "
         "for that sample, never a reward (a completion that talks the judge into 'Score: 1000' gains nothing).")
     api_key_env: str = setting("", "The environment variable that holds the endpoint's API key (sent as a Bearer "
@@ -48,42 +43,27 @@ class JudgeConfig:
 @dataclass
 class RewardsConfig:
     names: list[str] = setting(["gsm8k_answer_lenient", "think_answer_format_partial"], "Reward functions: built-in "
-        "names (gsm8k_answer, gsm8k_answer_lenient, think_answer_format, think_answer_format_partial, answer_format, "
-        "reasoning_gym) or your own as 'package.module:function' or 'path/to/file.py:function', called as "
-        "fn(completion, row) -> float or None (None: does not apply to this row); row = the dataset row plus "
-        "reference_answer. Services, run in the sampler: 'reward_model:<folder or Hub id>' (a one-logit sequence "
-        "classifier), an 'http://host:port/path' URL (one POST per batch), 'judge' (an LLM behind an OpenAI-compatible "
-        "endpoint: rewards.judge). docs/rewards.md: which to use when.")
+        "names, your own as 'package.module:function' or 'path/to/file.py:function', or services: "
+        "'reward_model:<model>', an http:// URL, 'judge'.")
     weights: list[float] = setting([1.0, 1.0], "Weight of each reward in the total (same order as names).")
-    accuracy_reward: str = setting("gsm8k_answer", "The reward that decides whether an answer is correct, for the "
-        "reported accuracy (strict/answer_accuracy of the samples, eval/answer_accuracy): correct when it gives >= 1 "
-        "(e.g. reasoning_gym for a reasoning-gym task).")
+    accuracy_reward: str = setting("gsm8k_answer", "The reward that decides whether an answer is correct "
+        "(it gives >= 1), for the reported accuracy; e.g. reasoning_gym for a reasoning-gym task.")
     format_reward: str = setting("think_answer_format", "The reward that decides whether a completion has the exact "
         "format, for strict/format_rate and eval/format_rate: met when it gives >= 1.")
-    on_failure: str = setting("worst", "What a sample trains with when a reward fails (counted in "
-        "rewards/<name>/failures): worst: where the reward failed on it (raised, returned NaN/inf or timed out on it; "
-        "a judge's reply without a valid verdict; an environment that failed on its messages; a service that answered "
-        "the batch's other samples but not this one), the batch's worst total, so that failing never scores above an "
-        "honest answer; where the reward could not be asked (a service down for the whole batch, an environment that "
-        "did not open), it is left out of its group's mean and std with advantage 0. fallback: rewards.fallback, as if "
-        "the reward gave it.", choices=("worst", "fallback"))
+    on_failure: str = setting("worst", "What a sample trains with when a reward fails on it: worst (the batch's worst "
+        "total; a reward that could not be asked: advantage 0) or fallback (rewards.fallback).",
+        choices=("worst", "fallback"))
     fallback: float = setting(-1.0, "The reward a failed sample gets with rewards.on_failure=fallback (on the scale of "
         "that reward: a 0-10 judge's or a reward model's logits are not on -1's).")
-    max_failed_steps: int = setting(2, "A reward that fails on every sample of this many sampler steps in a row (a "
-        "service too) stops the sampler (exit code 8) with its error and the line that raised it; failing on some "
-        "samples only scores those as rewards.on_failure says, with a warning. Raise it for a service that may be down "
-        "for a while. 0 = never stop: train on without its scores.", bound=">= 0", why="0 = never stop")
+    max_failed_steps: int = setting(2, "A reward that fails on every sample of this many sampler steps in a row stops "
+        "the sampler (exit code 8). 0 = never stop: train on without its scores.", bound=">= 0", why="0 = never stop")
     overlong_buffer: int = setting(0, "DAPO's soft overlong penalty: over the last N tokens before "
-        "sampling.max_new_tokens a completion's reward falls linearly to -rewards.overlong_penalty (logged as the "
-        "reward overlong_penalty). 0 = off; training.mask_truncated_completions is the other option.")
+        "sampling.max_new_tokens the reward falls linearly to -rewards.overlong_penalty. 0 = off.")
     overlong_penalty: float = setting(1.0, "The penalty at sampling.max_new_tokens (rewards.overlong_buffer).")
-    timeout_s: float = setting(10.0, "Per-sample time limit of each rule reward: each sample is scored in a jail of "
-        "its own (no network, no file of the run, budgets for its whole process tree: docs/environments.md). 0 = in "
-        "the sampler, no limit and no jail (never with a reward that runs the model's code, such as unit_tests). "
-        "(Service rewards run in the sampler: rewards.remote_timeout_s.)", bound=">= 0", why="0 = no limit")
-    pass_env: list[str] = setting([], "Environment variables the rule rewards' jail sees besides PATH, HOME, "
-        "LANG, LC_* and TMPDIR: a reward that runs the model's code must not find the sampler's API keys, so others "
-        "are passed only when named here (e.g. [HF_HOME]; CUDA_VISIBLE_DEVICES to let it see GPUs).")
+    timeout_s: float = setting(10.0, "Per-sample time limit of each rule reward, scored in a jail of its own. 0 = in "
+        "the sampler, no limit, no jail (never for a reward that runs model code).", bound=">= 0", why="0 = no limit")
+    pass_env: list[str] = setting([], "Environment variables the rule rewards' jail sees besides PATH, HOME, LANG, "
+        "LC_* and TMPDIR, e.g. [HF_HOME]; no others are passed.")
     network: str = setting("deny", "deny: rule rewards run without network (their own network namespace, else a "
         "seccomp filter); allow: a rule reward that must reach a service gets the internet families.",
         choices=NETWORK_MODES)
@@ -96,9 +76,6 @@ class RewardsConfig:
     reward_model_batch_size: int = setting(16, "Sequences per forward pass of a reward model.", bound=">= 1")
     remote_timeout_s: float = setting(30.0, "Time limit of one request to an HTTP reward or the judge: it must connect "
         "and answer whole within it.", bound="in (0, 86400]")
-    remote_retries: int = setting(2, "Retries of a request to an HTTP reward or the judge that timed out, could not "
-        "connect or got HTTP 408/429/5xx, after 0.5 s, 1 s, 2 s, ... (or the Retry-After a 429/503 asks for, up to "
-        "rewards.remote_timeout_s); then every sample it scores fails (rewards.on_failure) and counts in "
-        "rewards/<name>/failures. A service that failed this way on every attempt (the judge: twice for each request "
-        "in flight) is not called for 30 s: what it would score meanwhile fails at once.", bound=">= 0")
+    remote_retries: int = setting(2, "Retries of a failed request to an HTTP reward or the judge (timeout, no "
+        "connection, HTTP 408/429/5xx), with back-off; then its samples fail.", bound=">= 0")
     judge: JudgeConfig = field(default_factory=JudgeConfig)

@@ -49,10 +49,8 @@ class LoggingConfig:
     backend: str = setting("none", "Experiment tracker beside metrics.jsonl and TensorBoard, with the same metric "
         "names against `step`: none, wandb or trackio (grpo/run/tracking.py).", choices=TRACKERS)
     project: str = setting("grpo-trainer", "The tracker's project; the run is named run.name.")
-    completions_per_step: int = setting(4, "The first N completions of each step (the first prompts' groups), with "
-        "the prompt's chat turns, the completion (an episode: its whole conversation, the environment's turns "
-        "included), each reward and the advantage, go to <run.dir>/completions.jsonl and the tracker's "
-        "'completions' table; `grpo check` prints the last ones. Each text is cut at 16000 characters.",
+    completions_per_step: int = setting(4, "The first N completions of each step, with prompt, rewards and advantage, "
+        "go to <run.dir>/completions.jsonl and the tracker's 'completions' table (0 = off).",
         bound=">= 0", why="0 = off")
     wandb_mode: str = setting("offline", "logging.backend=wandb: offline (files in <run.dir>/wandb, no network; upload "
         "them later with `wandb sync`) or online (needs `wandb login`).", choices=WANDB_MODES)
@@ -62,8 +60,7 @@ class LoggingConfig:
 class CheckpointConfig:
     every: int = setting(50, "Checkpoint every N steps (and at a clean exit).", bound=">= 1")
     resume: str = setting("auto", "auto (continue from the run folder's last checkpoint if it has one, else start "
-        "fresh), never (start fresh), or a checkpoint folder (one with DeepSpeed's 'latest' file). A fresh start into "
-        "a used run folder needs run.overwrite=true or a new run.name.")
+        "fresh), never (start fresh), or a checkpoint folder (with DeepSpeed's 'latest' file).")
     keep_last: int = setting(2, "Checkpoints kept on disk.", bound=">= 1")
 
 
@@ -76,7 +73,6 @@ class LaunchConfig:
     max_minutes: float = setting(0.0, "Wall-clock budget for grpo train: at this many minutes it stops both "
         "processes cleanly (the trainer checkpoints; the last published weights are the result). 0 = none.",
         bound=">= 0", why="0 = no limit")
-    stall_s: float = setting(180.0, "A worker that writes nothing to its log for this long during its start-up (before "
-        "the sampler has its prompts and the trainer its DeepSpeed engine) gets its Python stacks written to its log, "
-        "and the console says where it is; still silent after twice this, grpo train stops the run. 0 = never.",
+    stall_s: float = setting(180.0, "A worker silent in its log this long during start-up gets its Python stacks "
+        "logged; silent twice as long, grpo train stops the run. 0 = never.",
         bound=">= 0", why="0 = never")

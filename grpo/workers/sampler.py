@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
                          send_timeout_s=cfg.transport.send_timeout_s, secret=run_secret(cfg.transport.secret, run_dir))
     redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
                             sender.signature_problem)
-    sandbox = policy.sandbox = reward_sandbox(cfg.rewards)
+    sandbox = policy.sandbox
     evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
 
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
@@ -153,8 +153,8 @@ def main(argv: list[str]) -> int:
 
 def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
-    fine-tune with beta > 0, the rollout engine, and the tokenised training prompts of each source
-    (data.path, or each of data.sources)."""
+    fine-tune with beta > 0, the rollout engine, the rewards' jail, and the tokenised training prompts
+    of each source (data.path, or each of data.sources)."""
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_kwargs)
@@ -166,7 +166,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
-                           episodes=episode_runner(cfg, tokenizer))
+                           episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards))
     return policy, sources
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from grpo.config import parse_cli  # noqa: E402
+from grpo.config import help_requested, parse_cli  # noqa: E402
 from grpo.data.problems import load_split  # noqa: E402
 from grpo.data.prompts import build_prompts  # noqa: E402
 from grpo.model.loading import load_model, load_tokenizer  # noqa: E402
@@ -33,6 +33,8 @@ def gaps(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
 
 
 def main(argv: list[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     cfg = parse_cli(["--config", str(ROOT / "config.yaml"), *argv])
     sampling = cfg.sampling
     tokenizer = load_tokenizer(cfg.model)

@@ -169,7 +169,7 @@ def matmul_ceiling(config: Path, overrides: list[str]) -> dict:
     the trainer and the sampler half the cores each) and with all of them."""
     import torch
 
-    from grpo.commands.train import placement
+    from grpo.commands.local import placement
     from grpo.config import parse_cli
     from grpo.model.flops import ModelShape, measure_matmul_rate
     from grpo.model.loading import load_model

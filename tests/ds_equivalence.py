@@ -38,6 +38,9 @@ CASES = [(level, agg, 0, "sampler") for level in ("token", "sequence") for agg i
         [("sequence", "grpo", 3, "sampler"),  # ZeRO-2 partitions gradients, ZeRO-3 the parameters too
          # the trainer computes the reference log-probs (adapter off) that the single process is given
          ("token", "grpo", 0, "trainer"), ("sequence", "dapo", 3, "trainer")]
+CASES = [(*case, ()) for case in CASES] + [  # the other policy losses, and the entropy bonus's gradient
+    ("token", "dapo", 0, "sampler", ("training.loss=cispo", "training.entropy_coef=0.01")),
+    ("sequence", "grpo", 2, "sampler", ("training.loss=sapo",))]
 
 
 def start_model():
@@ -90,13 +93,14 @@ def main(out_path: str) -> None:
     release_deepspeed_shm()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for level, aggregation, stage, reference_on in CASES:
+    for level, aggregation, stage, reference_on, extra in CASES:
         cfg = load_config(None, [f"training.use_gspo={level == 'sequence'}", f"training.aggregation={aggregation}",
                                  f"training.reference_on={reference_on}",
                                  "training.max_tokens_per_micro_batch=30", "training.beta=0.04",
                                  "training.learning_rate=0.01", "training.max_grad_norm=0.1",
                                  "training.mask_truncated_completions=true", "sampling.max_new_tokens=10",
-                                 "training.clip_low=0.2", "training.clip_high=0.28", f"deepspeed.zero_stage={stage}"])
+                                 "training.clip_low=0.2", "training.clip_high=0.28", f"deepspeed.zero_stage={stage}",
+                                 *extra])
         model = start_model()
         batch = make_batch(model)
         given = batch
@@ -114,7 +118,7 @@ def main(out_path: str) -> None:
         if rank == 0:
             ref_loss, ref_norm, ref_delta = reference_update(dataclasses.replace(cfg, training=dataclasses.replace(
                 cfg.training, reference_on="sampler")), given)
-            results.append({"case": [level, aggregation, stage, reference_on], "loss": metrics["loss"],
+            results.append({"case": [level, aggregation, stage, reference_on, *extra], "loss": metrics["loss"],
                             "grad_norm": metrics["grad_norm"],
                             "delta": {n: (after[n] - before[n]).tolist() for n in before},
                             "ref_loss": ref_loss, "ref_grad_norm": ref_norm, "ref_delta": ref_delta})

@@ -222,7 +222,7 @@ def test_forged_advantages_totals_failures_and_unscored_samples_are_each_named()
     def unscored_advantage(p):
         p["advantages"][5] = 0.5
 
-    assert forged(advantages) == ("sample 2's advantage 10000 is not the group-scaled one of its totals "
+    assert forged(advantages) == ("sample 2's advantage 10000 is not the group-scaled grpo one of its totals "
                                   f"({float(sampler_made()[6][2]):.9g})")
     assert forged(total) == "sample 2's total 9 is not its weighted rewards 0"
     assert forged(reward_without_total) == "sample 3's total 1 is not its weighted rewards 9"
@@ -243,7 +243,7 @@ def test_a_total_beyond_the_limit_or_nan_never_passes():
     def nan_advantage(p):
         p["advantages"][0] = float("nan")
 
-    assert forged(nan_advantage).startswith("sample 0's advantage nan is not the group-scaled one")
+    assert forged(nan_advantage).startswith("sample 0's advantage nan is not the group-scaled grpo one")
 
 
 def test_a_large_overlong_penalty_is_not_a_rounding_error():
@@ -256,3 +256,136 @@ def test_a_large_overlong_penalty_is_not_a_rounding_error():
     advantages = group_advantages(totals, [2], scored=scored)
     assert advantages_problem(advantages, totals, scored, worst, rewards, weights, after_worst, [2], "group",
                               1e15) == ""
+
+
+# ----------------------------------------------------------------------------- the other estimators
+
+def slow_advantages(estimator: str, rewards: list[float], sizes: list[int], scored: list[bool]) -> list[float]:
+    """Each estimator written sample by sample, straight from its paper, over the scored samples."""
+    out, start, centred_all = [], 0, []
+    for size in sizes:
+        group = [(r, s) for r, s in zip(rewards[start:start + size], scored[start:start + size])]
+        kept = [r for r, s in group if s]
+        spread = len(set(kept)) > 1
+        for r, s in group:
+            if not (s and spread):
+                out.append(0.0)
+            elif estimator == "rloo":  # the mean of the other scored samples of the group
+                out.append(r - (sum(kept) - r) / (len(kept) - 1))
+            else:  # reinforce_pp: less the group's mean here, over the batch's std below
+                out.append(r - sum(kept) / len(kept))
+        start += size
+    if estimator == "reinforce_pp":
+        centred_all = [a for a, s in zip(out, scored) if s]
+        mean = sum(centred_all) / len(centred_all)
+        std = (sum((a - mean) ** 2 for a in centred_all) / (len(centred_all) - 1)) ** 0.5
+        out = [a / (std + 1e-4) for a in out]
+    return out
+
+
+def test_rloo_worked_numbers():
+    # group [1, 2, 6]: 1 - (2 + 6) / 2 = -3, 2 - 3.5 = -1.5, 6 - 1.5 = 4.5; group [0, 4]: -4, 4
+    from grpo.objective.advantages import estimate_advantages
+
+    adv = estimate_advantages("rloo", torch.tensor([1.0, 2.0, 6.0, 0.0, 4.0]), [3, 2])
+    assert adv.tolist() == [-3.0, -1.5, 4.5, -4.0, 4.0]
+
+
+def test_reinforce_pp_worked_numbers():
+    # centred in each group: [-1, 0, 1] and [-2, 2]; their batch mean is 0 and their unbiased std
+    # sqrt((1 + 0 + 1 + 4 + 4) / 4) = sqrt(2.5) = 1.5811388, so A = centred / (1.5811388 + 1e-4)
+    from grpo.objective.advantages import estimate_advantages
+
+    adv = estimate_advantages("reinforce_pp", torch.tensor([1.0, 2.0, 3.0, 0.0, 4.0]), [3, 2])
+    expected = torch.tensor([-1.0, 0.0, 1.0, -2.0, 2.0]) / (2.5 ** 0.5 + 1e-4)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-7)
+
+
+def test_dr_grpo_is_grpo_without_a_std_and_grpo_is_the_default_estimator():
+    from grpo.objective.advantages import estimate_advantages
+
+    rewards = torch.tensor([1.0, 3.0, 10.0, 30.0, 6.0])
+    assert estimate_advantages("dr_grpo", rewards, [2, 3]).tolist() == \
+        group_advantages(rewards, [2, 3], scale="none").tolist()
+    for scale in ("group", "batch", "none"):
+        assert estimate_advantages("grpo", rewards, [2, 3], scale=scale).tolist() == \
+            group_advantages(rewards, [2, 3], scale=scale).tolist()
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+@pytest.mark.parametrize("seed", range(5))
+def test_each_estimator_equals_the_slow_loop_with_unscored_and_equal_groups(estimator, seed):
+    """Random rewards in uneven groups, some samples unscored, one group all equal, one with one scored sample."""
+    from grpo.objective.advantages import estimate_advantages
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = [4, 3, 5, 2, 4]
+    rewards = torch.randint(0, 4, (18,), generator=g).float() / 2
+    rewards[7:12] = 1.5  # the third group's rewards are all equal
+    scored = torch.rand(18, generator=g) > 0.2
+    scored[12:14] = torch.tensor([True, False])  # the fourth group has one scored sample
+    adv = estimate_advantages(estimator, rewards, sizes, scored=scored)
+    slow = slow_advantages(estimator, rewards.tolist(), sizes, scored.tolist())
+    torch.testing.assert_close(adv, torch.tensor(slow), rtol=1e-6, atol=1e-6)
+    assert adv[~scored].tolist() == [0.0] * int((~scored).sum()) and adv[7:14].tolist() == [0.0] * 7
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "dr_grpo"])
+def test_a_failed_sample_scores_below_its_groups_honest_answers_under_every_estimator(estimator):
+    """The failure rules hold whatever the estimator: a failed sample takes the batch's lowest honest reward
+    (worst_of_batch) and so never gets a higher advantage than an honest sample of its group."""
+    from grpo.objective.advantages import estimate_advantages
+
+    rewards = torch.tensor([1.0, 1.0, 9.0, 0.0, 1.0, 0.5])  # sample 2 failed a reward: its 9 is not counted
+    worst = torch.tensor([False, False, True, False, False, False])
+    scored = torch.ones(6, dtype=torch.bool)
+    rewards, scored = worst_of_batch(rewards, scored, worst)
+    assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.5]
+    adv = estimate_advantages(estimator, rewards, [3, 3], scored=scored)
+    assert adv[2] < adv[0] == adv[1] and adv[2] < 0
+
+
+def double_the_centred(rewards, sizes, scored):
+    """A user's estimator (tests/test_advantages.py:double_the_centred): twice the group-centred reward."""
+    return 2 * group_advantages(rewards, sizes, scale="none", scored=scored)
+
+
+def test_a_users_estimator_by_import_path_is_called_and_its_unscored_samples_get_zero():
+    from grpo.objective.advantages import estimate_advantages
+
+    rewards, scored = torch.tensor([1.0, 3.0, 5.0, 4.0]), torch.tensor([True, True, False, True])
+    adv = estimate_advantages("tests/test_advantages.py:double_the_centred", rewards, [2, 2], scored=scored)
+    assert adv.tolist() == [-2.0, 2.0, 0.0, 0.0]
+
+
+def one_too_few(rewards, sizes, scored):
+    return rewards[1:]
+
+
+def nan_on_the_first(rewards, sizes, scored):
+    return torch.where(torch.arange(len(rewards)) == 0, float("nan"), rewards)
+
+
+def test_a_users_estimator_that_returns_the_wrong_count_or_nan_is_named():
+    from grpo.objective.advantages import estimate_advantages
+
+    with pytest.raises(ValueError, match=r"^training.advantage=tests/test_advantages.py:one_too_few returned 3 "
+                                         r"values \(all finite\) for 4 samples"):
+        estimate_advantages("tests/test_advantages.py:one_too_few", torch.ones(4), [2, 2])
+    with pytest.raises(ValueError, match=r"returned 4 values \(not all finite\) for 4 samples"):
+        estimate_advantages("tests/test_advantages.py:nan_on_the_first", torch.ones(4), [2, 2])
+
+
+def test_the_trainers_check_recomputes_with_the_runs_estimator():
+    """advantages_problem with estimator=rloo: rloo's own advantages pass, grpo's are named."""
+    from grpo.objective.advantages import estimate_advantages
+
+    totals = torch.tensor([1.0, 2.0, 6.0, 0.0, 4.0])
+    rewards, weights = totals[:, None], torch.tensor([1.0], dtype=torch.float64)
+    scored, worst, after = torch.ones(5, dtype=torch.bool), torch.zeros(5, dtype=torch.bool), torch.tensor([False])
+    check = lambda adv: advantages_problem(adv, totals, scored, worst, rewards, weights, after, [3, 2], "group",  # noqa: E731
+                                           100.0, "rloo")
+    assert check(estimate_advantages("rloo", totals, [3, 2])) == ""
+    # grpo's: (1 - 3) / (sqrt(7) + 1e-4) = -0.755900443, where rloo's is 1 - (2 + 6) / 2 = -3
+    assert check(group_advantages(totals, [3, 2])) == ("sample 0's advantage -0.755900443 is not the rloo one of its "
+                                                       "totals (-3)")

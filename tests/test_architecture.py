@@ -65,6 +65,11 @@ def test_each_declared_choice_list_is_what_its_implementing_module_offers():
                 "env.network": choices.NETWORK_MODES, "rewards.network": choices.NETWORK_MODES}
     for key, listed in declared.items():
         assert choices_of(Config, key) is listed, key
+    from grpo.objective.advantages import ESTIMATORS
+    from grpo.objective.losses import LOSSES
+
+    # training.advantage and training.loss also take an import path, so they are checked by the config's rules
+    assert choices.ADVANTAGE_ESTIMATORS == ("grpo", *ESTIMATORS) and choices.POLICY_LOSSES == tuple(LOSSES)
 
 
 def imported_modules(path) -> set[str]:
@@ -153,6 +158,7 @@ def test_each_seam_names_implementations_that_give_its_interface():
         launcher = importlib.import_module(module)
         assert list(inspect.signature(launcher.launch).parameters) == ["options", "cfg", "args", "dry_run"], name
         assert callable(launcher.take_options) and launcher.OPTIONS_HELP.startswith("  --"), name
+        assert all(flag.startswith("--") and flag in launcher.OPTIONS_HELP for flag in launcher.FLAGS), name
 
 
 def test_no_module_over_450_lines_and_no_function_over_70():
@@ -200,6 +206,7 @@ def test_a_launcher_is_one_line_in_its_table(monkeypatch, capsys):
     launched = []
     dummy = types.ModuleType("dummy_launcher")
     dummy.OPTIONS_HELP = "  --dummy         start the run nowhere (--region R)"
+    dummy.FLAGS = ("--region",)
     dummy.take_options = lambda argv: ({"region": argv[argv.index("--region") + 1]},
                                        argv[:argv.index("--region")] + argv[argv.index("--region") + 2:])
     dummy.launch = lambda options, cfg, args, dry_run: (launched.append((options, cfg.training.steps, args, dry_run))
@@ -213,6 +220,9 @@ def test_a_launcher_is_one_line_in_its_table(monkeypatch, capsys):
     assert "  --dummy         start the run nowhere (--region R)\n" in capsys.readouterr().out
     assert main(["--dummy", "--slurm", "--region", "eu"]) == 2
     assert capsys.readouterr().err == "error: --dummy and --slurm: a run has one launcher\n"
+    assert main(["--region", "eu"]) == 2
+    assert capsys.readouterr().err == ("error: --region is an option of grpo train --dummy, not of a run on this "
+                                       "machine (grpo train without a launcher flag)\n")
     assert launched == [({"region": "eu"}, 3, ["training.steps=3"], True)]
 
 

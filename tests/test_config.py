@@ -247,7 +247,8 @@ def test_every_unknown_key_and_bad_value_of_file_and_overrides_is_in_one_message
     ("max_completion_length", "'sampling.max_new_tokens'"), ("max_prompt_length", "'data.max_prompt_tokens'"),
     ("per_device_train_batch_size", "sampling.prompts_per_step (prompts, each with sampling.group_size completions)"),
     ("epsilon", "'training.clip_low'"), ("epsilon_high", "'training.clip_high'"),
-    ("loss_type", "training.aggregation (grpo, dapo, dr_grpo)"), ("use_vllm", "'sampling.engine=vllm'"),
+    ("loss_type", "training.aggregation (grpo, dapo, dr_grpo), training.loss (cispo, sapo)"),
+    ("use_vllm", "'sampling.engine=vllm'"),
     ("sampling.beta", "'training.beta'"), ("actor_rollout_ref.rollout.n", "'sampling.group_size'"),
     ("kl_loss_coef", "'training.beta'"), ("model_name_or_path", "'model.name_or_path'"),
 ])
@@ -474,3 +475,23 @@ def test_the_rules_and_what_the_config_names_are_reported_at_once():
     assert lines[0] == "  training.kl_estimator must be one of k1, k2, k3; got 'k9'"
     assert any(line.startswith("  rewards.names: unknown reward 'nope'") for line in lines)
     assert any(line.startswith("  env.name: unknown environment 'nope'") for line in lines)
+
+
+def test_the_advantage_and_the_loss_take_a_name_or_an_import_path_each_checked():
+    from grpo.run.preflight import named_code_problems
+
+    cfg = load_config(None, ["training.advantage=rloo", "training.loss=cispo"])
+    assert (cfg.training.advantage, cfg.training.loss, cfg.training.clip_low, cfg.training.clip_high) == \
+        ("rloo", "cispo", 1.0, 4.0)  # CISPO's own clip defaults: no lower bound, the weight capped at 5
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["training.advantage=rlooo", "training.loss=cisp", "training.advantage_scale=batch"])
+    assert str(e.value).splitlines()[1:] == [
+        "  training.advantage must be one of grpo, rloo, reinforce_pp, dr_grpo or an import path "
+        "'module:function'; got 'rlooo'",
+        "  training.loss must be one of ppo_clip, cispo, sapo or an import path 'module:function'; got 'cisp'",
+        "  training.advantage_scale=batch scales grpo's advantages; training.advantage=rlooo scales its own: leave "
+        "training.advantage_scale at group"]
+    with pytest.raises(ConfigError, match=r"training.loss: cannot import 'no_such_module:loss'"):
+        load_config(None, ["training.loss=no_such_module:loss"], checks=[named_code_problems])
+    assert load_config(None, ["training.advantage=tests/test_advantages.py:double_the_centred"],
+                       checks=[named_code_problems]).training.advantage.endswith(":double_the_centred")

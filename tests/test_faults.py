@@ -310,8 +310,8 @@ def test_garbage_on_the_trainers_socket_is_counted_and_training_goes_on(tmp_path
 
 @pytest.mark.parametrize("forgery,named", [
     ("advantages", "sampler 0 step 1's advantages do not follow from its rewards under this run's rewards.weights "
-                   "and training.advantage_scale=group: sample 0's advantage 10000 is not the group-scaled one of "
-                   "its totals (0.865"),
+                   "and training.advantage=grpo, training.advantage_scale=group: sample 0's advantage 10000 is not "
+                   "the group-scaled grpo one of its totals (0.865"),
     ("totals", "sample 1's total 3 is not its weighted rewards 0"),
     ("worst", "sample 0 failed a reward but scores 5, above an honest answer of its group"),
     ("unscored", "sample 0 was not scored but has advantage 0.865"),

@@ -477,3 +477,181 @@ def test_the_trainers_loss_without_aged_out_tokens_is_the_slow_loop_over_the_you
     assert abs(slow.item()) > 1e-3
     torch.testing.assert_close(whole, slow, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pieces, slow, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- CISPO, SAPO, a user's loss
+
+def test_cispo_worked_numbers_and_gradients():
+    # the worked batch (ratios [1.5, 0.5, 1] with A=+1, [1.5, 0.5] with A=-2), per token -sg(w) A log pi:
+    # defaults (clip_low 1, clip_high 4: w = clamp(r, 0, 5) = r):
+    #   seq 0: -(1.5 ln 1.5 + 0.5 ln 0.5 + 1 * 0) = -0.2616240, seq 1: +2 (1.5 ln 1.5 + 0.5 ln 0.5) = 0.5232481
+    #   grpo aggregation: (-0.2616240 / 3 + 0.5232481 / 2) / 2 = 0.0872080
+    #   d/d log pi = -w A / (tokens of its sequence) / 2 sequences: [-1.5/6, -0.5/6, -1/6], [+3/4, +1/4]
+    # clip_high 0.2 caps w at 1.2 but keeps the token's gradient, where PPO's clip drops it: [-1.2/6, ...], [2.4/4, ...]
+    logps, old, adv, mask = worked_batch()
+    logps.requires_grad_(True)
+    for clip_high, loss_value, gradient in [
+            (4.0, 0.0872080177, [[-0.25, -1 / 12, -1 / 6], [0.75, 0.25, 0.0]]),
+            (0.2, 0.0466615185, [[-0.2, -1 / 12, -1 / 6], [0.6, 0.25, 0.0]])]:
+        loss, metrics = policy_loss(logps, old, adv, mask, loss="cispo", clip_low=1.0, clip_high=clip_high)
+        (grad,) = torch.autograd.grad(loss, logps)
+        assert loss.item() == pytest.approx(loss_value, rel=1e-6)
+        torch.testing.assert_close(grad, torch.tensor(gradient))
+    (ppo_grad,) = torch.autograd.grad(policy_loss(logps, old, adv, mask, clip_high=0.2)[0], logps)
+    assert ppo_grad[0, 0] == 0.0  # PPO: r = 1.5 > 1.2 with A > 0 is clipped, no gradient
+
+
+def test_sapo_worked_numbers_and_gradients():
+    # per token -sigmoid(tau (r - 1)) 4 / tau A, tau 1 for A > 0 and 1.05 for A < 0:
+    #   seq 0 (A=+1): -4 sigmoid(0.5) = -2.4898373, -4 sigmoid(-0.5) = -1.5101627, -4 sigmoid(0) = -2: sum -6
+    #   seq 1 (A=-2): 8 / 1.05 sigmoid(0.525) = 4.7871710, 8 / 1.05 sigmoid(-0.525) = 2.8318767: sum 8 / 1.05
+    #   grpo aggregation: (-6 / 3 + 7.6190476 / 2) / 2 = 0.9047619
+    #   d/d log pi = -A 4 sigmoid'(tau (r - 1)) r / (tokens) / 2: seq 0 token 0: -4 * 0.2350037 * 1.5 / 6 = -0.2350037
+    logps, old, adv, mask = worked_batch()
+    logps.requires_grad_(True)
+    loss, _ = policy_loss(logps, old, adv, mask, loss="sapo")
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == pytest.approx((-6 / 3 + 8 / 1.05 / 2) / 2, rel=1e-6)
+    sig = torch.sigmoid(torch.tensor(0.5))
+    assert grad[0, 0].item() == pytest.approx(-4 * float(sig * (1 - sig)) * 1.5 / 6, rel=1e-5)
+
+
+def slow_surrogate(loss, r, rc, adv, logp, sapo):
+    """One token's loss, straight from each paper."""
+    if loss == "ppo_clip":
+        return -torch.minimum(r * adv, rc * adv)
+    if loss == "cispo":
+        return -rc.detach() * adv * logp
+    tau = sapo[0] if adv > 0 else sapo[1]
+    return -torch.sigmoid(tau * (r - 1)) * 4 / tau * adv
+
+
+@pytest.mark.parametrize("loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("level, aggregation", CASES)
+def test_cispo_and_sapo_equal_the_slow_loop_values_and_gradients(loss, level, aggregation):
+    logps, old, adv, mask, ref = random_batch(seed=zlib.crc32(f"{loss}/{level}/{aggregation}".encode()) % 1000)
+    kwargs = dict(level=level, aggregation=aggregation, clip_low=0.1, clip_high=0.15, beta=0.05)
+    whole, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, max_completion_length=8, loss=loss,
+                           sapo_temperatures=(0.9, 1.2), **kwargs)
+    (grad,) = torch.autograd.grad(whole, logps)
+    total = torch.zeros(())
+    for i in range(logps.shape[0]):
+        tokens = [t for t in range(logps.shape[1]) if mask[i, t]]
+        mean_log_ratio = sum(logps[i, t] - old[i, t] for t in tokens) / len(tokens)
+        seq = torch.zeros(())
+        for t in tokens:
+            r = torch.exp(mean_log_ratio if level == "sequence" else logps[i, t] - old[i, t])
+            term = slow_surrogate(loss, r, torch.clamp(r, 0.9, 1.15), adv[i], logps[i, t], (0.9, 1.2))
+            d = ref[i, t] - logps[i, t]
+            seq = seq + term + 0.05 * (torch.exp(d) - d - 1)
+        total = total + {"grpo": seq / len(tokens) / 7, "dapo": seq / int(mask.sum()), "dr_grpo": seq / (7 * 8)}[
+            aggregation]
+    (slow_grad,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(whole, total, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, slow_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("level, aggregation", CASES)
+def test_cispo_and_sapo_micro_batch_pieces_sum_to_the_whole(loss, level, aggregation):
+    logps, old, adv, mask, ref = random_batch(seed=11, n=9, t=8)
+    common = dict(level=level, aggregation=aggregation, beta=0.04, max_completion_length=8, loss=loss)
+    whole, _ = policy_loss(logps, old, adv, mask, ref_logps=ref, **common)
+    (whole_grad,) = torch.autograd.grad(whole, logps)
+    pieces = sum(policy_loss(logps[rows], old[rows], adv[rows], mask[rows], ref_logps=ref[rows], num_sequences=9,
+                             num_tokens=mask.sum(), **common)[0] for rows in (slice(0, 2), slice(2, 7), slice(7, 9)))
+    (pieces_grad,) = torch.autograd.grad(pieces, logps)
+    torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(pieces_grad, whole_grad, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_on_policy_every_loss_has_the_policy_gradient(level):
+    """With old = the policy's own log-probs (r = 1), PPO's clip, CISPO and SAPO all give -A grad log pi."""
+    logps, _, adv, mask, _ = random_batch(seed=3)
+    grads = {}
+    for loss in ("ppo_clip", "cispo", "sapo"):
+        value, _ = policy_loss(logps, logps.detach(), adv, mask, level=level, loss=loss)
+        grads[loss] = torch.autograd.grad(value, logps)[0]
+    torch.testing.assert_close(grads["cispo"], grads["ppo_clip"], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(grads["sapo"], grads["ppo_clip"], rtol=1e-6, atol=1e-8)
+
+
+def my_ppo_clip(x):
+    """A user's loss (tests/test_losses.py:my_ppo_clip): PPO's clip written again from its inputs."""
+    o = x.objective
+    return -torch.minimum(x.ratio * x.advantages, x.ratio.clamp(1 - o.clip_low, 1 + o.clip_high) * x.advantages)
+
+
+def wrong_shape(x):
+    return x.logps.sum(-1)
+
+
+def test_a_users_loss_by_import_path_gets_the_inputs_and_the_trainer_aggregates_it():
+    logps, old, adv, mask, ref = random_batch(seed=5)
+    common = dict(aggregation="dapo", beta=0.04)
+    ours, ours_metrics = policy_loss(logps, old, adv, mask, ref_logps=ref, **common)
+    theirs, their_metrics = policy_loss(logps, old, adv, mask, ref_logps=ref, loss="tests/test_losses.py:my_ppo_clip",
+                                        **common)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(theirs, logps)[0], torch.autograd.grad(ours, logps)[0])
+    assert their_metrics == ours_metrics
+    with pytest.raises(ValueError, match=r"training.loss=tests/test_losses.py:wrong_shape returned \(7,\); it must "
+                                         r"return the loss of every token, a tensor of the log-probs' shape \(7, 6\)"):
+        policy_loss(logps, old, adv, mask, loss="tests/test_losses.py:wrong_shape")
+
+
+def test_the_entropy_bonus_subtracts_the_aggregated_entropy_and_its_gradient():
+    """loss(entropy_coef=c) = loss(0) - c * the entropy aggregated like the loss; its gradient reaches the entropy."""
+    logps, old, adv, mask, _ = random_batch(seed=9)
+    entropy = (torch.rand(logps.shape) * 2).requires_grad_(True)
+    base, _ = policy_loss(logps, old, adv, mask, aggregation="dapo")
+    objective = Objective(aggregation="dapo", entropy_coef=0.01)
+    with_bonus, _ = clipped_loss(objective, logps, old, adv, mask.bool(), entropy=entropy,
+                                 denominators=Denominators(7, mask.sum(), 7))
+    expected = base - 0.01 * entropy[mask.bool()].sum() / mask.sum()
+    torch.testing.assert_close(with_bonus, expected)
+    (entropy_grad,) = torch.autograd.grad(with_bonus, entropy)
+    torch.testing.assert_close(entropy_grad, torch.where(mask.bool(), -0.01 / mask.sum(), 0.0))
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs the entropy"):
+        clipped_loss(objective, logps, old, adv, mask.bool())
+
+
+def test_the_trainers_entropy_bonus_is_the_plain_forwards_entropy_with_its_gradient():
+    """micro_batch_loss with training.entropy_coef=0.1 on a tiny model: the loss and every parameter's
+    gradient are those of entropy_coef=0 less 0.1 x the per-sequence mean entropy (grpo aggregation),
+    the entropy computed from a plain forward's full softmax (no shared prefix, no chunks)."""
+    import dataclasses
+
+    from conftest import tiny_model
+    from helpers import make_batch
+
+    from grpo.config import load_config
+    from grpo.trainer.training_step import micro_batch_loss
+
+    model = tiny_model()
+    batch = make_batch(seed=4, with_ref=False)
+    batch = dataclasses.replace(batch, completion_ids=[c % 101 for c in batch.completion_ids],
+                                prompt_ids=[p % 101 for p in batch.prompt_ids])
+    common = ["training.beta=0", "sampling.temperature=1.0"]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(cfg_args, extra=None):
+        loss = micro_batch_loss(model, batch, load_config(None, [*common, *cfg_args]))[0]
+        loss = loss if extra is None else loss + extra()
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    def minus_mean_entropy():  # the slow way: each completion after its prompt, one row each
+        total, prompt_of = torch.zeros(()), [i for i, g in enumerate(batch.group_sizes) for _ in range(g)]
+        for j, completion in enumerate(batch.completion_ids):
+            prompt = batch.prompt_ids[prompt_of[j]]
+            logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1:-1].float()
+            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            total = total + entropy.mean()
+        return -0.1 * total / len(batch.completion_ids)
+
+    with_bonus, bonus_grads = loss_and_grads(["training.entropy_coef=0.1"])
+    expected, expected_grads = loss_and_grads([], minus_mean_entropy)
+    torch.testing.assert_close(with_bonus, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(bonus_grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

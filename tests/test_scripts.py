@@ -361,3 +361,22 @@ def test_every_command_the_docs_show_exists_with_the_flags_they_give(capsys):
             wrong += [f"{page}: {path}" for path in re.findall(r"(scripts/[\w/]+\.py)", line)
                       if not (REPO / path).exists()]
     assert wrong == [] and flags_checked > 50
+
+
+def test_every_test_the_docs_name_exists_in_the_file_they_name():
+    """`tests/test_x.py::name` and the `::name` after it in the README and docs/: each test is in that file."""
+    import re
+
+    wrong, named = [], 0
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        current = None
+        pattern = r"`(tests/test_\w+\.py)(?:::(\w+))?(?:\[[^\]`]*\])?`|`::(\w+)(?:\[[^\]`]*\])?`"
+        for path, name, then in re.findall(pattern, page.read_text()):
+            current = path or current
+            test = name or then
+            if path and not (REPO / path).is_file():
+                wrong.append(f"{page.name}: {path}")
+            elif test and current and f"def {test}(" not in (REPO / current).read_text():
+                wrong.append(f"{page.name}: {current}::{test}")
+            named += bool(test)
+    assert wrong == [] and named > 80

@@ -32,14 +32,15 @@ def relative(a: float, b: float) -> float:
 def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
     """W=2 ranks with several micro-batches each against one process: every aggregation at both
     levels (GRPO token, GSPO sequence) at ZeRO-0, every aggregation at the token level at ZeRO-2 and
-    ZeRO-3, GSPO/grpo at ZeRO-3, and the reference log-probs computed by the trainer at ZeRO-0 and 3."""
+    ZeRO-3, GSPO/grpo at ZeRO-3, the reference log-probs computed by the trainer at ZeRO-0 and 3, and
+    CISPO with the entropy bonus, SAPO with GSPO's sequence ratio."""
     out = tmp_path / "result.json"
     proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()),
                            str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 15
+    assert len(cases) == 17
     for case in cases:
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]
@@ -199,3 +200,15 @@ def test_a_lora_checkpoint_holds_what_trains_and_resumes_to_the_uninterrupted_ru
                               for run in (stopped, whole))
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def test_a_users_advantage_estimator_and_loss_by_import_path_train_two_steps(tmp_path, digit_model_dir, tiny_gsm8k):
+    """training.advantage and training.loss as import paths (tests/test_advantages.py:double_the_centred,
+    tests/test_losses.py:my_ppo_clip) with the entropy bonus: the sampler makes the advantages with the user's
+    estimator, the trainer recomputes them with it before it trains, and two steps update the adapter."""
+    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2",
+                    "training.advantage=tests/test_advantages.py:double_the_centred",
+                    "training.loss=tests/test_losses.py:my_ppo_clip", "training.entropy_coef=0.01", *LEARNING)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["entropy"] > 0 for r in rows)
+    adapter = load_file(version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # LoRA B starts at 0

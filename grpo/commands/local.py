@@ -37,6 +37,7 @@ from grpo.settings.engines import ENGINE_TRAITS
 
 EXIT_SAMPLER_FAILED, EXIT_TRAINER_FAILED, EXIT_INTERRUPTED, EXIT_USAGE = 3, 4, 130, 2
 STOP_GRACE_S = 60  # the trainer saves a checkpoint on SIGTERM
+FLAGS = ("--gpus",)
 OPTIONS_HELP = """\
   --gpus N        with --dry-run only: plan for a machine with N GPUs (planning on another machine)"""
 

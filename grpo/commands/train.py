@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from grpo.commands.launchers import LAUNCHERS, chosen_launcher, launcher_module
+from grpo.commands.launchers import LAUNCHERS, chosen_launcher, launcher_module, misplaced_flag
 from grpo.common.imports import user_code_importable
 from grpo.config import ConfigError, parse_cli, reference_text
 from grpo.run.epochs import with_epochs_as_steps
@@ -29,7 +29,7 @@ all together (Ctrl-C, a failure of any of them, or launch.max_minutes).
                   command and environment, the transport address and DeepSpeed port, the run
                   folder and whether it starts fresh, resumes or would be refused
 {launchers}
-  --help-config   every config key with its default and help (docs/config.md has the same)
+  --help-config   every config key with its default and help (docs/config.md: the same, and details)
   -h, --help      this text"""
 
 
@@ -58,6 +58,9 @@ def main(argv: list[str]) -> int:
         name, argv = chosen_launcher(argv)
         launcher = launcher_module(name)
         launcher_options, argv = launcher.take_options(argv)
+        problem = misplaced_flag(name, argv)
+        if problem:
+            raise ValueError(problem)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -21,6 +21,7 @@ from grpo.data.mixture import source_configs
 from grpo.data.mixture import source_problems as mixture_entry_problems
 from grpo.data.procedural import is_procedural
 from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
+from grpo.settings.choices import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from grpo.settings.engines import ENGINE_TRAITS
 from grpo.settings.tree import ConfigError, field_problems
 
@@ -47,7 +48,8 @@ def validate(cfg: Config, problems: list[str] = (), checks: Sequence[Callable[[C
     grpo.run.preflight.named_code_problems); fills the defaults that depend on other settings
     (the clip range follows training.use_gspo: the objective's defaults, recorded in the run's config)."""
     training = cfg.training
-    training.clip_low, training.clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high)
+    training.clip_low, training.clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high,
+                                                       training.loss)
     if cfg.env.tools and not cfg.env.name:  # tools alone: the tool environment runs them
         cfg.env.name = "tools"
     # every field's own range (declared on it: grpo/settings), then the choices, then what spans fields
@@ -126,6 +128,14 @@ def _training_errors(training, lora_enabled: bool, publish_every: int) -> list[s
         errors.append(f"training.importance_sampling={training.importance_sampling} needs training.num_iterations=1 "
                       "(the proximal log-probs are the trainer's first forward of the step; keeping them for later "
                       f"passes is not built); got {training.num_iterations}")
+    for key, names in (("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
+        value = getattr(training, key)
+        if value not in names and ":" not in value:  # an import path is imported at the start (grpo.run.preflight)
+            errors.append(f"training.{key} must be one of {', '.join(names)} or an import path 'module:function'; "
+                          f"got {value!r}")
+    if training.advantage_scale != "group" and training.advantage != "grpo":
+        errors.append(f"training.advantage_scale={training.advantage_scale} scales grpo's advantages; training."
+                      f"advantage={training.advantage} scales its own: leave training.advantage_scale at group")
     return errors
 
 

@@ -47,7 +47,7 @@ def _head_chunk(hidden, targets, head, temperature, with_entropy):
     logps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # [M]; no [M, V] log_softmax kept
     if not with_entropy:
         return logps, None
-    with torch.no_grad():
+    with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):  # else a metric: no graph
         entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [M]
     return logps, entropy
 
@@ -58,7 +58,7 @@ def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Mo
 
     Under grad each chunk is checkpointed: backward recomputes that chunk's logits instead of
     keeping every chunk's [chunk, V] softmax alive. Entropy is a metric (no grad); None when
-    not asked for.
+    not asked for; with_entropy="grad" makes it differentiable (an entropy bonus in the loss).
     """
     logps, entropies = [], []
     recompute = torch.is_grad_enabled() and hidden.requires_grad
@@ -201,11 +201,12 @@ def check_supported(model, cfg: Config) -> None:
 def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
                         group_sizes: Sequence[int], *, shared_prefix: bool = True, temperature: float = 1.0,
                         max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,
-                        return_entropy: bool = False):
+                        return_entropy: bool | str = False):
     """log p(c_j[t] | prompt_i, c_j[:t]) at `temperature`, one float32 tensor [C_j] per completion.
 
     prompt_ids: B unpadded int64 tensors; completion_ids: sum(group_sizes) tensors, prompt-major.
-    Differentiable when grad is enabled. With `return_entropy`, also the per-token entropies.
+    Differentiable when grad is enabled. With `return_entropy`, also the per-token entropies (a metric,
+    without grad; return_entropy="grad": differentiable too).
     """
     sizes = _check_inputs(prompt_ids, completion_ids, group_sizes)
     compute = _shared_prefix_logprobs if shared_prefix else _plain_logprobs

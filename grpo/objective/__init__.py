@@ -6,8 +6,9 @@ reference. GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean 
 ratios, s = exp(mean_t log r_t), broadcast to the tokens with the gradient flowing to every
 token. Only how the importance weight is formed differs, so it is a switch, not a second loss.
 The decoupled objective (AReaL; training.importance_sampling) clips against the trainer's own
-pre-update log-probs and weighs each token by pi_proximal / pi_behaviour. docs/objective.md has
-the worked numbers.
+pre-update log-probs and weighs each token by pi_proximal / pi_behaviour. The loss of each token is
+training.loss's (grpo/objective/losses.py: PPO's clip, CISPO, SAPO or a user's), the advantages
+training.advantage's (grpo/objective/advantages.py). docs/objective.md has the worked numbers.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from grpo.objective.losses import LossInputs, per_token_loss
 from grpo.settings import clip_range
-from grpo.settings.choices import ADVANTAGE_SCALES, AGGREGATIONS, IS_MODES, KL_ESTIMATORS
+from grpo.settings.choices import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SCALES,
+    AGGREGATIONS,
+    IS_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+)
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -50,23 +59,32 @@ class Objective:
     mask_truncated: bool = False  # completions cut at the token budget leave the loss
     advantage_scale: str = "group"
     max_completion_length: int | None = None  # dr_grpo's normaliser (None: the batch's padded length)
+    advantage: str = "grpo"  # the estimator (ADVANTAGE_ESTIMATORS) or a user's by import path
+    loss: str = "ppo_clip"  # the policy loss per token (POLICY_LOSSES) or a user's by import path
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's tau for positive, negative advantages
+    entropy_coef: float = 0.0  # the entropy bonus's weight
 
     def __post_init__(self):
         for name, options in (("level", LEVELS), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
-                              ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES)):
-            if getattr(self, name) not in options:
-                raise ValueError(f"{name} must be one of {options}; got {getattr(self, name)!r}")
+                              ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES),
+                              ("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
+            value = getattr(self, name)
+            if value not in options and not (name in ("advantage", "loss") and ":" in value):
+                raise ValueError(f"{name} must be one of {options}; got {value!r}")
 
     @classmethod
     def of(cls, cfg: Config) -> "Objective":
         training = cfg.training
-        clip_low, clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high)
+        clip_low, clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high, training.loss)
         return cls(level="sequence" if training.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,
                    beta=training.beta, kl_estimator=training.kl_estimator,
                    aggregation=training.aggregation, importance_sampling=training.importance_sampling,
                    importance_sampling_cap=training.importance_sampling_cap,
                    mask_truncated=training.mask_truncated_completions,
-                   advantage_scale=training.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens)
+                   advantage_scale=training.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens,
+                   advantage=training.advantage, loss=training.loss,
+                   sapo_temperatures=(training.sapo_temperature_pos, training.sapo_temperature_neg),
+                   entropy_coef=training.entropy_coef)
 
     @property
     def decoupled(self) -> bool:
@@ -77,7 +95,8 @@ class Objective:
         for (which tokens the loss sees, so its denominators, and the advantages' scale). The loss's
         own settings (clip, KL, aggregation, importance sampling) are the trainer's: a run resumed
         with other ones still trains on the batches made before."""
-        return {"mask_truncated": self.mask_truncated, "advantage_scale": self.advantage_scale}
+        return {"mask_truncated": self.mask_truncated, "advantage_scale": self.advantage_scale,
+                "advantage": self.advantage}
 
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""
@@ -160,23 +179,27 @@ def behaviour_weights(prox_logps, behaviour_logps, mask, *, mode: str, cap: floa
 
 
 def policy_loss(objective: Objective, logps, behaviour_logps, advantages, mask, *, ref_logps=None,
-                denominators: Denominators | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The objective's loss: logps (with grad), behaviour_logps (the sampler's), ref_logps, mask: [N, T];
-    advantages: [N]. Decoupled: clipped against this forward's own log-probs (the proximal policy:
-    num_iterations is 1) and weighed by pi_proximal / pi_behaviour; else clipped against the behaviour's."""
+                denominators: Denominators | None = None, entropy=None,
+                token_versions=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective's loss: logps (with grad), behaviour_logps (the sampler's), ref_logps, mask, entropy (with
+    grad, for the entropy bonus), token_versions: [N, T]; advantages: [N]. Decoupled: the ratio is against this
+    forward's own log-probs (the proximal policy: num_iterations is 1) and each token weighed by
+    pi_proximal / pi_behaviour; else the ratio is against the behaviour's."""
     proximal, weights = behaviour_logps, None
     if objective.decoupled:
         proximal = logps.detach()  # [N, T]
         weights = behaviour_weights(proximal, behaviour_logps, mask, mode=objective.importance_sampling,
                                     cap=objective.importance_sampling_cap, level=objective.level)  # [N, T]
     return clipped_loss(objective, logps, proximal, advantages, mask, ref_logps=ref_logps,
-                        denominators=denominators, is_weights=weights)
+                        denominators=denominators, is_weights=weights, entropy=entropy, token_versions=token_versions)
 
 
 def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, ref_logps=None,
-                 denominators: Denominators | None = None, is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate, weighed by `is_weights` [N, T] where given, plus beta * KL; logps, old_logps,
-    ref_logps, mask: [N, T]; advantages: [N]. `denominators` default to this call's own counts."""
+                 denominators: Denominators | None = None, is_weights=None, entropy=None,
+                 token_versions=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """training.loss per token, weighed by `is_weights` [N, T] where given, plus beta * KL, less
+    entropy_coef * the entropy; logps, old_logps, ref_logps, mask, entropy: [N, T]; advantages: [N].
+    `denominators` default to this call's own counts."""
     o = objective
     if o.beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
@@ -188,7 +211,7 @@ def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, re
         log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))[:, None].expand_as(log_ratio)  # [N, T]
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
     adv = advantages.to(ratio.dtype)[:, None]  # [N, 1]
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - o.clip_low, 1 + o.clip_high) * adv)  # [N, T]
+    per_token = per_token_loss(o.loss, LossInputs(logps, old_logps, ratio, adv, mask, ref_logps, token_versions, o))
     if is_weights is not None:
         per_token = per_token * is_weights  # [N, T]
     policy = aggregate(per_token, mask, o.aggregation, *counts)  # []
@@ -197,6 +220,10 @@ def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, re
     kl = None if ref_logps is None else \
         kl_per_token(torch.where(mask, ref_logps, 0.0), torch.where(mask, logps, 0.0), o.kl_estimator)  # [N, T]
     loss = policy + o.beta * aggregate(kl, mask, o.aggregation, *counts) if o.beta > 0 else policy  # []
+    if o.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the entropy (with grad)")
+        loss = loss - o.entropy_coef * aggregate(torch.where(mask, entropy, 0.0), mask, o.aggregation, *counts)
     return loss, loss_metrics(o, policy, ratio, adv, mask, kl, is_weights)
 
 

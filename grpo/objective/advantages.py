@@ -1,14 +1,17 @@
-"""Group-relative advantages (GRPO paper eq. 3, with the Dr. GRPO / batch-std variants), over the
-samples that were scored: a sample no reward could be asked about is left out of its group's mean
-and std and gets advantage 0 (no gradient from a score nobody gave it); one a reward failed on
-scores the batch's worst first (`worst_of_batch`), so that failing never pays."""
+"""Advantages from the rewards, over the samples that were scored (training.advantage): GRPO's group
+mean and std (GRPO paper eq. 3, with the Dr. GRPO / batch-std variants), RLOO's leave-one-out mean,
+REINFORCE++'s group mean with the batch's std, or a user's function. Under every one a sample no
+reward could be asked about is left out of its group's statistics and gets advantage 0 (no gradient
+from a score nobody gave it); one a reward failed on scores the batch's worst first
+(`worst_of_batch`), so that failing never pays."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from grpo.settings.choices import ADVANTAGE_ESTIMATORS
 from grpo.settings.choices import ADVANTAGE_SCALES as SCALES
 
 
@@ -48,6 +51,72 @@ def group_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *,
     if scale == "batch":
         return centred / (_std(rewards[scored]) + eps)  # [N]
     return centred  # [N]
+
+
+def rloo_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *,
+                    scored: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other scored rewards of its group
+    = n / (n - 1) * (r_i - mean(group)) over the group's n scored samples; float[N] -> float[N].
+    A group with fewer than two scored samples, or whose scored rewards are all equal, gets exactly 0."""
+    rewards, sizes, scored, group = _groups(rewards, group_sizes, scored)
+    count = torch.zeros(len(sizes)).index_add_(0, group, scored.float())  # [B]
+    centred = rewards - _group_mean(rewards, scored, group, len(sizes))[group]  # [N]
+    loo = centred * (count / (count - 1).clamp(min=1))[group]  # [N]
+    return torch.where(scored & _has_spread(rewards, scored, group, len(sizes))[group], loo, 0.0)  # [N]
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *, eps: float = 1e-4,
+                            scored: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ with the group baseline (Hu et al. 2025): each reward less its group's mean, then divided by
+    the std of those centred values over the whole batch's scored samples (their batch mean is 0: each group's
+    centred values sum to 0). float[N] -> float[N]; unscored samples and groups without spread get exactly 0."""
+    centred = group_advantages(rewards, group_sizes, scale="none", scored=scored)  # [N]
+    kept = torch.ones_like(centred, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    return centred / (_std(centred[kept]) + eps)  # [N]
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *,
+                       scored: torch.Tensor | None = None) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025): each reward less its group's mean, not divided by any std."""
+    return group_advantages(rewards, group_sizes, scale="none", scored=scored)  # [N]
+
+
+ESTIMATORS: dict[str, Callable] = {"rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages,
+                                   "dr_grpo": dr_grpo_advantages}  # and "grpo": group_advantages with its scale
+
+
+def estimate_advantages(estimator: str, rewards: torch.Tensor, group_sizes: int | Sequence[int], *,
+                        scale: str = "group", scored: torch.Tensor | None = None) -> torch.Tensor:
+    """The advantages of training.advantage=`estimator` (grpo with training.advantage_scale=`scale`),
+    float[N] -> float[N]. A user's estimator by import path is called as fn(rewards float32[N], group sizes
+    list[int], scored bool[N]) and must return N finite numbers; its unscored samples get exactly 0."""
+    if estimator == "grpo":
+        return group_advantages(rewards, group_sizes, scale=scale, scored=scored)
+    if estimator in ESTIMATORS:
+        return ESTIMATORS[estimator](rewards, group_sizes, scored=scored)
+    if ":" not in estimator:
+        raise ValueError(f"training.advantage must be one of {ADVANTAGE_ESTIMATORS} or 'module:function'; "
+                         f"got {estimator!r}")
+    from grpo.common.imports import import_object
+
+    rewards = rewards.to(torch.float32)  # [N]
+    sizes = expand_group_sizes(group_sizes, rewards.numel())
+    kept = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    found = import_object(estimator, "training.advantage")(rewards.clone(), list(sizes), kept.clone())
+    found = torch.as_tensor(found, dtype=torch.float32).reshape(-1) if found is not None else torch.empty(0)
+    if found.numel() != rewards.numel() or not bool(torch.isfinite(found).all()):
+        raise ValueError(f"training.advantage={estimator} returned {found.numel()} values "
+                         f"({'all finite' if bool(torch.isfinite(found).all()) else 'not all finite'}) for "
+                         f"{rewards.numel()} samples; it must return one finite advantage per sample")
+    return torch.where(kept, found, 0.0)  # [N]
+
+
+def _groups(rewards: torch.Tensor, group_sizes: int | Sequence[int], scored: torch.Tensor | None):
+    """(rewards float32[N], sizes, scored bool[N], each sample's group int[N])."""
+    rewards = rewards.to(torch.float32)  # [N]
+    sizes = expand_group_sizes(group_sizes, rewards.numel())
+    scored = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    return rewards, sizes, scored, torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
 
 
 def _group_mean(rewards: torch.Tensor, scored: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
@@ -93,13 +162,13 @@ def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor,
 
 def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor,
                        rewards: torch.Tensor, weights: torch.Tensor, after_worst: torch.Tensor,
-                       group_sizes: Sequence[int], scale: str, limit: float) -> str:
+                       group_sizes: Sequence[int], scale: str, limit: float, estimator: str = "grpo") -> str:
     """Why a batch's advantages do not follow from its rewards ("" when they do), the way the sampler
     makes them: each total is its weighted rewards (float[N, R] @ weights float[R]), except that a
     failed (`worst`) sample's part before the `after_worst` columns (the overlong penalty) is at most
     every honest total of its group (the batch's lowest honest one); that part is within `limit`
     (what the sampler lets a total reach); an unscored sample has advantage 0; and the advantages
-    are group_advantages(totals) under `scale`. Every comparison fails on NaN."""
+    are `estimator`'s of the totals (grpo's under `scale`). Every comparison fails on NaN."""
     penalty = rewards.double()[:, after_worst] @ weights.double()[after_worst]  # [N]
     weighted = rewards.double()[:, ~after_worst] @ weights.double()[~after_worst]  # [N]
     base = totals.double() - penalty  # [N]: the total before the columns added after the worst
@@ -128,10 +197,11 @@ def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: t
     if unscored.any():
         i = int(unscored.nonzero()[0])
         return f"sample {i} was not scored but has advantage {float(advantages[i]):.9g}"
-    expected = group_advantages(totals, sizes, scale=scale, scored=scored)  # [N]
+    expected = estimate_advantages(estimator, totals, sizes, scale=scale, scored=scored)  # [N]
     off = ~((advantages - expected).abs() <= 1e-4 * expected.abs().clamp(min=1.0))  # [N]
     if off.any():
         i = int(off.nonzero()[0])
-        return (f"sample {i}'s advantage {float(advantages[i]):.9g} is not the {scale}-scaled one of its totals "
+        how = f"{scale}-scaled grpo" if estimator == "grpo" else estimator
+        return (f"sample {i}'s advantage {float(advantages[i]):.9g} is not the {how} one of its totals "
                 f"({float(expected[i]):.9g})")
     return ""

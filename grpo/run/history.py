@@ -60,8 +60,8 @@ REFUSED = {
 }
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
 # and what the trainer recomputes every batch's advantages with (grpo/trainer/advantage_check.py)
-for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.advantage_scale", "rewards.names",
-             "rewards.weights", "rewards.overlong_buffer", "rewards.overlong_penalty"):
+for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.advantage_scale", "training.advantage",
+             "rewards.names", "rewards.weights", "rewards.overlong_buffer", "rewards.overlong_penalty"):
     if _key not in REFUSED and not any(_key.startswith(name) for name in REFUSED if name.endswith(".")):
         REFUSED[_key] = SPOOLED
 
@@ -78,7 +78,8 @@ ALLOWED = (
     "training.min_lr_ratio", "training.weight_decay", "training.max_grad_norm", "training.max_bad_steps",
     "training.beta", "training.reference_on", "training.kl_estimator", "training.clip_low", "training.clip_high",
     "training.aggregation", "training.num_iterations", "training.max_tokens_per_micro_batch",
-    "training.importance_sampling", "training.importance_sampling_cap", "training.max_token_age",
+    "training.importance_sampling", "training.importance_sampling_cap", "training.max_token_age", "training.loss",
+    "training.sapo_temperature_pos", "training.sapo_temperature_neg", "training.entropy_coef",
     "training.shared_prefix", "training.verify_shared_prefix", "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
 )

@@ -87,7 +87,21 @@ def named_code_problems(cfg: Config) -> list[str]:
     config with it (`parse_cli(..., checks=[named_code_problems])`), so that a mistake stops at the
     start, reported with the config's other problems, never at the first step."""
     return [*_data_problems(cfg.data), *_model_problems(cfg.model.chat_template), *_reward_problems(cfg),
-            *_environment_problems(cfg.env)]
+            *_environment_problems(cfg.env), *_objective_problems(cfg.training)]
+
+
+def _objective_problems(training) -> list[str]:
+    """A user's advantage estimator or policy loss (training.advantage, training.loss), imported now."""
+    from grpo.common.imports import ImportPathError, import_object, is_import_path
+
+    problems = []
+    for key in ("advantage", "loss"):
+        if is_import_path(getattr(training, key)):
+            try:
+                import_object(getattr(training, key), f"training.{key}")
+            except ImportPathError as e:
+                problems.append(str(e))
+    return problems
 
 
 def _data_problems(data) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
-from grpo.objective.advantages import group_advantages, worst_of_batch
+from grpo.objective.advantages import estimate_advantages, worst_of_batch
 from grpo.rewards import RewardScores, score_completions
 from grpo.rewards.overlong import NAME as OVERLONG
 from grpo.rewards.overlong import overlong_penalty, reward_columns
@@ -280,8 +280,8 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, policy.objective
     # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
     # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
-    advantages = group_advantages(scores.total, cfg.sampling.group_size, scale=objective.advantage_scale,
-                                  scored=scores.scored)
+    advantages = estimate_advantages(objective.advantage, scores.total, cfg.sampling.group_size,
+                                     scale=objective.advantage_scale, scored=scores.scored)
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()

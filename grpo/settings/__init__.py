@@ -50,12 +50,14 @@ SHIPPED_CHAT_TEMPLATES = ("chatml-tools",)  # model.chat_template's names beside
 ALL_LINEAR = "all-linear"  # lora.target_modules: PEFT's name for every linear layer but the output head
 
 CLIP_DEFAULTS = {"token": (0.2, 0.2),  # GRPO / PPO paper default epsilon
-                 "sequence": (3e-4, 4e-4)}  # GSPO paper: sequence ratios live much closer to 1
+                 "sequence": (3e-4, 4e-4),  # GSPO paper: sequence ratios live much closer to 1
+                 "cispo": (1.0, 4.0)}  # CISPO: no lower bound, the weight capped at 5 (TRL's ScaleRL recipe)
 
 
-def clip_range(use_gspo: bool, clip_low: float | None, clip_high: float | None) -> tuple[float, float]:
-    """(clip_low, clip_high), the level's defaults where not given."""
-    low, high = CLIP_DEFAULTS["sequence" if use_gspo else "token"]
+def clip_range(use_gspo: bool, clip_low: float | None, clip_high: float | None,
+               loss: str = "ppo_clip") -> tuple[float, float]:
+    """(clip_low, clip_high), the loss's or the level's defaults where not given."""
+    low, high = CLIP_DEFAULTS["cispo" if loss == "cispo" else "sequence" if use_gspo else "token"]
     return low if clip_low is None else clip_low, high if clip_high is None else clip_high
 
 
@@ -221,13 +223,24 @@ class TrainingConfig:
     reference_on: str = setting("trainer", "Which process computes the reference log-probs (adapter off): 'sampler' "
         "(before sending) or 'trainer' (no grad, per micro-batch; LoRA only).", choices=("sampler", "trainer"))
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=KL_ESTIMATORS)
-    clip_low: Optional[float] = setting(None, "Lower clip epsilon. Default 0.2 (GRPO) or 3e-4 (GSPO).",
-        bound="in [0, 1)")
-    clip_high: Optional[float] = setting(None, "Upper clip epsilon. Default 0.2 (GRPO) or 4e-4 (GSPO).", bound=">= 0")
+    clip_low: Optional[float] = setting(None, "Lower clip epsilon: the ratio is kept >= 1 - clip_low. Default 0.2 "
+        "(GRPO), 3e-4 (GSPO), 1 (cispo: no lower bound).", bound="in [0, 1]")
+    clip_high: Optional[float] = setting(None, "Upper clip epsilon: the ratio is kept <= 1 + clip_high. Default 0.2 "
+        "(GRPO), 4e-4 (GSPO), 4 (cispo).", bound=">= 0")
+    advantage: str = setting("grpo", "Advantage estimator: grpo, rloo, reinforce_pp, dr_grpo, or your own as "
+        "'module:function' (docs/objective.md).")
+    loss: str = setting("ppo_clip", "Policy loss per token: ppo_clip, cispo, sapo, or your own as 'module:function' "
+        "(docs/objective.md).")
+    sapo_temperature_pos: float = setting(1.0, "training.loss=sapo: the soft gate's temperature for tokens with a "
+        "positive advantage.", bound="> 0")
+    sapo_temperature_neg: float = setting(1.05, "training.loss=sapo: the soft gate's temperature for tokens with a "
+        "negative advantage.", bound="> 0")
+    entropy_coef: float = setting(0.0, "Entropy bonus: the loss less this times the policy's mean token entropy "
+        "(computed in the same forward). 0 = off.", bound=">= 0")
     aggregation: str = setting("grpo", "Loss aggregation: grpo (per-sequence mean), dapo (token mean), dr_grpo "
         "(constant).", choices=AGGREGATIONS)
-    advantage_scale: str = setting("group", "Advantage normalisation: group std, batch std, or none.",
-        choices=ADVANTAGE_SCALES)
+    advantage_scale: str = setting("group", "training.advantage=grpo: divide by the group's std, the batch's std, or "
+        "none (none is dr_grpo).", choices=ADVANTAGE_SCALES)
     num_iterations: int = setting(1, "Optimizer passes over each batch (mu in the GRPO paper).", bound=">= 1")
     max_tokens_per_micro_batch: int = setting(2048, "Token budget of one packed micro-batch in the trainer (a bigger "
         "group gets one to itself); activation memory scales with it.", bound=">= 1")

@@ -3,7 +3,9 @@ module that implements each choice imports its list from here."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")  # training.kl_estimator
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")  # training.aggregation
-ADVANTAGE_SCALES = ("group", "batch", "none")  # training.advantage_scale
+ADVANTAGE_SCALES = ("group", "batch", "none")  # training.advantage_scale (grpo's)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo")  # training.advantage, or an import path
+POLICY_LOSSES = ("ppo_clip", "cispo", "sapo")  # training.loss, or an import path
 # training.importance_sampling
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCHEDULES = ("constant", "linear", "cosine")  # training.lr_schedule

@@ -9,8 +9,10 @@ GPU_PLACEMENT = ("grpo train places the processes on the GPUs it sees (CUDA_VISI
                  "launch.trainer_ranks sets how many of them train, the rest sample")
 NODES = ("grpo train runs one node; across nodes start the trainer with deepspeed --hostfile and "
          "each sampler on its host (docs/running.md)")
-NO_ENTROPY = "the loss has no entropy bonus (the entropy is logged as entropy)"
-ADVANTAGES = "advantages are group-relative (GRPO); training.advantage_scale sets their scale (group, batch, none)"
+NO_ENTROPY = "training.entropy_coef (the entropy bonus's weight; the entropy is logged as entropy)"
+ADVANTAGES = ("training.advantage (grpo, rloo, reinforce_pp: REINFORCE++ with the group baseline, dr_grpo, or "
+              "'module:function'); grpo's scale is training.advantage_scale (group, batch, none)")
+POLICY_LOSS = "training.loss (ppo_clip, cispo, sapo, or 'module:function'); training.use_gspo=true for gspo"
 BOTH_CLIPS = "training.clip_low and training.clip_high (set separately)"
 RUN_FOLDER = "run.dir (checkpoints go to <run.dir>/checkpoints, weights to <run.dir>/weights)"
 EXPORT = ("grpo export runs/<name> --out DIR writes the trained model (the run keeps its weights in "
@@ -59,7 +61,7 @@ FOREIGN_KEYS = {
     "actor_rollout_ref.actor.clip_ratio_high": "training.clip_high",
     "actor_rollout_ref.actor.loss_agg_mode": "training.aggregation (token-mean: dapo, seq-mean-token-mean: grpo, "
                                              "seq-mean-token-sum-norm: dr_grpo)",
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "training.use_gspo (true: veRL's gspo)",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSS,
     "actor_rollout_ref.actor.use_kl_loss": "training.beta (0 turns the KL term off)",
     "actor_rollout_ref.actor.kl_loss_coef": "training.beta",
     "actor_rollout_ref.actor.kl_loss_type": "training.kl_estimator (k1, k2, k3; veRL's low_var_kl is k3)",
@@ -117,7 +119,7 @@ FOREIGN_KEYS = {
     "actor.model_name_or_path": "model.name_or_path",
     "actor.eps_clip": BOTH_CLIPS,
     "actor.eps_clip_low_high": BOTH_CLIPS,
-    "actor.policy_loss_type": "training.use_gspo (true: OpenRLHF's gspo)",
+    "actor.policy_loss_type": POLICY_LOSS,
     "actor.gradient_checkpointing_enable": "model.gradient_checkpointing",
     "actor.entropy_coef": NO_ENTROPY,
     "actor.num_gpus_per_node": GPU_PLACEMENT,
@@ -197,8 +199,8 @@ FOREIGN_NAMES = {
     "epsilon": "training.clip_low", "epsilon_low": "training.clip_low", "epsilon_high": "training.clip_high",
     "eps_clip": BOTH_CLIPS, "eps_clip_low_high": BOTH_CLIPS, "clip_ratio": BOTH_CLIPS,
     "clip_ratio_low": "training.clip_low", "clip_ratio_high": "training.clip_high", "cliprange": BOTH_CLIPS,
-    "loss_type": "training.aggregation (grpo, dapo, dr_grpo)", "loss_agg_mode": "training.aggregation",
-    "policy_loss_type": "training.use_gspo (true: gspo)",
+    "loss_type": "training.aggregation (grpo, dapo, dr_grpo), training.loss (cispo, sapo)",
+    "loss_agg_mode": "training.aggregation", "policy_loss_type": POLICY_LOSS,
     "use_vllm": "sampling.engine=vllm", "vllm_mode": "sampling.engine",
     "gpu_memory_utilization": "sampling.vllm.gpu_memory_utilization",
     "vllm_num_engines": "sampling.num_workers (one engine per sampler, with sampling.engine=vllm)",

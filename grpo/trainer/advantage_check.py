@@ -22,7 +22,7 @@ def check_advantages(batch: RolloutBatch, cfg: Config) -> None:
     (rewards.names, then the overlong penalty when it is on, recomputed here from the completions'
     lengths), its totals those columns weighted by rewards.weights (the penalty with weight 1, added
     after a failed sample takes the batch's worst: grpo/sampler/batches.py), and its advantages those
-    totals' under training.advantage_scale (grpo.objective.advantages.advantages_problem). The trainer
+    totals' under training.advantage (grpo.objective.advantages.advantages_problem). The trainer
     trains on nothing else."""
     where = f"sampler {batch.sampler} step {batch.step}"
     rewards = cfg.rewards
@@ -32,14 +32,16 @@ def check_advantages(batch: RolloutBatch, cfg: Config) -> None:
                                 "nothing was trained with it. Start the sampler with the same rewards.names and "
                                 "rewards.overlong_buffer.")
     problem = overlong_problem(batch, cfg) if rewards.overlong_buffer > 0 else ""
-    scale = cfg.training.advantage_scale
+    training = cfg.training
     problem = problem or advantages_problem(
         batch.advantages, batch.totals, batch.scored, batch.worst, batch.rewards,
         torch.tensor(weights, dtype=torch.float64), torch.tensor([name == OVERLONG for name in names]),
-        batch.group_sizes, scale, REWARD_LIMIT)
+        batch.group_sizes, training.advantage_scale, REWARD_LIMIT, training.advantage)
     if problem:
+        estimator = training.advantage if training.advantage != "grpo" else \
+            f"grpo, training.advantage_scale={training.advantage_scale}"
         raise BehaviourMismatch(f"{where}'s advantages do not follow from its rewards under this run's "
-                                f"rewards.weights and training.advantage_scale={scale}: {problem}. "
+                                f"rewards.weights and training.advantage={estimator}: {problem}. "
                                 "Nothing was trained with it.")
 
 

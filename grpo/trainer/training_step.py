@@ -61,7 +61,7 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     training, objective = cfg.training, objective or Objective.of(cfg)
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                            shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
-                                           return_entropy=True,
+                                           return_entropy="grad" if objective.entropy_coef > 0 else True,
                                            max_tokens_per_forward=training.max_tokens_per_micro_batch)
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
@@ -74,11 +74,13 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     mask = loss_mask(objective, mask, mb.truncated.to(device), model_mask)
     counts = denominators or denominators_of(mb, objective)
     denominators = Denominators(max(1, counts.sequences), max(1, counts.tokens), counts.completions)
+    entropy = pad_right(entropies)[0]  # [n, T], with grad for the entropy bonus
+    versions = pad_right([v.to(device) for v in mb.token_versions], value=-1)[0] \
+        if mb.token_versions is not None else None
     loss, metrics = policy_loss(objective, new, old, mb.advantages.to(device), mask, ref_logps=ref,
-                                denominators=denominators)
+                                denominators=denominators, entropy=entropy, token_versions=versions)
     tokens = int(mask.sum())
-    entropy = pad_right(entropies)[0]
-    metrics["entropy"] = (entropy[mask].sum() / max(tokens, 1)).item()
+    metrics["entropy"] = (entropy.detach()[mask].sum() / max(tokens, 1)).item()
     metrics["loss"] = loss.item()
     if first_pass and mb.old_logps is not None:
         metrics.update(mismatch_metrics(new.detach(), old, mask))

@@ -88,15 +88,31 @@ def main(argv: list[str]) -> int:
     name = "sampler" if cfg.sampling.num_workers == 1 else f"sampler{sampler}"
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a silent start
-    try:  # a run folder, model or data that cannot be had: one line, no traceback
-        run_dir = ensure_writable(cfg.run_dir)
-        policy, sources = load_policy_and_prompts(cfg)
-        prompts = [prompt for source in sources for prompt in source]  # one table; a mixture's cursor knows where
-        eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
-        start_services(cfg.rewards.names, policy.services)
-    except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError, RewardModelError) as e:
-        log.error("%s", e)
-        return 2
+    policy = None
+    try:
+        try:  # a run folder, model or data that cannot be had: one line, no traceback
+            run_dir = ensure_writable(cfg.run_dir)
+            policy, sources = load_policy_and_prompts(cfg)
+            prompts = [prompt for source in sources for prompt in source]  # one table; a mixture's cursor knows where
+            eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
+            start_services(cfg.rewards.names, policy.services)
+        except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError,
+                RewardModelError) as e:
+            log.error("%s", e)
+            return 2
+        return sample(cfg, run_dir, policy, sources, prompts, eval_prompts)
+    finally:  # every way out, the final evaluation's scoring included, before the jails go
+        if policy is not None and policy.sandbox is not None:
+            policy.sandbox.close()
+        if policy is not None and policy.episodes is not None:
+            policy.episodes.pool.close()
+
+
+def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], prompts: list,
+           eval_prompts: list | None) -> int:
+    """This sampler's steps, from where the run stands to its last, then the final evaluation (sampler 0
+    with eval.every): the exit code."""
+    sampler = cfg.sampling.worker_index
     try:  # before this sampler writes anything, as the trainer does
         changed = refuse_a_changed_resume(cfg)
     except ResumeRefused as e:
@@ -120,7 +136,6 @@ def main(argv: list[str]) -> int:
                          send_timeout_s=cfg.transport.send_timeout_s, secret=run_secret(cfg.transport.secret, run_dir))
     redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
                             sender.signature_problem)
-    sandbox = policy.sandbox
     evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
 
     end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
@@ -136,10 +151,6 @@ def main(argv: list[str]) -> int:
         log.error("%s", e)
         return 2
 
-    if sandbox is not None:
-        sandbox.close()
-    if policy.episodes is not None:
-        policy.episodes.pool.close()
     redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
     if evaluator is not None:
         evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)

@@ -389,3 +389,33 @@ def test_the_trainers_check_recomputes_with_the_runs_estimator():
     # grpo's: (1 - 3) / (sqrt(7) + 1e-4) = -0.755900443, where rloo's is 1 - (2 + 6) / 2 = -3
     assert check(group_advantages(totals, [3, 2])) == ("sample 0's advantage -0.755900443 is not the rloo one of its "
                                                        "totals (-3)")
+
+
+def with_a_graph(rewards, sizes, scored):
+    """A user's estimator whose result still carries autograd's graph."""
+    return group_advantages(rewards, sizes, scored=scored) * torch.ones((), requires_grad=True)
+
+
+def test_a_users_estimators_result_is_taken_as_plain_numbers():
+    from grpo.objective.advantages import estimate_advantages
+
+    adv = estimate_advantages("tests/test_advantages.py:with_a_graph", torch.tensor([1.0, 3.0]), [2])
+    assert not adv.requires_grad and adv.dtype == torch.float32 and adv.tolist() == pytest.approx([-0.70706, 0.70706],
+                                                                                                  rel=1e-4)
+
+
+def test_small_unnormalised_advantages_cannot_be_forged_and_zeros_are_exact():
+    """dr_grpo keeps the rewards' scale: with rewards of 1e-4 the check still names sign-flipped advantages,
+    and a group without spread must have exactly 0."""
+    from grpo.objective.advantages import estimate_advantages
+
+    totals = torch.tensor([0.0, 8e-5, 1.0, 1.0])
+    rewards, weights = totals[:, None], torch.tensor([1.0], dtype=torch.float64)
+    scored, worst, after = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool), torch.tensor([False])
+    check = lambda adv: advantages_problem(adv, totals, scored, worst, rewards, weights, after, [2, 2], "group",  # noqa: E731
+                                           100.0, "dr_grpo")
+    honest = estimate_advantages("dr_grpo", totals, [2, 2])
+    assert check(honest) == "" and honest.tolist()[2:] == [0.0, 0.0]
+    assert check(torch.tensor([4e-5, -4e-5, 0.0, 0.0])) == ("sample 0's advantage 3.9999999e-05 is not the dr_grpo "
+                                                             "one of its totals (-3.9999999e-05)")
+    assert check(torch.tensor([*honest.tolist()[:2], 1e-7, 0.0])).startswith("sample 2's advantage 1.00000001e-07")

@@ -655,3 +655,36 @@ def test_the_trainers_entropy_bonus_is_the_plain_forwards_entropy_with_its_gradi
     torch.testing.assert_close(with_bonus, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(bonus_grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def detached(x):
+    return my_ppo_clip(x).detach()
+
+
+def as_integers(x):
+    return my_ppo_clip(x).round().long()
+
+
+def scales_the_advantages(x):
+    x.advantages.mul_(10)  # a loss that writes into what it was given
+    return my_ppo_clip(x)
+
+
+def test_a_users_loss_without_the_log_probs_gradient_is_named_and_cannot_change_the_advantages():
+    logps, old, adv, mask, _ = random_batch(seed=6)
+    for name, words in (("detached", "torch.float32 tensor on cpu without a gradient"),
+                        ("as_integers", "torch.int64 tensor on cpu without a gradient")):
+        with pytest.raises(ValueError, match=rf"training.loss=tests/test_losses.py:{name} returned a {words}; it "):
+            policy_loss(logps, old, adv, mask, loss=f"tests/test_losses.py:{name}")
+    before = adv.clone()
+    theirs, _ = policy_loss(logps, old, adv, mask, loss="tests/test_losses.py:scales_the_advantages")
+    assert adv.tolist() == before.tolist()
+    torch.testing.assert_close(theirs, policy_loss(logps, old, adv * 10, mask)[0])
+
+
+def test_grpos_batches_record_no_estimator_so_batches_spooled_before_still_match():
+    from grpo.config import load_config
+
+    assert Objective.of(load_config(None, [])).header() == {"mask_truncated": False, "advantage_scale": "group"}
+    assert Objective.of(load_config(None, ["training.advantage=rloo"])).header() == \
+        {"mask_truncated": False, "advantage_scale": "group", "advantage": "rloo"}

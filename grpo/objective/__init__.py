@@ -95,8 +95,9 @@ class Objective:
         for (which tokens the loss sees, so its denominators, and the advantages' scale). The loss's
         own settings (clip, KL, aggregation, importance sampling) are the trainer's: a run resumed
         with other ones still trains on the batches made before."""
-        return {"mask_truncated": self.mask_truncated, "advantage_scale": self.advantage_scale,
-                "advantage": self.advantage}
+        header = {"mask_truncated": self.mask_truncated, "advantage_scale": self.advantage_scale}
+        # grpo's batches record no estimator: those spooled before the choice existed still match
+        return header if self.advantage == "grpo" else {**header, "advantage": self.advantage}
 
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""

@@ -64,9 +64,15 @@ def per_token_loss(name: str, inputs: LossInputs) -> torch.Tensor:
         return LOSSES[name](inputs)
     from grpo.common.imports import import_object
 
-    found = import_object(name, "training.loss")(inputs)
+    found = import_object(name, "training.loss")(inputs._replace(advantages=inputs.advantages.clone()))
     if not isinstance(found, torch.Tensor) or found.shape != inputs.logps.shape:
         shape = tuple(found.shape) if isinstance(found, torch.Tensor) else type(found).__name__
         raise ValueError(f"training.loss={name} returned {shape}; it must return the loss of every token, a tensor "
                          f"of the log-probs' shape {tuple(inputs.logps.shape)}")
+    if not found.is_floating_point() or found.device != inputs.logps.device or \
+            (inputs.logps.requires_grad and not found.requires_grad):
+        raise ValueError(f"training.loss={name} returned a {found.dtype} tensor on {found.device}"
+                         f"{' without a gradient' if not found.requires_grad else ''}; it must return floats on the "
+                         f"log-probs' device ({inputs.logps.device}) computed from them (logps or ratio), so that "
+                         "the loss has their gradient")
     return found  # [N, T]

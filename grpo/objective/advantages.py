@@ -40,10 +40,7 @@ def group_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[int], *,
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}; got {scale!r}")
-    rewards = rewards.to(torch.float32)  # [N]
-    sizes = expand_group_sizes(group_sizes, rewards.numel())
-    scored = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]
-    group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # [N] each sample's group
+    rewards, sizes, scored, group = _groups(rewards, group_sizes, scored)
     centred = rewards - _group_mean(rewards, scored, group, len(sizes))[group]  # [N]
     centred = torch.where(scored & _has_spread(rewards, scored, group, len(sizes))[group], centred, 0.0)  # [N]
     if scale == "group":
@@ -71,7 +68,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_sizes: int | Sequence[i
     the std of those centred values over the whole batch's scored samples (their batch mean is 0: each group's
     centred values sum to 0). float[N] -> float[N]; unscored samples and groups without spread get exactly 0."""
     centred = group_advantages(rewards, group_sizes, scale="none", scored=scored)  # [N]
-    kept = torch.ones_like(centred, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    kept = _groups(rewards, group_sizes, scored)[2]  # [N]
     return centred / (_std(centred[kept]) + eps)  # [N]
 
 
@@ -99,9 +96,7 @@ def estimate_advantages(estimator: str, rewards: torch.Tensor, group_sizes: int 
                          f"got {estimator!r}")
     from grpo.common.imports import import_object
 
-    rewards = rewards.to(torch.float32)  # [N]
-    sizes = expand_group_sizes(group_sizes, rewards.numel())
-    kept = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]
+    rewards, sizes, kept, _ = _groups(rewards, group_sizes, scored)
     found = import_object(estimator, "training.advantage")(rewards.clone(), list(sizes), kept.clone())
     found = torch.as_tensor(found).detach().to("cpu", torch.float32).reshape(-1) if found is not None \
         else torch.empty(0)
@@ -113,7 +108,7 @@ def estimate_advantages(estimator: str, rewards: torch.Tensor, group_sizes: int 
 
 
 def _groups(rewards: torch.Tensor, group_sizes: int | Sequence[int], scored: torch.Tensor | None):
-    """(rewards float32[N], sizes, scored bool[N], each sample's group int[N])."""
+    """(rewards float32[N], the group sizes as a list, scored bool[N] (all when None), each sample's group int[N])."""
     rewards = rewards.to(torch.float32)  # [N]
     sizes = expand_group_sizes(group_sizes, rewards.numel())
     scored = torch.ones_like(rewards, dtype=torch.bool) if scored is None else scored.bool()  # [N]

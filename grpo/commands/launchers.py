@@ -3,8 +3,7 @@
 A launcher is a module with `take_options(argv)` -> (its own options, the rest of argv: --config and
 key=value), `launch(options, cfg, args, dry_run)` -> the exit code, FLAGS (the options it takes) and
 OPTIONS_HELP (its lines in `grpo train --help`). `grpo train --<name>` picks one; with none named the
-run starts here. A new one (a Kubernetes Job, say) is its module and one
-line in LAUNCHERS.
+run starts here. A new one (a Kubernetes Job, say) is its module and one line in LAUNCHERS.
 """
 
 from __future__ import annotations

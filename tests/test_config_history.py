@@ -158,6 +158,11 @@ def test_every_key_is_refused_allowed_or_set_by_each_launch():
     assert refused_changes({"lora.r": (16, 8)}, cfg, cfg) == {"lora.r": "the checkpoint's LoRA adapter"}
     assert set(REFUSED) & set(ALLOWED) == set()
     assert allowed_line({"training.steps": (200, 400)}) == "resuming with changed settings: training.steps 200 -> 400"
+    # a run's config.yaml holds the clip range its first start resolved: a switch of loss says so
+    assert allowed_line({"training.loss": ("ppo_clip", "cispo")}) == (
+        "resuming with changed settings: training.loss ppo_clip -> cispo (the clip range is training.clip_low/"
+        "clip_high as this start has them: a loss's own defaults (cispo: 1, 4) apply only where they are unset, not "
+        "over a run's config.yaml)")
 
 
 # ----------------------------------------------------------------------------- a start that trained nothing

@@ -83,7 +83,9 @@ ALLOWED = (
     "training.shared_prefix", "training.verify_shared_prefix", "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
 )
-NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak"}
+NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak",
+         "training.loss": "the clip range is training.clip_low/clip_high as this start has them: a loss's own "
+                          "defaults (cispo: 1, 4) apply only where they are unset, not over a run's config.yaml"}
 SECRETS = ("transport.secret",)
 SHOWN_CHARS = 60  # a longer value (a system prompt) is cut in messages
 

@@ -54,3 +54,14 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("rewards", "advantages", "truncated", "totals", "scored", "worst"):
         x, y = getattr(a, name), getattr(b, name)
         assert torch.equal(x, y) and x.dtype == y.dtype, name
+
+
+def command_line(process) -> str:
+    """A psutil.Process's command line, "" for one that has exited (a zombie not yet reaped, or gone):
+    a run's tree always holds a jail's short-lived calls."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return ""

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 from conftest import PROCESS_CONFIG, REPO
-from helpers import closed_pipe, free_tcp_address
+from helpers import closed_pipe, command_line, free_tcp_address
 
 from grpo.commands.local import (  # noqa: E402
     EXIT_SAMPLER_FAILED,
@@ -349,8 +349,8 @@ def test_killed_sampler_stops_the_trainer_and_fails_the_launch(tmp_path, digit_m
             if line.startswith("step 1/500"):
                 break
         children = psutil.Process(proc.pid).children(recursive=True)
-        sampler = next(p for p in children if "grpo.workers.sampler" in p.cmdline())
-        trainers = [p for p in children if "grpo.workers.trainer" in p.cmdline()]
+        sampler = next(p for p in children if "grpo.workers.sampler" in command_line(p))
+        trainers = [p for p in children if "grpo.workers.trainer" in command_line(p)]
         for worker in (sampler, *trainers):  # the venv's tools first, whatever the shell's PATH holds
             assert worker.environ()["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
         os.kill(sampler.pid, signal.SIGKILL)

@@ -20,6 +20,7 @@ import uuid
 import psutil
 import pytest
 from conftest import REPO
+from helpers import command_line
 
 from grpo.common.child import ChildFailed
 from grpo.common.jail import Jail, JailLimits
@@ -374,7 +375,7 @@ def test_the_jail_ends_when_the_sampler_is_killed(tmp_path):
     try:
         assert json.loads(sampler.stdout.readline()) == [["ok\n"], None]
         family = psutil.Process(sampler.pid).children(recursive=True)
-        assert any("grpo.common.jail" in " ".join(p.cmdline()) for p in family)
+        assert any("grpo.common.jail" in command_line(p) for p in family)
         sampler.kill()
         sampler.wait()
         gone, alive = psutil.wait_procs(family, timeout=10)

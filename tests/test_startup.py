@@ -12,6 +12,7 @@ import sys
 import time
 
 import psutil
+from helpers import command_line
 from test_launch import launch
 
 from grpo.commands.local import EXIT_SAMPLER_FAILED
@@ -180,7 +181,7 @@ def test_a_kill_9_at_start_up_then_the_same_command_finishes_the_run(tmp_path, d
         try:
             wait_for_line(run / log, moment, skip=len(before))
             target = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                          if victim in " ".join(p.cmdline()))
+                          if victim in command_line(p))
             target.kill()
             out, _ = proc.communicate(timeout=180)
         finally:

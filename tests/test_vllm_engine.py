@@ -502,11 +502,13 @@ def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.parametrize("training", [["lora.r=8"], ["lora.enabled=false", "training.reference_on=sampler"]],
-                         ids=["lora", "full"])
+@pytest.mark.parametrize("training", [["lora.r=8", "distill.teacher=smollm2-135m-instruct"],
+                                      ["lora.enabled=false", "training.reference_on=sampler"]],
+                         ids=["lora-teacher", "full"])
 def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
     """LoRA adapters swapped in, or the full weights reloaded in place (collective_rpc reload_weights)
-    between the two steps."""
+    between the two steps. With a teacher that is the starting model: the first step's completions are the
+    teacher's own, and the reverse KL is the engine/trainer gap alone."""
     from test_launch import launch
 
     shutil.rmtree(tmp_path, ignore_errors=True)
@@ -518,6 +520,8 @@ def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["staleness"] == 0 and r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
+    if "distill.teacher=smollm2-135m-instruct" in training:
+        assert abs(rows[0]["distill/reverse_kl"]) < 1e-3, rows
 
 
 @needs_vllm

@@ -63,7 +63,16 @@ def validate(cfg: Config, problems: list[str] = (), checks: Sequence[Callable[[C
 def _value_errors(cfg: Config) -> list[str]:
     publish_every, lora = cfg.weights.publish_every, cfg.lora.enabled
     return (_sampling_errors(cfg.sampling, publish_every, lora) + _data_errors(cfg.data)
-            + _training_errors(cfg.training, lora, publish_every) + _model_errors(cfg))
+            + _training_errors(cfg.training, lora, publish_every) + _model_errors(cfg) + _distill_errors(cfg))
+
+
+def _distill_errors(cfg: Config) -> list[str]:
+    distill = cfg.distill
+    if distill.teacher and cfg.sampling.dynamic_sampling and not distill.with_rewards:
+        return ["sampling.dynamic_sampling drops the groups whose rewards are all equal, but with distill.teacher "
+                "and distill.with_rewards=false the rewards do not enter the advantages (every group has the "
+                "teacher's signal); turn one of them off"]
+    return []
 
 
 def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[str]:

@@ -3,6 +3,7 @@ files come from, the embedded model's conversion: grpo/common/model_files.py).""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -71,6 +72,38 @@ def load_model(model_cfg, device: str | torch.device = "cpu"):
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def load_teacher(cfg: Config, tokenizer, device: str | torch.device = "cpu"):
+    """distill.teacher's model (eval mode, in the sampler's dtype), refused unless its tokenizer is the
+    model's: the teacher scores the model's token ids, which must mean the same text to both."""
+    teacher_cfg = dataclasses.replace(cfg.model, name_or_path=cfg.distill.teacher, gradient_checkpointing=False,
+                                      dtype=cfg.sampler_dtype, chat_template=None)
+    problem = tokenizer_difference(tokenizer, load_tokenizer(teacher_cfg))
+    if problem:
+        raise ModelError(f"distill.teacher={cfg.distill.teacher} does not share the tokenizer of "
+                         f"model.name_or_path={cfg.model.name_or_path}: {problem}. The teacher scores the model's "
+                         "tokens, so both need one tokenizer (a teacher of the same family, e.g. Qwen3-8B for "
+                         "Qwen3-0.6B).")
+    teacher = load_model(teacher_cfg, device).eval()
+    if teacher.config.vocab_size < len(tokenizer):
+        raise ModelError(f"distill.teacher={cfg.distill.teacher} has {teacher.config.vocab_size} output tokens, "
+                         f"fewer than the tokenizer's {len(tokenizer)}")
+    return teacher
+
+
+def tokenizer_difference(student, teacher) -> str:
+    """Where two tokenizers differ on what the ids mean ("" nowhere): the vocabulary and EOS."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if a != b:
+        if len(a) != len(b):
+            return f"its vocabulary has {len(b)} tokens, the model's {len(a)}"
+        token = min((t for t in a.keys() ^ b.keys() | {t for t in a.keys() & b.keys() if a[t] != b[t]}),
+                    key=lambda t: a.get(t, b.get(t)))
+        return f"token {token!r} is id {b.get(token)} in it, {a.get(token)} in the model's"
+    if student.eos_token_id != teacher.eos_token_id:
+        return f"its end-of-sequence id is {teacher.eos_token_id}, the model's {student.eos_token_id}"
+    return ""
 
 
 def disable_dropout(model) -> None:

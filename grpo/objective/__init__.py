@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from grpo.objective.distillation import reverse_kl, token_advantages
 from grpo.objective.losses import LossInputs, per_token_loss
 from grpo.settings import clip_range
 from grpo.settings.choices import (
@@ -42,6 +43,7 @@ LOSS_METRICS = ("loss", "policy_loss", "entropy", "clip_ratio/low_mean", "clip_r
                 "clip_ratio/region_mean", "ratio/mean")
 KL_METRICS = ("kl",)  # with beta > 0
 IS_METRICS = ("importance_sampling/weight_mean", "importance_sampling/zero_fraction")  # decoupled only
+DISTILL_METRICS = ("distill/reverse_kl",)  # with a teacher
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Objective:
     loss: str = "ppo_clip"  # the policy loss per token (POLICY_LOSSES) or a user's by import path
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # SAPO's tau for positive, negative advantages
     entropy_coef: float = 0.0  # the entropy bonus's weight
+    distill_coef: float = 0.0  # the teacher's per-token signal's weight (0: no teacher)
+    distill_with_rewards: bool = False  # with a teacher: the rewards' advantage added to its signal
 
     def __post_init__(self):
         for name, options in (("level", LEVELS), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
@@ -84,7 +88,9 @@ class Objective:
                    advantage_scale=training.advantage_scale, max_completion_length=cfg.sampling.max_new_tokens,
                    advantage=training.advantage, loss=training.loss,
                    sapo_temperatures=(training.sapo_temperature_pos, training.sapo_temperature_neg),
-                   entropy_coef=training.entropy_coef)
+                   entropy_coef=training.entropy_coef,
+                   distill_coef=cfg.distill.coef if cfg.distill.teacher else 0.0,
+                   distill_with_rewards=cfg.distill.with_rewards)
 
     @property
     def decoupled(self) -> bool:
@@ -101,7 +107,8 @@ class Objective:
 
     def metric_names(self) -> list[str]:
         """The summed metrics of this objective's loss, the same on every rank (the extremes apart)."""
-        return [*LOSS_METRICS, *(KL_METRICS if self.beta > 0 else ()), *(IS_METRICS if self.decoupled else ())]
+        return [*LOSS_METRICS, *(KL_METRICS if self.beta > 0 else ()), *(IS_METRICS if self.decoupled else ()),
+                *(DISTILL_METRICS if self.distill_coef > 0 else ())]
 
 
 class Denominators(NamedTuple):
@@ -180,26 +187,35 @@ def behaviour_weights(prox_logps, behaviour_logps, mask, *, mode: str, cap: floa
 
 
 def policy_loss(objective: Objective, logps, behaviour_logps, advantages, mask, *, ref_logps=None,
-                denominators: Denominators | None = None, entropy=None,
-                token_versions=None) -> tuple[torch.Tensor, dict[str, float]]:
+                denominators: Denominators | None = None, entropy=None, token_versions=None,
+                teacher_logps=None) -> tuple[torch.Tensor, dict[str, float]]:
     """The objective's loss: logps (with grad), behaviour_logps (the sampler's), ref_logps, mask, entropy (with
-    grad, for the entropy bonus), token_versions: [N, T]; advantages: [N]. Decoupled: the ratio is against this
-    forward's own log-probs (the proximal policy: num_iterations is 1) and each token weighed by
-    pi_proximal / pi_behaviour; else the ratio is against the behaviour's."""
+    grad, for the entropy bonus), token_versions, teacher_logps (distillation): [N, T]; advantages: [N].
+    Decoupled: the ratio is against this forward's own log-probs (the proximal policy: num_iterations is 1)
+    and each token weighed by pi_proximal / pi_behaviour; else the ratio is against the behaviour's. With a
+    teacher, each token's advantage is its signal against the behaviour's log-probs (what sampled it)."""
+    mask = mask.bool()
+    advantages = token_advantages(advantages, teacher_logps, behaviour_logps, mask, objective.distill_coef,
+                                  objective.distill_with_rewards)  # [N, 1] or [N, T]
     proximal, weights = behaviour_logps, None
     if objective.decoupled:
         proximal = logps.detach()  # [N, T]
         weights = behaviour_weights(proximal, behaviour_logps, mask, mode=objective.importance_sampling,
                                     cap=objective.importance_sampling_cap, level=objective.level)  # [N, T]
-    return clipped_loss(objective, logps, proximal, advantages, mask, ref_logps=ref_logps,
-                        denominators=denominators, is_weights=weights, entropy=entropy, token_versions=token_versions)
+    loss, metrics = clipped_loss(objective, logps, proximal, advantages, mask, ref_logps=ref_logps,
+                                 denominators=denominators, is_weights=weights, entropy=entropy,
+                                 token_versions=token_versions)
+    if objective.distill_coef > 0:
+        metrics["distill/reverse_kl"] = reverse_kl(teacher_logps, behaviour_logps, mask)
+    return loss, metrics
 
 
 def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, ref_logps=None,
                  denominators: Denominators | None = None, is_weights=None, entropy=None,
                  token_versions=None) -> tuple[torch.Tensor, dict[str, float]]:
     """training.loss per token, weighed by `is_weights` [N, T] where given, plus beta * KL, less
-    entropy_coef * the entropy; logps, old_logps, ref_logps, mask, entropy: [N, T]; advantages: [N].
+    entropy_coef * the entropy; logps, old_logps, ref_logps, mask, entropy: [N, T]; advantages: [N], or per
+    token, [N, 1] or [N, T].
     `denominators` default to this call's own counts."""
     o = objective
     if o.beta > 0 and ref_logps is None:
@@ -211,7 +227,8 @@ def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, re
     if o.level == "sequence":
         log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))[:, None].expand_as(log_ratio)  # [N, T]
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [N, T]
-    adv = advantages.to(ratio.dtype)[:, None]  # [N, 1]
+    adv = advantages.to(ratio.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv  # [N, 1] or [N, T] (per token: distillation)
     per_token = per_token_loss(o.loss, LossInputs(logps, old_logps, ratio, adv, mask, ref_logps, token_versions, o))
     if is_weights is not None:
         per_token = per_token * is_weights  # [N, T]

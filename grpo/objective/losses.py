@@ -23,12 +23,13 @@ if TYPE_CHECKING:
 
 
 class LossInputs(NamedTuple):
-    """What a policy loss is given; every tensor [N, T] but the advantages, [N, 1]."""
+    """What a policy loss is given; every tensor [N, T] but the advantages, [N, 1] (per sample), or [N, T]
+    with distillation (per token)."""
 
     logps: torch.Tensor  # the policy's log-probs, with grad
     old_logps: torch.Tensor  # what the ratio is against: the sampler's (or, decoupled, this forward's own)
     ratio: torch.Tensor  # exp(logps - old_logps) at the objective's level, with grad
-    advantages: torch.Tensor  # [N, 1]
+    advantages: torch.Tensor  # [N, 1], or [N, T] with distill.teacher
     mask: torch.Tensor  # bool: the tokens the loss sees
     ref_logps: torch.Tensor | None  # the reference policy's (with beta > 0)
     token_versions: torch.Tensor | None  # int: the weights version that sampled each token (-1: not the model's)

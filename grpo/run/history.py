@@ -80,7 +80,8 @@ ALLOWED = (
     "training.aggregation", "training.num_iterations", "training.max_tokens_per_micro_batch",
     "training.importance_sampling", "training.importance_sampling_cap", "training.max_token_age", "training.loss",
     "training.sapo_temperature_pos", "training.sapo_temperature_neg", "training.entropy_coef",
-    "training.shared_prefix", "training.verify_shared_prefix", "deepspeed.backend", "weights.keep_last",
+    "training.shared_prefix", "training.verify_shared_prefix", "distill.coef", "distill.with_rewards",
+    "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
 )
 NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak",

@@ -56,6 +56,7 @@ class SamplerModels:
     services: ServiceSettings  # what the service rewards need, likewise
     episodes: Any | None = None  # grpo.sampler.episodes.EpisodeRunner with env.name: multi-turn episodes
     sandbox: Any | None = None  # rewards.sandbox.RewardSandbox the rewards run in (None: in this process)
+    teacher: Any | None = None  # distill.teacher's model: it scores every sampled token
 
     @classmethod
     def of(cls, cfg: Config, engine: RolloutEngine, model, reference, tokenizer, behaviour: dict,
@@ -230,9 +231,11 @@ def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompt
 
 
 def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
-                    measure_logp_gap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, float | None]:
-    """(old log-probs, reference log-probs or None, the largest gap between the engine's recorded
-    log-probs and the recompute, or None when nothing was recomputed)."""
+                    measure_logp_gap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None,
+                                                     list[torch.Tensor] | None, float | None]:
+    """(old log-probs, reference log-probs or None, the teacher's or None, the largest gap between the
+    engine's recorded log-probs and the recompute, or None when nothing was recomputed). Each with the
+    shared-prefix forward at the sampling temperature: the prompt once per group."""
     args = (prompt_ids, rollouts.completion_ids, [cfg.sampling.group_size] * len(prompt_ids))
     kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix)
     recorded = cfg.sampling.old_logps == "generation"
@@ -244,6 +247,7 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
                 ref_logps = completion_logprobs(policy.model, *args, **kwargs)
         elif policy.reference is not None:
             ref_logps = completion_logprobs(policy.reference, *args, **kwargs)
+        teacher_logps = completion_logprobs(policy.teacher, *args, **kwargs) if policy.teacher is not None else None
     gap = None
     if recomputed is not None:  # over the model's tokens: an episode's environment tokens hold placeholders
         masks = rollouts.model_masks or [torch.ones(len(c), dtype=torch.bool) for c in rollouts.completion_ids]
@@ -251,7 +255,7 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
             masks = [m & (v == policy.engine.version) for m, v in zip(masks, rollouts.token_versions)]
         gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)
                    if m.any()), default=0.0)
-    return (rollouts.logps if recorded else recomputed), ref_logps, gap
+    return (rollouts.logps if recorded else recomputed), ref_logps, teacher_logps, gap
 
 
 def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, metrics_so_far: dict[str, float],
@@ -285,7 +289,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()
-    old_logps, ref_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
+    old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
     timings["timing/logprobs_s"] = time.perf_counter() - t
 
     if rollouts.token_versions is not None and rollouts.model_masks is None:  # the batch's version: its oldest token's
@@ -302,7 +306,8 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
         token_versions=rollouts.token_versions if rollouts.model_masks is None else None,
-        totals=scores.total, scored=scores.scored, worst=scores.worst)
+        totals=scores.total, scored=scores.scored, worst=scores.worst,
+        teacher_logps=[x.float().cpu() for x in teacher_logps] if teacher_logps is not None else None)
     metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
     metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
     if kept.episodes is not None:

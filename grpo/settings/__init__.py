@@ -272,6 +272,16 @@ class EvalConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: Optional[str] = setting(None, "On-policy distillation: a teacher model (Hub id, local folder or the embedded "
+        "alias) scores every sampled token; it must share the model's tokenizer. Unset = off.")
+    coef: float = setting(1.0, "Weight of the teacher's per-token signal, coef x (teacher log-prob - sampled "
+        "log-prob), in each token's advantage.", bound="> 0")
+    with_rewards: bool = setting(False, "Add the rewards' advantage to the teacher's signal; false: the teacher's "
+        "alone (the rewards are still scored and logged).")
+
+
+@dataclass
 class EnvConfig:
     name: str = setting("", "Multi-turn episodes, an environment answering between the model's turns: '' = off, "
         "calculator, tools, openenv:..., openenv+http(s)://..., or your own factory.")
@@ -317,6 +327,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)

@@ -77,8 +77,10 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     entropy = pad_right(entropies)[0]  # [n, T], with grad for the entropy bonus
     versions = pad_right([v.to(device) for v in mb.token_versions], value=-1)[0] \
         if mb.token_versions is not None else None
+    teacher = pad_right([x.to(device) for x in mb.teacher_logps])[0] if mb.teacher_logps is not None else None
     loss, metrics = policy_loss(objective, new, old, mb.advantages.to(device), mask, ref_logps=ref,
-                                denominators=denominators, entropy=entropy, token_versions=versions)
+                                denominators=denominators, entropy=entropy, token_versions=versions,
+                                teacher_logps=teacher)
     tokens = int(mask.sum())
     metrics["entropy"] = (entropy.detach()[mask].sum() / max(tokens, 1)).item()
     metrics["loss"] = loss.item()

@@ -48,6 +48,7 @@ class RolloutBatch:
     totals: torch.Tensor | None = None  # float32 [N], the weighted rewards (a failed sample: the batch's worst)
     scored: torch.Tensor | None = None  # bool [N], the samples in their group's mean and std
     worst: torch.Tensor | None = None  # bool [N], the samples a reward failed on, scoring the batch's worst
+    teacher_logps: list[torch.Tensor] | None = None  # N x float32 [C_j]: distill.teacher's; None without one
     schema: str = SCHEMA
 
     def __post_init__(self):
@@ -101,6 +102,7 @@ FIELDS = (
     Field("group_sizes", "header", list, rows="prompt"),
     Field("old_logps", "ragged", "<f4", rows="token", optional=True),
     Field("ref_logps", "ragged", "<f4", rows="token", optional=True),
+    Field("teacher_logps", "ragged", "<f4", rows="token", optional=True),
     Field("rewards", "tensor", "<f4", rows="completion", columns="reward_names"),
     Field("reward_names", "header", list),
     Field("advantages", "tensor", "<f4", rows="completion"),

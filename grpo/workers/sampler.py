@@ -48,7 +48,7 @@ from grpo.data.problems import load_split
 from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
-from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.model.loading import add_lora, load_model, load_teacher, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
 from grpo.rewards.reward_model import RewardModelError
@@ -164,7 +164,7 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
 
 def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
-    fine-tune with beta > 0, the rollout engine, the rewards' jail, and the tokenised training prompts
+    fine-tune with beta > 0, distill.teacher's model, the rollout engine, the rewards' jail, and the tokenised training prompts
     of each source (data.path, or each of data.sources)."""
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)
@@ -175,9 +175,11 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
+    teacher = load_teacher(cfg, tokenizer, device) if cfg.distill.teacher else None
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
-                           episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards))
+                           episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),
+                           teacher=teacher)
     return policy, sources
 
 

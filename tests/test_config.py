@@ -145,6 +145,13 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "weights load between steps) and sampling.in_flight_kv in ['recompute'] (a moved request's prefix is "
      "prefilled again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
+    (["training.kl_in=reward", "training.beta=0"], "training.kl_in=reward with training.beta=0 puts no KL in the"),
+    (["training.kl_in=reward", "training.reference_on=trainer"], "training.kl_in=reward needs "
+     "training.reference_on=sampler"),
+    (["training.kl_in=rewards"], "training.kl_in must be one of loss, reward; got 'rewards'"),
+    (["distill.teacher=x", "sampling.dynamic_sampling=true"], "with distill.teacher and distill.with_rewards=false "
+     "the rewards do not enter the advantages"),
+    (["distill.coef=0"], "distill.coef must be > 0; got 0"),
     (["training.max_token_age=-2"], "training.max_token_age must be >= 0 or -1 (-1 = off); got -2"),
     (["training.max_token_age=1", "weights.publish_every=3", "sampling.max_staleness=2"],
      "training.max_token_age=1 with weights.publish_every=3 would leave every token of some steps out of the loss"),
@@ -452,7 +459,7 @@ def test_every_declared_choice_refuses_other_values_with_one_text():
     from grpo.settings.tree import field_problems, get_key
 
     choices = {key: options for key, options, _ in declared("choices")}
-    assert len(choices) == 21 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
+    assert len(choices) == 22 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
     for key, options in choices.items():
         *parents, leaf = key.split(".")
         for value in options:

@@ -10,6 +10,7 @@ from grpo.run.history import (
     ALLOWED,
     LAUNCH_SET,
     REFUSED,
+    SPOOLED,
     UNDECIDED,
     allowed_line,
     changed_settings,
@@ -147,6 +148,16 @@ def test_beta_may_change_unless_the_trainer_would_need_reference_log_probs_the_s
     assert refused_changes({"training.beta": (0.04, 0.0)}, on, off) == {}
     assert refused_changes({"training.reference_on": ("trainer", "sampler")}, on_trainer, on) == {
         "training.reference_on": "batches spooled without reference log-probs cannot be trained with them"}
+
+
+def test_with_the_kl_in_the_reward_beta_and_the_estimator_stay_as_the_spooled_batches_have_them():
+    """The spooled batches' KL penalty column was made with them; the trainer would refuse it."""
+    cfg = load_config(None, ["training.kl_in=reward", "training.reference_on=sampler"])
+    changes = {"training.beta": (0.04, 0.1), "training.kl_estimator": ("k3", "k1")}
+    assert refused_changes(changes, cfg, cfg) == {key: SPOOLED for key in changes}
+    assert refused_changes(changes, load_config(None, []), load_config(None, [])) == {}
+    assert refused_changes({"training.kl_in": ("loss", "reward")}, load_config(None, []), cfg) == {
+        "training.kl_in": SPOOLED}
 
 
 def test_every_key_is_refused_allowed_or_set_by_each_launch():

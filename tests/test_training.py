@@ -202,19 +202,24 @@ def test_a_lora_checkpoint_holds_what_trains_and_resumes_to_the_uninterrupted_ru
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
-def test_a_users_advantage_estimator_and_loss_by_import_path_and_a_teacher_train_two_steps(tmp_path, digit_model_dir,
-                                                                                          tiny_model_dir, tiny_gsm8k):
+def test_a_users_estimator_and_loss_a_teacher_and_the_kl_in_the_reward_train_two_steps(tmp_path, digit_model_dir,
+                                                                                      tiny_model_dir, tiny_gsm8k):
     """training.advantage and training.loss as import paths (tests/test_advantages.py:double_the_centred,
-    tests/test_losses.py:my_ppo_clip) with the entropy bonus and a teacher (distill.teacher, with the rewards'
-    advantage): the sampler makes the advantages with the user's estimator and ships the teacher's log-probs,
+    tests/test_losses.py:my_ppo_clip) with the entropy bonus, a teacher (distill.teacher, with the rewards'
+    advantage) and the KL in the reward: the sampler makes the advantages with the user's estimator and ships the teacher's log-probs,
     the trainer recomputes the advantages with the estimator before it trains, and two steps update the adapter.
     The teacher (the tiny model before its head was taught digits) finds the digits the student samples
     unlikely: the reverse KL is large."""
     rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2",
                     "training.advantage=tests/test_advantages.py:double_the_centred",
                     "training.loss=tests/test_losses.py:my_ppo_clip", "training.entropy_coef=0.01",
-                    f"distill.teacher={tiny_model_dir}", "distill.with_rewards=true", *LEARNING)
+                    f"distill.teacher={tiny_model_dir}", "distill.with_rewards=true", "training.kl_in=reward",
+                    "training.reference_on=sampler", "training.beta=0.5", *LEARNING)
     assert [r["step"] for r in rows] == [1, 2] and all(r["entropy"] > 0 for r in rows)
     assert all(r["distill/reverse_kl"] > 1.0 for r in rows), rows
+    # the KL penalty column, recomputed by the trainer from the batch's log-probs before it trained on it:
+    # -beta x the summed KL of the engine's log-probs to the reference's (those of the weights served, the
+    # adapter off); at version 0 the adapter is the identity, so its only part is the engine/trainer gap
+    assert abs(rows[0]["rewards/kl_penalty/mean"]) < 1e-4 and "kl" in rows[0], rows
     adapter = load_file(version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # LoRA B starts at 0

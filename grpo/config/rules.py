@@ -133,6 +133,12 @@ def _training_errors(training, lora_enabled: bool, publish_every: int) -> list[s
         errors.append(f"training.max_token_age={training.max_token_age} with weights.publish_every={publish_every} "
                       f"would leave every token of some steps out of the loss (versions are published every "
                       f"{publish_every} steps); set it >= {publish_every - 1} or publish more often")
+    if training.kl_in == "reward" and training.beta == 0:
+        errors.append("training.kl_in=reward with training.beta=0 puts no KL in the reward; set training.beta > 0 "
+                      "(veRL's kl_ctrl.kl_coef, OpenRLHF's init_kl_coef) or leave training.kl_in=loss")
+    if training.kl_in == "reward" and lora_enabled and training.reference_on == "trainer":
+        errors.append("training.kl_in=reward needs training.reference_on=sampler: the sampler subtracts each "
+                      "completion's KL from its score, so it computes the reference log-probs")
     if training.importance_sampling != "none" and training.num_iterations != 1:
         errors.append(f"training.importance_sampling={training.importance_sampling} needs training.num_iterations=1 "
                       "(the proximal log-probs are the trainer's first forward of the step; keeping them for later "

@@ -27,6 +27,7 @@ from grpo.settings.choices import (
     AGGREGATIONS,
     IS_MODES,
     KL_ESTIMATORS,
+    KL_PLACES,
     POLICY_LOSSES,
 )
 
@@ -55,6 +56,7 @@ class Objective:
     clip_high: float = 0.2
     beta: float = 0.0  # KL coefficient to the reference policy
     kl_estimator: str = "k3"
+    kl_in: str = "loss"  # "loss": beta x KL in the loss; "reward": in each completion's score (the sampler's)
     aggregation: str = "grpo"  # grpo, dapo or dr_grpo
     importance_sampling: str = "none"  # the decoupled objective's weight (IS_MODES)
     importance_sampling_cap: float = 2.0
@@ -70,6 +72,7 @@ class Objective:
 
     def __post_init__(self):
         for name, options in (("level", LEVELS), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
+                              ("kl_in", KL_PLACES),
                               ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES),
                               ("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
             value = getattr(self, name)
@@ -81,7 +84,7 @@ class Objective:
         training = cfg.training
         clip_low, clip_high = clip_range(training.use_gspo, training.clip_low, training.clip_high, training.loss)
         return cls(level="sequence" if training.use_gspo else "token", clip_low=clip_low, clip_high=clip_high,
-                   beta=training.beta, kl_estimator=training.kl_estimator,
+                   beta=training.beta, kl_estimator=training.kl_estimator, kl_in=training.kl_in,
                    aggregation=training.aggregation, importance_sampling=training.importance_sampling,
                    importance_sampling_cap=training.importance_sampling_cap,
                    mask_truncated=training.mask_truncated_completions,
@@ -237,7 +240,9 @@ def clipped_loss(objective: Objective, logps, old_logps, advantages, mask, *, re
     # would turn into NaN gradients even where the mask drops the value
     kl = None if ref_logps is None else \
         kl_per_token(torch.where(mask, ref_logps, 0.0), torch.where(mask, logps, 0.0), o.kl_estimator)  # [N, T]
-    loss = policy + o.beta * aggregate(kl, mask, o.aggregation, *counts) if o.beta > 0 else policy  # []
+    # kl_in=reward: the KL is in the advantages already (grpo/objective/kl_reward.py); only its metric here
+    in_loss = o.beta > 0 and o.kl_in == "loss"
+    loss = policy + o.beta * aggregate(kl, mask, o.aggregation, *counts) if in_loss else policy  # []
     if o.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the entropy (with grad)")

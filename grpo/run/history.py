@@ -61,6 +61,7 @@ REFUSED = {
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
 # and what the trainer recomputes every batch's advantages with (grpo/trainer/advantage_check.py)
 for _key in (*BEHAVIOUR_KEYS, "training.mask_truncated_completions", "training.advantage_scale", "training.advantage",
+             "training.kl_in",
              "rewards.names", "rewards.weights", "rewards.overlong_buffer", "rewards.overlong_penalty"):
     if _key not in REFUSED and not any(_key.startswith(name) for name in REFUSED if name.endswith(".")):
         REFUSED[_key] = SPOOLED
@@ -125,6 +126,8 @@ def refused_changes(changes: Mapping[str, tuple[Any, Any]], old: Config, new: Co
         reason = depends_on(key)  # before ALLOWED's sections
         if reason is None and key in ("training.beta", "training.reference_on") and _needs_spooled_reference(old, new):
             reason = REFERENCE
+        if reason is None and key in ("training.beta", "training.kl_estimator") and old.training.kl_in == "reward":
+            reason = SPOOLED  # the spooled batches' KL penalty column
         if reason is None and key not in ALLOWED and _section(key, ALLOWED) is None:
             reason = UNDECIDED
         if reason is not None:

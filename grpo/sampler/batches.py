@@ -21,9 +21,11 @@ from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Objective
 from grpo.objective.advantages import estimate_advantages, worst_of_batch
+from grpo.objective.kl_reward import NAME as KL_PENALTY
+from grpo.objective.kl_reward import batch_reward_columns, kl_penalties
 from grpo.rewards import RewardScores, score_completions
 from grpo.rewards.overlong import NAME as OVERLONG
-from grpo.rewards.overlong import overlong_penalty, reward_columns
+from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.registry import ENV_REWARD
 from grpo.rewards.services import ServiceSettings
 from grpo.rewards.strict import checks_of, strict_rates
@@ -75,9 +77,10 @@ def step_seed(cfg: Config, step: int) -> int:
     return cfg.seed * 1_000_003 + step
 
 
-def reward_names(rewards: RewardsConfig) -> list[str]:
-    """The batch's reward columns: the configured ones, then the overlong penalty when it is on."""
-    return reward_columns(rewards.names, rewards.weights, rewards.overlong_buffer)[0]
+def reward_names(cfg: Config) -> list[str]:
+    """The batch's reward columns: the configured ones, then the overlong penalty when it is on, then the
+    KL penalty with training.kl_in=reward."""
+    return batch_reward_columns(cfg)[0]
 
 
 @dataclass
@@ -113,7 +116,7 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
     if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
-        scores = with_overlong_penalty(scores, penalty)
+        scores = with_penalty(scores, penalty, OVERLONG)
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
@@ -128,7 +131,7 @@ def completions_shown(cfg: Config, policy: SamplerModels, kept: Round, advantage
         cfg.data.prefill + policy.tokenizer.decode(ids, skip_special_tokens=False)
         for ids in kept.rollouts.completion_ids[:count]]
     scores = kept.scores
-    return shown_completions(count, kept.prompts, texts, reward_names(cfg.rewards),
+    return shown_completions(count, kept.prompts, texts, reward_names(cfg),
                              scores.per_function[:count].tolist(), scores.failed[:count].tolist(),
                              scores.total[:count].tolist(), advantages[:count].tolist(), cfg.sampling.group_size)
 
@@ -160,12 +163,13 @@ def cut_at_budget(episodes: list | None, cfg: Config, n: int) -> torch.Tensor:
     return torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
 
 
-def with_overlong_penalty(scores: RewardScores, penalty: torch.Tensor) -> RewardScores:
-    """`scores` with DAPO's overlong penalty [N] as one more column (it never fails)."""
+def with_penalty(scores: RewardScores, penalty: torch.Tensor, name: str) -> RewardScores:
+    """`scores` with a penalty [N] as one more column `name`, added to the totals (it never fails): DAPO's
+    overlong penalty, or the KL penalty of training.kl_in=reward."""
     n = len(penalty)
     return RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),  # [N, R + 1]
                         torch.cat([scores.applies, torch.ones(n, 1, dtype=torch.bool)], 1),  # [N, R + 1]
-                        scores.total + penalty, {**scores.failures, OVERLONG: 0}, scores.errors,
+                        scores.total + penalty, {**scores.failures, name: 0}, scores.errors,
                         torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored,
                         scores.worst)
 
@@ -281,16 +285,20 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     timings["timing/generate_s"], timings["timing/rewards_s"] = kept.generate_s, kept.rewards_s  # all rounds
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
-    prompts, rollouts, scores, objective = kept.prompts, kept.rollouts, kept.scores, policy.objective
-    # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
-    # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
-    advantages = estimate_advantages(objective.advantage, scores.total, cfg.sampling.group_size,
-                                     scale=objective.advantage_scale, scored=scores.scored)
+    prompts, rollouts, objective = kept.prompts, kept.rollouts, policy.objective
     prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
 
     t = time.perf_counter()
     old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
     timings["timing/logprobs_s"] = time.perf_counter() - t
+    if objective.kl_in == "reward" and objective.beta > 0:  # each score less beta x its completion's KL
+        penalty = kl_penalties(old_logps, ref_logps, rollouts.model_masks, objective.beta, objective.kl_estimator)
+        kept = dataclasses.replace(kept, scores=with_penalty(kept.scores, penalty, KL_PENALTY))
+    scores = kept.scores
+    # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
+    # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)
+    advantages = estimate_advantages(objective.advantage, scores.total, cfg.sampling.group_size,
+                                     scale=objective.advantage_scale, scored=scores.scored)
 
     if rollouts.token_versions is not None and rollouts.model_masks is None:  # the batch's version: its oldest token's
         version = min((int(v.min()) for v in rollouts.token_versions if len(v)), default=version)
@@ -301,7 +309,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
         old_logps=[x.float().cpu() for x in old_logps],
         ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
-        rewards=scores.per_function, reward_names=reward_names(cfg.rewards), advantages=advantages,
+        rewards=scores.per_function, reward_names=reward_names(cfg), advantages=advantages,
         truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,

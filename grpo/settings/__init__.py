@@ -22,6 +22,7 @@ from grpo.settings.choices import (
     AGGREGATIONS,
     IS_MODES,
     KL_ESTIMATORS,
+    KL_PLACES,
     NETWORK_MODES,
     OLD_LOGPS_SOURCES,
     SCHEDULES,
@@ -223,6 +224,8 @@ class TrainingConfig:
     reference_on: str = setting("trainer", "Which process computes the reference log-probs (adapter off): 'sampler' "
         "(before sending) or 'trainer' (no grad, per micro-batch; LoRA only).", choices=("sampler", "trainer"))
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=KL_ESTIMATORS)
+    kl_in: str = setting("loss", "Where the KL to the reference goes: loss (beta x KL added to the loss) or reward "
+        "(beta x each completion's summed KL subtracted from its score before the advantages).", choices=KL_PLACES)
     clip_low: Optional[float] = setting(None, "Lower clip epsilon: the ratio is kept >= 1 - clip_low. Default 0.2 "
         "(GRPO), 3e-4 (GSPO), 1 (cispo: no lower bound).", bound="in [0, 1]")
     clip_high: Optional[float] = setting(None, "Upper clip epsilon: the ratio is kept <= 1 + clip_high. Default 0.2 "
@@ -273,8 +276,8 @@ class EvalConfig:
 
 @dataclass
 class DistillConfig:
-    teacher: Optional[str] = setting(None, "On-policy distillation: a teacher model (Hub id, local folder or the embedded "
-        "alias) scores every sampled token; it must share the model's tokenizer. Unset = off.")
+    teacher: Optional[str] = setting(None, "On-policy distillation: a teacher model (Hub id, local folder or the "
+        "embedded alias) scores every sampled token; it must share the model's tokenizer. Unset = off.")
     coef: float = setting(1.0, "Weight of the teacher's per-token signal, coef x (teacher log-prob - sampled "
         "log-prob), in each token's advantage.", bound="> 0")
     with_rewards: bool = setting(False, "Add the rewards' advantage to the teacher's signal; false: the teacher's "

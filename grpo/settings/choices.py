@@ -2,6 +2,7 @@
 module that implements each choice imports its list from here."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")  # training.kl_estimator
+KL_PLACES = ("loss", "reward")  # training.kl_in
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")  # training.aggregation
 ADVANTAGE_SCALES = ("group", "batch", "none")  # training.advantage_scale (grpo's)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo")  # training.advantage, or an import path

@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.objective.advantages import advantages_problem
+from grpo.objective.kl_reward import AFTER_WORST, batch_reward_columns, kl_penalties
+from grpo.objective.kl_reward import NAME as KL_PENALTY
 from grpo.rewards.overlong import NAME as OVERLONG
-from grpo.rewards.overlong import overlong_penalty, reward_columns
+from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.registry import REWARD_LIMIT
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch
@@ -20,22 +22,24 @@ if TYPE_CHECKING:
 def check_advantages(batch: RolloutBatch, cfg: Config) -> None:
     """Raise unless the batch's advantages follow from its rewards: its reward columns are this run's
     (rewards.names, then the overlong penalty when it is on, recomputed here from the completions'
-    lengths), its totals those columns weighted by rewards.weights (the penalty with weight 1, added
-    after a failed sample takes the batch's worst: grpo/sampler/batches.py), and its advantages those
+    lengths, then with training.kl_in=reward the KL penalty, recomputed from the batch's log-probs), its
+    totals those columns weighted by rewards.weights (the penalties with weight 1, added after a failed
+    sample takes the batch's worst: grpo/sampler/batches.py), and its advantages those
     totals' under training.advantage (grpo.objective.advantages.advantages_problem). The trainer
     trains on nothing else."""
     where = f"sampler {batch.sampler} step {batch.step}"
     rewards = cfg.rewards
-    names, weights = reward_columns(rewards.names, rewards.weights, rewards.overlong_buffer)
+    names, weights = batch_reward_columns(cfg)
     if batch.reward_names != names:
         raise BehaviourMismatch(f"{where} was scored with the rewards {batch.reward_names}, this run's are {names}; "
                                 "nothing was trained with it. Start the sampler with the same rewards.names and "
-                                "rewards.overlong_buffer.")
-    problem = overlong_problem(batch, cfg) if rewards.overlong_buffer > 0 else ""
+                                "rewards.overlong_buffer (and training.kl_in).")
     training = cfg.training
+    problem = overlong_problem(batch, cfg) if rewards.overlong_buffer > 0 else ""
+    problem = problem or (kl_problem(batch, cfg) if training.kl_in == "reward" else "")
     problem = problem or advantages_problem(
         batch.advantages, batch.totals, batch.scored, batch.worst, batch.rewards,
-        torch.tensor(weights, dtype=torch.float64), torch.tensor([name == OVERLONG for name in names]),
+        torch.tensor(weights, dtype=torch.float64), torch.tensor([name in AFTER_WORST for name in names]),
         batch.group_sizes, training.advantage_scale, REWARD_LIMIT, training.advantage)
     if problem:
         estimator = training.advantage if training.advantage != "grpo" else \
@@ -50,10 +54,27 @@ def overlong_problem(batch: RolloutBatch, cfg: Config) -> str:
     rewards = cfg.rewards
     expected = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, rewards.overlong_buffer,
                                               rewards.overlong_penalty) for c in batch.completion_ids])  # [N]
-    found = batch.rewards[:, -1].double()  # [N]
+    found = batch.rewards[:, batch.reward_names.index(OVERLONG)].double()  # [N]
     off = ~((found - expected).abs() <= 1e-6 * expected.abs().clamp(min=1.0))  # [N]
     if not off.any():
         return ""
     i = int(off.nonzero()[0])
     return (f"sample {i}'s overlong penalty {float(found[i]):.9g} is not its length's "
             f"({len(batch.completion_ids[i])} tokens: {float(expected[i]):.9g})")
+
+
+def kl_problem(batch: RolloutBatch, cfg: Config) -> str:
+    """Where the batch's KL penalty column is not -beta x its completions' summed KL between the log-probs it
+    carries ("" nowhere)."""
+    if batch.old_logps is None or batch.ref_logps is None:
+        return "it carries no old or reference log-probs to recompute its KL penalty from"
+    training = cfg.training
+    expected = kl_penalties(batch.old_logps, batch.ref_logps, batch.model_mask, training.beta,
+                            training.kl_estimator).double()  # [N]
+    found = batch.rewards[:, batch.reward_names.index(KL_PENALTY)].double()  # [N]
+    off = ~((found - expected).abs() <= 1e-5 * expected.abs().clamp(min=1.0))  # [N]
+    if not off.any():
+        return ""
+    i = int(off.nonzero()[0])
+    return (f"sample {i}'s KL penalty {float(found[i]):.9g} is not -training.beta x its summed KL "
+            f"({float(expected[i]):.9g})")

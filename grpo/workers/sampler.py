@@ -164,8 +164,8 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
 
 def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     """The tokenizer, the scoring model (with the LoRA adapter), a frozen reference for a full
-    fine-tune with beta > 0, distill.teacher's model, the rollout engine, the rewards' jail, and the tokenised training prompts
-    of each source (data.path, or each of data.sources)."""
+    fine-tune with beta > 0, distill.teacher's model, the rollout engine, the rewards' jail, and the
+    tokenised training prompts of each source (data.path, or each of data.sources)."""
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.sampling.device)
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template_kwargs)

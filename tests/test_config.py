@@ -146,8 +146,12 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "prefilled again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
     (["training.kl_in=reward", "training.beta=0"], "training.kl_in=reward with training.beta=0 puts no KL in the"),
-    (["training.kl_in=reward", "training.reference_on=trainer"], "training.kl_in=reward needs "
-     "training.reference_on=sampler"),
+    (["training.kl_in=reward", "training.kl_estimator=k1", "training.reference_on=trainer"],
+     "training.kl_in=reward needs training.reference_on=sampler"),
+    (["training.kl_in=reward", "training.reference_on=sampler"], "training.kl_in=reward needs "
+     "training.kl_estimator=k1 (got k3): as a reward only k1's expectation has the KL's gradient"),
+    (["training.kl_in=reward", "training.kl_estimator=k1", "training.reference_on=sampler", "distill.teacher=x"],
+     "training.kl_in=reward puts the KL in the rewards' advantage, which distill.with_rewards=false leaves out"),
     (["training.kl_in=rewards"], "training.kl_in must be one of loss, reward; got 'rewards'"),
     (["distill.teacher=x", "sampling.dynamic_sampling=true"], "with distill.teacher and distill.with_rewards=false "
      "the rewards do not enter the advantages"),
@@ -299,7 +303,7 @@ def test_verl_and_openrlhf_names_get_the_key_that_does_their_job(theirs, message
 
 @pytest.mark.parametrize("theirs", [
     "actor_rollout_ref.model.use_remove_padding", "trainer.balance_batch", "critic.optim.lr",
-    "algorithm.kl_ctrl.kl_coef", "reward_model.micro_batch_size", "data.custom_cls.path", "actor_init_on_gpu",
+    "algorithm.kl_ctrl.target_kl", "reward_model.micro_batch_size", "data.custom_cls.path", "actor_init_on_gpu",
 ])
 def test_foreign_names_without_a_counterpart_get_no_guess(theirs):
     with pytest.raises(ConfigError) as e:

@@ -152,8 +152,8 @@ def test_beta_may_change_unless_the_trainer_would_need_reference_log_probs_the_s
 
 def test_with_the_kl_in_the_reward_beta_and_the_estimator_stay_as_the_spooled_batches_have_them():
     """The spooled batches' KL penalty column was made with them; the trainer would refuse it."""
-    cfg = load_config(None, ["training.kl_in=reward", "training.reference_on=sampler"])
-    changes = {"training.beta": (0.04, 0.1), "training.kl_estimator": ("k3", "k1")}
+    cfg = load_config(None, ["training.kl_in=reward", "training.kl_estimator=k1", "training.reference_on=sampler"])
+    changes = {"training.beta": (0.04, 0.1), "training.kl_estimator": ("k1", "k3")}
     assert refused_changes(changes, cfg, cfg) == {key: SPOOLED for key in changes}
     assert refused_changes(changes, load_config(None, []), load_config(None, [])) == {}
     assert refused_changes({"training.kl_in": ("loss", "reward")}, load_config(None, []), cfg) == {

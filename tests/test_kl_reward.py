@@ -41,9 +41,10 @@ def test_the_penalty_is_minus_beta_times_the_completions_summed_kl(estimator, ma
 
 def test_a_sampler_step_subtracts_the_kl_from_each_score_and_the_trainer_recomputes_it():
     """Full fine-tune, the reference a frozen copy (here another random model, so that the KL is not 0):
-    the batch's last reward column is -beta x each completion's summed k3 between the engine's log-probs
-    and the reference's; the totals include it; the advantages are GRPO's of those totals."""
-    cfg = config("training.beta=0.5", "training.kl_in=reward", "lora.enabled=false",
+    the batch's last reward column is -beta x each completion's summed k1 between the engine's log-probs
+    and the reference's; the totals include it; the advantages are GRPO's of those totals; the logged
+    `reward` is the rewards' alone."""
+    cfg = config("training.beta=0.5", "training.kl_in=reward", "training.kl_estimator=k1", "lora.enabled=false",
                  "training.reference_on=sampler")
     reference = tiny_model(seed=4)
     policy = SamplerModels.of(cfg, FakeEngine(), tiny_model(), reference, DigitTokenizer(), {})
@@ -53,12 +54,14 @@ def test_a_sampler_step_subtracts_the_kl_from_each_score_and_the_trainer_recompu
         ref = [completion_logprobs(reference, [batch.prompt_ids[j // 2]], [c], [1], shared_prefix=False,
                                    temperature=cfg.sampling.temperature)[0] for j, c in enumerate(batch.completion_ids)]
     sampled = FakeEngine().generate([[0], [0]], 2).logps
-    expected = torch.stack([-0.5 * (torch.exp(r - s) - (r - s) - 1).sum() for r, s in zip(ref, sampled)])  # [N]
+    expected = torch.stack([-0.5 * (s - r).sum() for r, s in zip(ref, sampled)])  # [N], k1 = log pi - log pi_ref
     torch.testing.assert_close(batch.rewards[:, 1], expected, rtol=1e-5, atol=1e-6)
     # the answer reward: completions "7" and "8" against answers 7 and 8
     torch.testing.assert_close(batch.totals, torch.tensor([1.0, -1.0, -1.0, 1.0]) + expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(batch.advantages, estimate_advantages("grpo", batch.totals, 2, scale="group",
                                                              scored=batch.scored))
+    metrics = batch.meta["metrics"]
+    assert metrics["reward"] == 0.0 and metrics["rewards/kl_penalty/mean"] == pytest.approx(float(expected.mean()))
     check_advantages(batch, cfg)  # the trainer's recompute agrees
     forged = batch.rewards.clone()
     forged[0, 1] = 0.0  # a sampler that left its KL out of one score
@@ -66,7 +69,8 @@ def test_a_sampler_step_subtracts_the_kl_from_each_score_and_the_trainer_recompu
         check_advantages(dataclasses.replace(batch, rewards=forged), cfg)
     with pytest.raises(BehaviourMismatch, match=r"the rewards \['gsm8k_answer_lenient', 'kl_penalty'\], this run's "
                                                 r"are \['gsm8k_answer_lenient'\]"):
-        check_advantages(batch, config("training.beta=0.5", "lora.enabled=false", "training.reference_on=sampler"))
+        check_advantages(batch, config("training.beta=0.5", "training.kl_estimator=k1", "lora.enabled=false",
+                                       "training.reference_on=sampler"))
 
 
 def test_with_the_kl_in_the_reward_the_loss_has_no_kl_term_but_reports_it():

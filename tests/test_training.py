@@ -214,7 +214,7 @@ def test_a_users_estimator_and_loss_a_teacher_and_the_kl_in_the_reward_train_two
                     "training.advantage=tests/test_advantages.py:double_the_centred",
                     "training.loss=tests/test_losses.py:my_ppo_clip", "training.entropy_coef=0.01",
                     f"distill.teacher={tiny_model_dir}", "distill.with_rewards=true", "training.kl_in=reward",
-                    "training.reference_on=sampler", "training.beta=0.5", *LEARNING)
+                    "training.kl_estimator=k1", "training.reference_on=sampler", "training.beta=0.5", *LEARNING)
     assert [r["step"] for r in rows] == [1, 2] and all(r["entropy"] > 0 for r in rows)
     assert all(r["distill/reverse_kl"] > 1.0 for r in rows), rows
     # the KL penalty column, recomputed by the trainer from the batch's log-probs before it trained on it:

@@ -67,12 +67,15 @@ def _value_errors(cfg: Config) -> list[str]:
 
 
 def _distill_errors(cfg: Config) -> list[str]:
-    distill = cfg.distill
-    if distill.teacher and cfg.sampling.dynamic_sampling and not distill.with_rewards:
-        return ["sampling.dynamic_sampling drops the groups whose rewards are all equal, but with distill.teacher "
-                "and distill.with_rewards=false the rewards do not enter the advantages (every group has the "
-                "teacher's signal); turn one of them off"]
-    return []
+    distill, errors = cfg.distill, []
+    if distill.teacher and not distill.with_rewards and cfg.sampling.dynamic_sampling:
+        errors.append("sampling.dynamic_sampling drops the groups whose rewards are all equal, but with "
+                      "distill.teacher and distill.with_rewards=false the rewards do not enter the advantages "
+                      "(every group has the teacher's signal); turn one of them off")
+    if distill.teacher and not distill.with_rewards and cfg.training.kl_in == "reward" and cfg.training.beta > 0:
+        errors.append("training.kl_in=reward puts the KL in the rewards' advantage, which distill.with_rewards=false "
+                      "leaves out: the run would have no KL term; set training.kl_in=loss or distill.with_rewards=true")
+    return errors
 
 
 def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[str]:
@@ -136,6 +139,10 @@ def _training_errors(training, lora_enabled: bool, publish_every: int) -> list[s
     if training.kl_in == "reward" and training.beta == 0:
         errors.append("training.kl_in=reward with training.beta=0 puts no KL in the reward; set training.beta > 0 "
                       "(veRL's kl_ctrl.kl_coef, OpenRLHF's init_kl_coef) or leave training.kl_in=loss")
+    if training.kl_in == "reward" and training.kl_estimator != "k1":
+        errors.append(f"training.kl_in=reward needs training.kl_estimator=k1 (got {training.kl_estimator}): as a "
+                      "reward only k1's expectation has the KL's gradient; k2 and k3 would push the policy off the "
+                      "reference's support (veRL's kl_penalty=kl and OpenRLHF's k1 in the reward are k1)")
     if training.kl_in == "reward" and lora_enabled and training.reference_on == "trainer":
         errors.append("training.kl_in=reward needs training.reference_on=sampler: the sampler subtracts each "
                       "completion's KL from its score, so it computes the reference log-probs")

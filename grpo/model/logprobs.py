@@ -186,15 +186,16 @@ def unsupported_features(hf_config, shared_prefix: bool, max_tokens: int) -> lis
     return problems
 
 
-def check_supported(model, cfg: Config) -> None:
-    """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong."""
+def check_supported(model, cfg: Config, name: str | None = None) -> None:
+    """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong; `name`:
+    what the message calls it (default model.name_or_path)."""
     from grpo.common.sources import ModelError
 
     causal_lm = unwrap_causal_lm(model)
     problems = unsupported_features(causal_lm.config, cfg.training.shared_prefix,
                                     cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens)
     if problems:
-        raise ModelError(f"{cfg.model.name_or_path} ({causal_lm.config.model_type}) is not supported: "
+        raise ModelError(f"{name or cfg.model.name_or_path} ({causal_lm.config.model_type}) is not supported: "
                          + "; ".join(problems))
 
 

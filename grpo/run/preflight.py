@@ -32,7 +32,8 @@ def source_problems(cfg: Config) -> tuple[list[str], list[str]]:
     evaluated, training = evaluation_source(cfg.data), source_configs(cfg.data)
     read = [(source, source.split) for source in training]
     read += [(evaluated, cfg.eval.split)] if cfg.eval.every or cfg.data.eval_path else []
-    for check in [lambda: check_model_source(cfg.model.name_or_path),
+    teacher = [lambda: check_model_source(cfg.distill.teacher)] if cfg.distill.teacher else []
+    for check in [lambda: check_model_source(cfg.model.name_or_path), *teacher,
                   *[lambda s=s, split=split: check_source(s.path, split, s.task_args) for s, split in read]]:
         try:
             check()

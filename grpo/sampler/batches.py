@@ -291,7 +291,11 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     t = time.perf_counter()
     old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
     timings["timing/logprobs_s"] = time.perf_counter() - t
-    if objective.kl_in == "reward" and objective.beta > 0:  # each score less beta x its completion's KL
+    old_logps, ref_logps, teacher_logps = (None if logps is None else [x.float().cpu() for x in logps]
+                                           for logps in (old_logps, ref_logps, teacher_logps))  # as sent
+    reward_totals = kept.scores.total  # the rewards' alone: the metrics' `reward`
+    if objective.kl_in == "reward" and objective.beta > 0:  # each score less beta x its completion's KL, from the
+        # log-probs as the batch carries them, as the trainer recomputes it
         penalty = kl_penalties(old_logps, ref_logps, rollouts.model_masks, objective.beta, objective.kl_estimator)
         kept = dataclasses.replace(kept, scores=with_penalty(kept.scores, penalty, KL_PENALTY))
     scores = kept.scores
@@ -307,16 +311,16 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     batch = RolloutBatch(
         step=step, sampler=sampler, policy_version=version, prompt_ids=prompt_ids,
         completion_ids=rollouts.completion_ids, group_sizes=[cfg.sampling.group_size] * len(prompts),
-        old_logps=[x.float().cpu() for x in old_logps],
-        ref_logps=[x.float().cpu() for x in ref_logps] if ref_logps is not None else None,
+        old_logps=old_logps, ref_logps=ref_logps,
         rewards=scores.per_function, reward_names=reward_names(cfg), advantages=advantages,
         truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
         token_versions=rollouts.token_versions if rollouts.model_masks is None else None,
         totals=scores.total, scored=scores.scored, worst=scores.worst,
-        teacher_logps=[x.float().cpu() for x in teacher_logps] if teacher_logps is not None else None)
-    metrics = sampler_metrics(batch, scores, {**timings, **dynamic_metrics})
+        teacher_logps=teacher_logps)
+    # `reward` and its spread: the rewards' (the KL penalty has its own column's metrics)
+    metrics = sampler_metrics(batch, dataclasses.replace(scores, total=reward_totals), {**timings, **dynamic_metrics})
     metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))
     if kept.episodes is not None:
         metrics.update(episode_metrics(kept.episodes))

@@ -11,7 +11,8 @@ from grpo.wire.batch import RolloutBatch
 def sampler_metrics(batch: RolloutBatch, scores, timings: dict[str, float]) -> dict[str, float]:
     """TRL's names where they exist. `scores`: the batch's rewards.RewardScores. A sample a reward
     failed on is left out of that reward's mean and std; `reward`, `reward_std` and
-    `frac_reward_zero_std` describe what trains (the scored samples, a failed one at the batch's worst).
+    `frac_reward_zero_std` describe the rewards that train (the scored samples, a failed one at the batch's
+    worst; before training.kl_in=reward's KL penalty, which its own column's metrics describe).
     `reward` is absent when no sample was scored. frac_reward_zero_std: of the trained groups,
     the share without two differing scored rewards (as sampling/zero_spread_fraction counts the
     generated ones). rewards/left_out_fraction: the share of samples left out of the advantages;

@@ -225,7 +225,7 @@ class TrainingConfig:
         "(before sending) or 'trainer' (no grad, per micro-batch; LoRA only).", choices=("sampler", "trainer"))
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3.", choices=KL_ESTIMATORS)
     kl_in: str = setting("loss", "Where the KL to the reference goes: loss (beta x KL added to the loss) or reward "
-        "(beta x each completion's summed KL subtracted from its score before the advantages).", choices=KL_PLACES)
+        "(beta x each completion's summed k1 KL subtracted from its score before the advantages).", choices=KL_PLACES)
     clip_low: Optional[float] = setting(None, "Lower clip epsilon: the ratio is kept >= 1 - clip_low. Default 0.2 "
         "(GRPO), 3e-4 (GSPO), 1 (cispo: no lower bound).", bound="in [0, 1]")
     clip_high: Optional[float] = setting(None, "Upper clip epsilon: the ratio is kept <= 1 + clip_high. Default 0.2 "

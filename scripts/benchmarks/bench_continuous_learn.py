@@ -2,8 +2,9 @@
 loop and with the block loop (`sampling.continuous_batching=false`), or (`--variants in-flight`) with
 new weights loaded between steps, between decode steps with the KV computed again, and between decode
 steps on the KV before, or (`--variants token-age`) with in-flight loads and tokens more than a version
-old out of the loss (training.max_token_age) against the whole-sequence bound; one run after the other
-on the whole machine, each evaluated at the same marks.
+old out of the loss (training.max_token_age) against the whole-sequence bound, or (`--variants objectives`)
+with each advantage estimator and policy loss, or (`--variants distillation --teacher DIR`) distilled from a
+teacher against GRPO; one run after the other on the whole machine, each evaluated at the same marks.
 
     .venv/bin/python scripts/benchmarks/bench_continuous_learn.py --config configs/needle_haystack.yaml \\
         --minutes 8 --marks 4,8 [--variants in-flight] [key=value ...]
@@ -39,6 +40,13 @@ VARIANT_SETS = {
     "token-age": {"per-token age bound": ["sampling.in_flight_updates=true", "sampling.max_staleness=2",
                                           "training.max_token_age=1"],
                   "whole-sequence bound": ["sampling.in_flight_updates=true", "sampling.max_staleness=1"]},
+    # the advantage estimators and policy losses side by side, GRPO's (the default) the base
+    "objectives": {"rloo": ["training.advantage=rloo"], "reinforce_pp": ["training.advantage=reinforce_pp"],
+                   "dr_grpo": ["training.advantage=dr_grpo", "training.aggregation=dr_grpo"],
+                   "cispo": ["training.loss=cispo"], "grpo": []},
+    # on-policy distillation from --teacher, the teacher's signal alone, against the recipe's GRPO
+    "distillation": {"distillation": ["distill.teacher={teacher}"], "grpo": []},
+    "distillation-only": {"distillation": ["distill.teacher={teacher}"]},
 }
 
 
@@ -71,8 +79,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval-batch-size", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "continuous-learn")
     parser.add_argument("--variants", choices=list(VARIANT_SETS), default="continuous")
+    parser.add_argument("--teacher", help="--variants distillation: the teacher's model folder (grpo export --merge)")
     args, overrides = parser.parse_known_args(argv)
-    variants = VARIANT_SETS[args.variants]
+    variants = {name: [setting.format(teacher=args.teacher) for setting in extra]
+                for name, extra in VARIANT_SETS[args.variants].items()}
+    if args.variants.startswith("distillation") and not args.teacher:
+        parser.error("--variants distillation needs --teacher (a model folder: grpo export --merge of a trained run)")
     base = list(variants)[-1]
     marks = [0.0] + [float(m) for m in args.marks.split(",") if m]
     at_marks, rates, shares = {}, {}, {}

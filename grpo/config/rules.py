@@ -21,7 +21,7 @@ from grpo.data.mixture import source_configs
 from grpo.data.mixture import source_problems as mixture_entry_problems
 from grpo.data.procedural import is_procedural
 from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
-from grpo.settings.choices import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from grpo.settings.choices import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, name_or_import_path_problem
 from grpo.settings.engines import ENGINE_TRAITS
 from grpo.settings.tree import ConfigError, field_problems
 
@@ -151,10 +151,8 @@ def _training_errors(training, lora_enabled: bool, publish_every: int) -> list[s
                       "(the proximal log-probs are the trainer's first forward of the step; keeping them for later "
                       f"passes is not built); got {training.num_iterations}")
     for key, names in (("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
-        value = getattr(training, key)
-        if value not in names and ":" not in value:  # an import path is imported at the start (grpo.run.preflight)
-            errors.append(f"training.{key} must be one of {', '.join(names)} or an import path 'module:function'; "
-                          f"got {value!r}")
+        # an import path is imported at the start (grpo.run.preflight)
+        errors += filter(None, [name_or_import_path_problem(f"training.{key}", getattr(training, key), names)])
     if training.advantage_scale != "group" and training.advantage != "grpo":
         errors.append(f"training.advantage_scale={training.advantage_scale} scales grpo's advantages; training."
                       f"advantage={training.advantage} scales its own: leave training.advantage_scale at group")

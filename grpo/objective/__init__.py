@@ -29,6 +29,7 @@ from grpo.settings.choices import (
     KL_ESTIMATORS,
     KL_PLACES,
     POLICY_LOSSES,
+    name_or_import_path_problem,
 )
 
 if TYPE_CHECKING:
@@ -73,11 +74,13 @@ class Objective:
     def __post_init__(self):
         for name, options in (("level", LEVELS), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
                               ("kl_in", KL_PLACES),
-                              ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES),
-                              ("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
-            value = getattr(self, name)
-            if value not in options and not (name in ("advantage", "loss") and ":" in value):
-                raise ValueError(f"{name} must be one of {options}; got {value!r}")
+                              ("importance_sampling", IS_MODES), ("advantage_scale", ADVANTAGE_SCALES)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {options}; got {getattr(self, name)!r}")
+        for name, options in (("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES)):
+            problem = name_or_import_path_problem(name, getattr(self, name), options)
+            if problem:
+                raise ValueError(problem)
 
     @classmethod
     def of(cls, cfg: Config) -> "Objective":

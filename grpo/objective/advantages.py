@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo.settings.choices import ADVANTAGE_ESTIMATORS
+from grpo.settings.choices import ADVANTAGE_ESTIMATORS, name_or_import_path_problem
 from grpo.settings.choices import ADVANTAGE_SCALES as SCALES
 
 
@@ -91,9 +91,9 @@ def estimate_advantages(estimator: str, rewards: torch.Tensor, group_sizes: int 
         return group_advantages(rewards, group_sizes, scale=scale, scored=scored)
     if estimator in ESTIMATORS:
         return ESTIMATORS[estimator](rewards, group_sizes, scored=scored)
-    if ":" not in estimator:
-        raise ValueError(f"training.advantage must be one of {ADVANTAGE_ESTIMATORS} or 'module:function'; "
-                         f"got {estimator!r}")
+    problem = name_or_import_path_problem("training.advantage", estimator, ADVANTAGE_ESTIMATORS)
+    if problem:
+        raise ValueError(problem)
     from grpo.common.imports import import_object
 
     rewards, sizes, kept, _ = _groups(rewards, group_sizes, scored)

@@ -14,3 +14,11 @@ OLD_LOGPS_SOURCES = ("recompute", "generation")  # sampling.old_logps
 NETWORK_MODES = ("deny", "allow")  # env.network, rewards.network
 TRACKERS = ("none", "wandb", "trackio")  # logging.backend
 WANDB_MODES = ("offline", "online")  # logging.wandb_mode
+
+
+def name_or_import_path_problem(key: str, value: str, names: tuple[str, ...]) -> str:
+    """Why `value` is neither one of `names` nor an import path 'module:function' ("" when it is one): the
+    settings a user's function may fill (training.advantage, training.loss), imported at the start."""
+    if value in names or ":" in value:
+        return ""
+    return f"{key} must be one of {', '.join(names)} or an import path 'module:function'; got {value!r}"

@@ -206,8 +206,9 @@ def test_a_users_estimator_and_loss_a_teacher_and_the_kl_in_the_reward_train_two
                                                                                       tiny_model_dir, tiny_gsm8k):
     """training.advantage and training.loss as import paths (tests/test_advantages.py:double_the_centred,
     tests/test_losses.py:my_ppo_clip) with the entropy bonus, a teacher (distill.teacher, with the rewards'
-    advantage) and the KL in the reward: the sampler makes the advantages with the user's estimator and ships the teacher's log-probs,
-    the trainer recomputes the advantages with the estimator before it trains, and two steps update the adapter.
+    advantage) and the KL in the reward: the sampler makes the advantages with the user's estimator and ships
+    the teacher's log-probs, the trainer recomputes the advantages with the estimator before it trains, and two
+    steps update the adapter.
     The teacher (the tiny model before its head was taught digits) finds the digits the student samples
     unlikely: the reverse KL is large."""
     rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2",

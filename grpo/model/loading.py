@@ -76,10 +76,8 @@ def load_model(model_cfg, device: str | torch.device = "cpu"):
 
 def load_teacher(cfg: Config, tokenizer, device: str | torch.device = "cpu", vocab_size: int | None = None):
     """distill.teacher's model (eval mode, in the sampler's dtype), refused unless its tokenizer is the
-    model's (the teacher scores the model's token ids, which must mean the same text to both), its head
-    covers every id the model can sample (`vocab_size`, the model's; default the tokenizer's), and its
-    log-probs are ones the shared-prefix forward computes exactly."""
-    from grpo.model.logprobs import check_supported
+    model's (the teacher scores the model's token ids, which must mean the same text to both) and its head
+    covers every id the model can sample (`vocab_size`, the model's; default the tokenizer's)."""
 
     teacher_cfg = dataclasses.replace(cfg.model, name_or_path=cfg.distill.teacher, gradient_checkpointing=False,
                                       dtype=cfg.sampler_dtype, chat_template=None)
@@ -90,7 +88,6 @@ def load_teacher(cfg: Config, tokenizer, device: str | torch.device = "cpu", voc
                          "tokens, so both need one tokenizer (a teacher of the same family, e.g. Qwen3-8B for "
                          "Qwen3-0.6B).")
     teacher = load_model(teacher_cfg, device).eval()
-    check_supported(teacher, cfg, f"distill.teacher={cfg.distill.teacher}")
     needed = vocab_size or len(tokenizer)
     if teacher.config.vocab_size < needed:
         raise ModelError(f"distill.teacher={cfg.distill.teacher} has {teacher.config.vocab_size} output tokens, "

@@ -176,6 +176,8 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
     teacher = load_teacher(cfg, tokenizer, device, base.config.vocab_size) if cfg.distill.teacher else None
+    if teacher is not None:  # its log-probs come from the same shared-prefix forward
+        check_supported(teacher, cfg, f"distill.teacher={cfg.distill.teacher}")
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
                            episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),

@@ -1,6 +1,6 @@
-"""The KL to the reference in the reward (training.kl_in=reward), as veRL's `use_kl_in_reward` and
-OpenRLHF put it: each completion's score less beta x its summed per-token KL estimate, before the
-group's advantages are taken; the loss then has no KL term. It travels as one more reward column,
+"""The KL to the reference in the reward (training.kl_in=reward), as veRL's `use_kl_in_reward` puts it
+for GRPO: each completion's score less beta x its summed per-token KL estimate (k1), before the group's
+advantages are taken; the loss then has no KL term. It travels as one more reward column,
 `kl_penalty` (weight 1, after the rewards and the overlong penalty), which the trainer recomputes from
 the batch's log-probs before it trains on it.
 """
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo.objective import kl_per_token
 from grpo.rewards.overlong import NAME as OVERLONG
 from grpo.rewards.overlong import reward_columns
 
@@ -34,8 +35,6 @@ def kl_penalties(behaviour_logps: list[torch.Tensor], ref_logps: list[torch.Tens
                  model_masks: list[torch.Tensor] | None, beta: float, estimator: str) -> torch.Tensor:
     """float32 [N]: -beta x the sum over each completion's model tokens of the KL estimate between the
     policy that sampled it and the reference (grpo.objective.kl_per_token, d = log pi_ref - log pi)."""
-    from grpo.objective import kl_per_token
-
     sums = []
     for j, (logps, ref) in enumerate(zip(behaviour_logps, ref_logps)):
         kl = kl_per_token(ref.double(), logps.double(), estimator)  # [C_j]

@@ -54,11 +54,9 @@ def overlong_problem(batch: RolloutBatch, cfg: Config) -> str:
     rewards = cfg.rewards
     expected = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, rewards.overlong_buffer,
                                               rewards.overlong_penalty) for c in batch.completion_ids])  # [N]
-    found = batch.rewards[:, batch.reward_names.index(OVERLONG)].double()  # [N]
-    off = ~((found - expected).abs() <= 1e-6 * expected.abs().clamp(min=1.0))  # [N]
-    if not off.any():
+    found, i = first_off(batch, OVERLONG, expected, 1e-6)
+    if i is None:
         return ""
-    i = int(off.nonzero()[0])
     return (f"sample {i}'s overlong penalty {float(found[i]):.9g} is not its length's "
             f"({len(batch.completion_ids[i])} tokens: {float(expected[i]):.9g})")
 
@@ -71,10 +69,16 @@ def kl_problem(batch: RolloutBatch, cfg: Config) -> str:
     training = cfg.training
     expected = kl_penalties(batch.old_logps, batch.ref_logps, batch.model_mask, training.beta,
                             training.kl_estimator).double()  # [N]
-    found = batch.rewards[:, batch.reward_names.index(KL_PENALTY)].double()  # [N]
-    off = ~((found - expected).abs() <= 1e-5 * expected.abs().clamp(min=1.0))  # [N]
-    if not off.any():
+    found, i = first_off(batch, KL_PENALTY, expected, 1e-5)
+    if i is None:
         return ""
-    i = int(off.nonzero()[0])
     return (f"sample {i}'s KL penalty {float(found[i]):.9g} is not -training.beta x its summed KL "
             f"({float(expected[i]):.9g})")
+
+
+def first_off(batch: RolloutBatch, column: str, expected: torch.Tensor, rtol: float) -> tuple[torch.Tensor, int | None]:
+    """The batch's reward `column` [N] (float64) and the first sample where it is not `expected` [N] within
+    `rtol` of max(|expected|, 1) (None: nowhere; NaN is off)."""
+    found = batch.rewards[:, batch.reward_names.index(column)].double()  # [N]
+    off = ~((found - expected).abs() <= rtol * expected.abs().clamp(min=1.0))  # [N]
+    return found, int(off.nonzero()[0]) if off.any() else None

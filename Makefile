@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check --quiet .
 	$(PY) -m pytest -q $(ARGS)
 
-# the tests that start no process or rank (tests/README.md): about 65 s on 2 cores
+# the tests that start no process or rank (tests/README.md): about 90 s on 2 cores
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
@@ -67,7 +67,7 @@ install-vllm: $(STAMP) $(VLLM_STAMP)
 
 # The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_judge.py $(ARGS)
+	$(VLLM_PY) -m pytest -q tests/test_vllm_engine.py tests/test_vllm_server.py $(ARGS)
 
 BENCH_STAMP := $(VENV)/.bench-$(shell cat requirements-bench.txt requirements.txt | cksum | cut -d' ' -f1)
 

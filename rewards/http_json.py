@@ -90,14 +90,14 @@ class Breaker:
 
 def post_json(url: str, payload, timeout_s: float, retries: int, headers: dict | None = None,
               breaker: Breaker | None = None):
-    """The JSON answer to POSTing `payload` to `url`. Each attempt must connect and answer whole
-    within `timeout_s` (a server that trickles its answer is cut off);
+    """The JSON answer to POSTing `payload` to `url` (a GET with payload None). Each attempt must
+    connect and answer whole within `timeout_s` (a server that trickles its answer is cut off);
     a transient failure is tried again `retries` times, waiting BACKOFF_S, 2 x BACKOFF_S, ...
     between attempts, or what a Retry-After header asks for when longer (up to `timeout_s`: a
     server that wants a longer pause is down for this batch). With `breaker`, no attempt is made
     while it is open. Unreachable when no attempt gave a JSON answer; ServiceError when the server
     refused the request (HTTP 4xx: what it carried, not the server, is at fault)."""
-    body = json.dumps(payload).encode()
+    body = None if payload is None else json.dumps(payload).encode()
     breaker = breaker or Breaker(math.inf)  # a breaker of its own never opens: only this call's retries
     wait_s = 0.0
     for attempt in range(retries + 1):
@@ -145,8 +145,8 @@ def _within(timeout_s: float, fn, *args):
     return value
 
 
-def _post_once(url: str, body: bytes, timeout_s: float, headers: dict):
-    request = urllib.request.Request(url, data=body, method="POST",
+def _post_once(url: str, body: bytes | None, timeout_s: float, headers: dict):
+    request = urllib.request.Request(url, data=body, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json", **headers})
     deadline = time.monotonic() + timeout_s
     try:
@@ -165,7 +165,7 @@ def _post_once(url: str, body: bytes, timeout_s: float, headers: dict):
         raise _Transient(f"{url} gave no whole answer within {timeout_s:g} s ({type(e).__name__}: {e})") from None
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
         raise Unreachable(f"{url} answered with something that is not JSON: {raw[:120]!r}") from None
 
 

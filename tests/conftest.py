@@ -22,9 +22,9 @@ FAST_FILES = {
     "test_config_history.py", "test_data.py", "test_delivery.py", "test_distillation.py", "test_dynamic_sampling.py",
     "test_export.py", "test_flops.py", "test_generation_settings.py", "test_gpu_configs.py", "test_kl_reward.py",
     "test_logprobs.py", "test_lora_settings.py", "test_losses.py", "test_mismatch.py", "test_mixture.py",
-    "test_models.py", "test_procedural.py", "test_rollout.py", "test_run_integrity.py", "test_sampler_step.py",
-    "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py", "test_skipping_adamw.py",
-    "test_transport.py",
+    "test_models.py", "test_procedural.py", "test_remote_teacher.py", "test_rollout.py", "test_run_integrity.py",
+    "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",
+    "test_skipping_adamw.py", "test_transport.py",
 }
 
 

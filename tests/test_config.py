@@ -156,6 +156,14 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["distill.teacher=x", "sampling.dynamic_sampling=true"], "with distill.teacher and distill.with_rewards=false "
      "the rewards do not enter the advantages"),
     (["distill.coef=0"], "distill.coef must be > 0; got 0"),
+    (["distill.teacher_url=http://h:8000/v1", "sampling.temperature=1.0"], "distill.teacher_url needs distill.teacher"),
+    (["distill.teacher=x", "distill.teacher_url=h:8000/v1", "sampling.temperature=1.0"],
+     "distill.teacher_url must be an http:// or https:// URL, e.g. http://host:8000/v1; got 'h:8000/v1'"),
+    (["distill.teacher=x", "distill.teacher_url=http://h:8000/v1"], "distill.teacher_url: the server's prompt "
+     "log-probs are the teacher's at temperature 1, and the student samples at sampling.temperature=0.9"),
+    (["distill.timeout_s=0"], "distill.timeout_s must be > 0; got 0"),
+    (["distill.teacher=x", "distill.served_name=y"], "distill.served_name names the teacher on its server: it needs "
+     "distill.teacher_url"),
     (["training.max_token_age=-2"], "training.max_token_age must be >= 0 or -1 (-1 = off); got -2"),
     (["training.max_token_age=1", "weights.publish_every=3", "sampling.max_staleness=2"],
      "training.max_token_age=1 with weights.publish_every=3 would leave every token of some steps out of the loss"),

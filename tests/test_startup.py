@@ -13,9 +13,12 @@ import time
 
 import psutil
 from helpers import command_line
+from teacher_server import serve_teacher
 from test_launch import launch
 
 from grpo.commands.local import EXIT_SAMPLER_FAILED
+from grpo.config import ModelConfig
+from grpo.model.loading import load_model
 from grpo.run.watchdog import catches_sigusr1, is_worker, where
 from grpo.trainer.build_locks import LockWaitReporter, build_locks, clear_stale_locks, lock_holders
 
@@ -157,6 +160,29 @@ def test_a_reward_that_fails_on_every_sample_stops_the_launch_with_its_line(tmp_
     assert shown.startswith("===== launch ") and "grpo.workers.sampler" in shown.splitlines()[0]
     assert (f"reward {tmp_path}/my_rewards.py:exact failed on all 8 samples in each of the last 2 steps: KeyError: "
             f"'solution' ({tmp_path}/my_rewards.py:2, in exact); stopped.") in shown
+
+
+def test_a_teacher_server_that_answers_wrongly_stops_the_launch_naming_what_it_sent(tmp_path, digit_model_dir,
+                                                                                    tiny_gsm8k, tiny_model_dir):
+    """distill.teacher_url passes the sampler's checks at start, then answers the first step's request with a
+    log-prob above 0: the run stops at once, the console naming the server, the token and what it sent, never
+    training on it."""
+    def wrong(reply, n):
+        if n > 1:  # after the check at start
+            entry = reply["choices"][0]["prompt_logprobs"][-1]
+            next(iter(entry.values()))["logprob"] = 2.5
+        return reply
+
+    teacher = load_model(ModelConfig(name_or_path=str(tiny_model_dir))).eval()
+    with serve_teacher(teacher, name="the-teacher", answer=wrong) as (url, requests):
+        proc = launch(tmp_path / "run", digit_model_dir, tiny_gsm8k, "training.steps=3", "sampling.temperature=1.0",
+                      f"distill.teacher={tiny_model_dir}", f"distill.teacher_url={url}",
+                      "distill.served_name=the-teacher")
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_SAMPLER_FAILED, out
+    assert re.search(rf"distill.teacher_url={re.escape(url)}: sequence 0, completion token \d+ \(id \d+\): no "
+                     r"log-prob of that token in its entry, or not a number in \[-1000, 0\] .*'logprob': 2.5", out), out
+    assert len(requests) == 2 and "done:" not in out  # the check, then the first step's request
 
 
 def wait_for_line(path, text: str, timeout: float = 180, skip: int = 0) -> None:

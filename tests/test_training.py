@@ -12,11 +12,12 @@ from conftest import PROCESS_CONFIG, REPO
 from helpers import free_tcp_address
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
+from teacher_server import serve_teacher
 from test_sampling_worker import start_sampler
 from transformers import AutoModelForCausalLM
 
-from grpo.config import LoraConfig
-from grpo.model.loading import add_lora
+from grpo.config import LoraConfig, ModelConfig
+from grpo.model.loading import add_lora, load_model
 from grpo.run.ports import free_local_port
 from grpo.run.tracking import run_id
 from grpo.weights.folder import read_latest, version_dir
@@ -202,21 +203,30 @@ def test_a_lora_checkpoint_holds_what_trains_and_resumes_to_the_uninterrupted_ru
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
+@pytest.mark.parametrize("served", [True, False], ids=["served-teacher", "teacher-in-the-sampler"])
 def test_a_users_estimator_and_loss_a_teacher_and_the_kl_in_the_reward_train_two_steps(tmp_path, digit_model_dir,
-                                                                                      tiny_model_dir, tiny_gsm8k):
+                                                                                      tiny_model_dir, tiny_gsm8k,
+                                                                                      served):
     """training.advantage and training.loss as import paths (tests/test_advantages.py:double_the_centred,
     tests/test_losses.py:my_ppo_clip) with the entropy bonus, a teacher (distill.teacher, with the rewards'
     advantage) and the KL in the reward: the sampler makes the advantages with the user's estimator and ships
     the teacher's log-probs, the trainer recomputes the advantages with the estimator before it trains, and two
     steps update the adapter.
-    The teacher (the tiny model before its head was taught digits) finds the digits the student samples
-    unlikely: the reverse KL is large."""
-    rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2",
-                    "training.advantage=tests/test_advantages.py:double_the_centred",
-                    "training.loss=tests/test_losses.py:my_ppo_clip", "training.entropy_coef=0.01",
-                    f"distill.teacher={tiny_model_dir}", "distill.with_rewards=true", "training.kl_in=reward",
-                    "training.kl_estimator=k1", "training.reference_on=sampler", "training.beta=0.5", *LEARNING)
+    The teacher (the tiny model before its head was taught digits), loaded in the sampler or served
+    (distill.teacher_url: a server in vLLM's answer shape, tests/teacher_server.py), finds the digits the student
+    samples unlikely: the reverse KL is large. A served one is asked once at start, then for each step's
+    completions."""
+    teacher = load_model(ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")).eval()
+    with serve_teacher(teacher, name=str(tiny_model_dir)) as (url, requests):
+        rows = run_both(tmp_path, digit_model_dir, tiny_gsm8k, "training.steps=2",
+                        "training.advantage=tests/test_advantages.py:double_the_centred",
+                        "training.loss=tests/test_losses.py:my_ppo_clip", "training.entropy_coef=0.01",
+                        f"distill.teacher={tiny_model_dir}", "distill.with_rewards=true", "training.kl_in=reward",
+                        "training.kl_estimator=k1", "training.reference_on=sampler", "training.beta=0.5", *LEARNING,
+                        *([f"distill.teacher_url={url}", "sampling.temperature=1.0"] if served else []))
     assert [r["step"] for r in rows] == [1, 2] and all(r["entropy"] > 0 for r in rows)
+    sent = [len(r["prompt"]) for r in requests[1:]]  # after the check at start: each step's 2 x 8 completions
+    assert (len(sent) >= 2 and all(n == 16 for n in sent)) if served else not requests, sent
     assert all(r["distill/reverse_kl"] > 1.0 for r in rows), rows
     # the KL penalty column, recomputed by the trainer from the batch's log-probs before it trained on it:
     # -beta x the summed KL of the engine's log-probs to the reference's (those of the weights served, the

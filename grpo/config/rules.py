@@ -12,6 +12,7 @@ import ipaddress
 import math
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -75,7 +76,30 @@ def _distill_errors(cfg: Config) -> list[str]:
     if distill.teacher and not distill.with_rewards and cfg.training.kl_in == "reward" and cfg.training.beta > 0:
         errors.append("training.kl_in=reward puts the KL in the rewards' advantage, which distill.with_rewards=false "
                       "leaves out: the run would have no KL term; set training.kl_in=loss or distill.with_rewards=true")
+    if distill.served_name and distill.teacher_url is None:
+        errors.append("distill.served_name names the teacher on its server: it needs distill.teacher_url")
+    if distill.teacher_url is not None:
+        if not distill.teacher:
+            errors.append("distill.teacher_url needs distill.teacher: the model the server serves (its tokenizer "
+                          "is checked against the model's; the requests name it unless distill.served_name is set)")
+        if not distill.teacher_url.startswith(("http://", "https://")) or not _has_valid_port(distill.teacher_url):
+            errors.append(f"distill.teacher_url must be an http:// or https:// URL, e.g. http://host:8000/v1; got "
+                          f"{distill.teacher_url!r}")
+        if cfg.sampling.temperature != 1.0:
+            errors.append("distill.teacher_url: the server's prompt log-probs are the teacher's at temperature 1, "
+                          "and the student samples at sampling.temperature="
+                          f"{cfg.sampling.temperature:g}; set sampling.temperature=1.0, or load the teacher in the "
+                          "sampler (distill.teacher without teacher_url), where it is scored at the sampling "
+                          "temperature")
     return errors
+
+
+def _has_valid_port(url: str) -> bool:
+    try:
+        urllib.parse.urlsplit(url).port  # ValueError for a port that is not a number in 0 .. 65535
+    except ValueError:
+        return False
+    return True
 
 
 def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[str]:

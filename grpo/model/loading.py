@@ -16,7 +16,7 @@ from grpo.common.sources import EMBEDDED_MODELS, ModelError
 from grpo.settings import ALL_LINEAR
 
 if TYPE_CHECKING:
-    from grpo.settings import Config
+    from grpo.settings import Config, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,18 @@ def load_teacher(cfg: Config, tokenizer, device: str | torch.device = "cpu", voc
     model's (the teacher scores the model's token ids, which must mean the same text to both) and its head
     covers every id the model can sample (`vocab_size`, the model's; default the tokenizer's)."""
 
+    teacher_cfg = check_teacher_tokenizer(cfg, tokenizer)
+    teacher = load_model(teacher_cfg, device).eval()
+    needed = vocab_size or len(tokenizer)
+    if teacher.config.vocab_size < needed:
+        raise ModelError(f"distill.teacher={cfg.distill.teacher} has {teacher.config.vocab_size} output tokens, "
+                         f"fewer than the {needed} the model can sample")
+    return teacher
+
+
+def check_teacher_tokenizer(cfg: Config, tokenizer) -> ModelConfig:
+    """distill.teacher's model settings, once its tokenizer is found to be the model's: ModelError naming the
+    first difference otherwise (the teacher scores the model's token ids, in the sampler or on its server)."""
     teacher_cfg = dataclasses.replace(cfg.model, name_or_path=cfg.distill.teacher, gradient_checkpointing=False,
                                       dtype=cfg.sampler_dtype, chat_template=None)
     problem = tokenizer_difference(tokenizer, load_tokenizer(teacher_cfg))
@@ -87,12 +99,7 @@ def load_teacher(cfg: Config, tokenizer, device: str | torch.device = "cpu", voc
                          f"model.name_or_path={cfg.model.name_or_path}: {problem}. The teacher scores the model's "
                          "tokens, so both need one tokenizer (a teacher of the same family, e.g. Qwen3-8B for "
                          "Qwen3-0.6B).")
-    teacher = load_model(teacher_cfg, device).eval()
-    needed = vocab_size or len(tokenizer)
-    if teacher.config.vocab_size < needed:
-        raise ModelError(f"distill.teacher={cfg.distill.teacher} has {teacher.config.vocab_size} output tokens, "
-                         f"fewer than the {needed} the model can sample")
-    return teacher
+    return teacher_cfg
 
 
 def tokenizer_difference(student, teacher) -> str:

@@ -82,6 +82,7 @@ ALLOWED = (
     "training.importance_sampling", "training.importance_sampling_cap", "training.max_token_age", "training.loss",
     "training.sapo_temperature_pos", "training.sapo_temperature_neg", "training.entropy_coef",
     "training.shared_prefix", "training.verify_shared_prefix", "distill.coef", "distill.with_rewards",
+    "distill.teacher_url", "distill.served_name", "distill.timeout_s", "distill.api_key_env",
     "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
 )

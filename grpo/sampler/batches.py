@@ -34,6 +34,7 @@ from grpo.sampler.episode_records import episode_metrics
 from grpo.sampler.failures import FailedOnAll, FailureStreaks
 from grpo.sampler.generation import generate_completions
 from grpo.sampler.metrics import sampler_metrics
+from grpo.sampler.remote_teacher import RemoteTeacher
 from grpo.sampler.rollout import RolloutEngine, Rollouts
 from grpo.sampler.shown_completions import shown_completions
 from grpo.wire.batch import RolloutBatch
@@ -58,7 +59,7 @@ class SamplerModels:
     services: ServiceSettings  # what the service rewards need, likewise
     episodes: Any | None = None  # grpo.sampler.episodes.EpisodeRunner with env.name: multi-turn episodes
     sandbox: Any | None = None  # rewards.sandbox.RewardSandbox the rewards run in (None: in this process)
-    teacher: Any | None = None  # distill.teacher's model: it scores every sampled token
+    teacher: Any | None = None  # distill.teacher's model or its server (RemoteTeacher): it scores every sampled token
 
     @classmethod
     def of(cls, cfg: Config, engine: RolloutEngine, model, reference, tokenizer, behaviour: dict,
@@ -251,7 +252,7 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
                 ref_logps = completion_logprobs(policy.model, *args, **kwargs)
         elif policy.reference is not None:
             ref_logps = completion_logprobs(policy.reference, *args, **kwargs)
-        teacher_logps = completion_logprobs(policy.teacher, *args, **kwargs) if policy.teacher is not None else None
+        teacher_logps = teacher_logprobs(policy.teacher, args, kwargs)
     gap = None
     if recomputed is not None:  # over the model's tokens: an episode's environment tokens hold placeholders
         masks = rollouts.model_masks or [torch.ones(len(c), dtype=torch.bool) for c in rollouts.completion_ids]
@@ -260,6 +261,16 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
         gap = max(((a - b.float().cpu()).abs()[m].max().item() for a, b, m in zip(rollouts.logps, recomputed, masks)
                    if m.any()), default=0.0)
     return (rollouts.logps if recorded else recomputed), ref_logps, teacher_logps, gap
+
+
+def teacher_logprobs(teacher, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+    """distill.teacher's log-probs of the completions (None without a teacher): from its server (at temperature
+    1, the config's rule), or its model's shared-prefix forward, as the policy's."""
+    if teacher is None:
+        return None
+    if isinstance(teacher, RemoteTeacher):
+        return teacher.completion_logprobs(*args)
+    return completion_logprobs(teacher, *args, **kwargs)
 
 
 def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, metrics_so_far: dict[str, float],

@@ -282,6 +282,14 @@ class DistillConfig:
         "log-prob), in each token's advantage.", bound="> 0")
     with_rewards: bool = setting(False, "Add the rewards' advantage to the teacher's signal; false: the teacher's "
         "alone (the rewards are still scored and logged).")
+    teacher_url: Optional[str] = setting(None, "The teacher served elsewhere: an OpenAI-compatible server with prompt "
+        "log-probs (vLLM's), e.g. http://host:8000/v1. Unset: loaded in the sampler.")
+    served_name: str = setting("", "distill.teacher_url: the name the server serves the teacher under; '' = "
+        "distill.teacher (which is still loaded here for its tokenizer).")
+    timeout_s: float = setting(120.0, "distill.teacher_url: seconds the server has to answer one request (up to 16,384 "
+        "tokens); then, or when busy, it is asked again, up to 8 times (about 2 minutes of pauses).", bound="> 0")
+    api_key_env: str = setting("", "distill.teacher_url: the environment variable that holds the server's API key "
+        "(sent as a Bearer token); '' = no key.")
 
 
 @dataclass

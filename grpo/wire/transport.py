@@ -2,10 +2,10 @@
 chosen by the address's scheme.
 
 A transport is a module with a sender (`connect(address, high_water_mark, send_timeout_s)`, then
-`send(frames)`, raising TransportTimeout when nobody takes them) and a receiver (`bind(address,
-high_water_mark, max_bytes)`, raising AddressInUse, then `receive(timeout_s) -> frames | None`),
-both with `close()`; TRANSPORTS names it for each scheme. ZeroMQ serves tcp://, ipc:// and
-inproc:// (grpo/wire/zmq_transport.py).
+`send(frames)`, raising TransportTimeout when nobody takes them; `close(flush)`, flush=False dropping what
+is queued) and a receiver (`bind(address, high_water_mark, max_bytes)`, raising AddressInUse, then
+`receive(timeout_s) -> frames | None`; `close()`); TRANSPORTS names it for each scheme. ZeroMQ serves
+tcp://, ipc:// and inproc:// (grpo/wire/zmq_transport.py).
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class BatchSender:
     def send_frames(self, frames: list[bytes]) -> None:
         self._frames.send(frames)
 
-    def close(self) -> None:
-        self._frames.close()
+    def close(self, flush: bool = True) -> None:
+        """flush: wait up to send_timeout_s for queued batches to leave; False drops them (they are spooled)."""
+        self._frames.close(flush)
 
 
 class BatchReceiver:

@@ -28,8 +28,9 @@ class Sender:
             raise TransportTimeout(f"no trainer is receiving on {self.address} after {self.send_timeout_s:g} s "
                                    "(is the trainer running with the same transport.address?)") from None
 
-    def close(self) -> None:
-        self._socket.close()
+    def close(self, flush: bool = True) -> None:
+        """flush=False drops what is still queued: the sampler keeps it in its spool, for the next start."""
+        self._socket.close(linger=None if flush else 0)
         self._context.term()
 
 

@@ -48,7 +48,7 @@ from grpo.data.problems import load_split
 from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
-from grpo.model.loading import add_lora, load_model, load_teacher, load_tokenizer
+from grpo.model.loading import add_lora, check_teacher_tokenizer, load_model, load_teacher, load_tokenizer
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
 from grpo.rewards.reward_model import RewardModelError
@@ -65,6 +65,7 @@ from grpo.sampler.batches import SamplerModels
 from grpo.sampler.episodes import TemplateRoleError, episode_runner
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
+from grpo.sampler.remote_teacher import RemoteTeacher, TeacherServerError
 from grpo.sampler.rollout import make_engine
 from grpo.sampler.sampling_step import SamplerRun, in_flight_poll, run_step
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
@@ -97,7 +98,7 @@ def main(argv: list[str]) -> int:
             eval_prompts = evaluation_prompts(cfg, policy.tokenizer) if cfg.eval.every and sampler == 0 else None
             start_services(cfg.rewards.names, policy.services)
         except (RunFolderError, SourceError, TemplateRoleError, IsolationError, ServiceStartError,
-                RewardModelError) as e:
+                RewardModelError, TeacherServerError) as e:
             log.error("%s", e)
             return 2
         return sample(cfg, run_dir, policy, sources, prompts, eval_prompts)
@@ -134,30 +135,35 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
         policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=run_secret(cfg.transport.secret, run_dir))
-    redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
-                            sender.signature_problem)
-    evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
-
-    end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
-    loop = SamplerRun(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator, start_step,
-                       end_step)
+    flushed = False
     try:
-        for step in range(start_step, end_step):
-            run_step(loop, step)
-    except AlwaysFailing as e:  # a reward or an environment that never works: one line, not a run of hours
-        log.error("%s", e)
-        return EXIT_REWARD_FAILED if isinstance(e, RewardAlwaysFails) else EXIT_ENVIRONMENT_FAILED
-    except SpoolError as e:  # a spooled batch that is not the run's own, or unreadable: never sent
-        log.error("%s", e)
-        return 2
+        redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
+                                sender.signature_problem)
+        evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
+        end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
+        loop = SamplerRun(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator,
+                          start_step, end_step)
+        try:
+            for step in range(start_step, end_step):
+                run_step(loop, step)
+        except AlwaysFailing as e:  # a reward or an environment that never works: one line, not a run of hours
+            log.error("%s", e)
+            return EXIT_REWARD_FAILED if isinstance(e, RewardAlwaysFails) else EXIT_ENVIRONMENT_FAILED
+        except (SpoolError, TeacherServerError) as e:  # a spooled batch not the run's own or unreadable (never
+            log.error("%s", e)  # sent); the teacher's server down or answering wrongly after its retries
+            return 2
 
-    redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
-    if evaluator is not None:
-        evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)
-    sender.close()
-    policy.engine.close()
-    log.info("done: %d steps", end_step)
-    return 0
+        redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
+        if evaluator is not None:
+            evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)
+        sender.close()  # after what is queued has left (within transport.send_timeout_s)
+        flushed = True
+        policy.engine.close()
+        log.info("done: %d steps", end_step)
+        return 0
+    finally:
+        if not flushed:  # any other way out: what is queued is spooled, for the next start; no wait for a trainer
+            sender.close(flush=False)
 
 
 # ----------------------------------------------------------------------------- the steps of main
@@ -175,14 +181,31 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
-    teacher = load_teacher(cfg, tokenizer, device, base.config.vocab_size) if cfg.distill.teacher else None
-    if teacher is not None:  # its log-probs come from the same shared-prefix forward
-        check_supported(teacher, cfg, f"distill.teacher={cfg.distill.teacher}")
+    teacher = load_distill_teacher(cfg, tokenizer, device, base.config.vocab_size)
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
                            episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),
                            teacher=teacher)
     return policy, sources
+
+
+def load_distill_teacher(cfg: Config, tokenizer, device, vocab_size: int):
+    """distill.teacher: its server, checked to answer prompt log-probs (distill.teacher_url), or its model, scored
+    with the same shared-prefix forward as the policy; None without a teacher."""
+    if not cfg.distill.teacher:
+        return None
+    if cfg.distill.teacher_url:
+        check_teacher_tokenizer(cfg, tokenizer)
+        teacher = RemoteTeacher(cfg.distill.teacher_url, cfg.distill.served_name or cfg.distill.teacher,
+                                cfg.distill.timeout_s, cfg.distill.api_key_env)
+        longest = max(source.max_prompt_tokens for source in source_configs(cfg.data)) + cfg.sampling.max_new_tokens
+        teacher.check(tokenizer.encode("The teacher scores these tokens.", add_special_tokens=False), longest,
+                      decode=lambda token: tokenizer.decode([token]))
+        log_milestone(log, "distill.teacher=%s answers prompt log-probs at %s", teacher.model, teacher.url)
+        return teacher
+    teacher = load_teacher(cfg, tokenizer, device, vocab_size)
+    check_supported(teacher, cfg, f"distill.teacher={cfg.distill.teacher}")
+    return teacher
 
 
 def source_prompts(cfg: Config, tokenizer, source, k: int) -> list:

@@ -503,8 +503,9 @@ def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
 
 @needs_vllm
 @pytest.mark.parametrize("training", [["lora.r=8", "distill.teacher=smollm2-135m-instruct"],
-                                      ["lora.enabled=false", "training.reference_on=sampler"]],
-                         ids=["lora-teacher", "full"])
+                                      ["lora.enabled=false", "training.reference_on=sampler",
+                                       "distill.teacher=smollm2-135m-instruct"]],
+                         ids=["lora-teacher", "full-teacher"])
 def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
     """LoRA adapters swapped in, or the full weights reloaded in place (collective_rpc reload_weights)
     between the two steps. With a teacher that is the starting model: the first step's completions are the

@@ -128,7 +128,7 @@ class RemoteTeacher:
         """Each job's log-probs, IN_FLIGHT requests at a time. The first failure is raised at once: no further
         request starts, and those in flight are left to their daemon threads (each ends with its time limit)."""
         done: queue.Queue = queue.Queue()
-        waiting, answers, running = iter(enumerate(jobs)), {}, 0
+        waiting, answers = iter(enumerate(jobs)), {}
 
         def work(i: int, job: tuple) -> None:
             try:

@@ -18,11 +18,13 @@ PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests ru
 # the files whose tests start no process or rank (but those marked slow in them): every other file's
 # tests are slow; `pytest -m "not slow"` runs the rest in about a minute (tests/README.md)
 FAST_FILES = {
-    "test_advantages.py", "test_architecture.py", "test_calculator.py", "test_codec.py", "test_config.py",
-    "test_config_history.py", "test_data.py", "test_delivery.py", "test_distillation.py", "test_dynamic_sampling.py",
-    "test_export.py", "test_flops.py", "test_generation_settings.py", "test_gpu_configs.py", "test_kl_reward.py",
-    "test_logprobs.py", "test_lora_settings.py", "test_losses.py", "test_mismatch.py", "test_mixture.py",
-    "test_models.py", "test_procedural.py", "test_remote_teacher.py", "test_rollout.py", "test_run_integrity.py",
+    "test_advantages.py", "test_agent_bridge.py", "test_agent_history.py", "test_agent_messages.py",
+    "test_agent_tokens.py", "test_architecture.py",
+    "test_calculator.py", "test_codec.py", "test_config.py", "test_config_history.py", "test_data.py",
+    "test_delivery.py", "test_distillation.py", "test_dynamic_sampling.py", "test_export.py", "test_flops.py",
+    "test_generation_settings.py", "test_gpu_configs.py", "test_kl_reward.py", "test_logprobs.py",
+    "test_lora_settings.py", "test_losses.py", "test_mismatch.py", "test_mixture.py", "test_models.py",
+    "test_procedural.py", "test_remote_teacher.py", "test_rollout.py", "test_run_integrity.py",
     "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",
     "test_skipping_adamw.py", "test_transport.py",
 }

@@ -97,7 +97,7 @@ def imports_between(importer: str, imported: tuple[str, ...]) -> dict[str, set[s
     return found
 
 
-REST_OF_GRPO = tuple(f"grpo.{name}" for name in ("api", "cli", "commands", "config", "environments", "model",
+REST_OF_GRPO = tuple(f"grpo.{name}" for name in ("agent", "api", "cli", "commands", "config", "environments", "model",
                                                   "objective", "run", "sampler", "settings", "trainer", "weights",
                                                   "wire", "workers"))
 

@@ -185,8 +185,17 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["launch.max_minutes=-5"], "launch.max_minutes must be >= 0 (0 = no limit); got -5.0"),
     (["checkpoint.resume=true"], "checkpoint.resume must be auto, never or a checkpoint folder"),
     (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
-    (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment gives its "
-                                                              "episodes, and env.name is empty: set env.name"),
+    (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment (or your "
+                                                              "agent loop) gives its episodes, and env.name and "
+                                                              "agent.entrypoint are empty: set one"),
+    (["agent.entrypoint=my_agent.solve"], "agent.entrypoint must be 'package.module:function' or "
+                                          "'path/to/file.py:function'; got 'my_agent.solve'"),
+    (["agent.entrypoint=my_agent:solve", "data.prefill=", "env.name=calculator"],
+     "agent.entrypoint runs your own agent loop, and env.name=calculator runs episodes of an environment: set one "
+     "of them"),
+    (["agent.entrypoint=my_agent:solve"], "data.prefill starts each model turn with fixed text, and "
+                                          "agent.entrypoint's turns start where your loop's messages leave them: "
+                                          "unset data.prefill"),
     (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, tools, "
                         "openenv:package.module:Class, openenv+http://host:port, package.module:factory, "
                         "path/to/file.py:factory"),
@@ -471,7 +480,7 @@ def test_every_declared_choice_refuses_other_values_with_one_text():
     from grpo.settings.tree import field_problems, get_key
 
     choices = {key: options for key, options, _ in declared("choices")}
-    assert len(choices) == 22 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
+    assert len(choices) == 23 and choices["training.aggregation"] == ("grpo", "dapo", "dr_grpo")
     for key, options in choices.items():
         *parents, leaf = key.split(".")
         for value in options:

@@ -223,6 +223,47 @@ def test_episodes_on_vllm_record_the_trainers_log_probs_of_every_model_turn(serv
 
 
 @needs_vllm
+def test_agent_sessions_on_vllm_record_the_trainers_log_probs_of_every_turn_the_sdk_received(served):
+    """Your own agent loop (grpo/agent/runner.py) on vLLM: a two-turn openai-SDK harness, each turn a request
+    of the async engine; the row is the first request's render, then every turn as sampled, the harness's
+    messages between them masked; the recorded log-probs are the trainer's recompute within the bound."""
+    import openai
+
+    from grpo.agent.runner import AgentRunner
+
+    cfg, model, tokenizer, engine, _ = served
+    prompts = chat_prompts(tokenizer)
+
+    def agent(row, base_url, key):
+        api = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        messages = [{"role": "user", "content": row["question"]}]
+        for _ in range(2):
+            reply = api.chat.completions.create(model="policy", messages=messages)
+            if reply.choices[0].finish_reason == "length":
+                break
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        return 1.0
+
+    settings = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=2"]).agent
+    runner = AgentRunner(settings, tokenizer, 96, 256, "policy", entrypoint=agent)
+    try:
+        run = runner.run(engine, prompts, 3, seed=5)
+    finally:
+        runner.close()
+    assert [p.token_ids for p in run.prompts] == [p.token_ids for p in prompts]  # the same chat, rendered alike
+    assert any(e.turns == 2 for e in run.episodes)
+    assert all(set(e.breaks) <= {"context_length_exceeded"} and not e.environment_failed for e in run.episodes)
+    assert sum(sum(e.continued.values()) for e in run.episodes) == sum(e.turns - 1 for e in run.episodes)
+    with torch.no_grad():
+        recomputed = completion_logprobs(model, [torch.tensor(p.token_ids) for p in run.prompts],
+                                         run.rollouts.completion_ids, [3, 3], temperature=cfg.sampling.temperature)
+    gap = max((a - b)[m].abs().max().item()
+              for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
+    print(f"vLLM agent sessions: largest model-token log-prob gap {gap:.2e}, turns {[e.turns for e in run.episodes]}")
+    assert gap < LOGP_BOUND
+
+
+@needs_vllm
 def test_vllm_episodes_call_a_slow_environment_at_once_and_draw_what_each_draws_alone(served):
     """6 episodes of an environment taking 0.5 s a step, 6 lanes: the calls of different episodes run at
     once while the others decode, and each episode is what its messages draw as requests on their own

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from grpo.agent.runner import rollout_runner
 from grpo.common.model_files import resolve_device
 from grpo.common.run_folder import RunFolder
 from grpo.common.sources import SourceError
@@ -40,7 +41,7 @@ from grpo.rewards.sandbox import reward_sandbox
 from grpo.rewards.strict import checks_of
 from grpo.run.outputs import RunOutputsError, run_config, run_of_weights, version_folder
 from grpo.run.preflight import named_code_problems
-from grpo.sampler.episodes import TemplateRoleError, episode_runner
+from grpo.sampler.episodes import TemplateRoleError
 from grpo.sampler.evaluation import greedy_samples, summary
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.weights.folder import MANIFEST, WeightsError, load_into, verify
@@ -71,7 +72,7 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     problems = problems[:limit] if limit else problems
     prompts, dropped = build_prompts(tokenizer, source_configs(cfg.data)[0], problems, **prompt_options(cfg.env))
     engine = HFEngine(model, tokenizer, cfg.sampling)
-    episodes = episode_runner(cfg, tokenizer)  # with env.name: greedy episodes, judged by their last message
+    episodes = rollout_runner(cfg, tokenizer)  # episodes or agent sessions: greedy, judged by their last message
     # as in training
     sandbox = reward_sandbox(cfg.rewards)
     start = time.perf_counter()
@@ -81,7 +82,7 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
                                      checks=checks_of(cfg.rewards), episodes=episodes, call=sandbox)
     finally:
         if episodes is not None:
-            episodes.pool.close()
+            episodes.close()
         if sandbox is not None:
             sandbox.close()
     result = {"model": cfg.model.name_or_path, "weights": str(weights) if weights else None, "split": split,

@@ -19,6 +19,7 @@ import yaml
 from grpo.config.rules import validate
 from grpo.settings import (
     DEFAULT_SYSTEM_PROMPT,
+    AgentConfig,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -53,10 +54,10 @@ from grpo.settings.tree import all_keys as _all_keys
 from grpo.settings.tree import reference_text as _reference_text
 
 # the tree's names too: importers take the whole config from here
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DeepSpeedConfig",
-           "DistillConfig", "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
-           "RewardsConfig", "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig", "WeightsConfig",
-           "all_keys", "exit_code", "get_key", "help_requested", "load_config", "parse_cli",
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "AgentConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "DeepSpeedConfig", "DistillConfig", "EnvConfig", "EvalConfig", "LaunchConfig", "LoggingConfig", "LoraConfig",
+           "ModelConfig", "RewardsConfig", "RunConfig", "SamplingConfig", "TrainingConfig", "TransportConfig",
+           "WeightsConfig", "all_keys", "exit_code", "get_key", "help_requested", "load_config", "parse_cli",
            "reference_markdown", "reference_text", "save_config", "to_dict"]
 
 Checks = typing.Sequence[typing.Callable[[Config], list[str]]]  # functions of a loaded config -> its problems

@@ -222,9 +222,10 @@ def _reward_errors(cfg: Config) -> list[str]:
     if len(rewards.weights) != len(rewards.names):
         errors.append(f"rewards.weights has {len(rewards.weights)} entries but rewards.names has "
                       f"{len(rewards.names)}; give one weight per reward function")
-    if "env_reward" in [*rewards.names, rewards.accuracy_reward, rewards.format_reward] and not cfg.env.name:
-        errors.append("env_reward is the reward an environment gives its episodes, and env.name is empty: set env.name "
-                      "(e.g. calculator; see docs/environments.md) or use another reward")
+    if ("env_reward" in [*rewards.names, rewards.accuracy_reward, rewards.format_reward] and not cfg.env.name
+            and not cfg.agent.entrypoint):
+        errors.append("env_reward is the reward an environment (or your agent loop) gives its episodes, and env.name "
+                      "and agent.entrypoint are empty: set one (see docs/environments.md) or use another reward")
     for key in ("accuracy_reward", "format_reward"):
         name = getattr(rewards, key)
         if is_service_name(name):
@@ -269,6 +270,26 @@ def _env_errors(cfg: Config) -> list[str]:
                           f"sampling.max_new_tokens, and rewards.names ({', '.join(cfg.rewards.names)}) does not "
                           "hold env_reward: add env_reward to rewards.names (its weight to rewards.weights), or "
                           "unset env.truncated_reward")
+    return errors + _agent_errors(cfg)
+
+
+def _agent_errors(cfg: Config) -> list[str]:
+    """Your own agent loop: its sessions are the episodes, so nothing else may make them."""
+    agent, errors = cfg.agent, []
+    if not agent.entrypoint:
+        return errors
+    if ":" not in agent.entrypoint:
+        errors.append(f"agent.entrypoint must be 'package.module:function' or 'path/to/file.py:function'; got "
+                      f"{agent.entrypoint!r}")
+    if cfg.env.name:
+        errors.append(f"agent.entrypoint runs your own agent loop, and env.name={cfg.env.name} runs episodes of an "
+                      "environment: set one of them")
+    if cfg.data.prefill:
+        errors.append("data.prefill starts each model turn with fixed text, and agent.entrypoint's turns start where "
+                      "your loop's messages leave them: unset data.prefill")
+    if cfg.sampling.stop:
+        errors.append("sampling.stop ends a completion, and an agent's turns end at the chat template's turn end: "
+                      "unset sampling.stop")
     return errors
 
 

@@ -40,6 +40,7 @@ def _call(obj, arguments_keys: tuple[str, ...], required: bool = False) -> ToolC
     return ToolCall(obj["name"], arguments)
 
 
+TOO_DEEP = "the tool call's JSON is nested too deep to read"
 HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's hermes regex
 
 
@@ -50,6 +51,8 @@ def parse_hermes(message: str) -> list[ToolCall]:
             calls.append(_call(json.loads(closed or unclosed), ("arguments",)))
         except json.JSONDecodeError as e:
             calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
+        except RecursionError:  # nested deeper than the parser goes: a model's message must not stop the step
+            calls.append(ToolCall("", {}, TOO_DEEP))
     return calls
 
 
@@ -77,6 +80,9 @@ def parse_llama3_json(message: str) -> list[ToolCall]:
         except json.JSONDecodeError as e:
             if opens or CALL_START.match(text, match.start()):
                 calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
+            break
+        except RecursionError:
+            calls.append(ToolCall("", {}, TOO_DEEP))
             break
         end = match.start() + length
         is_call = isinstance(obj.get("name"), str) and any(k in obj for k in ARGUMENT_KEYS)

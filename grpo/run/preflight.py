@@ -88,7 +88,20 @@ def named_code_problems(cfg: Config) -> list[str]:
     config with it (`parse_cli(..., checks=[named_code_problems])`), so that a mistake stops at the
     start, reported with the config's other problems, never at the first step."""
     return [*_data_problems(cfg.data), *_model_problems(cfg.model.chat_template), *_reward_problems(cfg),
-            *_environment_problems(cfg.env), *_objective_problems(cfg.training)]
+            *_environment_problems(cfg.env), *_objective_problems(cfg.training), *_agent_problems(cfg.agent)]
+
+
+def _agent_problems(agent) -> list[str]:
+    """agent.entrypoint imported now: a function of (row, base_url, api_key)."""
+    from grpo.common.imports import ImportPathError, import_object, is_import_path
+
+    if not agent.entrypoint or not is_import_path(agent.entrypoint):
+        return []
+    try:
+        import_object(agent.entrypoint, "agent.entrypoint")
+    except ImportPathError as e:
+        return [str(e)]
+    return []
 
 
 def _objective_problems(training) -> list[str]:

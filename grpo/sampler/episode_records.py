@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from grpo.sampler.rollout import Rollouts
 
 
@@ -39,11 +41,20 @@ class Episode:
     child_restarts: int = 0  # restarts of the environments' child during its calls (its own hang, say)
     rebuilds: int = 0  # times its environment was made again at a step (lost with the child, a raise, a session)
     replayed_steps: int = 0  # earlier messages replayed in those rebuilds
+    # an agent's session (grpo/agent/runner.py): its requests by how they continued the row (clean, equivalent),
+    # the ones that did not (by reason: grpo/agent/history.py), and its turns the harness never received
+    agent: bool = False
+    continued: dict = field(default_factory=dict)
+    breaks: dict = field(default_factory=dict)
+    undelivered: int = 0
 
     @property
     def environment_failed(self) -> bool:
         """Its environment failed it: it could not open and no step replied, or its rebuilt
-        environment replayed otherwise than it was shown (the episode was ended there)."""
+        environment replayed otherwise than it was shown (the episode was ended there). An agent's session: any
+        failure (its harness raised, gave no reward, or had a request refused)."""
+        if self.agent:
+            return self.env_errors > 0
         return self.replay_mismatch or (self.env_errors > 0 and self.replies == 0)
 
     @property
@@ -75,6 +86,18 @@ class Episodes:
     rows: list[dict]  # the reward rows, each with the episode's `env_reward`
     episodes: list[Episode]
 
+    @classmethod
+    def of(cls, prompts: list, episodes: list[Episode], rows: list[dict]) -> "Episodes":
+        """The episodes as rollouts, with each one's reward row (`rows`: its dataset row, one per episode)."""
+        return cls(prompts=prompts,
+                   rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
+                                     truncated=[e.truncated for e in episodes],
+                                     logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
+                                     model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes]),
+                   texts=[e.last_message for e in episodes],
+                   rows=[{**row, "env_reward": e.reward} for row, e in zip(rows, episodes, strict=True)],
+                   episodes=episodes)
+
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Per-step means over the batch's episodes. env/tool_messages/well_formed_rate: of the model's
@@ -86,6 +109,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     model_tokens = sum(sum(e.model) for e in episodes)
     well_formed = sum(e.well_formed_messages for e in episodes)
     return {**({"env/tool_messages/well_formed_rate": well_formed / call_messages} if call_messages else {}),
+            **(agent_metrics(episodes) if any(e.agent for e in episodes) else {}),
             "env/turns/mean": sum(e.turns for e in episodes) / n,
             "env/turns/max": float(max((e.turns for e in episodes), default=0)),
             "env/tool_calls/mean": calls / n,
@@ -101,3 +125,15 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
             "env/replayed_steps": float(sum(e.replayed_steps for e in episodes)),
             "env/replay_mismatches": float(sum(e.replay_mismatch for e in episodes)),
             "env/model_token_fraction": model_tokens / max(sum(len(e.tokens) for e in episodes), 1)}
+
+
+def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Agents' sessions: their requests that continued the row exactly (clean: the fresh render extends it) or by
+    the reply rule (equivalent), those refused by reason (the prefix rule's, or a limit's), and the turns whose
+    response never reached its client (never trained)."""
+    metrics = {"agent/undelivered_turns": float(sum(e.undelivered for e in episodes))}
+    for name, counts in (("continued", [e.continued for e in episodes]),
+                         ("refused", [e.breaks for e in episodes])):
+        for key in sorted({k for c in counts for k in c}):
+            metrics[f"agent/{name}/{key}"] = float(sum(c.get(key, 0) for c in counts))
+    return metrics

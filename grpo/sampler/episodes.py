@@ -34,7 +34,6 @@ from grpo.environments.lanes import Lanes
 from grpo.environments.pool import ReplayMismatch, shown_digest
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
-from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import episode_loop
 
 if TYPE_CHECKING:
@@ -164,22 +163,28 @@ class EpisodeRunner:
     def pool(self, pool) -> None:
         self._lanes = pool if pool is None or isinstance(pool, Lanes) else Lanes.of(pool)
 
-    def reply_tokens(self, text: str | list[str], role: str, ended_with: int | None = None) -> list[int]:
-        """An environment's message (or several, in one role) as tokens: the template around them,
-        then the next turn's prefill, tokenized as the whole conversation is (`reply_ids`); after the
-        model's turn that ended with token `ended_with` (None: the eos_token). Their text cannot
-        smuggle in special tokens: read as plain text."""
-        with self._tokenizing:
-            return self._reply_tokens(text, role, ended_with)
+    def close(self) -> None:
+        """The environments gone (their child, their server's sessions)."""
+        if self.pool is not None:
+            self.pool.close()
 
-    def _reply_tokens(self, text: str | list[str], role: str, ended_with: int | None) -> list[int]:
+    def reply_tokens(self, text: str | list[str], role: str, ended_with: int | None = None,
+                     prefill: str | None = None) -> list[int]:
+        """An environment's message (or several, in one role) as tokens: the template around them,
+        then the next turn's prefill (`prefill`, default data.prefill), tokenized as the whole conversation
+        is (`reply_ids`); after the model's turn that ended with token `ended_with` (None: the eos_token).
+        Their text cannot smuggle in special tokens: read as plain text."""
+        with self._tokenizing:
+            return self._reply_tokens(text, role, ended_with, self.prefill if prefill is None else prefill)
+
+    def _reply_tokens(self, text: str | list[str], role: str, ended_with: int | None, prefill: str) -> list[int]:
         texts = [text] if isinstance(text, str) else list(text)
         key = (role, ended_with, len(texts))
         end = self.tokenizer.eos_token if ended_with is None else self.tokenizer.decode([ended_with])
         if key not in self._templates:
             self._templates[key] = reply_template(self.tokenizer, role, None if ended_with is None else end,
                                                   len(texts))
-        return reply_ids(self.tokenizer, self._templates[key], texts, self.prefill, end or "", self._specials)
+        return reply_ids(self.tokenizer, self._templates[key], texts, prefill, end or "", self._specials)
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
@@ -213,14 +218,7 @@ class EpisodeRunner:
         mismatched = sum(e.replay_mismatch for e in episodes)
         if mismatched:
             log.warning("%d of %d episodes ended, failed: %s", mismatched, len(episodes), self._mismatch)
-        return Episodes(
-            prompts=prompts,
-            rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
-                              truncated=[e.truncated for e in episodes],
-                              logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
-                              model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes]),
-            texts=[e.last_message for e in episodes],
-            rows=[{**rows[owner[j]], "env_reward": e.reward} for j, e in enumerate(episodes)], episodes=episodes)
+        return Episodes.of(prompts, episodes, [rows[i] for i in owner])
 
     def _opened(self, prompts: list, rows: list[dict], group_size: int, episodes: list[Episode]) -> list:
         """Every episode's environment started; the prompts with their environment's opening message.
@@ -363,7 +361,7 @@ class EpisodeRunner:
 
 def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     """With env.name: the environments (in their child process, or an OpenEnv server's sessions), and the
-    runner of episodes."""
+    runner of episodes (agent.entrypoint's sessions: grpo/agent/runner.py's, which builds on this one)."""
     if not cfg.env.name:
         return None
     from grpo.environments import environment_args, reply_roles

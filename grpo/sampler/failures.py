@@ -69,9 +69,10 @@ class FailureStreaks:
         self.environment = self.environment + 1 if failed.environment else 0
         self.rewards = {name: self.rewards.get(name, 0) + 1 for name in failed.rewards}
         if failed.environment and self.environment >= cfg.env.max_failed_steps > 0:
+            what = f"environment {cfg.env.name}" if cfg.env.name else f"agent {cfg.agent.entrypoint}"
             raise EnvironmentAlwaysFails(
-                f"environment {cfg.env.name} failed on all {failed.samples} episodes in each of the last "
-                f"{self.environment} steps: {failed.environment}; stopped. Fix the environment, or set "
+                f"{what} failed on all {failed.samples} episodes in each of the last "
+                f"{self.environment} steps: {failed.environment}; stopped. Fix the {what.split()[0]}, or set "
                 "env.max_failed_steps=0 to train on with its errors shown to the model")
         for name, error in failed.rewards.items():
             if self.rewards[name] >= cfg.rewards.max_failed_steps > 0:

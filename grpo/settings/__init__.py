@@ -327,6 +327,22 @@ class EnvConfig:
 
 
 @dataclass
+class AgentConfig:
+    entrypoint: str = setting("", "Your own agent loop: 'package.module:function' or 'path/to/file.py:function', "
+        "called per sample with (row, base_url, api_key), sync or async; it talks to the policy over the OpenAI API.")
+    max_turns: int = setting(8, "Model turns per agent session at most; then the session ends (its last turn is "
+        "answered). sampling.max_new_tokens bounds the whole session.", bound="> 0")
+    tool_parser: str = setting("hermes", "How tool calls are read from the model's text into the response's "
+        "tool_calls: hermes or llama3_json.", choices=TOOL_PARSERS)
+    split_reasoning: bool = setting(False, "Return the text before </think> as the message's reasoning (as vLLM's "
+        "--reasoning-parser); false: the whole text is its content.")
+    idle_timeout_s: float = setting(60.0, "Seconds the sampler waits for a session's next request (its first: after "
+        "the harness starts); then the session ends.", bound="> 0")
+    session_timeout_s: float = setting(600.0, "Seconds one session may last, from its harness's start; then it ends "
+        "and its harness is cancelled (a sync one is left to return; its calls are refused).", bound="> 0")
+
+
+@dataclass
 class Config:
     seed: int = setting(0, "Seed for data order, sampling and initialisation.")
     run: RunConfig = field(default_factory=RunConfig)
@@ -338,6 +354,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)

@@ -36,6 +36,7 @@ import sys
 
 import torch
 
+from grpo.agent.runner import rollout_runner
 from grpo.common.files import RunFolderError, ensure_writable
 from grpo.common.imports import user_code_importable
 from grpo.common.model_files import resolve_device
@@ -62,7 +63,7 @@ from grpo.run.progress import log_milestone
 from grpo.run.secret import run_secret
 from grpo.run.start import trained_nothing
 from grpo.sampler.batches import SamplerModels
-from grpo.sampler.episodes import TemplateRoleError, episode_runner
+from grpo.sampler.episodes import TemplateRoleError
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
 from grpo.sampler.remote_teacher import RemoteTeacher, TeacherServerError
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
         if policy is not None and policy.sandbox is not None:
             policy.sandbox.close()
         if policy is not None and policy.episodes is not None:
-            policy.episodes.pool.close()
+            policy.episodes.close()
 
 
 def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], prompts: list,
@@ -184,7 +185,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     teacher = load_distill_teacher(cfg, tokenizer, device, base.config.vocab_size)
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
-                           episodes=episode_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),
+                           episodes=rollout_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),
                            teacher=teacher)
     return policy, sources
 

@@ -4,7 +4,8 @@ new weights loaded between steps, between decode steps with the KV computed agai
 steps on the KV before, or (`--variants token-age`) with in-flight loads and tokens more than a version
 old out of the loss (training.max_token_age) against the whole-sequence bound, or (`--variants objectives`)
 with each advantage estimator and policy loss, or (`--variants distillation --teacher DIR`) distilled from a
-teacher against GRPO; one run after the other on the whole machine, each evaluated at the same marks.
+teacher against GRPO, or (`--variants agent`) through the agent endpoint (an openai-client harness) against
+the sampler's own generation; one run after the other on the whole machine, each evaluated at the same marks.
 
     .venv/bin/python scripts/benchmarks/bench_continuous_learn.py --config configs/needle_haystack.yaml \\
         --minutes 8 --marks 4,8 [--variants in-flight] [key=value ...]
@@ -47,6 +48,10 @@ VARIANT_SETS = {
     # on-policy distillation from --teacher, the teacher's signal alone, against the recipe's GRPO
     "distillation": {"distillation": ["distill.teacher={teacher}"], "grpo": []},
     "distillation-only": {"distillation": ["distill.teacher={teacher}"]},
+    # the needle recipe through the agent endpoint (a plain openai-client harness, one turn begun with the
+    # recipe's prefill) against the sampler's own generation
+    "agent": {"agent endpoint": ["agent.entrypoint=scripts/benchmarks/bench_agent_endpoint.py:answer_begun",
+                                 "data.prefill="], "native": []},
 }
 
 

@@ -1,0 +1,441 @@
+"""Agent sessions as episodes (grpo/agent/runner.py): the real `openai` SDK as the harness, over loopback, against
+the HF engine with a tiny model and SmolLM2's tokenizer and chat template. The rows must be exactly what the engine
+was fed and sampled: the prompt the first request's render, the model's tokens with their behaviour log-probs
+(equal to a recompute), every token the harness or the template wrote masked out."""
+
+import asyncio
+
+import openai
+import pytest
+import torch
+from episode_helpers import sampling_cfg
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.agent.history import as_text
+from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import Prompt
+from grpo.sampler.rollout.hf_engine import HFEngine
+
+QUESTION = "What is 3 plus 4?"
+
+
+@pytest.fixture(scope="module")
+def chatty_agent(chatty_model_dir):
+    """(model, tokenizer, engine) of the digit model that ends its message about one token in eleven."""
+    model = AutoModelForCausalLM.from_pretrained(chatty_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chatty_model_dir)
+    return model, tokenizer
+
+
+def prompts(tokenizer, count=2):
+    """Dataset prompts (the runner replaces each with its sessions' first render)."""
+    return [Prompt(Problem(f"train-{i}", QUESTION, str(7 + i)), tokenizer(QUESTION)["input_ids"]) for i in range(count)]
+
+
+def runner_of(tokenizer, entrypoint, *overrides, max_new_tokens=40):
+    from grpo.agent.runner import AgentRunner
+
+    cfg = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.idle_timeout_s=10",
+                             "agent.session_timeout_s=60", *overrides])
+    return AgentRunner(cfg.agent, tokenizer, max_new_tokens, 256, "policy", entrypoint=entrypoint)
+
+
+def client(base_url, key):
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+
+
+def recomputed(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The model's log-prob of each completion token after the prompt and the completion before it (temperature 1)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def single_turn(row, base_url, key):
+    reply = client(base_url, key).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["question"]}])
+    return 1.0 if row["reference_answer"] in (reply.choices[0].message.content or "") else 0.0
+
+
+def test_a_single_turn_session_is_the_first_requests_render_then_the_sampled_tokens_with_their_logps(chatty_agent):
+    model, tokenizer = chatty_agent
+    runner = runner_of(tokenizer, single_turn)
+    try:
+        run = runner.run(HFEngine(model, tokenizer, sampling_cfg(40)), prompts(tokenizer), 3, seed=5)
+    finally:
+        runner.close()
+    shown = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                          add_generation_prompt=True)
+    expected_prompt = tokenizer(shown, add_special_tokens=False)["input_ids"]
+    assert [p.token_ids for p in run.prompts] == [expected_prompt] * 2
+    for j, e in enumerate(run.episodes):
+        assert e.turns == 1 and e.model == [True] * len(e.tokens) and e.env_errors == 0
+        assert torch.allclose(torch.tensor(e.logps, dtype=torch.float64), recomputed(model, expected_prompt, e.tokens),
+                              atol=1e-4)
+        text = tokenizer.decode(e.tokens, skip_special_tokens=True)
+        assert run.texts[j] == text
+        assert run.rows[j]["env_reward"] == (1.0 if run.rows[j]["reference_answer"] in text else 0.0)
+    assert runner.sessions._sessions == {}  # every session forgotten with the step
+
+
+def test_the_endpoint_samples_the_same_tokens_as_the_engine_for_the_same_prompt_and_seed(chatty_agent):
+    model, tokenizer = chatty_agent
+    runner = runner_of(tokenizer, single_turn)
+    engine = HFEngine(model, tokenizer, sampling_cfg(40))
+    try:
+        run = runner.run(engine, prompts(tokenizer), 3, seed=11)
+    finally:
+        runner.close()
+    direct = engine.generate([p.token_ids for p in run.prompts], 3, seed=11, max_new_tokens=[40, 40])
+    assert [c.tolist() for c in run.rollouts.completion_ids] == [c.tolist() for c in direct.completion_ids]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(run.rollouts.logps, direct.logps))
+
+
+def conversation(turns: int):
+    """A multi-turn harness: after each reply it sends the whole history with a new user message; async."""
+    async def agent(row, base_url, key):
+        api = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+        messages = [{"role": "system", "content": "Answer with digits."}, {"role": "user", "content": row["question"]}]
+        for k in range(turns):
+            reply = await api.chat.completions.create(model="policy", messages=messages)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if reply.choices[0].finish_reason == "length":
+                break
+            messages.append({"role": "user", "content": f"Again, {k}."})
+        await api.close()
+        agent.histories.append(messages)
+        return 0.5
+    agent.histories = []
+    return agent
+
+
+def test_a_multi_turn_session_is_one_row_whose_context_is_the_conversations_render(chatty_agent):
+    model, tokenizer = chatty_agent
+    agent = conversation(3)
+    runner = runner_of(tokenizer, agent, "agent.max_turns=3", max_new_tokens=120)
+    try:
+        run = runner.run(HFEngine(model, tokenizer, sampling_cfg(120)), prompts(tokenizer, 1), 4, seed=2)
+    finally:
+        runner.close()
+    prompt = run.prompts[0].token_ids
+    # the conversations as the harness holds them at the end, rendered whole by the template (the user message it
+    # added after the last turn was never sent)
+    renders = [tokenizer(tokenizer.apply_chat_template(h if h[-1]["role"] == "assistant" else h[:-1], tokenize=False),
+                         add_special_tokens=False)["input_ids"] for h in agent.histories]
+    assert len(renders) == 4 and max(e.turns for e in run.episodes) == 3
+    for e in run.episodes:
+        assert e.reward == 0.5 and e.env_errors == 0 and not e.breaks
+        # the row is the template's render of the whole conversation: each assistant turn as sampled, then the
+        # template's tokens and the harness's message (context, masked); the render adds a newline after the last
+        row = prompt + e.tokens
+        assert sum(r[:len(row)] == row and len(r) == len(row) + 1 for r in renders) >= 1
+        assert e.continued == {"clean": e.turns - 1}
+        drawn = [t for t, m in zip(e.tokens, e.model) if m]
+        assert sum(e.model) == len(drawn) and len(drawn) > 0
+        assert torch.allclose(torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
+                              recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
+        assert all(x == 0.0 for x, m in zip(e.logps, e.model) if not m)
+
+
+def run_agent(chatty_agent, fn, *overrides, group=2, max_new_tokens=40, seed=1):
+    model, tokenizer = chatty_agent
+    runner = runner_of(tokenizer, fn, *overrides, max_new_tokens=max_new_tokens)
+    try:
+        return runner.run(HFEngine(model, tokenizer, sampling_cfg(max_new_tokens)), prompts(tokenizer, 1), group,
+                          seed=seed)
+    finally:
+        runner.close()
+
+
+def test_a_harness_that_sends_nothing_fails_its_samples_and_none_of_their_tokens_is_trained(chatty_agent):
+    run = run_agent(chatty_agent, lambda row, base_url, key: None)
+    assert all(e.environment_failed and e.env_error == "the agent returned without a request" for e in run.episodes)
+    assert all(not any(e.model) for e in run.episodes)  # nobody read those turns
+
+
+def test_a_harness_that_raises_after_its_turn_fails_its_sample_and_keeps_the_turn_it_received(chatty_agent):
+    def raising(row, base_url, key):
+        single_turn(row, base_url, key)
+        raise RuntimeError("tool crashed")
+
+    run = run_agent(chatty_agent, raising)
+    assert all(e.environment_failed and e.env_error == "the agent raised RuntimeError: tool crashed"
+               for e in run.episodes)
+    assert all(all(e.model) and e.turns == 1 for e in run.episodes)  # scored the batch's worst, and trained
+
+
+def test_a_harness_that_edits_its_history_is_refused_by_name_and_its_row_ends_where_it_was(chatty_agent):
+    refused = []
+
+    def editing(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        reply = api.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": "I think it is 12."}, {"role": "user", "content": "Sure?"}]
+        try:
+            api.chat.completions.create(model="policy", messages=messages)
+        except openai.BadRequestError as error:
+            refused.append(error.body)
+        return 1.0 if reply.choices[0].finish_reason == "stop" else 0.0
+
+    run = run_agent(chatty_agent, editing)
+    assert [b["code"] for b in refused] == ["assistant_changed", "assistant_changed"]
+    assert "do not continue this session's conversation (assistant_changed at messages[1])" in refused[0]["message"]
+    for e in run.episodes:
+        assert e.turns == 1 and all(e.model) and e.breaks == {"assistant_changed": 1} and not e.environment_failed
+
+
+def back_and_forth(histories: list, turns: int = 2, as_parts: bool = False):
+    """A harness that answers each turn with a user message, sending our message back as it came (or as OpenAI's
+    list of text parts); `histories` gets each conversation as the model saw it."""
+    def agent(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k in range(turns):
+            reply = api.chat.completions.create(model="policy", messages=messages)
+            content = reply.choices[0].message.content
+            histories.append(messages + [{"role": "assistant", "content": content}])
+            if reply.choices[0].finish_reason == "length":
+                break
+            sent = [{"type": "text", "text": content}] if as_parts else content
+            messages = messages + [{"role": "assistant", "content": sent}, {"role": "user", "content": f"Again, {k}."}]
+        return 1.0
+    return agent
+
+
+def test_content_sent_back_as_text_parts_is_the_same_conversation_and_continues_clean(chatty_agent):
+    model, tokenizer = chatty_agent
+    histories = []
+    run = run_agent(chatty_agent, back_and_forth(histories, as_parts=True), "agent.max_turns=2", group=3,
+                    max_new_tokens=80)
+    renders = [tokenizer(tokenizer.apply_chat_template(as_text(h), tokenize=False),
+                         add_special_tokens=False)["input_ids"] for h in histories]
+    two_turns = [e for e in run.episodes if e.turns == 2]
+    assert two_turns
+    for e in two_turns:
+        assert e.continued == {"clean": 1} and not e.breaks
+        row = run.prompts[0].token_ids + e.tokens
+        assert any(r[:len(row)] == row and len(r) == len(row) + 1 for r in renders)
+
+
+# SmolLM2's template, but its assistant turns end with <|endoftext|> where the model ends them with <|im_end|>: a
+# fresh render never extends the sampled row, and every turn still shows: the row goes on by the reply rule
+OTHER_TURN_END = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']}}"
+                  "{% if message['role'] == 'assistant' %}{{'<|endoftext|>'}}{% else %}{{'<|im_end|>'}}{% endif %}"
+                  "{{'\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def test_a_template_that_writes_our_turn_otherwise_continues_by_the_reply_rule_exactly_as_fed(chatty_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(chatty_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chatty_model_dir)
+    tokenizer.chat_template = OTHER_TURN_END
+    histories = []
+    run = run_agent((model, tokenizer), back_and_forth(histories), "agent.max_turns=2", group=3, max_new_tokens=80)
+    prompt = run.prompts[0].token_ids
+    two_turns = [e for e in run.episodes if e.turns == 2]
+    assert two_turns
+    reply = tokenizer("<|endoftext|>\n<|im_start|>user\nAgain, 0.<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)["input_ids"]
+    for e in two_turns:
+        assert e.continued == {"equivalent": 1} and not e.breaks
+        first = e.model.index(False)
+        assert e.tokens[first:first + len(reply)] == reply and not any(e.model[first:first + len(reply)])
+        assert all(e.model[first + len(reply):])
+        # the log-probs recorded are the model's on this very row: it is what the engine was fed
+        assert torch.allclose(torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
+                              recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
+
+
+def test_two_agents_sharing_one_session_get_one_turn_and_a_conflict(chatty_agent):
+    import threading
+
+    outcomes = []
+
+    def doubled(row, base_url, key):
+        def ask():
+            try:
+                single_turn(row, base_url, key)
+                outcomes.append("turn")
+            except openai.ConflictError as error:
+                outcomes.append(error.body["message"])
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return 1.0
+
+    run = run_agent(chatty_agent, doubled, group=1)
+    assert sorted(outcomes)[1] == "turn" and "one request at a time" in sorted(outcomes)[0]
+    assert run.episodes[0].turns == 1 and all(run.episodes[0].model)
+
+
+def test_an_async_harness_that_never_returns_is_cancelled_at_its_session_time(chatty_agent):
+    model, tokenizer = chatty_agent
+
+    async def stuck(row, base_url, key):
+        await asyncio.to_thread(single_turn, row, base_url, key)
+        await asyncio.sleep(3600)
+
+    runner = runner_of(tokenizer, stuck, "agent.session_timeout_s=3", "agent.idle_timeout_s=1")
+    try:
+        run = runner.run(HFEngine(model, tokenizer, sampling_cfg(12)), prompts(tokenizer, 1), 2, seed=1)
+    finally:
+        runner.close()
+    assert all(e.environment_failed and "did not return within agent.session_timeout_s=3" in e.env_error
+               for e in run.episodes)
+    assert all(all(e.model) for e in run.episodes)  # its turn was received: trained, scored the batch's worst
+
+
+def test_a_turn_begun_by_the_harness_is_continued_and_the_rewards_read_the_whole_message(chatty_agent):
+    """vLLM's continue_final_message: the request ends with an assistant message the model goes on with. The
+    response carries what the model wrote; the next request repeats the whole message, and the rewards score it."""
+    model, tokenizer = chatty_agent
+    replies = []
+
+    def begun(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k in range(2):
+            reply = api.chat.completions.create(
+                model="policy", messages=[*messages, {"role": "assistant", "content": "<think>\n"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+            replies.append(reply.choices[0].message.content)
+            if reply.choices[0].finish_reason == "length":
+                break
+            messages += [{"role": "assistant", "content": "<think>\n" + reply.choices[0].message.content},
+                         {"role": "user", "content": f"Again, {k}."}]
+        return 1.0
+
+    run = run_agent(chatty_agent, begun, "agent.max_turns=2", group=3, max_new_tokens=80)
+    begun_render = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "<think>\n"}], tokenize=False,
+        continue_final_message=True)
+    assert run.prompts[0].token_ids == tokenizer(begun_render, add_special_tokens=False)["input_ids"]
+    assert begun_render.endswith("<|im_start|>assistant\n<think>\n")
+    first_turns = [tokenizer.decode(e.tokens[:e.model.index(False) if False in e.model else len(e.tokens)],
+                                    skip_special_tokens=True) for e in run.episodes]
+    assert all(text in replies for text in first_turns)  # the response holds the model's text alone
+    assert any(e.turns == 2 for e in run.episodes)
+    for j, e in enumerate(run.episodes):
+        assert not e.breaks and not e.environment_failed and sum(e.continued.values()) == e.turns - 1
+        assert run.texts[j].startswith("<think>\n")  # what the rewards score: the whole assistant message
+
+
+def test_a_stream_whose_client_hung_up_is_never_trained_and_its_session_ends(chatty_agent):
+    import http.client
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    def hangs_up(row, base_url, key):
+        url = urlparse(base_url)
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        body = json.dumps({"model": "policy", "stream": True, "messages": [{"role": "user", "content": "Hi"}]})
+        connection.request("POST", f"{url.path}/chat/completions", body,
+                           {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        response = connection.getresponse()  # the stream's headers come at once, before the turn
+        assert response.status == 200
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        return 1.0
+
+    run = run_agent(chatty_agent, hangs_up, group=2)
+    for e in run.episodes:
+        assert e.turns == 1 and e.undelivered == 1 and not any(e.model)  # sampled, never received: not trained
+
+
+def test_harnesses_that_misbehave_fail_alone_and_the_step_goes_on(chatty_agent):
+    """One session's harness sends a history nested past any parser, one stops its interpreter, one rewrites the
+    row it was given: each fails (or is refused) alone, the others' rows and the rewards' rows are untouched."""
+    deep = "[" * 5000 + "]" * 5000
+
+    def varied(row, base_url, key):
+        api = client(base_url, key)
+        row["prompt_turns"].append({"role": "user", "content": "injected"})  # its own copy
+        row["question"] = "changed"
+        messages = [{"role": "user", "content": QUESTION}]
+        reply = api.chat.completions.create(model="policy", messages=messages)
+        kind = varied.kinds.pop()
+        if kind == "deep":
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content,
+                          "tool_calls": [{"id": "c", "type": "function",
+                                          "function": {"name": "f", "arguments": deep}}]},
+                         {"role": "tool", "tool_call_id": "c", "content": "1"}]
+            try:
+                api.chat.completions.create(model="policy", messages=messages)
+            except openai.BadRequestError as error:
+                varied.refused.append(error.body["code"])
+            return 1.0
+        if kind == "exit":
+            raise SystemExit(3)
+        return 1.0
+    varied.kinds, varied.refused = ["deep", "exit", "fine"], []
+
+    run = run_agent(chatty_agent, varied, group=3)
+    assert varied.refused == ["assistant_changed"]
+    assert sorted(e.env_error for e in run.episodes) == ["", "", "the agent raised SystemExit: 3"]
+    assert all(e.turns == 1 and all(e.model) for e in run.episodes)
+    assert all("question" not in row and row["prompt_turns"] == [] for row in run.rows)  # the rewards' rows
+
+
+def test_past_max_turns_a_session_is_cut_and_those_that_open_otherwise_than_their_group_are_left_out(chatty_agent):
+    import itertools
+
+    count = itertools.count()
+
+    def chatty_harness(row, base_url, key):
+        """The first of its group to open is kept; each opens with a system prompt of its own."""
+        api = client(base_url, key)
+        messages = [{"role": "system", "content": f"You are agent {next(count)}."},
+                    {"role": "user", "content": row["question"]}]
+        try:
+            for _ in range(3):
+                reply = api.chat.completions.create(model="policy", messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "Go on."}]
+        except openai.BadRequestError as error:
+            return {"max_turns": 0.5, "group_prompt": None}.get(error.body["code"], 0.0)
+        return 1.0
+
+    run = run_agent(chatty_agent, chatty_harness, "agent.max_turns=2", group=3, max_new_tokens=200)
+    cut = [e for e in run.episodes if e.turns == 2]
+    assert cut and all(e.truncated and e.breaks == {"max_turns": 1} for e in cut)  # cut at the limit
+    left_out = [e for e in run.episodes if e.open_failed]
+    assert len(left_out) == 2 and all(e.breaks == {"group_prompt": 1} and not any(e.model) for e in left_out)
+
+
+def test_turn_by_turn_every_session_waits_for_its_own_harness_only(chatty_agent):
+    import time as clock
+
+    model, tokenizer = chatty_agent
+
+    def slow(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k in range(2):
+            reply = api.chat.completions.create(model="policy", messages=messages)
+            if reply.choices[0].finish_reason == "length":
+                break
+            clock.sleep(1.0)  # the harness thinks
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        return 1.0
+
+    runner = runner_of(tokenizer, slow, "agent.max_turns=2", max_new_tokens=80)
+    engine = HFEngine(model, tokenizer, load_config(None, ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
+                                                           "sampling.continuous_batching=false"]).sampling)
+    try:
+        started = clock.perf_counter()
+        run = runner.run(engine, prompts(tokenizer, 2), 3, seed=4)
+        seconds = clock.perf_counter() - started
+    finally:
+        runner.close()
+    thinking = sum(e.turns for e in run.episodes)  # a second of thinking after every turn but a cut one
+    assert thinking >= 8 and seconds < thinking / 2, (thinking, seconds)
+    prompt = run.prompts[0].token_ids
+    for e in run.episodes[:3]:
+        assert not e.breaks and torch.allclose(
+            torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
+            recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)

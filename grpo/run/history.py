@@ -56,7 +56,8 @@ REFUSED = {
     "sampling.num_workers": "which sampler makes which step: the spools and the trainer's position",
     "weights.dir": "the published versions the spooled batches name",
     "weights.channel": "the published versions the spooled batches name",
-    "env.tools": TASK, "env.args": TASK, "env.tool_parser": TASK,
+    "env.tools": TASK, "env.args": TASK, "env.tool_parser": TASK, "agent.tool_parser": TASK,
+    "agent.split_reasoning": TASK,
 }
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
 # and what the trainer recomputes every batch's advantages with (grpo/trainer/advantage_check.py)
@@ -85,6 +86,7 @@ ALLOWED = (
     "distill.teacher_url", "distill.served_name", "distill.timeout_s", "distill.api_key_env",
     "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
+    "agent.idle_timeout_s", "agent.session_timeout_s",
 )
 NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak",
          "training.loss": "the clip range is training.clip_low/clip_high as this start has them: a loss's own "

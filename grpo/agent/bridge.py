@@ -179,7 +179,7 @@ class Conversation:
 def continues_final(body: dict) -> bool:
     """The request asks the model to go on with its last message, an assistant turn begun by the harness (vLLM's
     continue_final_message): a prefill, which is not part of the history to compare."""
-    return body.get("continue_final_message") is True
+    return body.get("continue_final_message") is True and isinstance(body.get("messages"), list)
 
 
 def history_of(body: dict) -> list[dict]:

@@ -104,7 +104,8 @@ class AgentRunner:
             for agent in agents:  # every session ends with the step: a later request is refused
                 agent.conversation.end()
             executor.shutdown(wait=True)  # the turns' threads see their sessions ended
-            rewards = [self._reward(agent, wait=not crashed) for agent in agents]
+            # a session that never opened is left out whatever its harness says: it is not waited for
+            rewards = [self._reward(agent, wait=not crashed and agent.opened) for agent in agents]
             for agent in agents:
                 self.sessions.forget(agent.session.token)
         episodes = [agent.episode for agent in agents]
@@ -156,6 +157,11 @@ class AgentRunner:
         except AgentError as error:
             self._refuse(agent, error, error.code or "bad_request")
             return
+        except Exception as error:  # a bug's or a request's: this session is refused, the step goes on
+            log.exception("agent session %s: its first request failed", agent.session.token[:6])
+            self._refuse(agent, AgentError(500, f"the sampler failed on this request ({type(error).__name__})",
+                                           kind="server_error"), "server_error")
+            return
         if len(ids) > self.max_prompt_tokens:
             self._refuse(agent, AgentError(400, f"the first request is {len(ids)} tokens, over "
                                                 f"data.max_prompt_tokens={self.max_prompt_tokens}",
@@ -188,7 +194,7 @@ class AgentRunner:
 
     def _reward(self, agent: AgentSession, wait: bool = True) -> float | None:
         """The session's reward: posted to /reward, else returned by the harness (waited for until the session's
-        deadline, unless the step failed; a harness still running then is cancelled, or left to return); None
+        deadline, unless `wait` is False; a harness still running then is cancelled, or left to return); None
         where it gave none."""
         e = agent.episode
         try:

@@ -42,7 +42,7 @@ class Episode:
     rebuilds: int = 0  # times its environment was made again at a step (lost with the child, a raise, a session)
     replayed_steps: int = 0  # earlier messages replayed in those rebuilds
     # an agent's session (grpo/agent/runner.py): its requests by how they continued the row (clean, equivalent),
-    # the ones that did not (by reason: grpo/agent/history.py), and its turns the harness never received
+    # the ones refused (by reason: the prefix rule's, or a limit's), and its turns the harness never received
     agent: bool = False
     continued: dict = field(default_factory=dict)
     breaks: dict = field(default_factory=dict)
@@ -52,7 +52,7 @@ class Episode:
     def environment_failed(self) -> bool:
         """Its environment failed it: it could not open and no step replied, or its rebuilt
         environment replayed otherwise than it was shown (the episode was ended there). An agent's session: any
-        failure (its harness raised, gave no reward, or had a request refused)."""
+        failure (its harness raised or gave no reward, its first request was refused, a turn failed)."""
         if self.agent:
             return self.env_errors > 0
         return self.replay_mismatch or (self.env_errors > 0 and self.replies == 0)

@@ -36,7 +36,7 @@ from grpo.agent.server import SOCKET_TIMEOUT_S, AgentError, AgentServer, Session
 from grpo.agent.tokens import RequestTokens
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
-from grpo.sampler.episodes import EpisodeRunner, episode_runner, turn_seed
+from grpo.sampler.episodes import EpisodeRunner, episode_runner
 from grpo.sampler.rollout.continuous import episode_loop
 
 if TYPE_CHECKING:
@@ -227,35 +227,14 @@ class AgentRunner:
             return self._turn(agents[j], prompts[j // group_size].token_ids, ids, logps, truncated)
 
         prompt_ids = [p.token_ids for p in prompts]
-        # continuous batching off, the HF loop would call each harness in turn: the rounds below wait on all at once
+        # continuous batching off, the HF loop would call each harness in turn: turn by turn waits on all at once
         continuous = getattr(getattr(engine, "cfg", None), "continuous_batching", True)
         loop = episode_loop(engine) if continuous else None
         if loop is not None:
             loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy, executor=executor)
         else:
-            self._turn_by_turn(engine, prompt_ids, group_size, on_turn, executor, seed, greedy)
-
-    def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, executor, seed, greedy):
-        """Where the engine has no episode loop (continuous batching off; a model whose cache cannot continue):
-        each round one `generate` of every live session's next turn from its whole context, the turns handed to
-        their harnesses at once (each waits for its own harness, not for the others')."""
-        out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy,
-                              max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
-        live, turn = list(range(len(prompt_ids) * group_size)), 0
-        contexts = {j: list(prompt_ids[j // group_size]) for j in live}
-        while live:
-            replies = list(executor.map(lambda k: on_turn(live[k], out.completion_ids[k], out.logps[k],
-                                                          bool(out.truncated[k])), range(len(live))))
-            going_on = []
-            for k, (j, reply) in enumerate(zip(live, replies)):
-                if reply is not None:
-                    contexts[j] += out.completion_ids[k].tolist() + reply
-                    going_on.append(j)
-            live, turn = going_on, turn + 1
-            if live:
-                budgets = [self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])) for j in live]
-                out = engine.generate([contexts[j] for j in live], 1, seed=turn_seed(seed, turn), greedy=greedy,
-                                      max_new_tokens=budgets)
+            # a round's turns handed to all their harnesses at once: each waits for its own, not the others'
+            self.episodes._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy, executor=executor)
 
     def _turn(self, agent: AgentSession, prompt: list[int], ids: torch.Tensor, logps: torch.Tensor,
               truncated: bool) -> list[int] | None:

@@ -260,20 +260,25 @@ class EpisodeRunner:
         return self.pool.executor.submit(self._counted, e, "open", key, row)
 
     def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
-                      greedy: bool) -> None:
+                      greedy: bool, executor=None) -> None:
         """Turn 1 for every episode, then each later turn for the live ones, each from its whole context;
-        every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop."""
+        every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop. A round's
+        `on_turn` calls go one at a time, or all at once on `executor`'s threads (agents' sessions, each
+        waiting on its own harness)."""
         out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy,
                               max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
         live, turn = list(range(len(prompt_ids) * group_size)), 0
         contexts = {j: list(prompt_ids[j // group_size]) for j in live}
         while live:
+            def answered(k: int, out=out, live=live) -> list[int] | None:
+                return on_turn(live[k], out.completion_ids[k], out.logps[k], bool(out.truncated[k]))
+
+            ks = range(len(live))
+            replies = list(executor.map(answered, ks) if executor is not None else map(answered, ks))
             going_on = []
-            for k, j in enumerate(live):
-                ids = out.completion_ids[k]
-                reply = on_turn(j, ids, out.logps[k], bool(out.truncated[k]))
+            for k, (j, reply) in enumerate(zip(live, replies)):
                 if reply is not None:
-                    contexts[j] += ids.tolist() + reply
+                    contexts[j] += out.completion_ids[k].tolist() + reply
                     going_on.append(j)
             live = going_on
             if not live:

@@ -35,3 +35,12 @@ def solve(row: dict, base_url: str, api_key: str) -> float:
     if not found:
         return 0.0
     return 1.0 if float(found.group(1).replace(",", "")) == float(row["reference_answer"]) else 0.0
+
+
+if __name__ == "__main__":  # as agent.command (configs/gsm8k_agent_command.yaml): the row on stdin, the reward posted
+    import json
+    import os
+    import sys
+
+    reward = solve(json.loads(sys.stdin.readline()), os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
+    OpenAI().post("/reward", body={"reward": reward}, cast_to=object)

@@ -186,15 +186,15 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["checkpoint.resume=true"], "checkpoint.resume must be auto, never or a checkpoint folder"),
     (["checkpoint.resume=runs/typo/checkpoints"], "got 'runs/typo/checkpoints'"),
     (["rewards.names=[env_reward]", "rewards.weights=[1.0]"], "env_reward is the reward an environment (or your "
-                                                              "agent loop) gives its episodes, and env.name and "
-                                                              "agent.entrypoint are empty: set one"),
+                                                              "agent loop) gives its episodes, and env.name, "
+                                                              "agent.entrypoint and agent.command are empty: set one"),
     (["agent.entrypoint=my_agent.solve"], "agent.entrypoint must be 'package.module:function' or "
                                           "'path/to/file.py:function'; got 'my_agent.solve'"),
     (["agent.entrypoint=my_agent:solve", "data.prefill=", "env.name=calculator"],
      "agent.entrypoint runs your own agent loop, and env.name=calculator runs episodes of an environment: set one "
      "of them"),
     (["agent.entrypoint=my_agent:solve"], "data.prefill starts each model turn with fixed text, and "
-                                          "agent.entrypoint's turns start where your loop's messages leave them: "
+                                          "your agent's turns start where your loop's messages leave them: "
                                           "unset data.prefill"),
     (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, tools, "
                         "openenv:package.module:Class, openenv+http://host:port, package.module:factory, "

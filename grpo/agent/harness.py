@@ -3,9 +3,9 @@
 Each harness runs on a thread of its own (an async function in an event loop of its own there), so one that
 blocks, or stops its loop, holds up no other. What it returns is the session's reward: a finite number, or None
 (the reward then comes from POST /reward, or from rewards.names on its last message). A harness past its
-session's time is cancelled where it can be (an async one: its task is cancelled); a sync one cannot be stopped
-from outside its thread: its session is closed (every later call it makes is refused) and the thread is left to
-return.
+session's time is cancelled where it can be (an async one: its task is cancelled; agent.command's process is
+killed: grpo/agent/command.py); a sync one cannot be stopped from outside its thread: its session is closed (every
+later call it makes is refused) and the thread is left to return.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ class Harness(Future):
         super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._stop = None  # what ends a harness that runs elsewhere (agent.command's process)
 
     def cancel(self) -> bool:
+        if self._stop is not None:
+            self._stop()
         loop, task = self._loop, self._task
         if loop is not None and task is not None:
             try:
@@ -51,6 +54,8 @@ class Harnesses:
         harness = Harness()
         harness.set_running_or_notify_cancel()
         row = copy.deepcopy(row)
+        if hasattr(self.fn, "stop"):
+            harness._stop = lambda: self.fn.stop(api_key)
 
         def call():
             try:

@@ -74,9 +74,14 @@ class AgentRunner:
 
         self.settings, self.tokenizer = settings, tokenizer
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
-        self.harnesses = Harnesses(entrypoint or import_object(settings.entrypoint, "agent.entrypoint"))
         self.sessions = Sessions()
         self.server = AgentServer(self.sessions, model_name)
+        if entrypoint is None and settings.command:
+            from grpo.agent.command import AgentCommand
+
+            entrypoint = AgentCommand(settings.command, self.server.port, settings.session_timeout_s,
+                                      settings.memory_mb, settings.max_processes, settings.cpu_s)
+        self.harnesses = Harnesses(entrypoint or import_object(settings.entrypoint, "agent.entrypoint"))
         # its reply rule (the harness's new messages after our turn) and its turn-by-turn path are the environments'
         self.episodes = EpisodeRunner(None, tokenizer, max_new_tokens, settings.max_turns, roles=())
         self.requests = RequestTokens(tokenizer, self.episodes.reply_tokens, self.episodes._tokenizing, max_new_tokens)
@@ -88,6 +93,8 @@ class AgentRunner:
 
     def close(self) -> None:
         self.server.close()
+        if hasattr(self.harnesses.fn, "close"):  # agent.command's jails
+            self.harnesses.fn.close()
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
         self.runs += 1
@@ -338,17 +345,17 @@ def harness_row(prompt, row: dict) -> dict:
 def rollout_runner(cfg: Config, tokenizer) -> AgentRunner | EpisodeRunner | None:
     """What runs each sample beyond one completion: your agent's sessions (agent.entrypoint), an environment's
     episodes (env.name), or nothing."""
-    return agent_runner(cfg, tokenizer) if cfg.agent.entrypoint else episode_runner(cfg, tokenizer)
+    return agent_runner(cfg, tokenizer) if cfg.agent.harness else episode_runner(cfg, tokenizer)
 
 
 def agent_runner(cfg: Config, tokenizer) -> AgentRunner:
-    """With agent.entrypoint: the endpoint on loopback, and the runner of its sessions."""
+    """With agent.entrypoint or agent.command: the endpoint on loopback, and the runner of its sessions."""
     runner = AgentRunner(cfg.agent, tokenizer, cfg.sampling.max_new_tokens, cfg.data.max_prompt_tokens,
                          cfg.model.name_or_path, scores_env_reward="env_reward" in cfg.rewards.names,
                          truncated_reward=cfg.env.truncated_reward)
     for client in ("httpx", "httpx2"):  # the OpenAI client's line per request, in the sampler's log
         logging.getLogger(client).setLevel(logging.WARNING)
-    log.info("agent sessions of %s on %s: at most %d model turns, %d tokens in all", cfg.agent.entrypoint,
+    log.info("agent sessions of %s on %s: at most %d model turns, %d tokens in all", cfg.agent.harness,
              runner.server.url, cfg.agent.max_turns, cfg.sampling.max_new_tokens)
     return runner
 

@@ -145,7 +145,8 @@ class AgentServer:
         self.sessions, self.model_name, self.keepalive_s = sessions, model_name, keepalive_s
         self._server = _Server((host, port), _handler(self))
         self._server.daemon_threads = True
-        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self.port = self._server.server_address[1]
+        self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="agent-endpoint", daemon=True)
         self._thread.start()
         self._ids = 0

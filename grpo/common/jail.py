@@ -22,6 +22,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -43,8 +44,10 @@ JAILED = "GRPO_JAILED"  # "1" in a jailed call's environment: code that must run
 @dataclass(frozen=True)
 class JailLimits:
     """A call's budgets: memory of its whole tree (MB; 0: none), processes of its tree, CPU seconds
-    of each process, the largest file it may write (MB), whether it may use the network, and the
-    folders it may write besides its own temporary one."""
+    of each process, the largest file it may write (MB), whether it may use the network, the
+    folders it may write besides its own temporary one, the files it may read besides the system's
+    and the project's, and the one TCP port it may connect to where it has no network (0: none;
+    Landlock rules ports, not addresses, and every other port of the host stays closed to it)."""
 
     memory_mb: int = 2048
     max_processes: int = 64
@@ -52,6 +55,8 @@ class JailLimits:
     file_mb: int = 256
     network: bool = False
     writable: tuple[str, ...] = field(default_factory=tuple)
+    readable: tuple[str, ...] = field(default_factory=tuple)
+    connect_port: int = 0
     namespaces: bool = True  # False: none even where the kernel allows them (the fallback, as where it refuses)
 
 
@@ -152,6 +157,32 @@ class Jail:
         if status != "ok":
             raise ChildFailed(value, *where[:1])
         return value
+
+    def end_call(self) -> None:
+        """The running call ended from another thread: its first process killed (the warden then ends every
+        process of the call and answers that it died, so `call` raises ChildFailed); the warden stays."""
+        process = self._process
+        if process is None:
+            return
+        try:
+            with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            return
+        for pid in children:  # through a pidfd, checked to be the warden's still: never a reused number's
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                if parent == process.pid:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
+            finally:
+                os.close(fd)
 
     def restart(self) -> None:
         self.close()

@@ -30,6 +30,7 @@ import resource
 import sys
 import sysconfig
 
+from grpo.common.child import ChildRefused
 from grpo.common.kernel_filters import (
     LANDLOCK_CREATE_RULESET,
     LANDLOCK_RESTRICT_SELF,
@@ -42,7 +43,7 @@ from grpo.common.packages import CODE_PACKAGES, DATA_PACKAGE, package_folder
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, \
     0x20000000, 0x40000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x4000, 0x40000, 0x2, 0x4, 0x8
-LANDLOCK_ADD_RULE, LANDLOCK_RULE_PATH_BENEATH = 445, 1
+LANDLOCK_ADD_RULE, LANDLOCK_RULE_PATH_BENEATH, LANDLOCK_RULE_NET_PORT = 445, 1, 2
 # Landlock's file rights (include/uapi/linux/landlock.h) and the ABI that brought each
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FILE_RIGHTS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
@@ -88,6 +89,10 @@ class _Ruleset(ctypes.Structure):  # struct landlock_ruleset_attr
                 ("scoped", ctypes.c_uint64)]
 
 
+class _NetPort(ctypes.Structure):  # struct landlock_net_port_attr
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+
 class _PathBeneath(ctypes.Structure):  # struct landlock_path_beneath_attr (packed)
     _pack_ = 1
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
@@ -104,12 +109,16 @@ def readable_folders(network: bool = False) -> list[str]:
     return sorted(paths)
 
 
-def file_rules(writable: list[str], readable: list[str], network: bool) -> tuple[int, int]:
+def file_rules(writable: list[str], readable: list[str], network: bool, connect_port: int = 0) -> tuple[int, int]:
     """(a Landlock ruleset, its ABI) that reads (and executes) only `readable` and SYSTEM_FILES,
-    writes only `writable` (and /dev/null); with no TCP bind or connect unless `network`; signals and
-    abstract Unix sockets scoped to the domain (ABI 6). Made once, entered by each call
-    (enter_file_rules). (-1, 0) where the kernel has no Landlock."""
+    writes only `writable` (and /dev/null); with no TCP bind or connect unless `network`, or a TCP
+    connect to `connect_port` alone (ABI 4); signals and abstract Unix sockets scoped to the domain
+    (ABI 6). Made once, entered by each call (enter_file_rules). (-1, 0) where the kernel has no
+    Landlock; ChildRefused where `connect_port` cannot be held to."""
     abi = landlock_abi()
+    if connect_port and (network or abi < 4):
+        raise ChildRefused(f"a call limited to TCP port {connect_port} needs Landlock ABI 4 (Linux 6.7); this "
+                           f"kernel has {abi or 'none'}" if not network else "connect_port and network are exclusive")
     if abi < 1:
         return -1, 0
     libc = ctypes.CDLL(None, use_errno=True)
@@ -126,6 +135,11 @@ def file_rules(writable: list[str], readable: list[str], network: bool) -> tuple
     rules += [(str(package_folder(DATA_PACKAGE)), READ_DIR)]
     for path, allowed in [*rules, *DEVICES.items()]:
         _add_rule(libc, fd, path, allowed & rights)
+    if connect_port:
+        rule = _NetPort(NET_CONNECT_TCP, connect_port)
+        if libc.syscall(LANDLOCK_ADD_RULE, fd, LANDLOCK_RULE_NET_PORT, ctypes.byref(rule), 0) != 0:
+            os.close(fd)
+            raise OSError(ctypes.get_errno(), f"Landlock refused a rule for TCP port {connect_port}")
     return fd, abi
 
 
@@ -153,7 +167,7 @@ def _add_rule(libc, ruleset: int, path: str, allowed: int) -> None:
 
 
 AF_UNIX, AF_INET, AF_INET6, AF_MAX = 1, 2, 10, 64  # AF_MAX: above every family the kernel knows
-SOCK_DGRAM, SOCK_RAW, SOCK_TYPE_MASK = 2, 3, 0xF
+SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_TYPE_MASK = 1, 2, 3, 0xF
 # System V and POSIX shared memory, semaphores and message queues: they outlive a call and its
 # cgroup, and are shared with the host where the call has no IPC namespace
 IPC_CALLS = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd",
@@ -172,14 +186,18 @@ FORBIDDEN_CALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_get
                    *IPC_CALLS)
 
 
-def jail_filter(network: bool, protected_signals: list[tuple[str, int, dict]]) -> bytes | None:
+def jail_filter(network: bool, protected_signals: list[tuple[str, int, dict]], tcp_only: bool = False) -> bytes | None:
     """The call's seccomp filter, compiled (grpo.common.child.seccomp_program): FORBIDDEN_CALLS fail with
-    EPERM; socket() of any family but the internet ones (where `network`) fails with EACCES (an
-    allow-list: AF_XDP, packet, netlink, Unix, vsock, and families the kernel adds later),
+    EPERM; socket() of any family but the internet ones (where `network` or `tcp_only`) fails with
+    EACCES (an allow-list: AF_XDP, packet, netlink, Unix, vsock, and families the kernel adds later);
+    with `tcp_only`, stream sockets alone (no UDP, no raw: Landlock rules TCP only);
     socketpair() makes only stream Unix pairs (a `multiprocessing.Pipe`); `protected_signals`
     (signal_rules) where Landlock cannot scope signals. None without libseccomp."""
-    allowed = (AF_INET, AF_INET6) if network else ()
+    allowed = (AF_INET, AF_INET6) if network or tcp_only else ()
     rules = [(call, errno.EPERM, {}) for call in FORBIDDEN_CALLS] + [("clone3", errno.ENOSYS, {})]
+    if tcp_only:
+        rules += [("socket", errno.EACCES, {0: family, 1: (SOCK_TYPE_MASK, kind)}) for family in allowed
+                  for kind in range(SOCK_STREAM + 1, SOCK_TYPE_MASK + 1)]
     rules += [("clone", errno.EPERM, {0: (flag, flag)}) for flag in (CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET,
                                                                       CLONE_NEWPID)]
     rules += [("socket", errno.EACCES, {0: family}) for family in range(AF_MAX) if family not in allowed]

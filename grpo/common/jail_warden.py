@@ -59,8 +59,9 @@ def confinement(limits: JailLimits, folder: str, keep: tuple[int, ...]) -> Confi
 
     # where Landlock cannot scope signals and the call gets no PID namespace: none to the warden and above
     protect = [] if landlock_abi() >= 6 else rules.signal_rules([(os.getpid(), os.getpgid(0)), *rules.ancestors()])
-    return Confinement(limits, folder, rules.readable_folders(limits.network), rules.jail_filter(limits.network,
-                                                                                                 protect), keep)
+    readable = [*rules.readable_folders(limits.network), *limits.readable]
+    return Confinement(limits, folder, readable, rules.jail_filter(limits.network, protect, limits.connect_port > 0),
+                       keep)
 
 
 def serve(requests: int, answers: int, owner: int) -> None:
@@ -73,7 +74,8 @@ def serve(requests: int, answers: int, owner: int) -> None:
     if os.getppid() != owner:
         return
     setup = read_frame(requests, limit=REQUEST_LIMIT)
-    limits = JailLimits(**{**setup["limits"], "writable": tuple(setup["limits"]["writable"])})
+    limits = JailLimits(**{**setup["limits"], "writable": tuple(setup["limits"]["writable"]),
+                           "readable": tuple(setup["limits"]["readable"])})
     jail = confinement(limits, setup["folder"], (requests, answers))
     try:
         resolve = import_object(setup["resolver"], "the jail's resolver")
@@ -152,7 +154,8 @@ def run_call(fn, arguments: list, timeout_s: float, jail: Confinement):
     from grpo.common.jail_budget import CallBudget
 
     folder = tempfile.mkdtemp(dir=jail.folder)
-    ruleset, abi = rules.file_rules([folder, *jail.limits.writable], jail.readable, jail.limits.network)
+    ruleset, abi = rules.file_rules([folder, *jail.limits.writable], jail.readable, jail.limits.network,
+                                    jail.limits.connect_port)
     budget = CallBudget(jail.limits.memory_mb, jail.limits.max_processes)
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -259,7 +262,8 @@ def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[
         _replace_environment({**os.environ, "TMPDIR": folder, "HOME": folder, JAILED: "1", **SINGLE_THREADED})
         _streams(Path(folder) / OUTPUT)
         rules.limit_call(limits.memory_mb, limits.cpu_s, limits.file_mb)
-        applied = {"namespaces": limits.namespaces and rules.enter_namespaces(limits.network)}
+        own_network = not (limits.network or limits.connect_port)  # a port of the host's loopback: its network
+        applied = {"namespaces": limits.namespaces and rules.enter_namespaces(not own_network)}
         if applied["namespaces"]:
             inner = os.fork()  # the first process of the new PID namespace runs the call
             if inner:

@@ -12,6 +12,8 @@ import ipaddress
 import math
 import os
 import re
+import shlex
+import shutil
 import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -223,9 +225,10 @@ def _reward_errors(cfg: Config) -> list[str]:
         errors.append(f"rewards.weights has {len(rewards.weights)} entries but rewards.names has "
                       f"{len(rewards.names)}; give one weight per reward function")
     if ("env_reward" in [*rewards.names, rewards.accuracy_reward, rewards.format_reward] and not cfg.env.name
-            and not cfg.agent.entrypoint):
-        errors.append("env_reward is the reward an environment (or your agent loop) gives its episodes, and env.name "
-                      "and agent.entrypoint are empty: set one (see docs/environments.md) or use another reward")
+            and not cfg.agent.harness):
+        errors.append("env_reward is the reward an environment (or your agent loop) gives its episodes, and "
+                      "env.name, agent.entrypoint and agent.command are empty: set one (see docs/environments.md) or "
+                      "use another reward")
     for key in ("accuracy_reward", "format_reward"):
         name = getattr(rewards, key)
         if is_service_name(name):
@@ -276,21 +279,39 @@ def _env_errors(cfg: Config) -> list[str]:
 def _agent_errors(cfg: Config) -> list[str]:
     """Your own agent loop: its sessions are the episodes, so nothing else may make them."""
     agent, errors = cfg.agent, []
-    if not agent.entrypoint:
+    if not agent.harness:
         return errors
-    if ":" not in agent.entrypoint:
+    if agent.entrypoint and agent.command:
+        errors.append("agent.entrypoint and agent.command are both set: your agent is a function or a program; set one")
+    if agent.command:
+        errors += command_errors(agent.command)
+    elif ":" not in agent.entrypoint:
         errors.append(f"agent.entrypoint must be 'package.module:function' or 'path/to/file.py:function'; got "
                       f"{agent.entrypoint!r}")
     if cfg.env.name:
-        errors.append(f"agent.entrypoint runs your own agent loop, and env.name={cfg.env.name} runs episodes of an "
+        which = "agent.command" if agent.command else "agent.entrypoint"
+        errors.append(f"{which} runs your own agent loop, and env.name={cfg.env.name} runs episodes of an "
                       "environment: set one of them")
     if cfg.data.prefill:
-        errors.append("data.prefill starts each model turn with fixed text, and agent.entrypoint's turns start where "
+        errors.append("data.prefill starts each model turn with fixed text, and your agent's turns start where "
                       "your loop's messages leave them: unset data.prefill")
     if cfg.sampling.stop:
         errors.append("sampling.stop ends a completion, and an agent's turns end at the chat template's turn end: "
                       "unset sampling.stop")
     return errors
+
+
+def command_errors(command: str) -> list[str]:
+    """agent.command as a command line: words (shell quoting, no shell run), the first one a program found."""
+    try:
+        words = shlex.split(command)
+    except ValueError as e:
+        return [f"agent.command is not a command line ({e}): {command!r}"]
+    if not words:
+        return ["agent.command is blank: give the program to run and its arguments, e.g. 'python my_agent.py'"]
+    if words[0] not in ("python", "python3") and not shutil.which(words[0]):
+        return [f"agent.command runs {words[0]!r}, which is no program on PATH nor an executable file"]
+    return []
 
 
 def _transport_errors(transport) -> list[str]:

@@ -69,7 +69,7 @@ class FailureStreaks:
         self.environment = self.environment + 1 if failed.environment else 0
         self.rewards = {name: self.rewards.get(name, 0) + 1 for name in failed.rewards}
         if failed.environment and self.environment >= cfg.env.max_failed_steps > 0:
-            what = f"environment {cfg.env.name}" if cfg.env.name else f"agent {cfg.agent.entrypoint}"
+            what = f"environment {cfg.env.name}" if cfg.env.name else f"agent {cfg.agent.harness}"
             raise EnvironmentAlwaysFails(
                 f"{what} failed on all {failed.samples} episodes in each of the last "
                 f"{self.environment} steps: {failed.environment}; stopped. Fix the {what.split()[0]}, or set "

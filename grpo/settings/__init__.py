@@ -330,6 +330,14 @@ class EnvConfig:
 class AgentConfig:
     entrypoint: str = setting("", "Your own agent loop: 'package.module:function' or 'path/to/file.py:function', "
         "called per sample with (row, base_url, api_key), sync or async; it talks to the policy over the OpenAI API.")
+    command: str = setting("", "Your agent as a program, run per sample in a jail (TCP to the endpoint alone) "
+        "with OPENAI_BASE_URL and OPENAI_API_KEY set and its row as JSON on stdin; or agent.entrypoint.")
+    memory_mb: int = setting(2048, "agent.command: memory in MB of one session's process tree (past it the session "
+        "fails). 0 = no limit.", bound=">= 0", why="0 = no limit")
+    max_processes: int = setting(64, "agent.command: processes one session's tree may have at once. 0 = no limit.",
+        bound=">= 0", why="0 = no limit")
+    cpu_s: int = setting(600, "agent.command: CPU seconds of each process of a session. 0 = no limit.", bound=">= 0",
+        why="0 = no limit")
     max_turns: int = setting(8, "Model turns per agent session at most; then the session ends (its last turn is "
         "answered). sampling.max_new_tokens bounds the whole session.", bound="> 0")
     tool_parser: str = setting("hermes", "How tool calls are read from the model's text into the response's "
@@ -339,7 +347,12 @@ class AgentConfig:
     idle_timeout_s: float = setting(60.0, "Seconds the sampler waits for a session's next request (its first: after "
         "the harness starts); then the session ends.", bound="> 0")
     session_timeout_s: float = setting(600.0, "Seconds one session may last, from its harness's start; then it ends "
-        "and its harness is cancelled (a sync one is left to return; its calls are refused).", bound="> 0")
+        "and its harness is cancelled (a command killed; a sync function left to return).", bound="> 0")
+
+    @property
+    def harness(self) -> str:
+        """What runs the sessions: agent.entrypoint or agent.command ('' when neither: no agent)."""
+        return self.entrypoint or self.command
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""agent.command: your agent as a program, one process per session, in the jail the model's code runs in.
+
+Each session's command runs as one jailed call (grpo/common/jail.py): a folder of its own as its working folder
+and home, none of the run's files (its data, its reference answers, its weights, the trainer's sockets), a
+network of one TCP port, the endpoint's (Landlock; no UDP, no other family), budgets of memory, processes and
+CPU (agent.memory_mb, max_processes, cpu_s). It gets OPENAI_BASE_URL (its session's /v1) and OPENAI_API_KEY, and
+its dataset row as one JSON line on stdin (read once: a process it starts later cannot read it again). Its reward
+is what it POSTs to $OPENAI_BASE_URL/reward, else the run's rewards on its last message; a command that exits
+with another status than 0 fails its session. A session that ends at its time limit, or a step that ends while
+the command still runs, kills it and every process it started. A warden (one jail) serves one session at a
+time; they are kept between steps, as many as sessions ran at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+from grpo.agent.harness import HarnessError
+from grpo.common.child import ChildFailed
+from grpo.common.jail import Jail, JailLimits, jail_description
+
+log = logging.getLogger(__name__)
+TARGET = "command"
+
+
+def command_words(command: str) -> list[str]:
+    """The command line's words: a leading `python` (or `python3`) is this environment's interpreter, and a word
+    that names a file or folder here is made absolute (the command runs in a folder of its own)."""
+    words = shlex.split(command)
+    if words and words[0] in ("python", "python3"):
+        words[0] = sys.executable
+    elif words and shutil.which(words[0]) and "/" not in words[0]:
+        words[0] = shutil.which(words[0])
+    return [str(Path(w).resolve()) if not w.startswith("-") and Path(w).exists() else w for w in words]
+
+
+def readable_paths(words: list[str]) -> tuple[str, ...]:
+    """What the command may read besides the system's, the interpreter's and the project's files: the files and
+    folders its command line names (its script), and the system's public certificates (an HTTP client builds its
+    TLS context when it starts, even for plain HTTP)."""
+    named = [w for w in words[1:] if os.path.isabs(w) and os.path.exists(w)]
+    return tuple(dict.fromkeys([*named, *CERTIFICATES]))
+
+
+CERTIFICATES = ("/etc/ssl", "/etc/ca-certificates", "/etc/pki")
+
+
+class AgentCommand:
+    """The harness of agent.command: called per session with (row, base_url, api_key) on the session's thread
+    (grpo/agent/harness.py), it runs the command in a jail of the pool and returns None (its reward is what it
+    posted); `stop(api_key)` kills a session's command; `close()` ends every jail."""
+
+    def __init__(self, command: str, port: int, timeout_s: float, memory_mb: int = 2048, max_processes: int = 64,
+                 cpu_s: int = 600):
+        self.words = command_words(command)
+        self.timeout_s = timeout_s
+        self.limits = JailLimits(memory_mb=memory_mb, max_processes=max_processes, cpu_s=cpu_s,
+                                 readable=readable_paths(self.words), connect_port=port)
+        self._idle: list[Jail] = []
+        self._running: dict[str, Jail] = {}
+        self._jails = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, row: dict, base_url: str, api_key: str) -> None:
+        jail = self._take()
+        with self._lock:
+            self._running[api_key] = jail
+        environment = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+                       "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
+        try:
+            status = jail.call(TARGET, [self.words, environment, json.dumps(row, default=str)], self.timeout_s,
+                               f"the agent command ran past agent.session_timeout_s={self.timeout_s:g} s")
+        except ChildFailed as e:
+            raise HarnessError(f"the agent command failed: {e}") from None
+        finally:
+            with self._lock:
+                self._running.pop(api_key, None)
+                self._idle.append(jail)
+        if status != 0:
+            raise HarnessError(f"the agent command exited with status {status} (its output is in the sampler's log, "
+                               "marked [jailed call])")
+        return None
+
+    def _take(self) -> Jail:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        jail = Jail("agent", f"{__name__}:resolve", [TARGET], self.limits)
+        with self._lock:
+            self._jails += 1
+            first = self._jails == 1
+        if first:
+            log.info("agent.command runs each session in a jail: %s; TCP to port %d alone", jail_description(jail.info),
+                     self.limits.connect_port)
+        return jail
+
+    def stop(self, api_key: str) -> None:
+        """The session's command killed, with every process it started (its jail stays for the next session)."""
+        with self._lock:
+            jail = self._running.get(api_key)
+        if jail is not None:
+            jail.end_call()
+
+    def close(self) -> None:
+        with self._lock:
+            jails, self._idle = [*self._idle, *self._running.values()], []
+        for jail in jails:
+            jail.close()
+
+
+# ----------------------------------------------------------------------------- in the jail
+
+def resolve(target: str):
+    if target != TARGET:
+        raise ValueError(f"the agent's jail runs its command alone, not {target!r}")
+    return run_command
+
+
+def run_command(words: list[str], environment: dict[str, str], row: str) -> int:
+    """In the session's jailed call: the command, its row on stdin, its output the call's (shown in the log); its
+    exit status."""
+    import subprocess
+
+    done = subprocess.run(words, input=(row + "\n").encode(), env={**os.environ, **environment}, check=False)
+    return done.returncode

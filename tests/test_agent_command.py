@@ -1,0 +1,137 @@
+"""agent.command (grpo/agent/command.py): your agent as a program, one jailed process per session, the real `openai`
+SDK inside it, the HF engine with a tiny model outside. Its turns must be the same tokens an in-process harness gets;
+from inside, it must reach its own session's port and nothing else of the run: no other port, no UDP, no file of
+the run, no other session; and no process of it outlives its session."""
+
+import socket
+import textwrap
+
+import pytest
+from episode_helpers import sampling_cfg
+from test_agent_runner import chatty_agent, prompts, single_turn  # noqa: F401 (a fixture)
+
+from grpo.common.packages import DATA_PACKAGE, package_folder
+from grpo.config import load_config
+from grpo.config.rules import command_errors
+from grpo.sampler.rollout.hf_engine import HFEngine
+
+ASKS = """
+    import json, os, sys
+    import openai
+    row = json.loads(sys.stdin.readline())
+    client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the session
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["question"]}])
+"""
+POSTS = """
+    def post(reward):
+        client.post("/reward", body={"reward": reward}, cast_to=object)
+"""
+
+
+def script(tmp_path, body: str, name="agent.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(ASKS) + textwrap.dedent(POSTS) + textwrap.dedent(body))
+    return path
+
+
+def command_run(chatty_agent, command: str, *overrides, group=2, max_new_tokens=12, seed=1):
+    from grpo.agent.runner import AgentRunner
+
+    model, tokenizer = chatty_agent
+    cfg = load_config(None, [f"agent.command={command}", "data.prefill=", "agent.idle_timeout_s=30",
+                             "agent.session_timeout_s=60", *overrides])
+    runner = AgentRunner(cfg.agent, tokenizer, max_new_tokens, 256, "policy")
+    try:
+        run = runner.run(HFEngine(model, tokenizer, sampling_cfg(max_new_tokens)), prompts(tokenizer, 1), group,
+                         seed=seed)
+        wardens = [jail._process.pid for jail in runner.harnesses.fn._idle]
+        left = [open(f"/proc/{pid}/task/{pid}/children").read().split() for pid in wardens]
+    finally:
+        runner.close()
+    return run, left
+
+
+def test_a_commands_turns_are_the_tokens_an_in_process_harness_gets_and_its_posted_reward_scores(chatty_agent,
+                                                                                                 tmp_path):
+    from test_agent_runner import run_agent
+
+    agent = script(tmp_path, "post(0.25 if row['reference_answer'] in (reply.choices[0].message.content or '') "
+                             "else 0.75)\n")
+    run, left = command_run(chatty_agent, f"python {agent}", max_new_tokens=40)
+    native = run_agent(chatty_agent, single_turn)
+    assert [p.token_ids for p in run.prompts] == [p.token_ids for p in native.prompts]
+    assert [(e.tokens, e.model, e.logps) for e in run.episodes] == [(e.tokens, e.model, e.logps)
+                                                                    for e in native.episodes]
+    assert [e.reward for e in run.episodes] == [0.25 if e.reward == 1.0 else 0.75 for e in native.episodes]
+    assert left == [[]] * len(left)  # both sessions' processes gone with them
+
+
+PROBES = """
+    reached = []
+    other_port, secret = int(sys.argv[1]), sys.argv[2].split("=", 1)[1]
+    def probe(name, fn):
+        try:
+            fn()
+            reached.append(name)
+        except Exception:
+            pass
+    probe("other port", lambda: socket.create_connection(("127.0.0.1", other_port), timeout=2))
+    probe("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", other_port)))
+    probe("unix socket", lambda: socket.socket(socket.AF_UNIX))
+    probe("bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
+    probe("run file", lambda: open(secret).read())
+    probe("run folder", lambda: os.listdir(os.path.dirname(secret)))
+    probe("data", lambda: open(sys.argv[3].split("=", 1)[1], "rb").read(10))
+    other = openai.OpenAI(api_key="not-mine", max_retries=0)
+    probe("other key", lambda: other.chat.completions.create(model="policy", messages=[{"role": "user",
+                                                                                       "content": "hi"}]))
+    probe("own key elsewhere", lambda: openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"].replace(
+        os.environ["OPENAI_API_KEY"], "x" * 43), max_retries=0).models.list())
+    probe("environment", lambda: [os.environ[k] for k in ("SECRET_OF_THE_RUN",)])
+    print("reached:", reached)
+    post(len(reached) + (0.5 if open(sys.argv[0]).read() else 0))  # its own script it may read
+"""
+
+
+def test_from_inside_a_command_reaches_its_own_session_and_nothing_else_of_the_run(chatty_agent, tmp_path,
+                                                                                    monkeypatch):
+    secret = tmp_path / "run" / "reference_answers.jsonl"
+    secret.parent.mkdir()
+    secret.write_text('{"answer": 7}\n')
+    monkeypatch.setenv("SECRET_OF_THE_RUN", "s3cret")
+    dataset = next(p for p in (package_folder(DATA_PACKAGE) / "embedded").rglob("*") if p.is_file())
+    assert dataset.read_bytes()[:10]  # here it can be read
+    agent = script(tmp_path, "import socket\n" + textwrap.dedent(PROBES))
+    with socket.create_server(("127.0.0.1", 0)) as other:  # the trainer's port, say
+        run, left = command_run(chatty_agent, f"python {agent} {other.getsockname()[1]} --secret={secret} "
+                                              f"--data={dataset}", group=1)
+    assert [e.reward for e in run.episodes] == [0.5]  # nothing reached; it read its own script and posted
+    assert not any(e.environment_failed for e in run.episodes)
+    assert left == [[]]
+
+
+def test_a_command_that_never_ends_is_killed_with_its_children_at_its_session_time(chatty_agent, tmp_path):
+    agent = script(tmp_path, "import subprocess, time\nsubprocess.Popen(['sleep', '3600'])\ntime.sleep(3600)\n")
+    run, left = command_run(chatty_agent, f"python {agent}", "agent.session_timeout_s=4", "agent.idle_timeout_s=2")
+    assert all(e.environment_failed and "agent.session_timeout_s=4" in e.env_error for e in run.episodes)
+    assert all(all(e.model) for e in run.episodes)  # its turn was received: kept, scored as failed
+    assert left == [[]] * len(left)
+
+
+def test_a_command_that_exits_otherwise_than_0_fails_its_session_and_keeps_the_turn_it_received(chatty_agent,
+                                                                                                tmp_path):
+    agent = script(tmp_path, "sys.exit(3)\n")
+    run, _ = command_run(chatty_agent, f"python {agent}")
+    assert [e.env_error for e in run.episodes] == ["the agent command exited with status 3 (its output is in the "
+                                                   "sampler's log, marked [jailed call])"] * 2
+    assert all(all(e.model) for e in run.episodes)
+
+
+def test_the_command_line_is_checked_at_start(tmp_path):
+    assert command_errors("python agent.py") == []
+    assert command_errors("no-such-program --x") == ["agent.command runs 'no-such-program', which is no program on "
+                                                      "PATH nor an executable file"]
+    assert command_errors("python 'unclosed") == ["agent.command is not a command line (No closing quotation): "
+                                                   "\"python 'unclosed\""]
+    with pytest.raises(Exception, match="agent.entrypoint and agent.command are both set"):
+        load_config(None, ["agent.command=python a.py", "agent.entrypoint=a:b", "data.prefill="])

@@ -87,3 +87,60 @@ def test_a_request_that_gave_up_never_gets_a_turn_nor_makes_the_next_one_get_its
     assert body["retry"] == 2 and conversation.reply(Turn("7!", "stop", 5, 2), ASK, SAID)
     final.join(5)
     assert [getattr(t, "status", None) or t.text for t in got] == [504, 504, "7!"]
+
+
+def asked(conversation, body, out, delivery=None, retry=False):
+    """One request on a thread of its own, with its Delivery and retry flag: its turn or error in `out`."""
+    thread = threading.Thread(target=lambda: out.append(_answer(conversation, body, delivery, retry)))
+    thread.start()
+    return thread
+
+
+def _answer(conversation, body, delivery, retry):
+    try:
+        return conversation.answer("chat", body, delivery, retry)
+    except AgentError as e:
+        return e
+
+
+def test_a_retry_joins_the_request_it_repeats_and_one_turn_is_sampled_whichever_response_arrives():
+    from grpo.agent.server import Delivery
+
+    conversation, got = Conversation(idle_timeout_s=5, turn_timeout_s=5), []
+    first_delivery, retry_delivery = Delivery(), Delivery()
+    first = asked(conversation, {"messages": ASK}, got, first_delivery)
+    kind, body = conversation.first(5)
+    others = []
+    asked(conversation, {"messages": ASK}, others).join(5)  # the same body, not marked as a retry: a second request
+    asked(conversation, {"messages": [*ASK, SAID]}, others, retry=True).join(5)  # a retry of another request
+    assert [e.status for e in others] == [409, 409] and all("one at a time" in str(e) for e in others)
+    retry = asked(conversation, {"messages": ASK}, got, retry_delivery, retry=True)
+    time.sleep(0.1)
+    assert conversation.reply(Turn("7", "stop", 5, 2), ASK, SAID)
+    first.join(5)
+    retry.join(5)
+    assert [t.text for t in got] == ["7", "7"] and conversation.requests == 1 and conversation.retries == 1
+    first_delivery.done(False)  # the client that gave up: its response fails; the retry's arrives
+    retry_delivery.done(True)
+    assert conversation.delivered(5) and conversation.undelivered == 0
+
+
+def test_a_turn_whose_response_failed_waits_for_a_retry_to_fetch_it_and_is_undelivered_without_one(monkeypatch):
+    import grpo.agent.bridge as bridge
+    from grpo.agent.server import Delivery
+
+    monkeypatch.setattr(bridge, "RETRY_GRACE_S", 0.5)
+    for retried in (True, False):
+        conversation, got, delivery = Conversation(idle_timeout_s=5, turn_timeout_s=5), [], Delivery()
+        asked(conversation, {"messages": ASK}, got, delivery).join(0.1)
+        conversation.first(5)
+        conversation.reply(Turn("7", "stop", 5, 2), ASK, SAID)
+        delivery.done(False)
+        replay = Delivery()
+        if retried:  # it comes after the turn was written to no one: answered with that turn, nothing sampled
+            threading.Timer(0.2, lambda: (_answer(conversation, {"messages": ASK}, replay, True),
+                                          replay.done(True))).start()
+        started = time.monotonic()
+        assert conversation.delivered(5) is retried
+        assert conversation.undelivered == (0 if retried else 1) and conversation.requests == 1
+        assert (time.monotonic() - started < 0.45) if retried else (0.5 <= time.monotonic() - started < 1.5)

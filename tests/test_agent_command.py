@@ -5,6 +5,7 @@ the run, no other session; and no process of it outlives its session."""
 
 import socket
 import textwrap
+import time
 
 import pytest
 from episode_helpers import sampling_cfg
@@ -44,11 +45,21 @@ def command_run(chatty_agent, command: str, *overrides, group=2, max_new_tokens=
     try:
         run = runner.run(HFEngine(model, tokenizer, sampling_cfg(max_new_tokens)), prompts(tokenizer, 1), group,
                          seed=seed)
-        wardens = [jail._process.pid for jail in runner.harnesses.fn._idle]
-        left = [open(f"/proc/{pid}/task/{pid}/children").read().split() for pid in wardens]
+        left = processes_left(runner.harnesses.fn, group)
     finally:
         runner.close()
     return run, left
+
+
+def processes_left(command, sessions: int) -> list[list[str]]:
+    """Each kept warden's child processes (none: every session's processes ended with it); each warden alive and
+    back in the pool (a killed command's jail comes back a moment after its kill)."""
+    deadline = time.monotonic() + 5
+    while len(command._idle) < sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wardens = [jail._process for jail in command._idle]
+    assert len(wardens) == sessions and all(warden.poll() is None for warden in wardens)
+    return [open(f"/proc/{w.pid}/task/{w.pid}/children").read().split() for w in wardens]
 
 
 def test_a_commands_turns_are_the_tokens_an_in_process_harness_gets_and_its_posted_reward_scores(chatty_agent,
@@ -79,6 +90,9 @@ PROBES = """
     probe("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", other_port)))
     probe("unix socket", lambda: socket.socket(socket.AF_UNIX))
     probe("bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
+    probe("mptcp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262).connect(("127.0.0.1", other_port)))
+    probe("fast open", lambda: socket.socket().sendto(b"x", socket.MSG_FASTOPEN, ("127.0.0.1", other_port)))
+    probe("listen", lambda: socket.socket().listen())
     probe("run file", lambda: open(secret).read())
     probe("run folder", lambda: os.listdir(os.path.dirname(secret)))
     probe("data", lambda: open(sys.argv[3].split("=", 1)[1], "rb").read(10))
@@ -110,6 +124,29 @@ def test_from_inside_a_command_reaches_its_own_session_and_nothing_else_of_the_r
     assert left == [[]]
 
 
+def test_the_jails_outlive_their_sessions_and_serve_the_next_steps(chatty_agent, tmp_path):
+    from grpo.agent.runner import AgentRunner
+
+    folder = tmp_path / "my_agent"  # the script and a module beside it, readable through agent.readable
+    folder.mkdir()
+    (folder / "scoring.py").write_text("def score(text):\n    return 0.5\n")
+    agent = script(folder, "from scoring import score\npost(score(reply.choices[0].message.content))\n")
+    model, tokenizer = chatty_agent
+    cfg = load_config(None, [f"agent.command=python {agent}", f"agent.readable=[{folder}]", "data.prefill="])
+    runner = AgentRunner(cfg.agent, tokenizer, 12, 256, "policy")
+    engine = HFEngine(model, tokenizer, sampling_cfg(12))
+    try:
+        first = runner.run(engine, prompts(tokenizer, 1), 2, seed=1)
+        wardens = sorted(jail._process.pid for jail in runner.harnesses.fn._idle)
+        second = runner.run(engine, prompts(tokenizer, 1), 2, seed=2)
+        assert sorted(jail._process.pid for jail in runner.harnesses.fn._idle) == wardens  # the same two, kept
+        assert processes_left(runner.harnesses.fn, 2) == [[], []]
+    finally:
+        runner.close()
+    assert [e.reward for e in first.episodes + second.episodes] == [0.5] * 4
+    assert all(jail.closed for jail in runner.harnesses.fn._idle) or runner.harnesses.fn._idle == []
+
+
 def test_a_command_that_never_ends_is_killed_with_its_children_at_its_session_time(chatty_agent, tmp_path):
     agent = script(tmp_path, "import subprocess, time\nsubprocess.Popen(['sleep', '3600'])\ntime.sleep(3600)\n")
     run, left = command_run(chatty_agent, f"python {agent}", "agent.session_timeout_s=4", "agent.idle_timeout_s=2")
@@ -133,5 +170,7 @@ def test_the_command_line_is_checked_at_start(tmp_path):
                                                       "PATH nor an executable file"]
     assert command_errors("python 'unclosed") == ["agent.command is not a command line (No closing quotation): "
                                                    "\"python 'unclosed\""]
+    with pytest.raises(Exception, match="agent.readable: '.' holds the run folder"):
+        load_config(None, ["agent.command=python a.py", "agent.readable=[.]", "data.prefill="])
     with pytest.raises(Exception, match="agent.entrypoint and agent.command are both set"):
         load_config(None, ["agent.command=python a.py", "agent.entrypoint=a:b", "data.prefill="])

@@ -4,6 +4,7 @@ was fed and sampled: the prompt the first request's render, the model's tokens w
 (equal to a recompute), every token the harness or the template wrote masked out."""
 
 import asyncio
+import time
 
 import openai
 import pytest
@@ -345,6 +346,48 @@ def test_a_stream_whose_client_hung_up_is_never_trained_and_its_session_ends(cha
     run = run_agent(chatty_agent, hangs_up, group=2)
     for e in run.episodes:
         assert e.turns == 1 and e.undelivered == 1 and not any(e.model)  # sampled, never received: not trained
+
+
+def test_a_retried_request_gets_the_turn_its_first_try_never_received_and_that_turn_is_trained_once(chatty_agent):
+    """The SDK's retry of a request whose stream broke (x-stainless-retry-count, the same body) is answered with the
+    turn sampled for the first try: nothing is sampled twice, the turn counts as received, the session goes on."""
+    import http.client
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    said = []
+
+    def retries(row, base_url, key):
+        url = urlparse(base_url)
+        body = json.dumps({"model": "policy", "stream": True, "messages": [{"role": "user", "content": "Hi"}]})
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        with socket.create_connection((url.hostname, url.port), timeout=10) as first:  # breaks before the turn
+            first.sendall((f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                          + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + f"\r\n{body}").encode())
+            assert first.recv(12) == b"HTTP/1.1 200"  # the stream's headers come at once, before the turn
+            first.shutdown(socket.SHUT_RDWR)
+        time.sleep(0.5)
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        connection.request("POST", f"{url.path}/chat/completions", body, {**headers, "x-stainless-retry-count": "1"})
+        response = connection.getresponse()
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                       if json.loads(e)["choices"])
+        said.append(text)
+        follow = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text},
+                  {"role": "user", "content": "Again"}]
+        client(base_url, key).chat.completions.create(model="policy", messages=follow)
+        return 1.0
+
+    run = run_agent(chatty_agent, retries, group=2)
+    _, tokenizer = chatty_agent
+    assert len(said) == len(run.episodes) == 2, [e.env_error for e in run.episodes]
+    for e, text in zip(run.episodes, said):
+        assert e.turns == 2 and e.undelivered == 0 and not e.environment_failed
+        first = e.tokens[:e.model.index(False)]  # the first turn: sampled once, received by the retry, trained
+        assert tokenizer.decode(first, skip_special_tokens=True) == text
+        assert sum(e.model) > len(first)  # and the second turn after it
 
 
 def test_harnesses_that_misbehave_fail_alone_and_the_step_goes_on(chatty_agent):

@@ -26,7 +26,7 @@ def served():
 def scripted(*turns, delay_s: float = 0.0, seen: list | None = None):
     left = list(turns)
 
-    def answer(kind, body, delivery=None):
+    def answer(kind, body, delivery=None, retry=False):
         if seen is not None:
             seen.append((kind, body))
         time.sleep(delay_s)
@@ -116,7 +116,7 @@ def test_keys_sessions_and_their_ends(served):
     server, sessions = served
     release = threading.Event()
 
-    def slow(kind, body, delivery=None):
+    def slow(kind, body, delivery=None, retry=False):
         release.wait(5)
         return Turn("done", "stop", 1, 1)
 

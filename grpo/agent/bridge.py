@@ -21,17 +21,24 @@ from grpo.agent.server import AgentError, Turn
 
 ENDED = "ended"  # the harness ended the session (or the sampler did: a limit, the step's end)
 IDLE = "idle"  # the harness sent nothing for idle_timeout_s after a turn: the session ends
+# how long a turn whose response could not be written waits for the client's retry to fetch it: the OpenAI SDK
+# waits up to 8 s between tries
+RETRY_GRACE_S = 10.0
 
 
 class Pending:
-    """One request's reply slot: the turn (or error) is given once, unless the request gave up first."""
+    """One request's reply slot: the turn (or error) is given once, unless the request gave up first. Its retries
+    (the same body again, marked as a retry) wait on the same slot, or read the turn it was given."""
 
-    def __init__(self, delivery=None):
+    def __init__(self, kind: str = "", body: dict | None = None, delivery=None):
         self._lock = threading.Lock()
         self._given = threading.Event()
+        self.kind, self.body = kind, body
         self.item = None
         self.cancelled = False
-        self.delivery = delivery  # server.Delivery: whether the response carrying the turn reached the client
+        # server.Delivery of each response that carries the turn (the request's, its retries'): whether it reached
+        # its client whole
+        self.deliveries = [delivery] if delivery is not None else []
 
     def give(self, item) -> bool:
         with self._lock:
@@ -73,19 +80,28 @@ class Conversation:
         self.breaks: Counter = Counter()  # requests that did not continue the conversation, by reason
         self.requests = 0
         self.undelivered = 0  # turns whose request had given up waiting
+        self.retries = 0  # requests answered with the turn of the request they retried
 
     # ------------------------------------------------------------------ the harness's side (HTTP threads)
 
-    def answer(self, kind: str, body: dict, delivery=None) -> Turn:
-        pending = Pending(delivery)
+    def answer(self, kind: str, body: dict, delivery=None, retry: bool = False) -> Turn:
+        """The turn for this request (waits while it is generated); `retry`: the client says it sent this request
+        before (the OpenAI SDK's retry header): with the same body as the last request, it waits for that
+        request's turn, or is answered with it, and nothing is sampled for it."""
         with self._lock:
             if self._ended.is_set():
                 raise AgentError(409, "this session has ended", kind="conflict")
-            if self._waiting is not None and self._waiting.open:
+            last = self._waiting
+            if retry and last is not None and not last.cancelled and (last.kind, last.body) == (kind, body):
+                last.deliveries.append(delivery)  # a retry: the same turn, on its own response
+                self.retries += 1
+                pending = last
+            elif last is not None and last.open:
                 raise AgentError(409, "this session has a request waiting already: one at a time",
                                  kind="conflict")
-            self._waiting = pending
-        self._requests.put((kind, body, pending))
+            else:
+                pending = self._waiting = Pending(kind, body, delivery)
+                self._requests.put((kind, body, pending))
         if not pending.wait(self.turn_timeout_s):
             raise AgentError(504, f"no turn within {self.turn_timeout_s:g} s (agent.session_timeout_s)",
                              kind="timeout")
@@ -122,19 +138,25 @@ class Conversation:
         return True
 
     def delivered(self, timeout_s: float) -> bool:
-        """Whether the response with the turn given last (`reply`) reached its client whole (waits for the write,
-        at most `timeout_s`); True where the request came without a way to tell."""
-        delivery = self._serving.delivery if self._serving is not None else None
-        if delivery is None:
+        """Whether a response with the turn given last (`reply`) reached its client whole: the request's, or a
+        retry's (waits for the writes, at most `timeout_s`; after every write failed, RETRY_GRACE_S more for a
+        retry); True where the request came without a way to tell."""
+        pending = self._serving
+        if pending is None or not pending.deliveries:
             return True
-        deadline = time.monotonic() + timeout_s
-        while not delivery.wait(0.05):  # the write takes a moment
+        deadline, failed_since = time.monotonic() + timeout_s, None
+        while True:
+            deliveries = list(pending.deliveries)
+            if any(d.ok for d in deliveries):
+                return True
+            now = time.monotonic()
             if self._ended.is_set():  # the harness's /end may come before its handler is done: a second more
-                deadline = min(deadline, time.monotonic() + 1.0)
-            if delivery.failed or time.monotonic() >= deadline:
+                deadline = min(deadline, now + 1.0)
+            failed_since = (failed_since or now) if all(d.failed for d in deliveries) else None
+            if now >= deadline or (failed_since is not None and now - failed_since >= RETRY_GRACE_S):
                 self.undelivered += 1
                 return False
-        return True
+            deliveries[-1].wait(0.05)  # the write takes a moment
 
     def refuse(self, error: AgentError) -> None:
         """The request taken last gets `error` instead of a turn (its messages cannot be continued, say)."""

@@ -20,10 +20,12 @@ import shlex
 import shutil
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from grpo.agent.harness import HarnessError
-from grpo.common.child import ChildFailed
+from grpo.common.child import ChildFailed, ChildRefused
 from grpo.common.jail import Jail, JailLimits, jail_description
 
 log = logging.getLogger(__name__)
@@ -31,22 +33,24 @@ TARGET = "command"
 
 
 def command_words(command: str) -> list[str]:
-    """The command line's words: a leading `python` (or `python3`) is this environment's interpreter, and a word
-    that names a file or folder here is made absolute (the command runs in a folder of its own)."""
+    """The command line's words: a leading `python` (or `python3`) is this environment's interpreter, a program
+    found on PATH is named by its path, and a word that names a file here is made absolute (the command runs in a
+    folder of its own)."""
     words = shlex.split(command)
     if words and words[0] in ("python", "python3"):
         words[0] = sys.executable
-    elif words and shutil.which(words[0]) and "/" not in words[0]:
+    elif words and "/" not in words[0] and shutil.which(words[0]):
         words[0] = shutil.which(words[0])
-    return [str(Path(w).resolve()) if not w.startswith("-") and Path(w).exists() else w for w in words]
+    return [str(Path(w).resolve()) if not w.startswith("-") and Path(w).is_file() else w for w in words]
 
 
-def readable_paths(words: list[str]) -> tuple[str, ...]:
-    """What the command may read besides the system's, the interpreter's and the project's files: the files and
-    folders its command line names (its script), and the system's public certificates (an HTTP client builds its
-    TLS context when it starts, even for plain HTTP)."""
-    named = [w for w in words[1:] if os.path.isabs(w) and os.path.exists(w)]
-    return tuple(dict.fromkeys([*named, *CERTIFICATES]))
+def readable_paths(words: list[str], readable: list[str] = ()) -> tuple[str, ...]:
+    """What the command may read besides the system's, the interpreter's and the project's files: the files its
+    command line names (its program, its script; never a folder: `.` would open the run's), the paths of
+    agent.readable, and the system's public certificates (an HTTP client builds its TLS context when it starts,
+    even for plain HTTP)."""
+    named = [w for w in words if os.path.isabs(w) and os.path.isfile(w) and w != sys.executable]
+    return tuple(dict.fromkeys([*named, *(str(Path(p).resolve()) for p in readable), *CERTIFICATES]))
 
 
 CERTIFICATES = ("/etc/ssl", "/etc/ca-certificates", "/etc/pki")
@@ -58,31 +62,43 @@ class AgentCommand:
     posted); `stop(api_key)` kills a session's command; `close()` ends every jail."""
 
     def __init__(self, command: str, port: int, timeout_s: float, memory_mb: int = 2048, max_processes: int = 64,
-                 cpu_s: int = 600):
+                 cpu_s: int = 600, readable: list[str] = ()):
         self.words = command_words(command)
         self.timeout_s = timeout_s
         self.limits = JailLimits(memory_mb=memory_mb, max_processes=max_processes, cpu_s=cpu_s,
-                                 readable=readable_paths(self.words), connect_port=port)
+                                 readable=readable_paths(self.words, readable), connect_port=port)
         self._idle: list[Jail] = []
         self._running: dict[str, Jail] = {}
+        self._stopped: set[str] = set()  # sessions stopped before their command started
         self._jails = 0
         self._lock = threading.Lock()
+        # a warden dies with the thread that started it (its parent-death signal is a thread's): all are started
+        # from this one, which lives as long as the pool, never from a session's thread
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="agent-jails")
 
     def __call__(self, row: dict, base_url: str, api_key: str) -> None:
         jail = self._take()
         with self._lock:
+            if api_key in self._stopped:
+                self._idle.append(jail)
+                raise HarnessError("the agent command was stopped before it started")
             self._running[api_key] = jail
+        restarts = jail.restarts
         environment = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
                        "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
         try:
             status = jail.call(TARGET, [self.words, environment, json.dumps(row, default=str)], self.timeout_s,
                                f"the agent command ran past agent.session_timeout_s={self.timeout_s:g} s")
-        except ChildFailed as e:
+        except (ChildFailed, ChildRefused, OSError, ValueError) as e:  # OSError: its jail closed meanwhile
             raise HarnessError(f"the agent command failed: {e}") from None
         finally:
             with self._lock:
                 self._running.pop(api_key, None)
-                self._idle.append(jail)
+                # a warden started again on this thread would die with it: not kept
+                if jail.alive and jail.restarts == restarts:
+                    self._idle.append(jail)
+                else:
+                    jail.close()
         if status != 0:
             raise HarnessError(f"the agent command exited with status {status} (its output is in the sampler's log, "
                                "marked [jailed call])")
@@ -90,9 +106,12 @@ class AgentCommand:
 
     def _take(self) -> Jail:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        jail = Jail("agent", f"{__name__}:resolve", [TARGET], self.limits)
+            while self._idle:
+                jail = self._idle.pop()
+                if jail.alive:
+                    return jail
+                jail.close()
+        jail = self._starter.submit(Jail, "agent", f"{__name__}:resolve", [TARGET], self.limits).result()
         with self._lock:
             self._jails += 1
             first = self._jails == 1
@@ -102,17 +121,31 @@ class AgentCommand:
         return jail
 
     def stop(self, api_key: str) -> None:
-        """The session's command killed, with every process it started (its jail stays for the next session)."""
-        with self._lock:
+        """The session's command killed, with every process it started (its jail stays for the next session); one
+        not started yet never starts."""
+        with self._lock:  # held while killing: the jail cannot pass to another session meanwhile
             jail = self._running.get(api_key)
-        if jail is not None:
-            jail.end_call()
+            if jail is None:
+                self._stopped.add(api_key)
+            else:
+                jail.end_call()
 
     def close(self) -> None:
+        """Every command killed, then every jail closed."""
+        with self._lock:
+            for jail in self._running.values():
+                jail.end_call()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._running and time.monotonic() < deadline:  # their sessions' threads hand them back
+            time.sleep(0.01)
         with self._lock:
             jails, self._idle = [*self._idle, *self._running.values()], []
         for jail in jails:
             jail.close()
+        self._starter.shutdown(wait=False)
+
+
+CLOSE_WAIT_S = 2.0
 
 
 # ----------------------------------------------------------------------------- in the jail
@@ -128,5 +161,8 @@ def run_command(words: list[str], environment: dict[str, str], row: str) -> int:
     exit status."""
     import subprocess
 
-    done = subprocess.run(words, input=(row + "\n").encode(), env={**os.environ, **environment}, check=False)
+    # the warden's PYTHONSAFEPATH (no working folder on its import path) is not the program's: a script imports
+    # the modules beside it, as it would run anywhere
+    passed = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    done = subprocess.run(words, input=(row + "\n").encode(), env={**passed, **environment}, check=False)
     return done.returncode

@@ -80,7 +80,7 @@ class AgentRunner:
             from grpo.agent.command import AgentCommand
 
             entrypoint = AgentCommand(settings.command, self.server.port, settings.session_timeout_s,
-                                      settings.memory_mb, settings.max_processes, settings.cpu_s)
+                                      settings.memory_mb, settings.max_processes, settings.cpu_s, settings.readable)
         self.harnesses = Harnesses(entrypoint or import_object(settings.entrypoint, "agent.entrypoint"))
         # its reply rule (the harness's new messages after our turn) and its turn-by-turn path are the environments'
         self.episodes = EpisodeRunner(None, tokenizer, max_new_tokens, settings.max_turns, roles=())

@@ -7,11 +7,12 @@ session is an unguessable token in the path; a bearer key, when sent, must be th
 `openai` SDK raises its own exceptions with our message.
 
 What the model writes is the session's business (`Session.answer`): this module only checks what a request may
-ask. The run's sampling settings are the behaviour policy's, so a request's temperature, top_p and the like are
-ignored, and the `x-grpo-ignored` header names them; `n` above 1, `logit_bias`, `seed` and a JSON-schema
-`response_format` cannot be honoured and are refused by name. A stream is generated whole, with keep-alive
-comments while it runs, then written as a well-formed SSE stream (role, content, tool call deltas, the finish,
-usage when asked for, [DONE]).
+ask (grpo/agent/requests.py). A request the OpenAI SDK retries (its x-stainless-retry-count header) is handed to
+the session as a retry: it gets the turn of the request it repeats, never a second sample. The run's sampling
+settings are the behaviour policy's, so a request's temperature, top_p and the like are ignored, and the
+`x-grpo-ignored` header names them; `n` above 1, `logit_bias`, `seed` and a JSON-schema `response_format` cannot
+be honoured and are refused by name. A stream is generated whole, with keep-alive comments while it runs, then
+written as a well-formed SSE stream (role, content, tool call deltas, the finish, usage when asked for, [DONE]).
 """
 
 from __future__ import annotations
@@ -26,30 +27,15 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from grpo.agent.requests import AgentError, check_request
+
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20  # a request's JSON: a long agent history, far from what a sampler should hold
 KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn is generated
 SOCKET_TIMEOUT_S = 120.0  # a connection that sends nothing this long is closed
-ROLES = ("system", "developer", "user", "assistant", "tool")
-IGNORED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "max_tokens", "max_completion_tokens", "stop", "tool_choice", "parallel_tool_calls",  # the run's own hold
-           "logprobs", "top_logprobs", "chat_template_kwargs")  # not returned; the template as the run renders it
-CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-               "allowed_token_ids", "bad_words")  # vLLM's constrained decoding, refused as response_format is
 ROUTE = re.compile(r"^/s/(?P<token>[A-Za-z0-9_-]{16,128})(?P<rest>/v1/chat/completions|/v1/completions|/v1/models|"
                    r"/reward|/end|/v1/reward|/v1/end)$")  # the last two: under the base URL too
-
-
-class AgentError(Exception):
-    """A request refused: the HTTP status, OpenAI's error type, the message (names what to change)."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "code": self.code, "param": None}}
 
 
 @dataclass
@@ -72,6 +58,12 @@ class Turn:
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         return message
+
+
+def retried(headers) -> bool:
+    """The request says it is a retry of one sent before: the OpenAI SDKs' x-stainless-retry-count above 0."""
+    count = headers.get("x-stainless-retry-count", "")
+    return count.isdigit() and int(count) > 0
 
 
 class Delivery:
@@ -98,9 +90,9 @@ class Delivery:
 
 @dataclass
 class Session:
-    """One harness's conversation: `answer(kind, body, delivery) -> Turn` is given by the sampler (kind: "chat" or
-    "completions"; blocks while the turn is generated; AgentError to refuse; `delivery`: a Delivery the handler
-    sets once the response is written, or failed to be)."""
+    """One harness's conversation: `answer(kind, body, delivery, retry) -> Turn` is given by the sampler (kind:
+    "chat" or "completions"; blocks while the turn is generated; AgentError to refuse; `delivery`: a Delivery the
+    handler sets once the response is written, or failed to be; `retry`: the request says it retries one)."""
 
     token: str
     answer: object
@@ -167,74 +159,6 @@ class AgentServer:
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "grpo"}]}
-
-
-def check_request(body, kind: str) -> list[str]:
-    """AgentError for what cannot be honoured; the names of the sampling settings that are ignored."""
-    if not isinstance(body, dict):
-        raise AgentError(400, "the request body must be a JSON object")
-    if kind == "chat":
-        problem = messages_problem(body.get("messages"))
-        if problem:
-            raise AgentError(400, problem, code="messages")
-    if kind == "chat" and body.get("tools") is not None and not (
-            isinstance(body["tools"], list) and all(isinstance(t, dict) for t in body["tools"])):
-        raise AgentError(400, "tools must be a list of tool objects", code="tools")
-    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
-        raise AgentError(400, "stream_options must be an object", code="stream_options")
-    if kind == "chat" and body.get("add_generation_prompt") is False and body.get("continue_final_message") is not True:
-        raise AgentError(400, "add_generation_prompt=false without continue_final_message would have the model write "
-                              "its turn's header itself: not served", code="add_generation_prompt")
-    constrained = [name for name in CONSTRAINED if body.get(name) not in (None, [], {}, "")]
-    if constrained:
-        raise AgentError(400, f"{', '.join(constrained)} is not served: constrained decoding would sample from another "
-                              "policy than the one trained", code=constrained[0])
-    if kind == "chat" and body.get("continue_final_message") is True:
-        if body["messages"][-1].get("role") != "assistant":
-            raise AgentError(400, "continue_final_message goes on with the last message, which must be the "
-                                  "assistant's", code="continue_final_message")
-        if body.get("add_generation_prompt") is True:
-            raise AgentError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                             code="add_generation_prompt")
-    if kind == "completions" and not isinstance(body.get("prompt"), (str, list)):
-        raise AgentError(400, "prompt must be a string or a list of token ids", code="prompt")
-    if body.get("n", 1) not in (1, None):
-        raise AgentError(400, f"n={body['n']} is not served: each session samples one completion per request "
-                              "(the group's G completions are G sessions)", code="n")
-    if body.get("logit_bias"):
-        raise AgentError(400, "logit_bias is not served: the recorded log-probs must be the behaviour policy's",
-                         code="logit_bias")
-    if body.get("seed") is not None:
-        raise AgentError(400, "seed is not served: the run seeds each turn itself (its seed and the step)",
-                         code="seed")
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
-        raise AgentError(400, f"response_format {response_format['type']} is not served: constrained decoding "
-                              "would sample from another policy than the one trained", code="response_format")
-    return [name for name in IGNORED if body.get(name) is not None]
-
-
-def messages_problem(messages) -> str:
-    """What makes `messages` no list of chat messages the template can render ('' nothing)."""
-    if not isinstance(messages, list) or not messages:
-        return "messages must be a non-empty list of chat messages"
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            return f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}"
-        content = message.get("content")
-        if content is not None and not isinstance(content, str) and not (
-                isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                                  and isinstance(p.get("text"), str) for p in content)):
-            return f"messages[{i}].content must be a string or a list of text parts (other parts are not served)"
-        for key in ("tool_call_id", "name"):
-            if message.get(key) is not None and not isinstance(message[key], str):
-                return f"messages[{i}].{key} must be a string"
-        calls = message.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls)):
-            return f"messages[{i}].tool_calls must be a list of function calls"
-    return ""
 
 
 def chat_response(server: AgentServer, turn: Turn) -> dict:
@@ -326,16 +250,19 @@ class _Handler(BaseHTTPRequestHandler):
                 raise AgentError(405, "POST /v1/models is not served (GET it)")
             kind = "chat" if rest == "/v1/chat/completions" else "completions"
             ignored = check_request(body, kind)
-            if not session.lock.acquire(blocking=False):
+            retry = retried(self.headers)
+            locked = session.lock.acquire(blocking=False)
+            if not locked and not retry:  # a retry may join the request it retries (the conversation decides)
                 raise AgentError(409, "this session is answering another request: one request at a time per "
                                       "session (each agent its own session)", kind="conflict")
             delivery = Delivery()
             if body.get("stream") is True:  # the answer's worker releases the session when it returns
-                return self._stream(session, kind, body, ignored, delivery)
+                return self._stream(session, kind, body, ignored, delivery, retry, locked)
             try:
-                turn = session.answer(kind, body, delivery)
+                turn = session.answer(kind, body, delivery, retry)
             finally:
-                session.lock.release()
+                if locked:
+                    session.lock.release()
             respond = chat_response if kind == "chat" else completion_response
             try:
                 self._json(200, respond(self.agent, turn), ignored)
@@ -384,24 +311,27 @@ class _Handler(BaseHTTPRequestHandler):
         session.reward = float(reward)
         return {"reward": session.reward}
 
-    def _stream(self, session: Session, kind: str, body: dict, ignored: list[str], delivery: Delivery) -> None:
+    def _stream(self, session: Session, kind: str, body: dict, ignored: list[str], delivery: Delivery, retry: bool,
+                locked: bool) -> None:
         try:
-            self._streamed(session, kind, body, ignored, delivery)
+            self._streamed(session, kind, body, ignored, delivery, retry, locked)
         except BaseException:  # the client is gone (mid-stream, or during a keep-alive): the turn reached no one
             delivery.done(False)
             raise
         delivery.done(True)
 
-    def _streamed(self, session: Session, kind: str, body: dict, ignored: list[str], delivery: Delivery) -> None:
+    def _streamed(self, session: Session, kind: str, body: dict, ignored: list[str], delivery: Delivery,
+                  retry: bool, locked: bool) -> None:
         answers: queue.Queue = queue.Queue(maxsize=1)
 
         def work():
             try:
-                answers.put((True, session.answer(kind, body, delivery)))
+                answers.put((True, session.answer(kind, body, delivery, retry)))
             except BaseException as e:  # handed to the stream
                 answers.put((False, e))
             finally:  # not before: a client gone mid-stream must not let a second request in meanwhile
-                session.lock.release()
+                if locked:
+                    session.lock.release()
 
         threading.Thread(target=work, name="agent-turn", daemon=True).start()
         self.send_response(200)

@@ -98,7 +98,7 @@ class Jail:
                  pass_env=()):
         self.name, self.resolver, self.targets, self.limits = name, resolver, list(targets), limits
         self.pass_env = pass_env
-        self.restarts = 0
+        self.restarts, self.closed = 0, False
         self._process, self._requests, self._answers, self.folder = None, -1, -1, ""
         self._start()
 
@@ -140,6 +140,8 @@ class Jail:
         """The function `target` names, called with `arguments` in a jail of its own: its JSON value;
         ChildFailed where it raised (with where), ran past `timeout_s` (`timeout_message`), went past
         a budget or died."""
+        if self.closed:
+            raise ChildFailed(f"the {self.name} jail is closed")
         if self._process is None or self._process.poll() is not None:
             self.restart()
         try:
@@ -185,13 +187,24 @@ class Jail:
                 os.close(fd)
 
     def restart(self) -> None:
-        self.close()
+        if self.closed:  # closed from another thread while a call waited: it stays closed
+            raise ChildFailed(f"the {self.name} jail is closed")
+        self._end()
         self.restarts += 1
         self._start()
 
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self._process is not None and self._process.poll() is None
+
     def close(self) -> None:
+        """The warden ended, with every process of its calls, for good: a later call fails. Once."""
+        self.closed = True
+        self._end()
+
+    def _end(self) -> None:
         """The warden ended (it ends its running call and itself when its pipe closes), and with it
-        every process of its calls; its folder and any cgroup of its calls removed. Once."""
+        every process of its calls; its folder and any cgroup of its calls removed."""
         for fd in (self._requests, self._answers):
             if fd >= 0:
                 os.close(fd)

@@ -168,6 +168,8 @@ def _add_rule(libc, ruleset: int, path: str, allowed: int) -> None:
 
 AF_UNIX, AF_INET, AF_INET6, AF_MAX = 1, 2, 10, 64  # AF_MAX: above every family the kernel knows
 SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_TYPE_MASK = 1, 2, 3, 0xF
+IPPROTO_TCP, MSG_FASTOPEN = 6, 0x20000000
+TCP_FASTOPEN_OPTIONS = (23, 30)  # TCP_FASTOPEN, TCP_FASTOPEN_CONNECT
 # System V and POSIX shared memory, semaphores and message queues: they outlive a call and its
 # cgroup, and are shared with the host where the call has no IPC namespace
 IPC_CALLS = ("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd",
@@ -190,14 +192,13 @@ def jail_filter(network: bool, protected_signals: list[tuple[str, int, dict]], t
     """The call's seccomp filter, compiled (grpo.common.child.seccomp_program): FORBIDDEN_CALLS fail with
     EPERM; socket() of any family but the internet ones (where `network` or `tcp_only`) fails with
     EACCES (an allow-list: AF_XDP, packet, netlink, Unix, vsock, and families the kernel adds later);
-    with `tcp_only`, stream sockets alone (no UDP, no raw: Landlock rules TCP only);
+    with `tcp_only`, TCP connects alone (tcp_only_rules);
     socketpair() makes only stream Unix pairs (a `multiprocessing.Pipe`); `protected_signals`
     (signal_rules) where Landlock cannot scope signals. None without libseccomp."""
     allowed = (AF_INET, AF_INET6) if network or tcp_only else ()
     rules = [(call, errno.EPERM, {}) for call in FORBIDDEN_CALLS] + [("clone3", errno.ENOSYS, {})]
     if tcp_only:
-        rules += [("socket", errno.EACCES, {0: family, 1: (SOCK_TYPE_MASK, kind)}) for family in allowed
-                  for kind in range(SOCK_STREAM + 1, SOCK_TYPE_MASK + 1)]
+        rules += tcp_only_rules(allowed)
     rules += [("clone", errno.EPERM, {0: (flag, flag)}) for flag in (CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET,
                                                                       CLONE_NEWPID)]
     rules += [("socket", errno.EACCES, {0: family}) for family in range(AF_MAX) if family not in allowed]
@@ -206,6 +207,22 @@ def jail_filter(network: bool, protected_signals: list[tuple[str, int, dict]], t
     rules += [("socketpair", errno.EACCES, {0: ("ge", AF_MAX)})]
     rules += [("socketpair", errno.EACCES, {0: AF_UNIX, 1: (SOCK_TYPE_MASK, kind)}) for kind in (SOCK_DGRAM, SOCK_RAW)]
     return seccomp_program(rules + protected_signals)
+
+
+def tcp_only_rules(families: tuple[int, ...]) -> list[tuple[str, int, dict]]:
+    """What keeps a call to plain TCP connects, the calls Landlock's port rules see: stream sockets of protocol 0
+    or TCP alone (not MPTCP, SCTP or anything else Landlock does not rule), no listening (listen() binds a port
+    itself), no TCP Fast Open (a connect made by the first send, which Landlock does not see)."""
+    rules = [("socket", errno.EACCES, {0: family, 1: (SOCK_TYPE_MASK, kind)}) for family in families
+             for kind in range(SOCK_STREAM + 1, SOCK_TYPE_MASK + 1)]
+    rules += [("socket", errno.EACCES, {0: family, 2: protocol}) for family in families
+              for protocol in range(1, IPPROTO_TCP)]
+    rules += [("socket", errno.EACCES, {0: family, 2: ("ge", IPPROTO_TCP + 1)}) for family in families]
+    rules += [("listen", errno.EACCES, {})]
+    rules += [(call, errno.EACCES, {flags: (MSG_FASTOPEN, MSG_FASTOPEN)})
+              for call, flags in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3))]
+    rules += [("setsockopt", errno.EACCES, {1: IPPROTO_TCP, 2: option}) for option in TCP_FASTOPEN_OPTIONS]
+    return rules
 
 
 def ancestors() -> list[tuple[int, int]]:

@@ -284,7 +284,7 @@ def _agent_errors(cfg: Config) -> list[str]:
     if agent.entrypoint and agent.command:
         errors.append("agent.entrypoint and agent.command are both set: your agent is a function or a program; set one")
     if agent.command:
-        errors += command_errors(agent.command)
+        errors += command_errors(agent.command) + readable_errors(agent.readable, cfg.run_dir)
     elif ":" not in agent.entrypoint:
         errors.append(f"agent.entrypoint must be 'package.module:function' or 'path/to/file.py:function'; got "
                       f"{agent.entrypoint!r}")
@@ -312,6 +312,18 @@ def command_errors(command: str) -> list[str]:
     if words[0] not in ("python", "python3") and not shutil.which(words[0]):
         return [f"agent.command runs {words[0]!r}, which is no program on PATH nor an executable file"]
     return []
+
+
+def readable_errors(readable: list[str], run_dir: Path) -> list[str]:
+    """agent.readable: paths that are there, none of them the run folder or a folder that holds it."""
+    errors = []
+    for path in readable:
+        if not os.path.exists(path):
+            errors.append(f"agent.readable: {path!r} is not there")
+        elif Path(run_dir).resolve().is_relative_to(Path(path).resolve()):
+            errors.append(f"agent.readable: {path!r} holds the run folder {run_dir}, whose files (the completions, "
+                          "the weights) the agent must not read; name the files or folders it needs")
+    return errors
 
 
 def _transport_errors(transport) -> list[str]:

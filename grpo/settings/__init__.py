@@ -332,6 +332,8 @@ class AgentConfig:
         "called per sample with (row, base_url, api_key), sync or async; it talks to the policy over the OpenAI API.")
     command: str = setting("", "Your agent as a program, run per sample in a jail (TCP to the endpoint alone) "
         "with OPENAI_BASE_URL and OPENAI_API_KEY set and its row as JSON on stdin; or agent.entrypoint.")
+    readable: list[str] = setting([], "agent.command: files and folders its jail may read besides the files its "
+        "command line names (a script's modules, say); nothing of the run is readable otherwise.")
     memory_mb: int = setting(2048, "agent.command: memory in MB of one session's process tree (past it the session "
         "fails). 0 = no limit.", bound=">= 0", why="0 = no limit")
     max_processes: int = setting(64, "agent.command: processes one session's tree may have at once. 0 = no limit.",

@@ -1,0 +1,68 @@
+"""A tool-calling agent loop of your own through the endpoint against the same episodes run natively (env.tools): the
+real `openai` SDK reads the model's calls as `tool_calls`, runs the tool and sends the results back; the rows the
+trainer gets must be the native runner's, token for token and mask for mask."""
+
+import json
+
+import openai
+from test_tools import CALCULATE, CALL, ScriptedModel
+from transformers import AutoTokenizer
+
+from grpo.agent.runner import AgentRunner
+from grpo.config import load_config
+from grpo.data.problems import Problem
+from grpo.data.prompts import build_prompts
+from grpo.environments import environment_args, prompt_options
+from grpo.environments.calculator import calculate
+from grpo.environments.pool import EnvironmentPool
+from grpo.model.loading import read_chat_template
+from grpo.sampler.episodes import EpisodeRunner
+
+SCRIPTS = [["ep0 half of 48 is\n" + CALL.format("48 / 2"), "ep0 then\n" + CALL.format("48 + 24"), "<answer>72</answer>"],
+           ["ep1 both at once\n" + CALL.format("48 / 2") + "\n" + CALL.format("48 * 1.5"), "<answer>72</answer>"],
+           ["ep2 <answer>72</answer>"]]
+
+
+def tool_agent(tools: list):
+    """An agent loop as users write it: ask with the tools, run each call, send the results, until no call."""
+    def agent(row, base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        messages = list(row["prompt_turns"])
+        for _ in range(4):
+            message = client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
+            if not message.tool_calls:
+                return 1.0 if "<answer>72</answer>" in (message.content or "") else 0.0
+            messages.append(message.model_dump(exclude_none=True))
+            messages += [{"role": "tool", "tool_call_id": call.id,
+                          "content": calculate(**json.loads(call.function.arguments))} for call in message.tool_calls]
+        return 0.0
+    return agent
+
+
+def test_a_tool_loop_through_the_endpoint_gives_the_native_tool_episodes_rows_token_for_token(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = read_chat_template("chatml-tools")
+    cfg = load_config(None, [f"env.tools=[{CALCULATE}]", "data.few_shot=0", "data.prefill="])
+    problem = Problem("train-0", "Natalia sold 48 clips in April and half as many in May. How many in all?", "72")
+    prompts, _ = build_prompts(tokenizer, cfg.data, [problem], **prompt_options(cfg.env))
+    pool = EnvironmentPool(cfg.env.name, environment_args(cfg.env), 5.0)
+    try:
+        native = EpisodeRunner(pool, tokenizer, 400, 4, prefill="", roles=("tool",)).run(
+            ScriptedModel(tokenizer, SCRIPTS), prompts, 3)
+    finally:
+        pool.close()
+
+    agent_cfg = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=4"])
+    runner = AgentRunner(agent_cfg.agent, tokenizer, 400, 1024, "policy", entrypoint=tool_agent(list(prompts[0].tools)))
+    try:
+        agent = runner.run(ScriptedModel(tokenizer, SCRIPTS), prompts, 3)
+    finally:
+        runner.close()
+
+    assert agent.prompts[0].token_ids == prompts[0].token_ids  # the first request renders the run's own prompt
+    assert [ids.tolist() for ids in agent.rollouts.completion_ids] == \
+        [ids.tolist() for ids in native.rollouts.completion_ids]
+    assert [m.tolist() for m in agent.rollouts.model_masks] == [m.tolist() for m in native.rollouts.model_masks]
+    assert [e.turns for e in agent.episodes] == [e.turns for e in native.episodes] == [3, 2, 1]
+    assert [e.env_errors for e in agent.episodes] == [0, 0, 0] and [e.reward for e in agent.episodes] == [1.0] * 3
+    assert sum(sum(e.continued.values()) for e in agent.episodes) == 3  # every later request continued the row

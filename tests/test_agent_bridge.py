@@ -144,3 +144,18 @@ def test_a_turn_whose_response_failed_waits_for_a_retry_to_fetch_it_and_is_undel
         assert conversation.delivered(5) is retried
         assert conversation.undelivered == (0 if retried else 1) and conversation.requests == 1
         assert (time.monotonic() - started < 0.45) if retried else (0.5 <= time.monotonic() - started < 1.5)
+
+
+def test_retries_are_few_and_each_is_released_when_the_request_they_repeat_expires():
+    import grpo.agent.bridge as bridge
+
+    conversation, got = Conversation(idle_timeout_s=5, turn_timeout_s=0.5), []
+    first = asked(conversation, {"messages": ASK}, got)
+    time.sleep(0.05)
+    retries = [asked(conversation, {"messages": ASK}, got, retry=True) for _ in range(bridge.MAX_RETRIES + 1)]
+    started = time.monotonic()
+    for thread in [first, *retries]:
+        thread.join(5)
+    assert time.monotonic() - started < 1.0  # all released when the first expired, none left to its own clock
+    statuses = sorted(e.status for e in got)
+    assert statuses == [409] + [504] * (bridge.MAX_RETRIES + 1) and conversation.retries == bridge.MAX_RETRIES

@@ -18,7 +18,8 @@ from grpo.environments.pool import EnvironmentPool
 from grpo.model.loading import read_chat_template
 from grpo.sampler.episodes import EpisodeRunner
 
-SCRIPTS = [["ep0 half of 48 is\n" + CALL.format("48 / 2"), "ep0 then\n" + CALL.format("48 + 24"), "<answer>72</answer>"],
+SCRIPTS = [["ep0 half of 48 is\n" + CALL.format("48 / 2"), "ep0 then\n" + CALL.format("48 + 24"),
+            "<answer>72</answer>"],
            ["ep1 both at once\n" + CALL.format("48 / 2") + "\n" + CALL.format("48 * 1.5"), "<answer>72</answer>"],
            ["ep2 <answer>72</answer>"]]
 

@@ -24,6 +24,7 @@ IDLE = "idle"  # the harness sent nothing for idle_timeout_s after a turn: the s
 # how long a turn whose response could not be written waits for the client's retry to fetch it: the OpenAI SDK
 # waits up to 8 s between tries
 RETRY_GRACE_S = 10.0
+MAX_RETRIES = 4  # of one request (the OpenAI SDK's default is 2)
 
 
 class Pending:
@@ -36,6 +37,7 @@ class Pending:
         self.kind, self.body = kind, body
         self.item = None
         self.cancelled = False
+        self.retries = 0  # retries joined to it
         # server.Delivery of each response that carries the turn (the request's, its retries'): whether it reached
         # its client whole
         self.deliveries = [delivery] if delivery is not None else []
@@ -48,15 +50,16 @@ class Pending:
             self._given.set()
             return True
 
-    def wait(self, timeout_s: float) -> bool:
-        """True once given; False when `timeout_s` passed first (the slot is then closed: a later turn is not
-        given to anyone)."""
+    def wait(self, timeout_s: float, expired: AgentError) -> bool:
+        """True once given; False when `timeout_s` passed first: the slot is then closed with `expired` (a later
+        turn is not given to anyone; its retries waiting with it get `expired` too)."""
         if self._given.wait(timeout_s):
             return True
         with self._lock:
             if self._given.is_set():
                 return True
-            self.cancelled = True
+            self.cancelled, self.item = True, expired
+            self._given.set()
             return False
 
     @property
@@ -93,7 +96,11 @@ class Conversation:
                 raise AgentError(409, "this session has ended", kind="conflict")
             last = self._waiting
             if retry and last is not None and not last.cancelled and (last.kind, last.body) == (kind, body):
-                last.deliveries.append(delivery)  # a retry: the same turn, on its own response
+                if last.retries >= MAX_RETRIES:  # each waits on a thread of the sampler's: a few, not a flood
+                    raise AgentError(409, f"this request was retried {MAX_RETRIES} times already", kind="conflict")
+                last.retries += 1
+                if delivery is not None:
+                    last.deliveries.append(delivery)  # a retry: the same turn, on its own response
                 self.retries += 1
                 pending = last
             elif last is not None and last.open:
@@ -102,9 +109,8 @@ class Conversation:
             else:
                 pending = self._waiting = Pending(kind, body, delivery)
                 self._requests.put((kind, body, pending))
-        if not pending.wait(self.turn_timeout_s):
-            raise AgentError(504, f"no turn within {self.turn_timeout_s:g} s (agent.session_timeout_s)",
-                             kind="timeout")
+        pending.wait(self.turn_timeout_s, AgentError(504, f"no turn within {self.turn_timeout_s:g} s "
+                                                          "(agent.session_timeout_s)", kind="timeout"))
         if isinstance(pending.item, AgentError):
             raise pending.item
         return pending.item

@@ -1,14 +1,15 @@
 """agent.command: your agent as a program, one process per session, in the jail the model's code runs in.
 
 Each session's command runs as one jailed call (grpo/common/jail.py): a folder of its own as its working folder
-and home, none of the run's files (its data, its reference answers, its weights, the trainer's sockets), a
-network of one TCP port, the endpoint's (Landlock; no UDP, no other family), budgets of memory, processes and
-CPU (agent.memory_mb, max_processes, cpu_s). It gets OPENAI_BASE_URL (its session's /v1) and OPENAI_API_KEY, and
-its dataset row as one JSON line on stdin (read once: a process it starts later cannot read it again). Its reward
-is what it POSTs to $OPENAI_BASE_URL/reward, else the run's rewards on its last message; a command that exits
-with another status than 0 fails its session. A session that ends at its time limit, or a step that ends while
-the command still runs, kills it and every process it started. A warden (one jail) serves one session at a
-time; they are kept between steps, as many as sessions ran at once.
+and home, none of the run's files (its data, its reference answers, its weights), TCP connects to one port
+number alone, the endpoint's (Landlock rules ports, not addresses; no UDP, no other family, no listening: the
+trainer's sockets are closed to it), budgets of memory, processes and CPU (agent.memory_mb, max_processes,
+cpu_s). It gets OPENAI_BASE_URL (its session's /v1) and OPENAI_API_KEY, and its dataset row as one JSON line on
+stdin (read once: a process it starts later cannot read it again). Its reward is what it POSTs to
+$OPENAI_BASE_URL/reward, else the run's rewards on its last message; a command that exits with another status
+than 0 fails its session. A session past its time limit, or one that never opened, has its command killed with
+every process it started. A warden (one jail) serves one session at a time; they are kept between steps, as
+many as sessions ran at once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 
 from grpo.agent.harness import HarnessError
@@ -70,6 +71,7 @@ class AgentCommand:
         self._idle: list[Jail] = []
         self._running: dict[str, Jail] = {}
         self._stopped: set[str] = set()  # sessions stopped before their command started
+        self._closed = False
         self._jails = 0
         self._lock = threading.Lock()
         # a warden dies with the thread that started it (its parent-death signal is a thread's): all are started
@@ -79,7 +81,8 @@ class AgentCommand:
     def __call__(self, row: dict, base_url: str, api_key: str) -> None:
         jail = self._take()
         with self._lock:
-            if api_key in self._stopped:
+            if api_key in self._stopped or self._closed:
+                self._stopped.discard(api_key)
                 self._idle.append(jail)
                 raise HarnessError("the agent command was stopped before it started")
             self._running[api_key] = jail
@@ -94,6 +97,7 @@ class AgentCommand:
         finally:
             with self._lock:
                 self._running.pop(api_key, None)
+                self._stopped.discard(api_key)  # a stop that came as it ended
                 # a warden started again on this thread would die with it: not kept
                 if jail.alive and jail.restarts == restarts:
                     self._idle.append(jail)
@@ -106,15 +110,23 @@ class AgentCommand:
 
     def _take(self) -> Jail:
         with self._lock:
+            if self._closed:
+                raise HarnessError("the agent command was stopped before it started: the sampler is closing")
             while self._idle:
                 jail = self._idle.pop()
                 if jail.alive:
                     return jail
                 jail.close()
-        jail = self._starter.submit(Jail, "agent", f"{__name__}:resolve", [TARGET], self.limits).result()
+        try:
+            jail = self._starter.submit(Jail, "agent", f"{__name__}:resolve", [TARGET], self.limits).result()
+        except CancelledError:
+            raise HarnessError("the agent command was stopped before it started: the sampler is closing") from None
         with self._lock:
             self._jails += 1
             first = self._jails == 1
+            if self._closed:  # closed while it started: it is not handed out
+                jail.close()
+                raise HarnessError("the agent command was stopped before it started: the sampler is closing")
         if first:
             log.info("agent.command runs each session in a jail: %s; TCP to port %d alone", jail_description(jail.info),
                      self.limits.connect_port)
@@ -131,10 +143,12 @@ class AgentCommand:
                 jail.end_call()
 
     def close(self) -> None:
-        """Every command killed, then every jail closed."""
+        """Every command killed, then every jail closed; none starts after."""
         with self._lock:
+            self._closed = True
             for jail in self._running.values():
                 jail.end_call()
+        self._starter.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + CLOSE_WAIT_S
         while self._running and time.monotonic() < deadline:  # their sessions' threads hand them back
             time.sleep(0.01)
@@ -142,7 +156,6 @@ class AgentCommand:
             jails, self._idle = [*self._idle, *self._running.values()], []
         for jail in jails:
             jail.close()
-        self._starter.shutdown(wait=False)
 
 
 CLOSE_WAIT_S = 2.0

@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 
 from grpo.common.child import SET_ENVIRONMENT, ChildFailed, ChildRefused, end_session, passed_environment
@@ -99,6 +100,7 @@ class Jail:
         self.name, self.resolver, self.targets, self.limits = name, resolver, list(targets), limits
         self.pass_env = pass_env
         self.restarts, self.closed = 0, False
+        self._ending = threading.Lock()
         self._process, self._requests, self._answers, self.folder = None, -1, -1, ""
         self._start()
 
@@ -204,7 +206,12 @@ class Jail:
 
     def _end(self) -> None:
         """The warden ended (it ends its running call and itself when its pipe closes), and with it
-        every process of its calls; its folder and any cgroup of its calls removed."""
+        every process of its calls; its folder and any cgroup of its calls removed. Safe from two
+        threads at once (a close while a call restarts it)."""
+        with self._ending:
+            self._end_warden()
+
+    def _end_warden(self) -> None:
         for fd in (self._requests, self._answers):
             if fd >= 0:
                 os.close(fd)

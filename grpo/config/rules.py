@@ -284,7 +284,7 @@ def _agent_errors(cfg: Config) -> list[str]:
     if agent.entrypoint and agent.command:
         errors.append("agent.entrypoint and agent.command are both set: your agent is a function or a program; set one")
     if agent.command:
-        errors += command_errors(agent.command) + readable_errors(agent.readable, cfg.run_dir)
+        errors += command_errors(agent.command) + readable_errors(agent.readable, run_paths(cfg))
     elif ":" not in agent.entrypoint:
         errors.append(f"agent.entrypoint must be 'package.module:function' or 'path/to/file.py:function'; got "
                       f"{agent.entrypoint!r}")
@@ -314,15 +314,33 @@ def command_errors(command: str) -> list[str]:
     return []
 
 
-def readable_errors(readable: list[str], run_dir: Path) -> list[str]:
-    """agent.readable: paths that are there, none of them the run folder or a folder that holds it."""
+def run_paths(cfg: Config) -> dict[str, Path]:
+    """What an agent program must not read, by what it is: the run folder, the published weights, a local
+    dataset (its reference answers), the home folder (keys and tokens) and the model cache."""
+    paths = {"the run folder": cfg.run_dir, "the home folder": Path.home(),
+             "the model cache": Path(cfg.model.cache_dir or os.environ.get("GRPO_CACHE") or Path.home() / ".cache")}
+    if cfg.weights.dir:
+        paths["the published weights"] = Path(cfg.weights.dir)
+    if os.path.exists(cfg.data.path):
+        paths["the dataset"] = Path(cfg.data.path)
+    return {what: path.resolve() for what, path in paths.items()}
+
+
+def readable_errors(readable: list[str], protected: dict[str, Path]) -> list[str]:
+    """agent.readable: paths that are there, none of them in a protected one (run_paths) or holding one; the home
+    folder's own files excepted from "in": a folder of your agent's under it is fine, the home folder is not."""
     errors = []
     for path in readable:
         if not os.path.exists(path):
             errors.append(f"agent.readable: {path!r} is not there")
-        elif Path(run_dir).resolve().is_relative_to(Path(path).resolve()):
-            errors.append(f"agent.readable: {path!r} holds the run folder {run_dir}, whose files (the completions, "
-                          "the weights) the agent must not read; name the files or folders it needs")
+            continue
+        resolved = Path(path).resolve()
+        for what, held in protected.items():
+            inside = resolved.is_relative_to(held) and what != "the home folder"
+            if inside or held.is_relative_to(resolved):
+                errors.append(f"agent.readable: {path!r} {'is in' if inside else 'holds'} {what} ({held}), which "
+                              "the agent must not read; name the files or folders it needs")
+                break
     return errors
 
 

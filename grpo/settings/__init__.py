@@ -330,7 +330,7 @@ class EnvConfig:
 class AgentConfig:
     entrypoint: str = setting("", "Your own agent loop: 'package.module:function' or 'path/to/file.py:function', "
         "called per sample with (row, base_url, api_key), sync or async; it talks to the policy over the OpenAI API.")
-    command: str = setting("", "Your agent as a program, run per sample in a jail (TCP to the endpoint alone) "
+    command: str = setting("", "Your agent as a program, run per sample in a jail (TCP to the endpoint's port only) "
         "with OPENAI_BASE_URL and OPENAI_API_KEY set and its row as JSON on stdin; or agent.entrypoint.")
     readable: list[str] = setting([], "agent.command: files and folders its jail may read besides the files its "
         "command line names (a script's modules, say); nothing of the run is readable otherwise.")

@@ -162,8 +162,8 @@ def main(argv: list[str]) -> int:
     print(f"model tokens/s over the counted steps: native {rates['native']:.1f}, endpoint {rates['endpoint']:.1f} "
           f"(x{rates['endpoint'] / rates['native']:.3f})")
     native, endpoint = statistics.median(seconds["native"]), statistics.median(seconds["endpoint"])
-    print(f"median s/step: native {native:.2f}, endpoint {endpoint:.2f} (x{endpoint / native:.3f}); overhead per "
-          f"turn {1000 * (endpoint - native) / (B * G):.1f} ms")
+    print(f"median s/step: native {native:.2f}, endpoint {endpoint:.2f} (x{endpoint / native:.3f}); difference "
+          f"per session {1000 * (endpoint - native) / (B * G):.1f} ms (one turn each without --episodes)")
     return 0
 
 

@@ -141,10 +141,11 @@ def test_the_jails_outlive_their_sessions_and_serve_the_next_steps(chatty_agent,
         second = runner.run(engine, prompts(tokenizer, 1), 2, seed=2)
         assert sorted(jail._process.pid for jail in runner.harnesses.fn._idle) == wardens  # the same two, kept
         assert processes_left(runner.harnesses.fn, 2) == [[], []]
+        kept = list(runner.harnesses.fn._idle)
     finally:
         runner.close()
     assert [e.reward for e in first.episodes + second.episodes] == [0.5] * 4
-    assert all(jail.closed for jail in runner.harnesses.fn._idle) or runner.harnesses.fn._idle == []
+    assert all(jail.closed and jail._process is None for jail in kept)  # closed with the runner
 
 
 def test_a_command_that_never_ends_is_killed_with_its_children_at_its_session_time(chatty_agent, tmp_path):
@@ -162,6 +163,23 @@ def test_a_command_that_exits_otherwise_than_0_fails_its_session_and_keeps_the_t
     assert [e.env_error for e in run.episodes] == ["the agent command exited with status 3 (its output is in the "
                                                    "sampler's log, marked [jailed call])"] * 2
     assert all(all(e.model) for e in run.episodes)
+
+
+def test_an_agent_may_read_its_own_folders_and_nothing_of_the_runs(tmp_path):
+    from grpo.config.rules import readable_errors, run_paths
+
+    for name in ("run/spool", "cache", "mine/agent", "data"):
+        (tmp_path / name).mkdir(parents=True)
+    cfg = load_config(None, ["agent.command=python a.py", "data.prefill=", f"run.dir={tmp_path / 'run'}",
+                             f"model.cache_dir={tmp_path / 'cache'}", f"data.path={tmp_path / 'data'}"])
+    protected = run_paths(cfg)
+    assert readable_errors([str(tmp_path / "mine" / "agent")], protected) == []
+    assert [e.split(" (")[0] for e in readable_errors([str(tmp_path / "run" / "spool"), str(tmp_path / "cache"),
+                                                       str(tmp_path), str(tmp_path / "data")], protected)] == [
+        f"agent.readable: '{tmp_path / 'run' / 'spool'}' is in the run folder",
+        f"agent.readable: '{tmp_path / 'cache'}' is in the model cache",
+        f"agent.readable: '{tmp_path}' holds the run folder",
+        f"agent.readable: '{tmp_path / 'data'}' is in the dataset"]
 
 
 def test_the_command_line_is_checked_at_start(tmp_path):

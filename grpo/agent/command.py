@@ -83,7 +83,10 @@ class AgentCommand:
         with self._lock:
             if api_key in self._stopped or self._closed:
                 self._stopped.discard(api_key)
-                self._idle.append(jail)
+                if self._closed:  # the pool's jails are closed already: this one too
+                    jail.close()
+                else:
+                    self._idle.append(jail)
                 raise HarnessError("the agent command was stopped before it started")
             self._running[api_key] = jail
         restarts = jail.restarts
@@ -119,8 +122,10 @@ class AgentCommand:
                 jail.close()
         try:
             jail = self._starter.submit(Jail, "agent", f"{__name__}:resolve", [TARGET], self.limits).result()
-        except CancelledError:
+        except (CancelledError, RuntimeError):  # RuntimeError: submitted after the pool shut down
             raise HarnessError("the agent command was stopped before it started: the sampler is closing") from None
+        except ChildRefused as e:
+            raise HarnessError(f"the agent command's jail could not start: {e}") from None
         with self._lock:
             self._jails += 1
             first = self._jails == 1

@@ -100,7 +100,7 @@ class Jail:
         self.name, self.resolver, self.targets, self.limits = name, resolver, list(targets), limits
         self.pass_env = pass_env
         self.restarts, self.closed = 0, False
-        self._ending = threading.Lock()
+        self._ending = threading.RLock()  # restart and close, from any thread; a failed start closes within
         self._process, self._requests, self._answers, self.folder = None, -1, -1, ""
         self._start()
 
@@ -144,7 +144,8 @@ class Jail:
         a budget or died."""
         if self.closed:
             raise ChildFailed(f"the {self.name} jail is closed")
-        if self._process is None or self._process.poll() is not None:
+        process = self._process  # read once: a close() from another thread sets it to None
+        if process is None or process.poll() is not None:
             self.restart()
         try:
             write_frame(self._requests, [target, arguments, timeout_s])
@@ -189,20 +190,23 @@ class Jail:
                 os.close(fd)
 
     def restart(self) -> None:
-        if self.closed:  # closed from another thread while a call waited: it stays closed
-            raise ChildFailed(f"the {self.name} jail is closed")
-        self._end()
-        self.restarts += 1
-        self._start()
+        with self._ending:  # a close() from another thread comes before or after, never between
+            if self.closed:  # closed while a call waited: it stays closed
+                raise ChildFailed(f"the {self.name} jail is closed")
+            self._end()
+            self.restarts += 1
+            self._start()
 
     @property
     def alive(self) -> bool:
-        return not self.closed and self._process is not None and self._process.poll() is None
+        process = self._process
+        return not self.closed and process is not None and process.poll() is None
 
     def close(self) -> None:
         """The warden ended, with every process of its calls, for good: a later call fails. Once."""
-        self.closed = True
-        self._end()
+        with self._ending:
+            self.closed = True
+            self._end()
 
     def _end(self) -> None:
         """The warden ended (it ends its running call and itself when its pipe closes), and with it

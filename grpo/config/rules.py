@@ -316,14 +316,19 @@ def command_errors(command: str) -> list[str]:
 
 def run_paths(cfg: Config) -> dict[str, Path]:
     """What an agent program must not read, by what it is: the run folder, the published weights, a local
-    dataset (its reference answers), the home folder (keys and tokens) and the model cache."""
+    dataset (its reference answers), a local model, the home folder (keys and tokens) and the model caches."""
+    from grpo.common.model_files import cache_root  # late: it loads torch, and only agent.command asks
+
     paths = {"the run folder": cfg.run_dir, "the home folder": Path.home(),
-             "the model cache": Path(cfg.model.cache_dir or os.environ.get("GRPO_CACHE") or Path.home() / ".cache")}
+             "the model cache": cache_root(cfg.model.cache_dir),
+             "the Hugging Face cache": Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")}
+    if os.path.isdir(os.path.expanduser(cfg.model.name_or_path)):
+        paths["the model"] = Path(cfg.model.name_or_path)
     if cfg.weights.dir:
         paths["the published weights"] = Path(cfg.weights.dir)
     if os.path.exists(cfg.data.path):
         paths["the dataset"] = Path(cfg.data.path)
-    return {what: path.resolve() for what, path in paths.items()}
+    return {what: Path(path).expanduser().resolve() for what, path in paths.items()}
 
 
 def readable_errors(readable: list[str], protected: dict[str, Path]) -> list[str]:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 
-from grpo.common.child import SET_ENVIRONMENT, ChildFailed, ChildRefused, end_session, passed_environment
+from grpo.common.child import SET_ENVIRONMENT, ChildFailed, ChildRefused, _stat, end_session, passed_environment
 from grpo.common.jail_budget import sweep_cgroups
 
 HEADER = struct.Struct(">I")
@@ -180,11 +180,10 @@ class Jail:
             except OSError:
                 continue
             try:
-                with open(f"/proc/{pid}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                if parent == process.pid:
+                stat = _stat(pid)  # read after the pidfd was taken: the process it names
+                if stat is not None and stat[0] == process.pid:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except (OSError, ValueError, IndexError):
+            except OSError:
                 pass
             finally:
                 os.close(fd)
@@ -210,12 +209,8 @@ class Jail:
 
     def _end(self) -> None:
         """The warden ended (it ends its running call and itself when its pipe closes), and with it
-        every process of its calls; its folder and any cgroup of its calls removed. Safe from two
-        threads at once (a close while a call restarts it)."""
-        with self._ending:
-            self._end_warden()
-
-    def _end_warden(self) -> None:
+        every process of its calls; its folder and any cgroup of its calls removed. Called under
+        `_ending` (restart, close)."""
         for fd in (self._requests, self._answers):
             if fd >= 0:
                 os.close(fd)

@@ -116,9 +116,11 @@ def file_rules(writable: list[str], readable: list[str], network: bool, connect_
     (ABI 6). Made once, entered by each call (enter_file_rules). (-1, 0) where the kernel has no
     Landlock; ChildRefused where `connect_port` cannot be held to."""
     abi = landlock_abi()
-    if connect_port and (network or abi < 4):
+    if connect_port and network:
+        raise ChildRefused("connect_port and network are exclusive")
+    if connect_port and abi < 4:
         raise ChildRefused(f"a call limited to TCP port {connect_port} needs Landlock ABI 4 (Linux 6.7); this "
-                           f"kernel has {abi or 'none'}" if not network else "connect_port and network are exclusive")
+                           f"kernel has {abi or 'none'}")
     if abi < 1:
         return -1, 0
     libc = ctypes.CDLL(None, use_errno=True)

@@ -11,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+try:  # matplotlib (reasoning-gym imports it) lists the system's fonts with a subprocess the first time it is
+    import matplotlib.font_manager  # noqa: E402,F401  imported on a machine: here, not inside a fast test
+except ImportError:
+    pass
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 PROCESS_CONFIG = REPO / "tests" / "process_config.yaml"  # what process tests run: not the shipped default run
@@ -22,7 +27,7 @@ FAST_FILES = {
     "test_agent_tokens.py", "test_architecture.py",
     "test_calculator.py", "test_codec.py", "test_config.py", "test_config_history.py", "test_data.py",
     "test_delivery.py", "test_distillation.py", "test_dynamic_sampling.py", "test_export.py", "test_flops.py",
-    "test_generation_settings.py", "test_gpu_configs.py", "test_kl_reward.py", "test_logprobs.py",
+    "test_generation_settings.py", "test_gpu_configs.py", "test_in_flight.py", "test_kl_reward.py", "test_logprobs.py",
     "test_lora_settings.py", "test_losses.py", "test_mismatch.py", "test_mixture.py", "test_models.py",
     "test_procedural.py", "test_remote_teacher.py", "test_rollout.py", "test_run_integrity.py",
     "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",

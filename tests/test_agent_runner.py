@@ -250,27 +250,83 @@ def test_a_template_that_writes_our_turn_otherwise_continues_by_the_reply_rule_e
 
 
 def test_two_agents_sharing_one_session_get_one_turn_and_a_conflict(chatty_agent):
+    """The second request is sent while the first is being sampled (the model's first forward waits for it to be
+    answered), so it always meets a request in flight."""
     import threading
 
-    outcomes = []
+    model = chatty_agent[0]
+    outcomes, sampling, second_answered = [], threading.Event(), threading.Event()
+
+    def hold_the_first_forward(module, args):
+        if not sampling.is_set():
+            sampling.set()
+            second_answered.wait(30)
 
     def doubled(row, base_url, key):
-        def ask():
+        def ask(after=None):
+            if after is not None:
+                assert after.wait(30), "the first request was never sampled"
             try:
                 single_turn(row, base_url, key)
                 outcomes.append("turn")
             except openai.ConflictError as error:
                 outcomes.append(error.body["message"])
-        threads = [threading.Thread(target=ask) for _ in range(2)]
+            finally:
+                if after is not None:
+                    second_answered.set()
+        threads = [threading.Thread(target=ask), threading.Thread(target=ask, args=(sampling,))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return 1.0
 
-    run = run_agent(chatty_agent, doubled, group=1)
-    assert sorted(outcomes)[1] == "turn" and "one request at a time" in sorted(outcomes)[0]
+    hook = model.register_forward_pre_hook(hold_the_first_forward)
+    try:
+        run = run_agent(chatty_agent, doubled, group=1)
+    finally:
+        hook.remove()
+    assert outcomes[1] == "turn" and "one request at a time" in outcomes[0]
     assert run.episodes[0].turns == 1 and all(run.episodes[0].model)
+
+
+def test_with_max_sessions_a_step_goes_in_waves_of_whole_groups_the_first_as_it_would_alone(chatty_agent):
+    import threading
+
+    model, tokenizer = chatty_agent
+    lock, open_now, most = threading.Lock(), [0], [0]
+
+    def counted(row, base_url, key):
+        with lock:
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+        try:
+            return single_turn(row, base_url, key)
+        finally:
+            with lock:
+                open_now[0] -= 1
+
+    def step(*overrides):
+        runner = runner_of(tokenizer, counted, *overrides)
+        try:
+            return runner.run(HFEngine(model, tokenizer, sampling_cfg(40)), prompts(tokenizer, 3), 2, seed=9)
+        finally:
+            runner.close()
+
+    waves = step("agent.max_sessions=3", "sampling.group_size=2")  # 3 // 2: one group a wave
+    assert most[0] == 2
+    most[0] = 0
+    at_once = step()
+    assert most[0] == 6
+    assert len(waves.episodes) == 6 and all(e.turns == 1 and all(e.model) for e in waves.episodes)
+    assert [r["reference_answer"] for r in waves.rows] == ["7", "7", "8", "8", "9", "9"]
+    ids = [c.tolist() for c in waves.rollouts.completion_ids]
+    # the first wave draws as the whole step would (the same seed, the same sequences); each later one its own
+    assert ids[:2] == [c.tolist() for c in at_once.rollouts.completion_ids][:2]
+    assert ids[2:4] != ids[:2] and ids[4:] != ids[:2] and ids[4:] != ids[2:4]
+    for j, e in enumerate(waves.episodes):
+        assert torch.allclose(torch.tensor(e.logps, dtype=torch.float64),
+                              recomputed(model, waves.prompts[j // 2].token_ids, e.tokens), atol=1e-4)
 
 
 def test_an_async_harness_that_never_returns_is_cancelled_at_its_session_time(chatty_agent):
@@ -280,12 +336,12 @@ def test_an_async_harness_that_never_returns_is_cancelled_at_its_session_time(ch
         await asyncio.to_thread(single_turn, row, base_url, key)
         await asyncio.sleep(3600)
 
-    runner = runner_of(tokenizer, stuck, "agent.session_timeout_s=3", "agent.idle_timeout_s=1")
+    runner = runner_of(tokenizer, stuck, "agent.session_timeout_s=6", "agent.idle_timeout_s=5")
     try:
         run = runner.run(HFEngine(model, tokenizer, sampling_cfg(12)), prompts(tokenizer, 1), 2, seed=1)
     finally:
         runner.close()
-    assert all(e.environment_failed and "did not return within agent.session_timeout_s=3" in e.env_error
+    assert all(e.environment_failed and "did not return within agent.session_timeout_s=6" in e.env_error
                for e in run.episodes)
     assert all(all(e.model) for e in run.episodes)  # its turn was received: trained, scored the batch's worst
 
@@ -383,11 +439,13 @@ def test_a_retried_request_gets_the_turn_its_first_try_never_received_and_that_t
     run = run_agent(chatty_agent, retries, group=2)
     _, tokenizer = chatty_agent
     assert len(said) == len(run.episodes) == 2, [e.env_error for e in run.episodes]
-    for e, text in zip(run.episodes, said):
+    firsts = []
+    for e in run.episodes:  # the harnesses' threads said theirs in either order
         assert e.turns == 2 and e.undelivered == 0 and not e.environment_failed
         first = e.tokens[:e.model.index(False)]  # the first turn: sampled once, received by the retry, trained
-        assert tokenizer.decode(first, skip_special_tokens=True) == text
+        firsts.append(tokenizer.decode(first, skip_special_tokens=True))
         assert sum(e.model) > len(first)  # and the second turn after it
+    assert sorted(firsts) == sorted(said)
 
 
 def test_harnesses_that_misbehave_fail_alone_and_the_step_goes_on(chatty_agent):

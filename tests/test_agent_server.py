@@ -77,7 +77,7 @@ def test_a_stream_keeps_the_connection_alive_while_the_turn_runs_then_is_well_fo
                                      data=json.dumps({"messages": [{"role": "user", "content": "x"}],
                                                       "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
-    session.answer = scripted(Turn("ok", "stop", 1, 1), delay_s=0.2)
+    session.answer = scripted(Turn("ok", "stop", 1, 1), delay_s=1.0)  # 20 keep-alive periods: one at least
     with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     assert text.startswith(": keep-alive\n\n") and text.endswith("data: [DONE]\n\n")
@@ -114,9 +114,10 @@ def test_keys_sessions_and_their_ends(served):
     """An unknown session or a key that is not the path's: 401; one request at a time per session: 409; a
     reward must be a finite number; after /end the session answers 409."""
     server, sessions = served
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
 
     def slow(kind, body, delivery=None, retry=False):
+        entered.set()  # the first request holds its session now
         release.wait(5)
         return Turn("done", "stop", 1, 1)
 
@@ -129,7 +130,7 @@ def test_keys_sessions_and_their_ends(served):
         stranger.chat.completions.create(**chat)
     first = threading.Thread(target=lambda: client(server, session).chat.completions.create(**chat))
     first.start()
-    time.sleep(0.2)
+    assert entered.wait(10)
     with pytest.raises(openai.ConflictError, match="one request at a time per session"):
         client(server, session).chat.completions.create(**chat)
     release.set()

@@ -196,6 +196,9 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["agent.entrypoint=my_agent:solve"], "data.prefill starts each model turn with fixed text, and "
                                           "your agent's turns start where your loop's messages leave them: "
                                           "unset data.prefill"),
+    (["agent.entrypoint=my_agent:solve", "data.prefill=", "agent.max_sessions=3", "sampling.group_size=4"],
+     "agent.max_sessions=3 is under sampling.group_size=4: a group's sessions open together (they share its prompt); "
+     "set it >= 4, or 0 for no limit"),
     (["env.name=calc"], "env.name: unknown environment 'calc'; valid: '' (off), calculator, tools, "
                         "openenv:package.module:Class, openenv+http://host:port, package.module:factory, "
                         "path/to/file.py:factory"),

@@ -45,16 +45,16 @@ def test_a_child_that_died_between_calls_costs_no_episode_its_step():
 
 
 def test_one_hung_episode_fails_alone_while_the_others_are_rebuilt_after_it():
-    """Steps of 0.6 s, a 1 s limit: after episode a hangs and the child is replaced, b and c each
-    replay two messages and take a third (1.8 s in all), each call within its own limit, and get
-    their replies; only a's message failed."""
-    pool = EnvironmentPool(f"{ENVS}:SlowCounter", {"delay": 0.6}, timeout_s=1.0)
+    """Steps of 1 s, a 2.5 s limit: after episode a hangs and the child is replaced, b and c each
+    replay two messages and take a third (3 s in all, more than one limit), each call within its own
+    limit, and get their replies; only a's message failed."""
+    pool = EnvironmentPool(f"{ENVS}:SlowCounter", {"delay": 1.0}, timeout_s=2.5)
     try:
         for key in "abc":
             assert [pool.step(key, {}, [], "x")[0].text,
                     pool.step(key, {}, ["x"], "y")[0].text] == ["count 1", "count 2"]
         reply, failure = pool.step("a", {}, ["x", "y"], "hang")
-        assert failure == "no reply within env.timeout_s=1 s" and pool.restarts == 1
+        assert failure == "no reply within env.timeout_s=2.5 s" and pool.restarts == 1
         for key in "bc":
             assert pool.step(key, {}, ["x", "y"], "z") == (Reply(text="count 3"), None)
         assert pool.step("a", {}, ["x", "y"], "z") == (Reply(text="count 3"), None)  # the hung message is not replayed

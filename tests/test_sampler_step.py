@@ -303,30 +303,6 @@ def test_the_next_step_is_started_ahead_where_the_weights_served_are_the_newest_
     assert next_call_of(tmp_path, 2, version=1, latest=1)[2] is not None  # step 3 needs v1 at staleness 2
 
 
-def test_in_flight_loads_take_newer_versions_only():
-    """Mid-step the sampler loads a version newer than its own; a LATEST that moved back (a trainer that
-    restarted from an older checkpoint) waits for the step's end, so no batch mixes two histories."""
-    from grpo.sampler.sampling_step import in_flight_poll
-
-    class Watcher:
-        def __init__(self, latest):
-            self.version, self._latest, self.polls = 5, latest, 0
-
-        def latest(self):
-            return self._latest
-
-        def poll(self):
-            self.polls += 1
-            return type("Loaded", (), {"loaded": True})()
-
-    cfg = load_config(None, ["sampling.in_flight_updates=true"])
-    policy = SamplerModels.of(cfg, FakeEngine(), None, None, DigitTokenizer(), {})
-    for latest, loads in ((6, True), (5, False), (3, False), (None, False)):
-        watcher = Watcher(latest)
-        assert in_flight_poll(cfg.sampling, policy, watcher)() is loads and watcher.polls == int(loads)
-    assert in_flight_poll(load_config(None, []).sampling, policy, Watcher(6)) is None
-
-
 def test_a_batch_scored_by_other_rewards_or_without_totals_is_refused_by_name():
     cfg, _, batch = dynamic_batch([numbered_prompts(10, 11), numbered_prompts(13, 15)])
     foreign = dataclasses.replace(batch, reward_names=["gsm8k_answer"])

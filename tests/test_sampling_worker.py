@@ -1,6 +1,7 @@
 """The real sampler process on loopback: staleness, hot-swap order, refusals, cursor resume."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -97,9 +98,13 @@ def test_staleness_zero_waits_for_each_version_and_loads_before_generating(tmp_p
 
         # v2 arrives corrupted: refused, v1 kept; then re-published intact: loaded, then used
         v2 = trained_adapter(tiny_model_dir, seed=2)
-        publish(v2, tmp_path / "weights", version=2, step=2)
-        path = version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors"
-        path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+        proc.send_signal(signal.SIGSTOP)  # it must not read v2 between its publish and its corruption
+        try:
+            publish(v2, tmp_path / "weights", version=2, step=2)
+            path = version_dir(tmp_path / "weights", 2) / "adapter_model.safetensors"
+            path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+        finally:
+            proc.send_signal(signal.SIGCONT)
         with pytest.raises(TransportTimeout):
             receiver.receive_frames(timeout_s=3)[1]
         publish(v2, tmp_path / "weights", version=2, step=2)

@@ -37,8 +37,8 @@ def test_evaluate_writes_a_summary_for_the_base_model_and_a_published_adapter(tm
     # greedy: every sample is the model's single most likely digit, and the score says whether it is the answer
     assert all(s["completion"].isdigit() and s["correct"] == (s["completion"] == s["answer"]) for s in samples)
 
+    torch.manual_seed(0)  # before add_lora too: its A matrices are random (else they depend on the tests before)
     model = add_lora(load_model(ModelConfig(name_or_path=str(digit_model_dir))), LoraConfig(r=4))
-    torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=5.0)  # big enough to change the greedy digit somewhere
@@ -319,6 +319,23 @@ def test_every_benchmark_starts_and_answers_help(script):
                          capture_output=True, text=True, timeout=120)
     assert (out.returncode, "Traceback" in out.stderr) == (0, False), out.stderr[-2000:]
     assert out.stdout.strip()
+
+
+def test_the_gpu_check_runs_its_tiny_shape_on_the_cpu_and_reports_every_figure(tmp_path):
+    """scripts/benchmarks/gpu_check.py --quick: random weights never write EOS, so every completion is
+    sampling.max_new_tokens long; the shared prefix saves model FLOPs in both fine-tunes; one JSON, one table."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmarks" / "gpu_check.py"), "--quick",
+                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    sampler, trainer = report["sampler"], report["trainer"]
+    assert sampler["completion_tokens_mean"] == 12 and 0 <= sampler["logp_gap_mean"] <= sampler["logp_gap_max"]
+    assert set(sampler) >= {"decode_tokens_per_s_4_rows", "decode_tokens_per_s_8_rows"}
+    assert list(trainer) == ["LoRA, shared prefix", "LoRA, no shared prefix", "full, shared prefix",
+                             "full, no shared prefix"]
+    for kind in ("LoRA", "full"):
+        assert trainer[f"{kind}, shared prefix"]["model_flops"] < trainer[f"{kind}, no shared prefix"]["model_flops"]
+    assert trainer["LoRA, shared prefix"]["top_kernels"] and (tmp_path / "gpu_check.md").read_text() in out.stdout
 
 
 def doc_snippets() -> list[tuple[str, str]]:

@@ -13,6 +13,9 @@ session ends there: its row holds what was sampled up to then. The tokens of the
 template's are context (masked); only sampled tokens are trained, and a turn whose response did not reach its
 client whole (never received) is masked too.
 
+With agent.max_sessions, a step's sessions go in waves of whole groups, each wave's harnesses started once the
+wave before has ended (its own seed: no two waves draw alike).
+
 The session's reward is what the harness returned or posted to /reward: the `env_reward` reward; the other
 rewards in rewards.names score its last assistant message.
 """
@@ -38,6 +41,7 @@ from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.episodes import EpisodeRunner, episode_runner
 from grpo.sampler.rollout.continuous import episode_loop
+from grpo.sampler.rollout.sequences import hashed_seed
 
 if TYPE_CHECKING:
     from grpo.settings import AgentConfig, Config
@@ -97,8 +101,22 @@ class AgentRunner:
             self.harnesses.fn.close()
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
+        """The step's sessions, all at once, or in waves of whole groups of at most agent.max_sessions sessions
+        (each wave's seed its own: no two waves draw alike)."""
         self.runs += 1
         rows = reward_rows(prompts)
+        per_wave = max(1, self.settings.max_sessions // group_size if self.settings.max_sessions else len(prompts))
+        shown, episodes = [], []
+        for w, start in enumerate(range(0, len(prompts), per_wave)):
+            wave_seed = seed if seed is None or w == 0 else hashed_seed(f"{seed}/agent-wave{w}")
+            wave_shown, wave_episodes = self._wave(engine, prompts[start:start + per_wave],
+                                                   rows[start:start + per_wave], group_size, wave_seed, greedy)
+            shown += wave_shown
+            episodes += wave_episodes
+        return Episodes.of(shown, episodes, [rows[j // group_size] for j in range(len(episodes))])
+
+    def _wave(self, engine, prompts: list, rows: list[dict], group_size: int, seed: int | None,
+              greedy: bool) -> tuple[list, list[Episode]]:
         agents = [self._open(harness_row(prompts[j // group_size], rows[j // group_size]))
                   for j in range(len(prompts) * group_size)]
         executor, crashed = ThreadPoolExecutor(len(agents), thread_name_prefix="agent-turn"), True
@@ -118,7 +136,7 @@ class AgentRunner:
         episodes = [agent.episode for agent in agents]
         for e, reward in zip(episodes, rewards):  # a session cut at the budget scores what the run says
             e.reward = self.truncated_reward if e.truncated and self.truncated_reward is not None else reward
-        return Episodes.of(shown, episodes, [rows[j // group_size] for j in range(len(episodes))])
+        return shown, episodes
 
     # ------------------------------------------------------------------ sessions' start and end
 

@@ -298,6 +298,10 @@ def _agent_errors(cfg: Config) -> list[str]:
     if cfg.sampling.stop:
         errors.append("sampling.stop ends a completion, and an agent's turns end at the chat template's turn end: "
                       "unset sampling.stop")
+    if 0 < agent.max_sessions < cfg.sampling.group_size:
+        errors.append(f"agent.max_sessions={agent.max_sessions} is under sampling.group_size="
+                      f"{cfg.sampling.group_size}: a group's sessions open together (they share its prompt); set it "
+                      f">= {cfg.sampling.group_size}, or 0 for no limit")
     return errors
 
 

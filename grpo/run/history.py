@@ -87,7 +87,7 @@ ALLOWED = (
     "deepspeed.backend", "weights.keep_last",
     "checkpoint.every", "checkpoint.keep_last", "rewards.", "eval.", "env.", "transport.", "logging.", "launch.",
     "agent.idle_timeout_s", "agent.session_timeout_s", "agent.memory_mb", "agent.max_processes", "agent.cpu_s",
-    "agent.readable",
+    "agent.readable", "agent.max_sessions",
 )
 NOTES = {"training.learning_rate": "the schedule continues from where it stands, with the new peak",
          "training.loss": "the clip range is training.clip_low/clip_high as this start has them: a loss's own "

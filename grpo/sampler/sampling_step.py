@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from grpo.sampler.batches import SamplerModels, make_batch, step_seed
 from grpo.sampler.dynamic_sampling import round_start, rounds_per_step
 from grpo.sampler.failures import FailureStreaks
+from grpo.sampler.in_flight import settle_in_flight
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.delivery import global_step
 from grpo.wire.staleness import required_version, wait_for_version
@@ -51,6 +52,7 @@ def run_step(loop: SamplerRun, step: int) -> RolloutBatch:
     """Sampler step `step`: the batch it sent."""
     cfg, policy = loop.cfg, loop.policy
     loop.redelivery.check(step)  # a (re)started trainer first gets the spooled steps it lacks
+    settle_in_flight(policy.engine)
     metrics = wait_for_weights(loop, step)
     evaluated = evaluate_if_due(loop.evaluator, policy.engine)
     metrics.update({"timing/previous_send_s": loop.previous_send_s,  # this batch's own send is not over when encoded
@@ -88,26 +90,6 @@ def next_call(loop: SamplerRun, step: int):
 
     prompts = round_prompts(sampling, loop.cursor, loop.prompts, g)(0)
     return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g))
-
-
-def in_flight_poll(sampling: SamplingConfig, policy: SamplerModels, watcher) -> Callable[[], bool] | None:
-    """What the engine calls while a step decodes (HF: between decode steps; vLLM: every 0.1 s) to load a
-    newly published version (sampling.in_flight_updates): single completions without dynamic sampling; None
-    otherwise (new weights load between steps)."""
-    if not sampling.in_flight_updates:
-        return None
-    if policy.episodes is not None or sampling.dynamic_sampling:
-        log.info("sampling.in_flight_updates: new weights load between steps with %s",
-                 "episodes" if policy.episodes is not None else "dynamic sampling")
-        return None
-
-    def poll() -> bool:
-        latest = watcher.latest()
-        if latest is None or latest <= watcher.version:  # a step back (a trainer restarted) loads between steps
-            return False
-        result = watcher.poll()
-        return result is not None and result.loaded
-    return poll
 
 
 def wait_for_weights(loop: SamplerRun, step: int) -> dict[str, float]:

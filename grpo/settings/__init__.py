@@ -350,6 +350,8 @@ class AgentConfig:
         "the harness starts); then the session ends.", bound="> 0")
     session_timeout_s: float = setting(600.0, "Seconds one session may last, from its harness's start; then it ends "
         "and its harness is cancelled (a command killed; a sync function left to return).", bound="> 0")
+    max_sessions: int = setting(0, "Sessions open at once at most: a step's samples then go in waves of whole groups "
+        "(at least sampling.group_size). 0 = every sample of a step at once.", bound=">= 0", why="0 = no limit")
 
     @property
     def harness(self) -> str:

@@ -238,6 +238,20 @@ class Staged:
     discard: Callable[[], None] = lambda: None
 
 
+@dataclass
+class Prepared:
+    """A version verified and staged in every copy of the weights, not served yet (WeightWatcher.commit)."""
+
+    version: int
+    folder: Path
+    staged: list[Staged]
+    seconds: float  # verifying and staging it
+
+    def discard(self) -> None:
+        for copy in self.staged:
+            copy.discard()
+
+
 # (verified folder, its manifest, version) -> the version staged in one copy; raises when it cannot be
 Stager = Callable[[Path, dict, int], Staged]
 
@@ -265,6 +279,7 @@ class WeightWatcher:
         self.version = initial_version
         self.failures = 0
         self.load_seconds = 0.0  # spent verifying and copying versions in, in all
+        self.commits = 0  # versions served so far (a version number can come back after a trainer restart)
         self._refused: dict[int, tuple] = {}  # version -> identity of the folder that failed
 
     def latest(self) -> int | None:
@@ -281,6 +296,12 @@ class WeightWatcher:
 
         LATEST moves back only when a trainer restarts from an older checkpoint: the versions
         after it belong to a trajectory being redone, so the sampler follows it back."""
+        prepared = self.prepare(prefer)
+        return self.commit(prepared) if isinstance(prepared, Prepared) else prepared
+
+    def prepare(self, prefer: int | None = None) -> Prepared | LoadResult | None:
+        """`poll`'s first half, which serves nothing yet (another thread may run it): the version to load
+        verified and staged in every copy (Prepared), refused (LoadResult), or None when nothing changed."""
         latest = self.latest()
         if latest is not None and prefer is not None and self.version < prefer <= latest:
             wanted = min((v for v in published_versions(self.root) if prefer <= v <= latest), default=latest)
@@ -307,17 +328,23 @@ class WeightWatcher:
             self._refused[latest] = identity
             log.error("refused weights v%d (%s); still serving v%d", latest, e, self.version)
             return LoadResult(latest, False, str(e))
-        for i, copy in enumerate(staged):
+        return Prepared(latest, folder, staged, time.perf_counter() - started)
+
+    def commit(self, prepared: Prepared) -> LoadResult:
+        """Serve a prepared version: every copy takes it."""
+        started = time.perf_counter()
+        for i, copy in enumerate(prepared.staged):
             try:
                 copy.commit()
             except Exception as e:
-                raise WeightsDiverged(f"serving weights v{latest} from {folder} failed in copy {i + 1} of "
-                                      f"{len(staged)} after the others took it ({e}); the sampler stops rather "
-                                      "than sample with one version and score with another") from e
-        self.load_seconds += time.perf_counter() - started
-        self.version = latest
-        log.info("loaded weights v%d from %s", latest, folder)
-        return LoadResult(latest, True)
+                raise WeightsDiverged(f"serving weights v{prepared.version} from {prepared.folder} failed in copy "
+                                      f"{i + 1} of {len(prepared.staged)} after the others took it ({e}); the "
+                                      "sampler stops rather than sample with one version and score with "
+                                      "another") from e
+        self.load_seconds += prepared.seconds + time.perf_counter() - started
+        self.version, self.commits = prepared.version, self.commits + 1
+        log.info("loaded weights v%d from %s", prepared.version, prepared.folder)
+        return LoadResult(prepared.version, True)
 
 
 class Publisher:

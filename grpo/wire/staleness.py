@@ -54,6 +54,8 @@ def wait_for_version(watcher, needed: int, timeout_s: float, poll_s: float = 0.2
     `on_poll()` runs at each poll (the sampler re-sends spooled batches to a restarted trainer).
     `prefer` (>= needed): a version to load rather than a newer LATEST (the next evaluation mark,
     so that eval.every=1 evaluates every version)."""
+    if prefer is not None and watcher.version == prefer and watcher.version >= needed:
+        return  # the mark, loaded while the step before decoded: served until it is evaluated
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:

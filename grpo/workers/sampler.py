@@ -66,9 +66,10 @@ from grpo.sampler.batches import SamplerModels
 from grpo.sampler.episodes import TemplateRoleError
 from grpo.sampler.evaluation import TrainingEvaluator, append_metrics_row, evaluated_through_at_start
 from grpo.sampler.failures import AlwaysFailing, RewardAlwaysFails
+from grpo.sampler.in_flight import in_flight_poll, settle_in_flight
 from grpo.sampler.remote_teacher import RemoteTeacher, TeacherServerError
 from grpo.sampler.rollout import make_engine
-from grpo.sampler.sampling_step import SamplerRun, in_flight_poll, run_step
+from grpo.sampler.sampling_step import SamplerRun, run_step
 from grpo.sampler.state import SamplerState, drop_a_start_made_otherwise
 from grpo.weights import open_watcher
 from grpo.weights.folder import stager_for_model
@@ -132,8 +133,6 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
     state = SamplerState.of_sampler(run_dir, sampler)
     cursor, start_step = resume_position(cfg, state, spool, [len(source) for source in sources], run_dir)
     watcher = open_watcher(cfg, weight_stagers(policy))
-    if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
-        policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher)
     sender = BatchSender(cfg.transport.address, high_water_mark=cfg.transport.high_water_mark,
                          send_timeout_s=cfg.transport.send_timeout_s, secret=run_secret(cfg.transport.secret, run_dir))
     flushed = False
@@ -141,6 +140,8 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
         redelivery = Redelivery(spool, sender.send_frames, RunFolder(run_dir).trainer_state, sampler,
                                 sender.signature_problem)
         evaluator = training_evaluator(cfg, eval_prompts, policy, start_step)
+        if cfg.sampling.in_flight_updates:  # new versions load between decode steps too, not only between steps
+            policy.engine.poll_weights = in_flight_poll(cfg.sampling, policy, watcher, evaluator)
         end_step = steps_of_sampler(sampler, cfg.training.steps, cfg.sampling.num_workers)
         loop = SamplerRun(cfg, policy, prompts, cursor, watcher, redelivery, sender, spool, state, evaluator,
                           start_step, end_step)
@@ -156,6 +157,7 @@ def sample(cfg: Config, run_dir, policy: SamplerModels, sources: list[list], pro
 
         redelivery.wait_until_checkpointed(end_step, cfg.sampling.wait_timeout_s)
         if evaluator is not None:
+            settle_in_flight(policy.engine)
             evaluate_to_the_end(cfg, evaluator, watcher, policy.engine, run_dir)
         sender.close()  # after what is queued has left (within transport.send_timeout_s)
         flushed = True

@@ -129,6 +129,10 @@ class ContinuousLoop(LoopCache):
         self.rows: list[Sequence] = []  # the batch's rows, in cache order
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [rows, cached columns]
         self.cache = None
+        # the repetition penalty's [rows, vocab]: the tokens each row's history holds, built at a regroup (for the
+        # rows list it names) and kept up with each step's feed
+        self.seen, self.seen_for = None, None
+        self.until: Call | None = None  # the call `run` decodes for; the later ones' sequences join after it
         self.calls: dict[Future, Sequence] = {}  # environment calls in flight
         self.active: list[Call] = []  # calls with sequences not done
         self.steps = 0
@@ -146,6 +150,7 @@ class ContinuousLoop(LoopCache):
 
     def run(self, until: Call) -> None:
         """Decode until every sequence of `until` is done; the later calls' sequences stay where they are."""
+        self.until = until
         try:
             while until.pending:
                 self._load_new_weights()
@@ -175,27 +180,61 @@ class ContinuousLoop(LoopCache):
         again under it, so each token drawn from here on has the log-prob of its version given its whole
         prefix; with `keep` the sequences go on from the KV of the weights before."""
         poll = getattr(self.engine, "poll_weights", None)
-        if poll is None or self.sampler.greedy or not poll():  # greedy: an evaluation, of the version it started with
+        if poll is None or self.sampler.greedy:  # greedy: an evaluation, of the version it started with
+            return
+        t = time.perf_counter()
+        if not poll():
             return
         self.engine.decode_rows.swaps += 1
+        self.engine.decode_rows.load_s += time.perf_counter() - t
+        self._drop_later_calls()
         if self.engine.cfg.in_flight_kv == "recompute":
             self._recompute_kv()
 
+    def _drop_later_calls(self) -> None:
+        """The calls after the one decoding, started with the weights before a load: the engine makes them
+        again with the new ones (it let go of them), so their rows stop here and are not recomputed."""
+        later = {id(call) for call in self.active if call is not self.until}
+        if not later:
+            return
+        for s in self.rows:
+            if id(s.call) in later:
+                s.state, s.kv = DONE, None
+        self.fresh = deque(s for s in self.fresh if id(s.call) not in later)
+        self.returned = deque(s for s in self.returned if id(s.call) not in later)
+        self.active = [call for call in self.active if call is self.until]
+        carried = getattr(self.engine, "carried", None)
+        if carried is not None and carried.loop is self:  # never found started: its rows are gone
+            self.engine.carried = None
+
     def _step(self) -> None:
-        drawing, logits = self._forward()
+        drawing, logits, fed = self._forward()
         self.steps += 1
+        if self.sampler.penalises:
+            self._see(fed, logits.shape[-1])
         if drawing:  # the rows whose feed is all in draw; the others go on feeding next step
             rows = [self.rows[b] for b in drawing]
+            seen = self.seen
             if len(drawing) < len(self.rows):
-                logits = logits[torch.tensor(drawing, device=logits.device)]
+                at = torch.tensor(drawing, device=logits.device)
+                logits, seen = logits[at], (None if seen is None else seen[at])
             u = None if self.sampler.greedy else torch.cat(  # on the CPU: no device launch per row
                 [torch.rand(1, 1, generator=s.generator, dtype=torch.float64) for s in rows]).to(self.device)
-            seen = seen_tokens([s.history for s in rows], logits.shape[-1], self.device) if self.sampler.penalises \
-                else None  # the repetition penalty's: what each row's prompt and completion hold
             tokens = self.sampler.draw(logits, u, seen).tolist()
             for s, token, logp in zip(rows, tokens, self.sampler.logps.pop().tolist()):
                 self._drawn(s, token, logp)
         self._squeeze()
+
+    def _see(self, fed: list[list[int]], vocab: int) -> None:
+        """The repetition penalty's rows (what each row's prompt and completion hold): from the histories
+        after a regroup, else this step's feed set in them (one indexing op, not the histories again)."""
+        if self.seen_for is not self.rows:
+            self.seen, self.seen_for = seen_tokens([s.history for s in self.rows], vocab, self.device), self.rows
+            return
+        rows = [b for b, chunk in enumerate(fed) for _ in chunk]
+        if rows:
+            self.seen[torch.tensor(rows, device=self.device),
+                      torch.tensor([t for chunk in fed for t in chunk], device=self.device)] = True
 
     # ------------------------------------------------------------------ a message's end, its environment
 
@@ -272,12 +311,12 @@ class ContinuousLoop(LoopCache):
             return max(lengths)
         return min(max(lengths), max(self.feed_limit, min(lengths)))
 
-    def _forward(self) -> tuple[list[int], torch.Tensor]:
+    def _forward(self) -> tuple[list[int], torch.Tensor, list[list[int]]]:
         """Every decoding row's next feed in one forward, right-aligned: the batch indices of the rows
-        whose feed is all in (they draw), and [rows, vocab] logits at the last column."""
+        whose feed is all in (they draw), [rows, vocab] logits at the last column, and each row's tokens fed."""
         engine = self.engine
         width = self._width()
-        ids, positions, fed, drawing = [], [], [], []  # built as lists, one tensor each: a step's rows cost no ops
+        ids, positions, fed, drawing, chunks = [], [], [], [], []  # lists, one tensor each: a step's rows cost no ops
         for b, s in enumerate(self.rows):
             chunk = []
             if s.state == DECODING:  # else waiting, or to leave the batch: a masked pad (it attends to its columns)
@@ -290,6 +329,7 @@ class ContinuousLoop(LoopCache):
             fed.append(len(chunk))
             s.position += len(chunk)
             s.history += chunk
+            chunks.append(chunk)
         columns = torch.arange(width)
         new_mask = (columns >= width - torch.tensor(fed)[:, None]).to(self.mask.dtype)  # each row's last fed[b]
         self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
@@ -299,7 +339,7 @@ class ContinuousLoop(LoopCache):
             out = engine.model(input_ids=torch.tensor(ids, device=self.device), attention_mask=self.mask,
                                position_ids=torch.tensor(positions, device=self.device), past_key_values=self.cache,
                                use_cache=True, **engine._one_logit_row)
-        return drawing, out.logits[:, -1]
+        return drawing, out.logits[:, -1], chunks
 
     # ------------------------------------------------------------------ rows leaving and joining
 

@@ -248,6 +248,7 @@ class DecodeRows:
     ahead: float | None = None  # the share of a call's completions the call before it started (`then`)
     swaps: int = 0  # new weights loaded between decode steps (sampling.in_flight_updates)
     swap_s: float = 0.0  # of which recomputing the KV under them (sampling.in_flight_kv=recompute)
+    load_s: float = 0.0  # the loads themselves (the HF engine's: the copy in; every row waits for it)
 
     def add(self, rows: int, live: int, full_at: int, waiting: int = 0) -> None:
         """A decode step of `rows` rows, `live` of them generating; full when `full_at` are."""
@@ -268,7 +269,8 @@ class DecodeRows:
         if self.ahead is not None:
             metrics["sampler/started_ahead_fraction"] = self.ahead
         if self.swaps:
-            metrics.update({"sampler/in_flight_loads": float(self.swaps), "timing/kv_recompute_s": self.swap_s})
+            metrics.update({"sampler/in_flight_loads": float(self.swaps), "timing/kv_recompute_s": self.swap_s,
+                            "timing/in_flight_load_s": self.load_s})
         self.steps = self.rows = self.live = self.full = self.waiting = self.swaps = 0
-        self.idle_s, self.swap_s, self.ahead = 0.0, 0.0, None
+        self.idle_s, self.swap_s, self.load_s, self.ahead = 0.0, 0.0, 0.0, None
         return metrics

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,6 +39,8 @@ from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings,
 from grpo.sampler.rollout.loop_cache import runs_continuously
 from grpo.sampler.rollout.sequences import Call
 from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
+
+log = logging.getLogger(__name__)
 
 
 def chunk_plan(num_prompts: int, group_size: int, max_sequences: int) -> list[int]:
@@ -190,6 +193,11 @@ class HFEngine:
         weights, drop them (their tokens are the same whichever way they are made: each completion's
         seed is its own)."""
         if not (self.cfg.continuous_batching and runs_continuously(self)):
+            if self.poll_weights is not None and not greedy:  # the blocks do not poll: said once, then not asked
+                self.poll_weights = None
+                log.warning("sampling.in_flight_updates: this model decodes in blocks (its attention depends on "
+                            "where a cached column sits: ALiBi, sliding windows), so new weights load between "
+                            "steps only")
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
         call = self._call(NextCall(prompts, group_size, seed, max_new_tokens), greedy)
         loop = self.carried.loop if self.carried is not None and self.carried.matches(call, greedy) else None

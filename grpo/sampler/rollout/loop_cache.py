@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo.sampler.rollout.decoding import InPlaceLayer, left_pad
-from grpo.sampler.rollout.sequences import DECODING, QUEUED, WAITING, Sequence
+from grpo.sampler.rollout.sequences import DECODING, DONE, QUEUED, WAITING, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # Qwen2.5-0.5B-shaped model gave 0 in bfloat16 and float16 and up to 8.1e-5 in float32; a random MPT's ALiBi
 # moved them by 0.51 there, and the tests' tiny MPT by 0.51 on CPU (in float64 its padded forward is NaN).
 PROBE_TOKENS, PROBE_GAP = 4, 8
+RECOMPUTE_TOKENS = 16384  # padded tokens of one forward of an in-flight KV recompute
 PROBE_TOLERANCE = {torch.float64: 1e-6}  # the largest log-prob gap that passes; 1e-2 in other dtypes
 _continues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> it passed the probe
 
@@ -60,6 +61,19 @@ def continues(model) -> bool:
         return False
     log.info("episodes run in one decode loop (masked columns in the cache move the log-probs by %.3g)", gap)
     return True
+
+
+def recompute_chunks(holding: list[Sequence]) -> list[list[Sequence]]:
+    """The sequences by length, in runs whose forward (rows x the longest) is at most RECOMPUTE_TOKENS padded
+    tokens (one sequence longer than that alone): a recompute's activations stay a decode step's size, not the
+    whole batch's at full length."""
+    chunks, current = [], []
+    for s in sorted(holding, key=lambda s: len(s.history)):
+        if current and len(s.history) * (len(current) + 1) > RECOMPUTE_TOKENS:
+            chunks.append(current)
+            current = []
+        current.append(s)
+    return chunks + ([current] if current else [])
 
 
 def masked_gap(model) -> float:
@@ -158,20 +172,24 @@ class LoopCache:
     def _recompute_kv(self) -> None:
         """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the
         cache rebuilt, each row's columns right-aligned), the parked ones; the queued ones' shared prompt
-        KV is dropped (prefilled again when they join)."""
+        KV is dropped (prefilled again when they join). Done rows leave the batch first (nothing of theirs
+        is computed), and the rest go in forwards of at most RECOMPUTE_TOKENS padded tokens, shortest first."""
         t = time.perf_counter()
+        for s in self.rows:
+            s.in_batch = s.state != DONE
+        self.rows, self.cache = [s for s in self.rows if s.in_batch], None  # rebuilt below, from the recompute
         parked = [s for s in (*self.returned, *self.calls.values()) if not s.in_batch and s.kv is not None]
         holding = [s for s in (*self.rows, *parked) if s.history]
         for s in self.fresh:
             s.kv, s.prefilled = None, False
-        if holding:
-            ids, mask = left_pad([s.history for s in holding], self.pad)
+        for chunk in recompute_chunks(holding):
+            ids, mask = left_pad([s.history for s in chunk], self.pad)
             ids, mask = ids.to(self.device), mask.to(self.device)
             cache = DynamicCache(config=self.engine.model.config)
             with torch.no_grad():
                 self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                                   past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
-            for row, s in enumerate(holding):
+            for row, s in enumerate(chunk):
                 s.kv = last_columns(cache, row, len(s.history))
         if self.rows:
             total = max(len(s.history) for s in self.rows)
@@ -181,4 +199,6 @@ class LoopCache:
             self.cache = self._regrouped_cache([], self.rows, total)
             for s in self.rows:
                 s.kv = None
+        else:
+            self.mask = self.mask.new_zeros(0, 0)
         self.engine.decode_rows.swap_s += time.perf_counter() - t

@@ -65,18 +65,24 @@ def test_a_version_loaded_between_steps_meanwhile_drops_the_one_read_in_flight(p
     assert loads() is False and engine.version == 3 and serves(engine, models[3])  # v2 dropped, not served
 
 
+def mark_loaded_in_flight(published) -> InFlightLoads:
+    """LATEST at 3 and the next eval.every mark 2: the poll that serves v2, the mark, on the way."""
+    root, _, engine, stage, _ = published
+    loads = InFlightLoads(WeightWatcher(root, [stage]), types.SimpleNamespace(next_mark=2))
+    loads()
+    loads.pending.join()
+    assert loads() is True and engine.version == 2
+    return loads
+
+
 def test_only_newer_versions_load_in_flight_and_an_eval_mark_is_loaded_on_the_way_and_held(published):
     """LATEST at 3 with the next eval.every mark 2: v2 loads (not v3), nothing more until the mark is evaluated;
     a LATEST that moved back (a trainer restarted from an older checkpoint) waits for the step's end."""
-    root, models, engine, stage, _ = published
-    evaluator = types.SimpleNamespace(next_mark=2)
-    watcher = WeightWatcher(root, [stage])
-    loads = InFlightLoads(watcher, evaluator)
-    loads()
-    loads.pending.join()
-    assert loads() is True and engine.version == 2 and serves(engine, models[2])
+    root, models, engine, _, _ = published
+    loads = mark_loaded_in_flight(published)
+    assert serves(engine, models[2])
     assert loads() is False and loads.pending is None  # held: the mark is evaluated when the step ends
-    evaluator.next_mark = 4
+    loads.evaluator.next_mark = 4
     loads()
     loads.pending.join()
     assert loads() is True and engine.version == 3
@@ -108,14 +114,10 @@ def test_a_mark_held_in_flight_is_still_served_when_the_step_ends_and_waits_for_
     """The step's own wait for weights (sampling.max_staleness) loads no version past a mark not yet evaluated."""
     from grpo.wire.staleness import wait_for_version
 
-    root, models, engine, stage, _ = published
-    evaluator = types.SimpleNamespace(next_mark=2)
-    watcher = WeightWatcher(root, [stage])
-    loads = InFlightLoads(watcher, evaluator)
-    loads()
-    loads.pending.join()
-    assert loads() is True and engine.version == 2
-    wait_for_version(watcher, 1, timeout_s=5, prefer=evaluator.next_mark)
+    _, models, engine, _, _ = published
+    loads = mark_loaded_in_flight(published)
+    watcher = loads.watcher
+    wait_for_version(watcher, 1, timeout_s=5, prefer=loads.evaluator.next_mark)
     assert engine.version == 2 and serves(engine, models[2])  # evaluated next, then v3 loads
     wait_for_version(watcher, 2, timeout_s=5, prefer=4)
     assert engine.version == 3

@@ -46,7 +46,7 @@ from typing import Callable
 from grpo.common.packages import CODE_PACKAGES, DATA_PACKAGE, package_folder
 
 PR_SET_PDEATHSIG = 1
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 60.0  # an environment importing OpenEnv starts in ~12 s on 2 quiet cores; in a full test run, 30+
 NO_ANSWER = object()  # what a handler returns for a request that wants no answer
 OUR_CODE = tuple(f"{package_folder(name)}{os.sep}" for name in (*CODE_PACKAGES, DATA_PACKAGE))
 LIBRARIES = tuple({f"{sysconfig.get_paths()[kind]}{os.sep}" for kind in ("stdlib", "platstdlib", "purelib", "platlib")})

@@ -683,6 +683,34 @@ def test_a_recompute_in_forwards_of_a_few_rows_gives_each_token_its_versions_log
     assert gaps.max().item() <= {torch.float32: LOGP_TOLERANCE, torch.float64: 2.5e-7}[dtype]
 
 
+def test_a_recompute_computes_each_groups_prompt_once(tmp_path, monkeypatch):
+    """The recompute's forwards take each group's prompt (but its last token) once, and each sequence's tokens
+    after it once: of the tokens its sequences hold, G - 1 copies of each prompt are not computed again (the
+    log-probs after it are checked by the tests above)."""
+    from grpo.sampler.rollout.loop_cache import LoopCache, prompt_key, prompt_length
+
+    fed, held, recompute = [], {}, LoopCache._recompute_kv
+
+    def counted(loop):
+        def count(_, args, kwargs):
+            mask = kwargs["attention_mask"]
+            fed.append(int(mask[:, mask.shape[1] - kwargs["input_ids"].shape[1]:].sum()))
+        holding = [s for s in (*loop.rows, *loop.returned, *loop.calls.values()) if s.history and s.state != "done"]
+        held.update({id(s): (prompt_key(s), prompt_length(s), len(s.history)) for s in holding})
+        hook = loop.engine.model.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            recompute(loop)
+        finally:
+            hook.remove()
+    monkeypatch.setattr(LoopCache, "_recompute_kv", counted)
+    with torch.no_grad():
+        _in_flight_run(tmp_path, torch.float32, "recompute")
+    prompts = {key: length for key, length, _ in held.values()}
+    assert len(held) > len(prompts) > 1  # groups with several sequences holding KV
+    assert sum(fed) == sum(prompts.values()) + sum(n - length for _, length, n in held.values())
+    assert sum(fed) < sum(n for _, _, n in held.values())
+
+
 def test_an_in_flight_load_stops_the_next_calls_rows_at_once_and_makes_them_again_with_it(tmp_path, monkeypatch):
     """generate(A, then=B) with a version loaded while A decodes: B's started rows decode no step after the load
     and are not recomputed; generate(B) then makes B whole with the new version (what B draws from scratch)."""

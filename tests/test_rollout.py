@@ -298,6 +298,27 @@ def test_the_in_place_cache_holds_what_the_concatenating_cache_holds(monkeypatch
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and a.keys.shape[2] == 6 + 9
 
 
+def test_columns_appended_in_place_equal_the_concatenation_and_copy_once_a_block():
+    """The continuous loop's attention mask grown a decode step at a time: equal to torch.cat of every step's
+    columns, its buffer copied only when its free columns run out (every InPlaceLayer.GROWTH columns, or at
+    once for a wider step), never into a tensor it was not made from."""
+    from grpo.sampler.rollout.decoding import InPlaceLayer, append_columns
+
+    generator = torch.Generator().manual_seed(0)
+    mask, expected, copies = torch.ones(3, 5, dtype=torch.long), torch.ones(3, 5, dtype=torch.long), 0
+    for step in range(150):
+        new = torch.randint(0, 2, (3, 70 if step == 100 else 1 + step % 2), generator=generator)
+        before = mask.untyped_storage().data_ptr()
+        mask, expected = append_columns(mask, new), torch.cat([expected, new], dim=1)
+        copies += mask.untyped_storage().data_ptr() != before
+        assert torch.equal(mask, expected)
+    added = expected.shape[1] - 5
+    assert copies <= 2 + added // InPlaceLayer.GROWTH and copies < 10
+    row = torch.ones(2, 4, dtype=torch.long)
+    assert torch.equal(append_columns(row[:1], torch.zeros(1, 2, dtype=torch.long)), torch.tensor([[1, 1, 1, 1, 0, 0]]))
+    assert torch.equal(row, torch.ones(2, 4, dtype=torch.long))  # the view's own tensor is left as it was
+
+
 def test_many_one_completion_prompts_decode_within_generation_batch_size(monkeypatch):
     """A later turn of episodes: 7 prompts of one completion with generation_batch_size 3 decode
     3 + 3 + 1 rows in blocks, and greedy gives what one 7-row chunk gives, in blocks and continuously

@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from grpo.sampler.rollout.decoding import InPlaceLayer, StopStrings, TokenSampler, seen_tokens
+from grpo.sampler.rollout.decoding import InPlaceLayer, StopStrings, TokenSampler, append_columns, seen_tokens
 from grpo.sampler.rollout.loop_cache import LoopCache, runs_continuously
 from grpo.sampler.rollout.sequences import (
     DECODING,
@@ -332,7 +332,7 @@ class ContinuousLoop(LoopCache):
             chunks.append(chunk)
         columns = torch.arange(width)
         new_mask = (columns >= width - torch.tensor(fed)[:, None]).to(self.mask.dtype)  # each row's last fed[b]
-        self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
+        self.mask = append_columns(self.mask, new_mask.to(self.device))  # in place, in blocks of columns
         full = min(self.capacity, sum(call.size for call in self.active))  # rows decoding in a full step
         engine.decode_rows.add(len(self.rows), self._live(), full, len(self.calls))
         with torch.no_grad():

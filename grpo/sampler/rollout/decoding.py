@@ -219,6 +219,25 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def append_columns(mask: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """[rows, w] `mask` with [rows, n] `new` after its columns. When `mask` is a view of a wider buffer (what this
+    returns) `new` is written into its free columns in place; else the columns so far are copied once into a
+    buffer with InPlaceLayer.GROWTH columns free after them: a decode step's mask costs its own columns, not a
+    copy of every column so far (as the cache's InPlaceLayer). Only for a fresh tensor or one this returned: a
+    column slice of a wider tensor would have that tensor's later columns written."""
+    rows, width = mask.shape
+    end = width + new.shape[1]
+    room = mask.stride(0)  # the buffer's width when `mask` is one of these views
+    if rows and mask.stride(1) == 1 and mask.storage_offset() == 0 and room >= end \
+            and mask.untyped_storage().nbytes() >= rows * room * mask.element_size():
+        wider = mask.as_strided((rows, end), (room, 1))
+    else:
+        wider = mask.new_zeros(rows, end + InPlaceLayer.GROWTH)[:, :end]
+        wider[:, :width] = mask
+    wider[:, width:] = new
+    return wider
+
+
 def runs_of(items: list) -> list[tuple[int, int, object]]:
     """(first, end, item) for each run of the same object (by identity) in `items`."""
     runs = []

@@ -67,13 +67,28 @@ def recompute_chunks(holding: list[Sequence]) -> list[list[Sequence]]:
     """The sequences by length, in runs whose forward (rows x the longest) is at most RECOMPUTE_TOKENS padded
     tokens (one sequence longer than that alone): a recompute's activations stay a decode step's size, not the
     whole batch's at full length."""
+    return chunks_by_tokens(holding, lambda s: len(s.history))
+
+
+def chunks_by_tokens(items: list, length) -> list[list]:
+    """`items` sorted by `length`, in runs of at most RECOMPUTE_TOKENS padded tokens (one longer item alone)."""
     chunks, current = [], []
-    for s in sorted(holding, key=lambda s: len(s.history)):
-        if current and len(s.history) * (len(current) + 1) > RECOMPUTE_TOKENS:
+    for item in sorted(items, key=length):
+        if current and length(item) * (len(current) + 1) > RECOMPUTE_TOKENS:
             chunks.append(current)
             current = []
-        current.append(s)
+        current.append(item)
     return chunks + ([current] if current else [])
+
+
+def prompt_key(s: Sequence) -> tuple:
+    """The group `s` belongs to: its call and prompt (its history starts with that prompt, but its last token)."""
+    return id(s.call), s.prompt
+
+
+def prompt_length(s: Sequence) -> int:
+    """How many tokens of `s`'s history are its group's shared prompt (every prompt token but the last)."""
+    return len(s.call.prompts[s.prompt]) - 1
 
 
 def masked_gap(model) -> float:
@@ -173,7 +188,8 @@ class LoopCache:
         """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the
         cache rebuilt, each row's columns right-aligned), the parked ones; the queued ones' shared prompt
         KV is dropped (prefilled again when they join). Done rows leave the batch first (nothing of theirs
-        is computed), and the rest go in forwards of at most RECOMPUTE_TOKENS padded tokens, shortest first."""
+        is computed); each group's prompt is computed once, and each sequence's tokens after it go on from
+        its KV, in forwards of at most RECOMPUTE_TOKENS padded tokens, shortest first."""
         t = time.perf_counter()
         for s in self.rows:
             s.in_batch = s.state != DONE
@@ -182,15 +198,11 @@ class LoopCache:
         holding = [s for s in (*self.rows, *parked) if s.history]
         for s in self.fresh:
             s.kv, s.prefilled = None, False
-        for chunk in recompute_chunks(holding):
-            ids, mask = left_pad([s.history for s in chunk], self.pad)
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            cache = DynamicCache(config=self.engine.model.config)
-            with torch.no_grad():
-                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
-            for row, s in enumerate(chunk):
-                s.kv = last_columns(cache, row, len(s.history))
+        shared = self._recompute_prompts(holding)
+        for s in holding:
+            s.kv = shared[prompt_key(s)]  # a sequence that holds its prompt only
+        for chunk in recompute_chunks([s for s in holding if len(s.history) > prompt_length(s)]):
+            self._recompute_after_prompts(chunk, shared)
         if self.rows:
             total = max(len(s.history) for s in self.rows)
             self.mask = torch.zeros(len(self.rows), total, dtype=self.mask.dtype, device=self.mask.device)
@@ -202,3 +214,47 @@ class LoopCache:
         else:
             self.mask = self.mask.new_zeros(0, 0)
         self.engine.decode_rows.swap_s += time.perf_counter() - t
+
+    def _recompute_prompts(self, holding: list[Sequence]) -> dict:
+        """(call, prompt) -> the KV of that shared prompt under the weights now, one per group however many of
+        its sequences hold KV (None: a one-token prompt, nothing cached)."""
+        first = {}
+        for s in holding:
+            first.setdefault(prompt_key(s), s)
+        shared = {key: None for key in first}
+        for chunk in chunks_by_tokens([s for s in first.values() if prompt_length(s)], prompt_length):
+            ids, mask = left_pad([s.history[:prompt_length(s)] for s in chunk], self.pad)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            cache = DynamicCache(config=self.engine.model.config)
+            with torch.no_grad():
+                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
+            for row, s in enumerate(chunk):
+                shared[prompt_key(s)] = last_columns(cache, row, prompt_length(s))
+        return shared
+
+    def _recompute_after_prompts(self, chunk: list[Sequence], shared: dict) -> None:
+        """The tokens of `chunk`'s sequences after their prompt, in one forward from their prompts' KV (each
+        right-aligned, then the rest, left-padded: masked columns between, as in the loop's own cache); each
+        sequence's KV is then its real columns."""
+        width = max(prompt_length(s) for s in chunk)
+        rest = [s.history[prompt_length(s):] for s in chunk]
+        ids, rest_mask = left_pad(rest, self.pad)
+        prompt_mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, s in enumerate(chunk):
+            prompt_mask[i, width - prompt_length(s):] = 1
+        lengths = torch.tensor([prompt_length(s) for s in chunk])[:, None]
+        positions = lengths + (rest_mask.cumsum(-1) - 1).clamp(min=0)
+        mask, ids, positions = torch.cat([prompt_mask, rest_mask], dim=1).to(self.device), ids.to(self.device), \
+            positions.to(self.device)
+        cache = DynamicCache(config=self.engine.model.config)
+        if width:
+            kvs = [shared[prompt_key(s)] for s in chunk]
+            for i in range(len(cache.layers)):
+                cache.layers[i] = InPlaceLayer.of_rows(None, [kv[i] if kv is not None else None for kv in kvs], width)
+        with torch.no_grad():
+            self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
+        for row, s in enumerate(chunk):
+            columns = mask[row].nonzero().squeeze(-1)
+            s.kv = [(layer.keys[row, :, columns], layer.values[row, :, columns]) for layer in cache.layers]

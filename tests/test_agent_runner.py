@@ -542,3 +542,45 @@ def test_turn_by_turn_every_session_waits_for_its_own_harness_only(chatty_agent)
         assert not e.breaks and torch.allclose(
             torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
             recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["one-loop", "turn-by-turn"])
+def test_a_requests_max_tokens_caps_its_answer_and_the_session_goes_on_from_the_cut_turn(chatty_agent, continuous):
+    """max_tokens=3, then max_completion_tokens=2: each answer within its cap, one cut there ends with "length"
+    and the session goes on (cut at its cap, not the budget: not truncated); the first answers are the first
+    tokens of what the engine draws uncapped under the same seed; the row continues clean from the cut turn (the
+    template's end of turn after it is context), every sampled token's log-prob equal to a recompute."""
+    model, tokenizer = chatty_agent
+    seen = []
+
+    def capped(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k, cap in enumerate(({"max_tokens": 3}, {"max_completion_tokens": 2}, {"max_tokens": 2})):
+            reply = api.chat.completions.create(model="policy", messages=messages, **cap)
+            seen.append((key, k, reply.choices[0].finish_reason, reply.usage.completion_tokens))
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        return 1.0
+
+    overrides = ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
+                 f"sampling.continuous_batching={str(continuous).lower()}"]
+    engine = HFEngine(model, tokenizer, load_config(None, overrides).sampling)
+    runner = runner_of(tokenizer, capped, "agent.max_turns=3", max_new_tokens=80)
+    try:
+        run = runner.run(engine, prompts(tokenizer, 1), 3, seed=6)
+    finally:
+        runner.close()
+    assert len(seen) == 9 and all(n <= (3, 2, 2)[k] for _, k, _, n in seen)
+    assert all(n == (3, 2, 2)[k] if reason == "length" else reason == "stop" for _, k, reason, n in seen)
+    assert sum(reason == "length" for _, _, reason, _ in seen) >= 5
+    prompt = run.prompts[0].token_ids
+    uncapped = engine.generate([prompt], 3, seed=6, max_new_tokens=[80])
+    for j, e in enumerate(run.episodes):
+        assert e.turns == 3 and not e.truncated and not e.breaks and e.env_error == ""
+        assert set(e.continued) <= {"clean", "equivalent"} and sum(e.continued.values()) == 2
+        drawn = [t for t, m in zip(e.tokens, e.model) if m]
+        assert len(drawn) <= 7
+        head = e.tokens[:e.model.index(False)] if False in e.model else e.tokens
+        assert head == uncapped.completion_ids[j].tolist()[:len(head)] and 1 <= len(head) <= 3
+        assert torch.allclose(torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
+                              recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)

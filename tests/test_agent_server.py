@@ -47,7 +47,7 @@ def test_a_chat_turn_with_tool_calls_reaches_the_sdk_whole_and_the_run_sampling_
         model="anything", messages=[{"role": "user", "content": "3 + 4, times 2?"}], temperature=0.1, top_p=0.5,
         max_tokens=64)
     reply = raw.parse()
-    assert raw.headers["x-grpo-ignored"] == "temperature, top_p, max_tokens"
+    assert raw.headers["x-grpo-ignored"] == "temperature, top_p"  # max_tokens caps the answer (test_agent_runner)
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
     assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
@@ -100,7 +100,9 @@ def test_text_completions_take_token_ids_or_text(served):
     ({"seed": 1}, 400, "seed is not served"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
      "response_format json_schema is not served"),
-], ids=["n", "logit_bias", "seed", "json_schema"])
+    ({"max_tokens": 0}, 400, "max_tokens must be a positive integer; got 0"),
+    ({"max_completion_tokens": 2.5}, 400, "max_completion_tokens must be a positive integer; got 2.5"),
+], ids=["n", "logit_bias", "seed", "json_schema", "max_tokens", "max_completion_tokens"])
 def test_what_cannot_be_honoured_is_refused_by_name_as_the_sdk_reads_errors(served, changes, status, message):
     server, sessions = served
     session = sessions.open(scripted(Turn("never", "stop", 1, 1)))

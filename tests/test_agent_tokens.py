@@ -61,3 +61,21 @@ def test_a_template_that_drops_earlier_thinking_starts_a_new_row_from_the_fresh_
     fresh = render_ids(tokenizer, request)
     kind, ids = next_context([1, 2, 3], fresh, continues=True, shows_all=False, reply=lambda: [9])
     assert (kind, ids) == (NEW_ROW, fresh)
+
+
+def test_after_a_turn_cut_at_its_max_tokens_the_reply_holds_the_templates_whole_end_of_turn():
+    """A turn cut before its EOS (a request's max_tokens) ends with any token, here "<", the first character of
+    <|im_end|>: the reply rule keeps the template's end of turn whole after it (left out only after a special
+    token, the model's own EOS), and the row's text is then the template's render of the cut turn."""
+    tokenizer = qwen2_style_tokenizer()
+    runner = EpisodeRunner(None, tokenizer, 400, 4)
+    cut = {"role": "assistant", "content": "The answer is <"}
+    request = [*ASK, cut, MORE]
+    row = render_ids(tokenizer, ASK) + [t for c in cut["content"] for t in tokenizer(c, add_special_tokens=False)[
+        "input_ids"]]
+    assert tokenizer.decode(row[-1:]) == "<"
+    ids = runner.reply_tokens(MORE["content"], "user", row[-1])
+    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>user\nSo it is 3.<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(row + ids) == render(tokenizer, request)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.decode(runner.reply_tokens(MORE["content"], "user", eos)).startswith("\n<|im_start|>user")

@@ -307,6 +307,22 @@ def test_compare_answer_checks_counts_the_verdicts_math_verify_changes():
     assert sorted(c["class"] for c in result["changes"]) == ["+ LaTeX", "+ an equation (the value after '=')"]
 
 
+def test_the_trainer_guard_reads_the_recorded_mfu_and_flags_a_step_below_nine_tenths_of_it(capsys):
+    """bench_trainer.py --guard: the figure is the headline row of docs/performance.md; 0.9 of it passes, less
+    fails naming both figures; a page without the row is an error that names it."""
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from bench_trainer import GUARD_FRACTION, RECORDED, guard, recorded_mfu
+
+    recorded, date = recorded_mfu(RECORDED.read_text())
+    assert 0 < recorded < 1.5 and len(date) == 10
+    assert recorded_mfu("| trainer's step MFU, the default batch | 63.5% | 2026-01-02 | x |\n") == (0.635, "2026-01-02")
+    assert guard(GUARD_FRACTION * recorded) == 0
+    assert guard(GUARD_FRACTION * recorded - 0.01) == 1
+    assert f"against {recorded:.0%} recorded on {date}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="trainer's step MFU"):
+        recorded_mfu("| MFU (GSM8K-like) | 63% | 2026-11-25 |")
+
+
 NOT_A_COMMAND = {"trl_recipe.py"}  # a module bench_vs_trl.py and bench_learn.py import
 
 

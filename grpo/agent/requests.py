@@ -1,13 +1,14 @@
 """What a request to the agent endpoint may ask (grpo/agent/server.py serves it): refused by name where it would
 sample from another policy than the one trained, or cannot be rendered; the sampling settings it names that the
-run's own settings override, listed back to it."""
+run's own settings override, listed back to it; the most tokens its answer may hold."""
 
 from __future__ import annotations
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IGNORED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "max_tokens", "max_completion_tokens", "stop", "tool_choice", "parallel_tool_calls",  # the run's own hold
+           "stop", "tool_choice", "parallel_tool_calls",  # the run's own hold
            "logprobs", "top_logprobs", "chat_template_kwargs")  # not returned; the template as the run renders it
+CAPS = ("max_completion_tokens", "max_tokens")  # the answer's length: honoured within the episode's budget
 CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                "allowed_token_ids", "bad_words")  # vLLM's constrained decoding, refused as response_format is
 
@@ -51,6 +52,10 @@ def check_request(body, kind: str) -> list[str]:
                              code="add_generation_prompt")
     if kind == "completions" and not isinstance(body.get("prompt"), (str, list)):
         raise AgentError(400, "prompt must be a string or a list of token ids", code="prompt")
+    for name in CAPS:
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise AgentError(400, f"{name} must be a positive integer; got {value!r}", code=name)
     if body.get("n", 1) not in (1, None):
         raise AgentError(400, f"n={body['n']} is not served: each session samples one completion per request "
                               "(the group's G completions are G sessions)", code="n")
@@ -65,6 +70,12 @@ def check_request(body, kind: str) -> list[str]:
         raise AgentError(400, f"response_format {response_format['type']} is not served: constrained decoding "
                               "would sample from another policy than the one trained", code="response_format")
     return [name for name in IGNORED if body.get(name) is not None]
+
+
+def requested_tokens(body: dict) -> int | None:
+    """The most tokens the request's answer may hold (its max_completion_tokens, else max_tokens); None: no cap
+    but the episode's budget (sampling.max_new_tokens), which also bounds a larger one."""
+    return next((body[name] for name in CAPS if body.get(name) is not None), None)
 
 
 def messages_problem(messages) -> str:

@@ -35,13 +35,14 @@ from grpo.agent.bridge import Conversation, continues_final, history_of
 from grpo.agent.harness import HarnessError, Harnesses
 from grpo.agent.history import text_of
 from grpo.agent.messages import assistant_turn
+from grpo.agent.requests import requested_tokens
 from grpo.agent.server import SOCKET_TIMEOUT_S, AgentError, AgentServer, Session, Sessions, Turn
 from grpo.agent.tokens import RequestTokens
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.episodes import EpisodeRunner, episode_runner
 from grpo.sampler.rollout.continuous import episode_loop
-from grpo.sampler.rollout.sequences import hashed_seed
+from grpo.sampler.rollout.sequences import Reply, hashed_seed
 
 if TYPE_CHECKING:
     from grpo.settings import AgentConfig, Config
@@ -62,6 +63,7 @@ class AgentSession:
     served: list = field(default_factory=list)  # the messages of the request answered last
     prompt: list[int] = field(default_factory=list)  # its first request's render
     prefill: str = ""  # the text of the assistant turn the last request began (continue_final_message)
+    cap: int | None = None  # the most tokens the last request's answer may hold (its max_tokens)
     opened: bool = False
 
     def gone(self) -> bool:
@@ -255,11 +257,14 @@ class AgentRunner:
         # continuous batching off, the HF loop would call each harness in turn: turn by turn waits on all at once
         continuous = getattr(getattr(engine, "cfg", None), "continuous_batching", True)
         loop = episode_loop(engine) if continuous else None
+        caps = [agent.cap for agent in agents]  # each first request's max_tokens
         if loop is not None:
-            loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy, executor=executor)
+            loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy, executor=executor,
+                 first_caps=caps)
         else:
             # a round's turns handed to all their harnesses at once: each waits for its own, not the others'
-            self.episodes._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy, executor=executor)
+            self.episodes._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy, executor=executor,
+                                        first_caps=caps)
 
     def _turn(self, agent: AgentSession, prompt: list[int], ids: torch.Tensor, logps: torch.Tensor,
               truncated: bool) -> list[int] | None:
@@ -268,6 +273,7 @@ class AgentRunner:
         e = agent.episode
         before = len(e.tokens)
         self.episodes._add_model_turn(e, ids, logps, truncated)
+        e.truncated = truncated and len(e.tokens) >= self.max_new_tokens  # not at a request's own max_tokens
         if not agent.opened:  # its harness never asked: nobody reads this turn, and it is not trained
             e.model[before:] = [False] * (len(e.tokens) - before)
             return None
@@ -296,7 +302,7 @@ class AgentRunner:
             e.undelivered += 1
             agent.conversation.end()
             return None
-        if truncated or time.monotonic() > agent.deadline:
+        if e.truncated or time.monotonic() > agent.deadline:  # cut at the budget: the session can go no further
             agent.conversation.end()
             return None
         taken = agent.conversation.next(agent.gone)
@@ -322,7 +328,7 @@ class AgentRunner:
         self._serve(agent, body)
         e.add(tokens, model=False)
         e.replies += 1
-        return tokens
+        return Reply.capped(tokens, agent.cap)
 
     def _cut(self, agent: AgentSession, error: AgentError) -> None:
         """The request refused with `error`, and the session cut at a limit: scored as cut at the budget."""
@@ -333,9 +339,11 @@ class AgentRunner:
 
     @staticmethod
     def _serve(agent: AgentSession, body: dict) -> None:
-        """The request is the one answered next: its history, and the assistant text it began (a prefill)."""
+        """The request is the one answered next: its history, the assistant text it began (a prefill), and the most
+        tokens its answer may hold."""
         agent.served = list(history_of(body))
         agent.prefill = text_of(body["messages"][-1].get("content")) if continues_final(body) else ""
+        agent.cap = requested_tokens(body)
 
     def _as_turn(self, agent: AgentSession, e: Episode, ids: torch.Tensor, truncated: bool, context: int) -> Turn:
         if agent.kind == "completions":

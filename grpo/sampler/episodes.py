@@ -35,6 +35,7 @@ from grpo.environments.pool import ReplayMismatch, shown_digest
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.rollout.continuous import episode_loop
+from grpo.sampler.rollout.sequences import cap_of, message_limit
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -182,8 +183,11 @@ class EpisodeRunner:
         key = (role, ended_with, len(texts))
         end = self.tokenizer.eos_token if ended_with is None else self.tokenizer.decode([ended_with])
         if key not in self._templates:
-            self._templates[key] = reply_template(self.tokenizer, role, None if ended_with is None else end,
-                                                  len(texts))
+            # the template's own turn end is left out after a special token (the model's EOS ended the turn); after
+            # another (a turn cut at its request's max_tokens) it stays whole, even where it begins with its text ("<")
+            ended = ended_with is None or end in self._specials
+            self._templates[key] = reply_template(self.tokenizer, role, None if ended_with is None else
+                                                  end if ended else "", len(texts))
         return reply_ids(self.tokenizer, self._templates[key], texts, prefill, end or "", self._specials)
 
     def run(self, engine, prompts: list, group_size: int, *, seed: int | None = None, greedy: bool = False) -> Episodes:
@@ -260,31 +264,39 @@ class EpisodeRunner:
         return self.pool.executor.submit(self._counted, e, "open", key, row)
 
     def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
-                      greedy: bool, executor=None) -> None:
+                      greedy: bool, executor=None, first_caps: list[int | None] | None = None) -> None:
         """Turn 1 for every episode, then each later turn for the live ones, each from its whole context;
-        every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop. A round's
-        `on_turn` calls go one at a time, or all at once on `executor`'s threads (agents' sessions, each
-        waiting on its own harness)."""
+        every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop, and within
+        its cap where one is set (`first_caps`, then each `Reply`'s). A round's `on_turn` calls go one at a
+        time, or all at once on `executor`'s threads (agents' sessions, each waiting on its own harness)."""
         out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy,
                               max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
         live, turn = list(range(len(prompt_ids) * group_size)), 0
         contexts = {j: list(prompt_ids[j // group_size]) for j in live}
+        caps = dict(enumerate(first_caps or []))
         while live:
             def answered(k: int, out=out, live=live) -> list[int] | None:
-                return on_turn(live[k], out.completion_ids[k], out.logps[k], bool(out.truncated[k]))
+                ids, logps, cut = out.completion_ids[k], out.logps[k], bool(out.truncated[k])
+                cap = caps.get(live[k])
+                if cap is not None and len(ids) > cap:  # the first turn's group decodes as one: its cap applied here,
+                    ids, logps, cut = ids[:cap], logps[:cap], True  # the same tokens (each row's draws are its own)
+                return on_turn(live[k], ids, logps, cut)
 
             ks = range(len(live))
             replies = list(executor.map(answered, ks) if executor is not None else map(answered, ks))
             going_on = []
             for k, (j, reply) in enumerate(zip(live, replies)):
                 if reply is not None:
-                    contexts[j] += out.completion_ids[k].tolist() + reply
+                    cap = caps.get(j)
+                    contexts[j] += out.completion_ids[k][:cap].tolist() + reply
+                    caps[j] = cap_of(reply)
                     going_on.append(j)
             live = going_on
             if not live:
                 break
             turn += 1
-            budgets = [self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])) for j in live]
+            budgets = [message_limit(self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])),
+                                     caps[j]) for j in live]
             out = engine.generate([contexts[j] for j in live], 1, seed=turn_seed(seed, turn), greedy=greedy,
                                   max_new_tokens=budgets)
 

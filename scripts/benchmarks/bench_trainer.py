@@ -1,6 +1,7 @@
 """The trainer's own work per step, with each optimisation on and off, against the matmul ceiling.
 
     .venv/bin/python scripts/benchmarks/bench_trainer.py [--repeats 2] [--threads 1] [key=value ...]
+    .venv/bin/python scripts/benchmarks/bench_trainer.py --guard   # "as configured" against the recorded MFU
 
 One default sampler step on the embedded SmolLM2 (2 prompts x 8 completions, up to 200
 tokens) is generated once and written to a file in the wire format; then each variant runs in a
@@ -11,6 +12,10 @@ them; DeepSpeed's ZeRO-0 wrapper adds no compute), timing the second. The varian
 so drift hits them alike. Printed per variant: the median time, its kernel time and minor page faults, model GFLOP/s
 (`grpo.model.flops.batch_step_flops`), MFU against the fp32 matmul rate of the model's shapes
 measured first with the same threads, peak RSS, and the ratios to the first variant.
+
+`--guard` runs "as configured" alone and compares its MFU with the figure docs/performance.md records for it
+(its headline row `trainer's step MFU`): below GUARD_FRACTION of it, it says so and exits 1. MFU is against
+the ceiling measured in the same run, so the figure holds across machine speeds better than seconds do.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -36,6 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # default_batch: bench
 # and without transparent huge pages: measured against the page faults of the trainer's step
 # (no gain once the LM-head chunks fit the heap, grpo/model/logprobs.py; docs/notes/optimisations.md)
 MALLOC_KEEP = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
+
+GUARD_FRACTION = 0.9  # a step's MFU below this share of the recorded one is a regression
+RECORDED = ROOT / "docs" / "performance.md"
 
 VARIANTS = {  # name: (config overrides on top of the command line's, environment)
     "as configured": ([], {}),  # training.max_tokens_per_micro_batch 2048: one default group per micro-batch
@@ -76,11 +85,31 @@ def worker(batch_path: Path, overrides: list[str]) -> dict:
             "peak_rss": after.ru_maxrss * 1024}
 
 
+def recorded_mfu(text: str) -> tuple[float, str]:
+    """(MFU, date) of the headline row `| trainer's step MFU ... | 71% | 2026-11-24 |` in docs/performance.md."""
+    match = re.search(r"^\| trainer's step MFU[^|]*\| (\d+(?:\.\d+)?)% \| (\d{4}-\d\d-\d\d) \|", text, re.MULTILINE)
+    if match is None:
+        raise SystemExit(f"{RECORDED} has no headline row \"trainer's step MFU\" to guard against")
+    return float(match.group(1)) / 100, match.group(2)
+
+
+def guard(mfu: float) -> int:
+    """0 when `mfu` is at least GUARD_FRACTION of the recorded figure; else 1, saying so."""
+    recorded, date = recorded_mfu(RECORDED.read_text())
+    print(f"trainer's step MFU {mfu:.0%} against {recorded:.0%} recorded on {date} ({mfu / recorded:.2f}x)")
+    if mfu < GUARD_FRACTION * recorded:
+        print(f"below {GUARD_FRACTION:.0%} of the recorded figure: the trainer's step is slower than it was; "
+              "compare this commit's step with an earlier one's (this script in a worktree of each)")
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's share of the cores)")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--guard", action="store_true", help="as configured only, against the recorded MFU")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     torch.set_num_threads(args.threads)
@@ -101,7 +130,8 @@ def main(argv: list[str]) -> int:
     batch_path = Path(tempfile.mkdtemp(prefix="bench_trainer_")) / "batch.json"
     batch_path.write_text(json.dumps([frame.hex() for frame in encode_batch(default_batch(cfg, model))]))
     del model  # the variants load their own
-    variants = {name: v for name, v in VARIANTS.items() if not args.only or name in args.only.split(",")}
+    chosen = ["as configured"] if args.guard else args.only.split(",") if args.only else list(VARIANTS)
+    variants = {name: v for name, v in VARIANTS.items() if name in chosen}
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, (extra, env) in variants.items():
@@ -126,6 +156,8 @@ def main(argv: list[str]) -> int:
         print(f"| {name} | {runs[0]['micro_batches']} | {s:.2f} | {kernel:.2f} | {faults:,.0f} | "
               f"{rate:.1f} | {rate / ceiling:.0%} | "
               f"{rss / 2**20:.0f} | {s / base_s:.2f} | {rss / base_rss:.2f} |")
+    if args.guard:
+        return guard(results[first][0]["model_flops"] / 1e9 / base_s / ceiling)
     return 0
 
 

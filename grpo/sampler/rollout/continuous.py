@@ -65,8 +65,10 @@ from grpo.sampler.rollout.sequences import (
     Call,
     OnTurn,
     Sequence,
+    cap_of,
     check_room,
     episode_seed,
+    message_limit,
 )
 
 COMPACT_FRACTION = 0.25  # rows that left the batch, or queued ones that fit, and masked columns of the cache:
@@ -91,7 +93,7 @@ def episode_loop(engine) -> Callable | None:
 
 def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
                  seed: int | None = None, greedy: bool = False, executor: Executor | None = None,
-                 continuous: bool = True, overlap: bool = True) -> None:
+                 continuous: bool = True, overlap: bool = True, first_caps: list[int | None] | None = None) -> None:
     """B x G sequences, sequence j of prompt j // G, each at most `budget` tokens after its prompt (one
     budget, or one per prompt; an episode's messages and the replies between them: a reply that leaves
     no room for a token is an error); `on_turn` is called at the end of each message, on `executor`'s
@@ -101,8 +103,10 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     are all taken, waited for, once no row is decoding or they are COMPACT_FRACTION of the batch: points
     the tokens alone decide, so every forward's rows, and every bit, are the same on a run made again.
     `continuous=False`: a block of generation_batch_size rows at a time, each decoded until its last
-    sequence is done, the environments called in turn (the loop before continuous batching, for comparison)."""
-    call = Call.of(prompts, group_size, budget, seed, greedy, on_turn)
+    sequence is done, the environments called in turn (the loop before continuous batching, for comparison).
+    `first_caps`: per sequence, the most tokens its first message may draw (None: what its budget allows); a
+    later message's cap comes with the reply before it (`Reply`)."""
+    call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_caps)
     loop = ContinuousLoop(engine, greedy, executor if continuous else None, continuous, overlap)
     loop.add(call)
     loop.run(until=call)
@@ -142,7 +146,8 @@ class ContinuousLoop(LoopCache):
         n = call.pending = call.size
         for j in range(n):
             i = j // call.group_size
-            s = Sequence(call, j, i, call.budgets[i], [call.prompts[i][-1]], len(call.prompts[i]) - 1, call.budgets[i])
+            s = Sequence(call, j, i, call.budgets[i], [call.prompts[i][-1]], len(call.prompts[i]) - 1,
+                         call.first_limit(j))
             s.generator, s.history = self._generator(s), list(call.prompts[i][:-1])
             self.fresh.append(s)
         if n:
@@ -284,7 +289,7 @@ class ContinuousLoop(LoopCache):
                 self.active.remove(s.call)
             return
         s.used += len(s.drawn) + len(reply)
-        s.limit = s.budget - s.used
+        s.limit = message_limit(s.budget - s.used, cap_of(reply))
         check_room(s.episode, len(reply), s.budget, s.used)
         s.turn += 1
         s.generator = self._generator(s)

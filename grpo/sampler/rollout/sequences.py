@@ -12,10 +12,33 @@ from typing import Callable
 
 import torch
 
-# (episode, the message's tokens, their log-probs, cut at the budget) -> the environment's reply to feed
+# (episode, the message's tokens, their log-probs, cut at its limit) -> the environment's reply to feed
 # before the episode's next message, or None: the episode is over. A reply must leave the model room for
-# one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit).
+# one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit); a
+# `Reply` may cap the next message below what the budget leaves.
 OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
+
+
+class Reply(list):
+    """An environment's reply (its tokens), with the most tokens the model's next message may draw where the
+    reply's sender capped it (an agent request's max_tokens); a plain list caps nothing."""
+
+    max_tokens: int | None = None
+
+    @classmethod
+    def capped(cls, tokens: list[int], max_tokens: int | None) -> "Reply":
+        reply = cls(tokens)
+        reply.max_tokens = max_tokens
+        return reply
+
+
+def message_limit(room: int, cap: int | None) -> int:
+    """The most tokens a message may draw: what is left of its episode's budget (`room`), or its cap if less."""
+    return room if cap is None else min(room, cap)
+
+
+def cap_of(reply: list[int]) -> int | None:
+    return getattr(reply, "max_tokens", None)
 
 
 def hashed_seed(name: str) -> int:
@@ -48,6 +71,7 @@ class Call:
     budgets: list[int]  # per prompt
     seed: int | None
     on_turn: OnTurn
+    first_caps: list[int | None] | None = None  # per sequence: the most tokens its first message may draw
     pending: int = 0  # its sequences not done
     versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
 
@@ -57,13 +81,19 @@ class Call:
 
     @classmethod
     def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
-           on_turn: OnTurn) -> "Call":
+           on_turn: OnTurn, first_caps: list[int | None] | None = None) -> "Call":
         budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
         if min(budgets, default=1) < 1:
             raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
         if seed is None and not greedy:
             seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
-        return cls(prompts, group_size, budgets, seed, on_turn)
+        if first_caps is not None and len(first_caps) != len(prompts) * group_size:
+            raise ValueError(f"first_caps holds {len(first_caps)} caps for {len(prompts) * group_size} sequences")
+        return cls(prompts, group_size, budgets, seed, on_turn, first_caps)
+
+    def first_limit(self, j: int) -> int:
+        """The most tokens sequence j's first message may draw."""
+        return message_limit(self.budgets[j // self.group_size], self.first_caps[j] if self.first_caps else None)
 
 
 @dataclass(eq=False)

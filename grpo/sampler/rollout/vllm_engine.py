@@ -57,7 +57,7 @@ import torch
 from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.sampler.rollout.continuous import NextCall
-from grpo.sampler.rollout.sequences import Call, OnTurn, check_room, episode_seed
+from grpo.sampler.rollout.sequences import Call, OnTurn, cap_of, check_room, episode_seed, message_limit
 from grpo.sampler.rollout.vllm_arguments import INSTALL_HINT, VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
 from grpo.sampler.rollout.vllm_tasks import InFlightPoller, all_of, cancelled, resumed_seed
@@ -386,11 +386,13 @@ class VllmEngine:
     # ------------------------------------------------------------------ episodes
 
     def run_episodes(self, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
-                     seed: int | None = None, greedy: bool = False, executor=None) -> None:
+                     seed: int | None = None, greedy: bool = False, executor=None,
+                     first_caps: list[int | None] | None = None) -> None:
         """B x G episodes, episode j of prompt j // G, each one task: a message, `on_turn` on `executor`'s
         threads (one thread of its own without), the next message from the whole context, until `on_turn`
-        says the episode is over; within `budget` tokens after its prompt (one budget, or one per prompt)."""
-        call = Call.of(prompts, group_size, budget, seed, greedy, on_turn)  # budgets checked, a seed drawn
+        says the episode is over; within `budget` tokens after its prompt (one budget, or one per prompt);
+        each message within its cap where one is set (`first_caps`, then each `Reply`'s)."""
+        call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_caps)  # budgets checked, a seed drawn
         budgets, seed = call.budgets, call.seed
         firsts = [None] * len(prompts) if greedy else prompt_seeds(seed, len(prompts))
         calls, own = EnvironmentCalls(), None
@@ -399,7 +401,7 @@ class VllmEngine:
         # episode j's first message is seeded as `generate` seeds sample j % G of its prompt
         episodes = [functools.partial(self._episode, j, prompts[j // group_size], budgets[j // group_size],
                                       None if greedy else firsts[j // group_size] + j % group_size, seed, greedy,
-                                      on_turn, executor, calls)
+                                      on_turn, executor, calls, call.first_limit(j))
                     for j in range(len(prompts) * group_size)]
         try:
             self.loop.run(all_of(episodes))
@@ -409,15 +411,16 @@ class VllmEngine:
         self.loop_metrics.add(calls.metrics())
 
     async def _episode(self, j: int, prompt: list[int], budget: int, first: int | None, seed: int | None,
-                       greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls) -> None:
+                       greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls, limit: int) -> None:
         context, used, turn, served = list(prompt), 0, 0, self.served
         while True:
             turn_seed = first if turn == 0 or greedy else episode_seed(seed, j, turn)
-            ids, logps, cut, _ = await self._complete(Sample(context, turn_seed, budget - used), greedy, served, calls)
+            ids, logps, cut, _ = await self._complete(Sample(context, turn_seed, limit), greedy, served, calls)
             reply = await calls.call(executor, on_turn, j, ids, logps, cut)
             if reply is None:
                 return
             used += len(ids) + len(reply)
             check_room(j, len(reply), budget, used)
+            limit = message_limit(budget - used, cap_of(reply))
             context += ids.tolist() + reply
             turn += 1

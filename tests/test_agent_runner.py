@@ -584,3 +584,50 @@ def test_a_requests_max_tokens_caps_its_answer_and_the_session_goes_on_from_the_
         assert head == uncapped.completion_ids[j].tolist()[:len(head)] and 1 <= len(head) <= 3
         assert torch.allclose(torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
                               recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["one-loop", "turn-by-turn"])
+def test_a_requests_stop_ends_its_answer_at_the_token_that_completes_it_and_the_text_stops_before(chatty_agent,
+                                                                                                continuous):
+    """stop=["7"]: each answer is what the engine draws under the same seed up to the token that completes "7"
+    (the first turn checked against an uncapped draw), its text returned without it ("stop"); the session goes on
+    from the row's own tokens (the harness's copy of the turn lacks the stop string: the reply rule continues it),
+    every sampled token's log-prob equal to a recompute."""
+    model, tokenizer = chatty_agent
+    seen = []
+
+    def stopping(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k in range(2):
+            reply = api.chat.completions.create(model="policy", messages=messages, stop=["7"])
+            seen.append((k, reply.choices[0].finish_reason, reply.choices[0].message.content))
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        return 1.0
+
+    overrides = ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
+                 f"sampling.continuous_batching={str(continuous).lower()}"]
+    engine = HFEngine(model, tokenizer, load_config(None, overrides).sampling)
+    runner = runner_of(tokenizer, stopping, "agent.max_turns=2", max_new_tokens=80)
+    try:
+        run = runner.run(engine, prompts(tokenizer, 1), 3, seed=8)
+    finally:
+        runner.close()
+    assert len(seen) == 6 and all("7" not in (text or "") for _, _, text in seen)
+    prompt = run.prompts[0].token_ids
+    uncapped = engine.generate([prompt], 3, seed=8, max_new_tokens=[80])
+    stopped = 0
+    for j, e in enumerate(run.episodes):
+        assert e.turns == 2 and not e.breaks and e.env_error == ""
+        first = e.tokens[:e.model.index(False)]
+        drawn = uncapped.completion_ids[j].tolist()
+        text = tokenizer.decode(drawn, skip_special_tokens=True)
+        if "7" in text:  # cut at the token that completes the first "7"
+            n = next(n for n in range(1, len(drawn) + 1) if "7" in tokenizer.decode(drawn[:n]))
+            assert first == drawn[:n]
+            stopped += 1
+        else:
+            assert first == drawn
+        assert torch.allclose(torch.tensor([x for x, m in zip(e.logps, e.model) if m], dtype=torch.float64),
+                              recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
+    assert stopped >= 1 and sum(reason == "stop" for _, reason, _ in seen) == 6

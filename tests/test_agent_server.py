@@ -102,7 +102,8 @@ def test_text_completions_take_token_ids_or_text(served):
      "response_format json_schema is not served"),
     ({"max_tokens": 0}, 400, "max_tokens must be a positive integer; got 0"),
     ({"max_completion_tokens": 2.5}, 400, "max_completion_tokens must be a positive integer; got 2.5"),
-], ids=["n", "logit_bias", "seed", "json_schema", "max_tokens", "max_completion_tokens"])
+    ({"stop": ["ok", ""]}, 400, "stop must be a string or a list of at most 16 strings, each of 1 to 256 characters"),
+], ids=["n", "logit_bias", "seed", "json_schema", "max_tokens", "max_completion_tokens", "stop"])
 def test_what_cannot_be_honoured_is_refused_by_name_as_the_sdk_reads_errors(served, changes, status, message):
     server, sessions = served
     session = sessions.open(scripted(Turn("never", "stop", 1, 1)))

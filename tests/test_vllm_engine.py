@@ -227,22 +227,26 @@ def test_agent_sessions_on_vllm_record_the_trainers_log_probs_of_every_turn_the_
     """Your own agent loop (grpo/agent/runner.py) on vLLM: a two-turn openai-SDK harness, each turn a request
     of the async engine; the row is the first request's render, then every turn as sampled, the harness's
     messages between them masked; the recorded log-probs are the trainer's recompute within the bound. The second
-    request's max_tokens=4 caps its answer (cut there: "length")."""
+    request's max_tokens=4 caps its answer (cut there: "length"); the first's stop="." ends it at the token that
+    completes a "." (its text returned without it)."""
     import openai
 
     from grpo.agent.runner import AgentRunner
 
     cfg, model, tokenizer, engine, _ = served
     prompts = chat_prompts(tokenizer)
-    second = []
+    first, second = [], []
 
     def agent(row, base_url, key):
         api = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
         messages = [{"role": "user", "content": row["question"]}]
         for k in range(2):
-            reply = api.chat.completions.create(model="policy", messages=messages, **({"max_tokens": 4} if k else {}))
+            reply = api.chat.completions.create(model="policy", messages=messages,
+                                                **({"max_tokens": 4} if k else {"stop": "."}))
             if k:
                 second.append((reply.choices[0].finish_reason, reply.usage.completion_tokens))
+            else:
+                first.append(reply.choices[0].message.content or "")
             if reply.choices[0].finish_reason == "length":
                 break
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
@@ -257,6 +261,7 @@ def test_agent_sessions_on_vllm_record_the_trainers_log_probs_of_every_turn_the_
     assert [p.token_ids for p in run.prompts] == [p.token_ids for p in prompts]  # the same chat, rendered alike
     assert any(e.turns == 2 for e in run.episodes) and second
     assert all(n == 4 if reason == "length" else n <= 4 for reason, n in second), second
+    assert len(first) == 6 and not any("." in text for text in first), first
     assert all(set(e.breaks) <= {"context_length_exceeded"} and not e.environment_failed for e in run.episodes)
     assert sum(sum(e.continued.values()) for e in run.episodes) == sum(e.turns - 1 for e in run.episodes)
     with torch.no_grad():

@@ -1,14 +1,17 @@
 """What a request to the agent endpoint may ask (grpo/agent/server.py serves it): refused by name where it would
 sample from another policy than the one trained, or cannot be rendered; the sampling settings it names that the
-run's own settings override, listed back to it; the most tokens its answer may hold."""
+run's own settings override, listed back to it; the limits of its answer (max_tokens, stop)."""
 
 from __future__ import annotations
 
+from grpo.sampler.rollout.sequences import TurnLimits
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IGNORED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "stop", "tool_choice", "parallel_tool_calls",  # the run's own hold
+           "tool_choice", "parallel_tool_calls",  # the run's own hold
            "logprobs", "top_logprobs", "chat_template_kwargs")  # not returned; the template as the run renders it
 CAPS = ("max_completion_tokens", "max_tokens")  # the answer's length: honoured within the episode's budget
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may name, and their length
 CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                "allowed_token_ids", "bad_words")  # vLLM's constrained decoding, refused as response_format is
 
@@ -56,6 +59,12 @@ def check_request(body, kind: str) -> list[str]:
         value = body.get(name)
         if value is not None and (type(value) is not int or value < 1):
             raise AgentError(400, f"{name} must be a positive integer; got {value!r}", code=name)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_CHARS or isinstance(stop, list)
+                                 and len(stop) <= MAX_STOPS and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS
+                                                                    for x in stop)):
+        raise AgentError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings, each of 1 to "
+                              f"{MAX_STOP_CHARS} characters", code="stop")
     if body.get("n", 1) not in (1, None):
         raise AgentError(400, f"n={body['n']} is not served: each session samples one completion per request "
                               "(the group's G completions are G sessions)", code="n")
@@ -72,10 +81,19 @@ def check_request(body, kind: str) -> list[str]:
     return [name for name in IGNORED if body.get(name) is not None]
 
 
-def requested_tokens(body: dict) -> int | None:
-    """The most tokens the request's answer may hold (its max_completion_tokens, else max_tokens); None: no cap
-    but the episode's budget (sampling.max_new_tokens), which also bounds a larger one."""
-    return next((body[name] for name in CAPS if body.get(name) is not None), None)
+def request_limits(body: dict) -> TurnLimits:
+    """The limits of the request's answer: the most tokens it may hold (its max_completion_tokens, else max_tokens;
+    None: no cap but the episode's budget, sampling.max_new_tokens, which also bounds a larger one) and its stop
+    strings (the answer ends at the token that completes one; the text returned stops before it)."""
+    stop = body.get("stop") or ()
+    return TurnLimits(next((body[name] for name in CAPS if body.get(name) is not None), None),
+                      (stop,) if isinstance(stop, str) else tuple(stop))
+
+
+def before_stop(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to the first of `stops` in it (as OpenAI's API returns an answer that hit one)."""
+    at = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=len(text))
+    return text[:at]
 
 
 def messages_problem(messages) -> str:

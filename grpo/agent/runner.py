@@ -35,14 +35,14 @@ from grpo.agent.bridge import Conversation, continues_final, history_of
 from grpo.agent.harness import HarnessError, Harnesses
 from grpo.agent.history import text_of
 from grpo.agent.messages import assistant_turn
-from grpo.agent.requests import requested_tokens
+from grpo.agent.requests import before_stop, request_limits
 from grpo.agent.server import SOCKET_TIMEOUT_S, AgentError, AgentServer, Session, Sessions, Turn
 from grpo.agent.tokens import RequestTokens
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.episodes import EpisodeRunner, episode_runner
 from grpo.sampler.rollout.continuous import episode_loop
-from grpo.sampler.rollout.sequences import Reply, hashed_seed
+from grpo.sampler.rollout.sequences import NO_LIMITS, ReplyTokens, TurnLimits, hashed_seed
 
 if TYPE_CHECKING:
     from grpo.settings import AgentConfig, Config
@@ -63,7 +63,7 @@ class AgentSession:
     served: list = field(default_factory=list)  # the messages of the request answered last
     prompt: list[int] = field(default_factory=list)  # its first request's render
     prefill: str = ""  # the text of the assistant turn the last request began (continue_final_message)
-    cap: int | None = None  # the most tokens the last request's answer may hold (its max_tokens)
+    limits: TurnLimits = NO_LIMITS  # the last request's max_tokens and stop, for its answer
     opened: bool = False
 
     def gone(self) -> bool:
@@ -257,14 +257,14 @@ class AgentRunner:
         # continuous batching off, the HF loop would call each harness in turn: turn by turn waits on all at once
         continuous = getattr(getattr(engine, "cfg", None), "continuous_batching", True)
         loop = episode_loop(engine) if continuous else None
-        caps = [agent.cap for agent in agents]  # each first request's max_tokens
+        limits = [agent.limits for agent in agents]  # each first request's max_tokens and stop
         if loop is not None:
             loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy, executor=executor,
-                 first_caps=caps)
+                 first_limits=limits)
         else:
             # a round's turns handed to all their harnesses at once: each waits for its own, not the others'
             self.episodes._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy, executor=executor,
-                                        first_caps=caps)
+                                        first_limits=limits)
 
     def _turn(self, agent: AgentSession, prompt: list[int], ids: torch.Tensor, logps: torch.Tensor,
               truncated: bool) -> list[int] | None:
@@ -328,7 +328,7 @@ class AgentRunner:
         self._serve(agent, body)
         e.add(tokens, model=False)
         e.replies += 1
-        return Reply.capped(tokens, agent.cap)
+        return ReplyTokens.of(tokens, agent.limits)
 
     def _cut(self, agent: AgentSession, error: AgentError) -> None:
         """The request refused with `error`, and the session cut at a limit: scored as cut at the budget."""
@@ -339,22 +339,23 @@ class AgentRunner:
 
     @staticmethod
     def _serve(agent: AgentSession, body: dict) -> None:
-        """The request is the one answered next: its history, the assistant text it began (a prefill), and the most
-        tokens its answer may hold."""
+        """The request is the one answered next: its history, the assistant text it began (a prefill), and its
+        answer's limits."""
         agent.served = list(history_of(body))
         agent.prefill = text_of(body["messages"][-1].get("content")) if continues_final(body) else ""
-        agent.cap = requested_tokens(body)
+        agent.limits = request_limits(body)
 
     def _as_turn(self, agent: AgentSession, e: Episode, ids: torch.Tensor, truncated: bool, context: int) -> Turn:
+        stops = agent.limits.stop  # the answer's text stops before its request's stop string
         if agent.kind == "completions":
-            return Turn(e.last_message, "length" if truncated else "stop", context, len(ids))
+            return Turn(before_stop(e.last_message, stops), "length" if truncated else "stop", context, len(ids))
         # calls are read with the special tokens kept (a model's call tags may be special tokens, as vLLM's parsers
         # read them); a message without calls is its text without them
-        turn = assistant_turn(e.said, self.settings.tool_parser, self._call_id, truncated, context, len(ids),
-                              self.settings.split_reasoning)
+        turn = assistant_turn(before_stop(e.said, stops), self.settings.tool_parser, self._call_id, truncated,
+                              context, len(ids), self.settings.split_reasoning)
         if turn.tool_calls:
             return turn
-        return assistant_turn(e.last_message, None, self._call_id, truncated, context, len(ids),
+        return assistant_turn(before_stop(e.last_message, stops), None, self._call_id, truncated, context, len(ids),
                               self.settings.split_reasoning)
 
     def _call_id(self) -> str:

@@ -35,7 +35,8 @@ from grpo.environments.pool import ReplayMismatch, shown_digest
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.rollout.continuous import episode_loop
-from grpo.sampler.rollout.sequences import cap_of, message_limit
+from grpo.sampler.rollout.decoding import StopStrings
+from grpo.sampler.rollout.sequences import NO_LIMITS, TurnLimits, limits_of, message_limit
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -264,41 +265,52 @@ class EpisodeRunner:
         return self.pool.executor.submit(self._counted, e, "open", key, row)
 
     def _turn_by_turn(self, engine, prompt_ids: list[list[int]], group_size: int, on_turn, seed: int | None,
-                      greedy: bool, executor=None, first_caps: list[int | None] | None = None) -> None:
+                      greedy: bool, executor=None, first_limits: list[TurnLimits] | None = None) -> None:
         """Turn 1 for every episode, then each later turn for the live ones, each from its whole context;
         every turn within what is left of the episode's budget (`max_new_tokens`), as in the loop, and within
-        its cap where one is set (`first_caps`, then each `Reply`'s). A round's `on_turn` calls go one at a
+        its own limits where set (`first_limits`, then each `ReplyTokens`'). A round's `on_turn` calls go one at a
         time, or all at once on `executor`'s threads (agents' sessions, each waiting on its own harness)."""
         out = engine.generate(prompt_ids, group_size, seed=seed, greedy=greedy,
                               max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
         live, turn = list(range(len(prompt_ids) * group_size)), 0
         contexts = {j: list(prompt_ids[j // group_size]) for j in live}
-        caps = dict(enumerate(first_caps or []))
+        limits = dict(enumerate(first_limits or []))  # each episode's next message's own limits
+        kept = {}  # each message's tokens as its limits keep them
         while live:
             def answered(k: int, out=out, live=live) -> list[int] | None:
                 ids, logps, cut = out.completion_ids[k], out.logps[k], bool(out.truncated[k])
-                cap = caps.get(live[k])
-                if cap is not None and len(ids) > cap:  # the first turn's group decodes as one: its cap applied here,
-                    ids, logps, cut = ids[:cap], logps[:cap], True  # the same tokens (each row's draws are its own)
-                return on_turn(live[k], ids, logps, cut)
+                n, cut = self._own_end(ids.tolist(), limits.get(live[k], NO_LIMITS), cut)
+                kept[k] = ids[:n]
+                return on_turn(live[k], ids[:n], logps[:n], cut)
 
             ks = range(len(live))
             replies = list(executor.map(answered, ks) if executor is not None else map(answered, ks))
             going_on = []
             for k, (j, reply) in enumerate(zip(live, replies)):
                 if reply is not None:
-                    cap = caps.get(j)
-                    contexts[j] += out.completion_ids[k][:cap].tolist() + reply
-                    caps[j] = cap_of(reply)
+                    contexts[j] += kept[k].tolist() + reply
+                    limits[j] = limits_of(reply)
                     going_on.append(j)
             live = going_on
             if not live:
                 break
             turn += 1
             budgets = [message_limit(self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])),
-                                     caps[j]) for j in live]
+                                     limits[j]) for j in live]
             out = engine.generate([contexts[j] for j in live], 1, seed=turn_seed(seed, turn), greedy=greedy,
                                   max_new_tokens=budgets)
+
+    def _own_end(self, ids: list[int], limits: TurnLimits, cut: bool) -> tuple[int, bool]:
+        """(how many of a message's tokens its own limits keep, whether it is then cut at a limit). The first turn's
+        group decodes as one, past any row's own limits: they are applied here, and keep the same tokens a decode
+        stopping there draws (each row's draws are its own)."""
+        with self._tokenizing:
+            stopped = StopStrings(self.tokenizer, list(limits.stop)).end(ids) if limits.stop else None
+        if stopped is not None and (limits.max_tokens is None or stopped <= limits.max_tokens):
+            return stopped, False
+        if limits.max_tokens is not None and len(ids) > limits.max_tokens:
+            return limits.max_tokens, True
+        return len(ids), cut
 
     def _add_model_turn(self, e: Episode, ids: torch.Tensor, logps: torch.Tensor, truncated: bool) -> None:
         e.add(ids, model=True, logps=logps)

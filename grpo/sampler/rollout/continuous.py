@@ -65,9 +65,10 @@ from grpo.sampler.rollout.sequences import (
     Call,
     OnTurn,
     Sequence,
-    cap_of,
+    TurnLimits,
     check_room,
     episode_seed,
+    limits_of,
     message_limit,
 )
 
@@ -93,7 +94,7 @@ def episode_loop(engine) -> Callable | None:
 
 def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
                  seed: int | None = None, greedy: bool = False, executor: Executor | None = None,
-                 continuous: bool = True, overlap: bool = True, first_caps: list[int | None] | None = None) -> None:
+                 continuous: bool = True, overlap: bool = True, first_limits: list[TurnLimits] | None = None) -> None:
     """B x G sequences, sequence j of prompt j // G, each at most `budget` tokens after its prompt (one
     budget, or one per prompt; an episode's messages and the replies between them: a reply that leaves
     no room for a token is an error); `on_turn` is called at the end of each message, on `executor`'s
@@ -104,9 +105,9 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     the tokens alone decide, so every forward's rows, and every bit, are the same on a run made again.
     `continuous=False`: a block of generation_batch_size rows at a time, each decoded until its last
     sequence is done, the environments called in turn (the loop before continuous batching, for comparison).
-    `first_caps`: per sequence, the most tokens its first message may draw (None: what its budget allows); a
-    later message's cap comes with the reply before it (`Reply`)."""
-    call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_caps)
+    `first_limits`: per sequence, its first message's own max_tokens and stop strings (TurnLimits); a later
+    message's come with the reply before it (`ReplyTokens`)."""
+    call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_limits)
     loop = ContinuousLoop(engine, greedy, executor if continuous else None, continuous, overlap)
     loop.add(call)
     loop.run(until=call)
@@ -146,8 +147,9 @@ class ContinuousLoop(LoopCache):
         n = call.pending = call.size
         for j in range(n):
             i = j // call.group_size
+            limits = call.first(j)
             s = Sequence(call, j, i, call.budgets[i], [call.prompts[i][-1]], len(call.prompts[i]) - 1,
-                         call.first_limit(j))
+                         message_limit(call.budgets[i], limits), stops=self._stops_of(limits))
             s.generator, s.history = self._generator(s), list(call.prompts[i][:-1])
             self.fresh.append(s)
         if n:
@@ -247,7 +249,8 @@ class ContinuousLoop(LoopCache):
         s.drawn.append(token)
         s.logps.append(logp)
         s.call.versions.setdefault(s.episode, []).append(self.engine.version)
-        ended = token in self.engine.eos_ids or self.stops.hit(s.drawn)
+        own = s.stops is not None and s.stops.hit(s.drawn)  # its message's own stop strings
+        ended = token in self.engine.eos_ids or self.stops.hit(s.drawn) or own
         if not ended and len(s.drawn) < s.limit:
             s.feed = [token]
             return
@@ -289,7 +292,8 @@ class ContinuousLoop(LoopCache):
                 self.active.remove(s.call)
             return
         s.used += len(s.drawn) + len(reply)
-        s.limit = message_limit(s.budget - s.used, cap_of(reply))
+        limits = limits_of(reply)
+        s.limit, s.stops = message_limit(s.budget - s.used, limits), self._stops_of(limits)
         check_room(s.episode, len(reply), s.budget, s.used)
         s.turn += 1
         s.generator = self._generator(s)
@@ -299,6 +303,9 @@ class ContinuousLoop(LoopCache):
         else:
             s.state = QUEUED
             self.returned.append(s)
+
+    def _stops_of(self, limits: TurnLimits) -> StopStrings | None:
+        return StopStrings(self.engine.tokenizer, list(limits.stop)) if limits.stop else None
 
     def _generator(self, s: Sequence) -> torch.Generator | None:
         if self.sampler.greedy:

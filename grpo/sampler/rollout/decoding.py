@@ -118,6 +118,11 @@ class StopStrings:
         text = self.tokenizer.decode(tokens[-self.tail:], skip_special_tokens=False)
         return any(stop in text for stop in self.stops)
 
+    def end(self, tokens: list[int]) -> int | None:
+        """How many of `tokens` a decode that stops here keeps: up to the token that completes a stop string
+        first (None: none does)."""
+        return next((n for n in range(1, len(tokens) + 1) if self.hit(tokens[:n])), None)
+
 
 class InPlaceLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of a larger buffer, each new token written

@@ -15,30 +15,41 @@ import torch
 # (episode, the message's tokens, their log-probs, cut at its limit) -> the environment's reply to feed
 # before the episode's next message, or None: the episode is over. A reply must leave the model room for
 # one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit); a
-# `Reply` may cap the next message below what the budget leaves.
+# `ReplyTokens` sets the next message's own limits (TurnLimits).
 OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
 
 
-class Reply(list):
-    """An environment's reply (its tokens), with the most tokens the model's next message may draw where the
-    reply's sender capped it (an agent request's max_tokens); a plain list caps nothing."""
+@dataclass(frozen=True)
+class TurnLimits:
+    """What a message may draw within its episode's budget, set by whoever asked for it (an agent request's
+    max_tokens and stop): at most `max_tokens` tokens, and it ends at the token that completes a `stop` string."""
 
     max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+NO_LIMITS = TurnLimits()
+
+
+class ReplyTokens(list):
+    """An environment's reply (its tokens) with the limits of the model's next message; a plain list sets none."""
+
+    limits: TurnLimits = NO_LIMITS
 
     @classmethod
-    def capped(cls, tokens: list[int], max_tokens: int | None) -> "Reply":
+    def of(cls, tokens: list[int], limits: TurnLimits) -> "ReplyTokens":
         reply = cls(tokens)
-        reply.max_tokens = max_tokens
+        reply.limits = limits
         return reply
 
 
-def message_limit(room: int, cap: int | None) -> int:
-    """The most tokens a message may draw: what is left of its episode's budget (`room`), or its cap if less."""
-    return room if cap is None else min(room, cap)
+def limits_of(reply: list[int]) -> TurnLimits:
+    return getattr(reply, "limits", NO_LIMITS)
 
 
-def cap_of(reply: list[int]) -> int | None:
-    return getattr(reply, "max_tokens", None)
+def message_limit(room: int, limits: TurnLimits) -> int:
+    """The most tokens a message may draw: what is left of its episode's budget (`room`), or its max_tokens if less."""
+    return room if limits.max_tokens is None else min(room, limits.max_tokens)
 
 
 def hashed_seed(name: str) -> int:
@@ -71,7 +82,7 @@ class Call:
     budgets: list[int]  # per prompt
     seed: int | None
     on_turn: OnTurn
-    first_caps: list[int | None] | None = None  # per sequence: the most tokens its first message may draw
+    first_limits: list[TurnLimits] | None = None  # per sequence: its first message's own limits
     pending: int = 0  # its sequences not done
     versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
 
@@ -81,19 +92,19 @@ class Call:
 
     @classmethod
     def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
-           on_turn: OnTurn, first_caps: list[int | None] | None = None) -> "Call":
+           on_turn: OnTurn, first_limits: list[TurnLimits] | None = None) -> "Call":
         budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
         if min(budgets, default=1) < 1:
             raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
         if seed is None and not greedy:
             seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
-        if first_caps is not None and len(first_caps) != len(prompts) * group_size:
-            raise ValueError(f"first_caps holds {len(first_caps)} caps for {len(prompts) * group_size} sequences")
-        return cls(prompts, group_size, budgets, seed, on_turn, first_caps)
+        if first_limits is not None and len(first_limits) != len(prompts) * group_size:
+            raise ValueError(f"first_limits holds {len(first_limits)} for {len(prompts) * group_size} sequences")
+        return cls(prompts, group_size, budgets, seed, on_turn, first_limits)
 
-    def first_limit(self, j: int) -> int:
-        """The most tokens sequence j's first message may draw."""
-        return message_limit(self.budgets[j // self.group_size], self.first_caps[j] if self.first_caps else None)
+    def first(self, j: int) -> TurnLimits:
+        """Sequence j's first message's own limits."""
+        return self.first_limits[j] if self.first_limits else NO_LIMITS
 
 
 @dataclass(eq=False)
@@ -120,6 +131,7 @@ class Sequence:
     logps: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
     history: list[int] = field(default_factory=list)  # the tokens its KV holds, in order (to compute it again)
+    stops: object = None  # its message's own stop strings (a StopStrings), beside sampling.stop
 
     @property
     def columns(self) -> int:

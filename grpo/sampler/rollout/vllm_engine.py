@@ -57,7 +57,7 @@ import torch
 from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
 from grpo.sampler.rollout.continuous import NextCall
-from grpo.sampler.rollout.sequences import Call, OnTurn, cap_of, check_room, episode_seed, message_limit
+from grpo.sampler.rollout.sequences import Call, OnTurn, TurnLimits, check_room, episode_seed, limits_of, message_limit
 from grpo.sampler.rollout.vllm_arguments import INSTALL_HINT, VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
 from grpo.sampler.rollout.vllm_tasks import InFlightPoller, all_of, cancelled, resumed_seed
@@ -76,6 +76,7 @@ class Sample:
     prompt: list[int]
     seed: int | None
     limit: int
+    stop: tuple[str, ...] = ()  # its own stop strings, beside sampling.stop
 
 
 @dataclass
@@ -315,7 +316,7 @@ class VllmEngine:
                 seed = sample.seed if not ids or sample.seed is None else resumed_seed(sample.seed, len(ids))
                 before = len(ids)
                 reason = await self._request(sample.prompt + ids, sample.limit - len(ids), seed, greedy, lora,
-                                             self._moved if follow else None, ids, logps)
+                                             self._moved if follow else None, ids, logps, sample.stop)
                 versions += [version] * (len(ids) - before)
                 if reason is not None:
                     break
@@ -327,7 +328,8 @@ class VllmEngine:
             torch.tensor(versions, dtype=torch.int32)
 
     async def _request(self, prompt: list[int], limit: int, seed: int | None, greedy: bool, lora,
-                       moved: asyncio.Event | None, ids: list[int], logps: list[float]) -> str | None:
+                       moved: asyncio.Event | None, ids: list[int], logps: list[float],
+                       stop: tuple[str, ...] = ()) -> str | None:
         """One vLLM request, its tokens and log-probs appended to `ids` and `logps` as they come: its
         finish reason, or None when `moved` was set first (the request aborted)."""
         from vllm.inputs.engine import tokens_input
@@ -339,7 +341,7 @@ class VllmEngine:
         params = self._vllm.SamplingParams(  # tokens only: no text is made (detokenize) but for stop strings
             n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
             min_p=0.0 if greedy else s.min_p, repetition_penalty=1.0 if greedy else s.repetition_penalty,
-            stop=list(s.stop) or None, include_stop_str_in_output=True, detokenize=bool(s.stop),
+            stop=[*s.stop, *stop] or None, include_stop_str_in_output=True, detokenize=bool(s.stop or stop),
             max_tokens=limit, logprobs=0, seed=seed, stop_token_ids=self.eos_ids,
             output_kind=RequestOutputKind.FINAL_ONLY if moved is None else RequestOutputKind.DELTA)
 
@@ -387,12 +389,12 @@ class VllmEngine:
 
     def run_episodes(self, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
                      seed: int | None = None, greedy: bool = False, executor=None,
-                     first_caps: list[int | None] | None = None) -> None:
+                     first_limits: list[TurnLimits] | None = None) -> None:
         """B x G episodes, episode j of prompt j // G, each one task: a message, `on_turn` on `executor`'s
         threads (one thread of its own without), the next message from the whole context, until `on_turn`
         says the episode is over; within `budget` tokens after its prompt (one budget, or one per prompt);
-        each message within its cap where one is set (`first_caps`, then each `Reply`'s)."""
-        call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_caps)  # budgets checked, a seed drawn
+        each message within its own limits where set (`first_limits`, then each `ReplyTokens`')."""
+        call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_limits)  # budgets checked, seed drawn
         budgets, seed = call.budgets, call.seed
         firsts = [None] * len(prompts) if greedy else prompt_seeds(seed, len(prompts))
         calls, own = EnvironmentCalls(), None
@@ -401,7 +403,7 @@ class VllmEngine:
         # episode j's first message is seeded as `generate` seeds sample j % G of its prompt
         episodes = [functools.partial(self._episode, j, prompts[j // group_size], budgets[j // group_size],
                                       None if greedy else firsts[j // group_size] + j % group_size, seed, greedy,
-                                      on_turn, executor, calls, call.first_limit(j))
+                                      on_turn, executor, calls, call.first(j))
                     for j in range(len(prompts) * group_size)]
         try:
             self.loop.run(all_of(episodes))
@@ -411,16 +413,17 @@ class VllmEngine:
         self.loop_metrics.add(calls.metrics())
 
     async def _episode(self, j: int, prompt: list[int], budget: int, first: int | None, seed: int | None,
-                       greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls, limit: int) -> None:
+                       greedy: bool, on_turn: OnTurn, executor, calls: EnvironmentCalls, limits: TurnLimits) -> None:
         context, used, turn, served = list(prompt), 0, 0, self.served
         while True:
             turn_seed = first if turn == 0 or greedy else episode_seed(seed, j, turn)
-            ids, logps, cut, _ = await self._complete(Sample(context, turn_seed, limit), greedy, served, calls)
+            sample = Sample(context, turn_seed, message_limit(budget - used, limits), limits.stop)
+            ids, logps, cut, _ = await self._complete(sample, greedy, served, calls)
             reply = await calls.call(executor, on_turn, j, ids, logps, cut)
             if reply is None:
                 return
             used += len(ids) + len(reply)
             check_room(j, len(reply), budget, used)
-            limit = message_limit(budget - used, cap_of(reply))
+            limits = limits_of(reply)
             context += ids.tolist() + reply
             turn += 1

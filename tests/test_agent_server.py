@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from grpo.agent.server import AgentServer, Sessions, Turn
+from grpo.sampler.rollout.sequences import TurnLimits
 
 CALLS = [{"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}},
          {"id": "call_1", "type": "function", "function": {"name": "mul", "arguments": '{"a": 7, "b": 2}'}}]
@@ -102,8 +103,10 @@ def test_text_completions_take_token_ids_or_text(served):
      "response_format json_schema is not served"),
     ({"max_tokens": 0}, 400, "max_tokens must be a positive integer; got 0"),
     ({"max_completion_tokens": 2.5}, 400, "max_completion_tokens must be a positive integer; got 2.5"),
-    ({"stop": ["ok", ""]}, 400, "stop must be a string or a list of at most 16 strings, each of 1 to 256 characters"),
-], ids=["n", "logit_bias", "seed", "json_schema", "max_tokens", "max_completion_tokens", "stop"])
+    ({"stop": ["ok", ""]}, 400, r"stop must be a string or a list of at most 16 strings, each of 1 to 256 characters "
+                                r"\(stop\[1\] is str of 0 characters\)"),
+    ({"stop": ["a"] * 17}, 400, r"\(got list of 17\)"),
+], ids=["n", "logit_bias", "seed", "json_schema", "max_tokens", "max_completion_tokens", "stop", "stops"])
 def test_what_cannot_be_honoured_is_refused_by_name_as_the_sdk_reads_errors(served, changes, status, message):
     server, sessions = served
     session = sessions.open(scripted(Turn("never", "stop", 1, 1)))
@@ -111,6 +114,16 @@ def test_what_cannot_be_honoured_is_refused_by_name_as_the_sdk_reads_errors(serv
         client(server, session).chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
                                                         **changes)
     assert error.value.status_code == status
+
+
+def test_stop_strings_a_json_body_may_hold_but_no_engine_can_match_are_refused():
+    """JSON may escape a lone surrogate ("\\ud800"), which no tokenizer's text holds and msgpack cannot send."""
+    from grpo.agent.requests import request_limits, stops_problem
+
+    assert stops_problem(json.loads('"\\ud800"')) == "stop[0] is no UTF-8 text (a lone surrogate)"
+    assert stops_problem(["</tool_call>", "\n\n"]) == "" and stops_problem({"a": 1}) == "got dict"
+    assert request_limits({"stop": "x", "max_tokens": 5, "max_completion_tokens": 3}) == TurnLimits(3, ("x",))
+    assert request_limits({}) == TurnLimits()
 
 
 def test_keys_sessions_and_their_ends(served):

@@ -79,3 +79,21 @@ def test_after_a_turn_cut_at_its_max_tokens_the_reply_holds_the_templates_whole_
     assert tokenizer.decode(row + ids) == render(tokenizer, request)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.decode(runner.reply_tokens(MORE["content"], "user", eos)).startswith("\n<|im_start|>user")
+
+
+def test_what_a_message_said_keeps_the_token_that_completed_a_stop_string_and_drops_only_the_eos():
+    """The text an environment or a tool parser reads: a turn ended by its EOS without it; one ended by a stop
+    string ("</tool_call>") whole, its last token included (a call cut short there would not parse)."""
+    import torch
+
+    from grpo.sampler.episode_records import Episode
+
+    tokenizer = qwen2_style_tokenizer()
+    runner = EpisodeRunner(None, tokenizer, 400, 4)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ids = tokenizer(call, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for tokens, said in ((ids, call), (ids + [eos], call), (ids[:-1], tokenizer.decode(ids[:-1]))):
+        e = Episode()
+        runner._add_model_turn(e, torch.tensor(tokens), torch.zeros(len(tokens)), False)
+        assert e.said == said

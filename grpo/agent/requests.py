@@ -60,11 +60,9 @@ def check_request(body, kind: str) -> list[str]:
         if value is not None and (type(value) is not int or value < 1):
             raise AgentError(400, f"{name} must be a positive integer; got {value!r}", code=name)
     stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_CHARS or isinstance(stop, list)
-                                 and len(stop) <= MAX_STOPS and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS
-                                                                    for x in stop)):
+    if stop is not None and stops_problem(stop):
         raise AgentError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings, each of 1 to "
-                              f"{MAX_STOP_CHARS} characters", code="stop")
+                              f"{MAX_STOP_CHARS} characters ({stops_problem(stop)})", code="stop")
     if body.get("n", 1) not in (1, None):
         raise AgentError(400, f"n={body['n']} is not served: each session samples one completion per request "
                               "(the group's G completions are G sessions)", code="n")
@@ -81,6 +79,21 @@ def check_request(body, kind: str) -> list[str]:
     return [name for name in IGNORED if body.get(name) is not None]
 
 
+def stops_problem(stop) -> str:
+    """What makes `stop` no list of stop strings ('' nothing)."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS:
+        return f"got {type(stop).__name__}" + (f" of {len(stops)}" if isinstance(stops, list) else "")
+    for i, x in enumerate(stops):
+        if not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS:
+            return f"stop[{i}] is {type(x).__name__}" + (f" of {len(x)} characters" if isinstance(x, str) else "")
+        try:
+            x.encode()
+        except UnicodeEncodeError:
+            return f"stop[{i}] is no UTF-8 text (a lone surrogate)"
+    return ""
+
+
 def request_limits(body: dict) -> TurnLimits:
     """The limits of the request's answer: the most tokens it may hold (its max_completion_tokens, else max_tokens;
     None: no cap but the episode's budget, sampling.max_new_tokens, which also bounds a larger one) and its stop
@@ -91,9 +104,11 @@ def request_limits(body: dict) -> TurnLimits:
 
 
 def before_stop(text: str, stops: tuple[str, ...]) -> str:
-    """`text` up to the first of `stops` in it (as OpenAI's API returns an answer that hit one)."""
-    at = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=len(text))
-    return text[:at]
+    """The text of an answer that ended at one of `stops`, up to that string (as OpenAI's API returns it): before
+    its last place in `text`, where the decode stopped (an earlier one the decode did not read as one, split by a
+    special token, say, is what the row holds and is returned as it is)."""
+    at = max((text.rfind(stop) for stop in stops), default=-1)
+    return text if at < 0 else text[:at]
 
 
 def messages_problem(messages) -> str:

@@ -42,6 +42,7 @@ from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.episodes import EpisodeRunner, episode_runner
 from grpo.sampler.rollout.continuous import episode_loop
+from grpo.sampler.rollout.decoding import StopStrings
 from grpo.sampler.rollout.sequences import NO_LIMITS, ReplyTokens, TurnLimits, hashed_seed
 
 if TYPE_CHECKING:
@@ -346,7 +347,7 @@ class AgentRunner:
         agent.limits = request_limits(body)
 
     def _as_turn(self, agent: AgentSession, e: Episode, ids: torch.Tensor, truncated: bool, context: int) -> Turn:
-        stops = agent.limits.stop  # the answer's text stops before its request's stop string
+        stops = self._stopped_at(agent.limits, ids)  # the text then stops before that string
         if agent.kind == "completions":
             return Turn(before_stop(e.last_message, stops), "length" if truncated else "stop", context, len(ids))
         # calls are read with the special tokens kept (a model's call tags may be special tokens, as vLLM's parsers
@@ -357,6 +358,13 @@ class AgentRunner:
             return turn
         return assistant_turn(before_stop(e.last_message, stops), None, self._call_id, truncated, context, len(ids),
                               self.settings.split_reasoning)
+
+    def _stopped_at(self, limits: TurnLimits, ids: torch.Tensor) -> tuple[str, ...]:
+        """The request's stop strings when its answer ended at one (read as the engines read them), else none."""
+        if not limits.stop:
+            return ()
+        with self.episodes._tokenizing:
+            return limits.stop if StopStrings(self.tokenizer, list(limits.stop)).hit(ids.tolist()) else ()
 
     def _call_id(self) -> str:
         with self._ids_lock:

@@ -150,6 +150,10 @@ class EpisodeRunner:
         # the roles the environment replies in, rendered now: a template that refuses one stops the start
         self._templates = {(role, None, 1): reply_template(tokenizer, role) for role in roles}
         self._specials = special_texts(tokenizer)
+        # the tokens that end a turn as the model's EOS does (a message's last token otherwise, one that completed a
+        # stop string, is part of what it said)
+        self._end_ids = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special} | {
+            tokenizer.eos_token_id}
         self.runs = 0
         # an episode cut at the token budget: the batch's worst, or its env_reward this value
         self.truncated_reward = truncated_reward
@@ -318,7 +322,7 @@ class EpisodeRunner:
         e.truncated = truncated
         # the environment reads every token but the turn's EOS: a model's tool-call tags may be
         # special tokens, which the rewards' text leaves out (vLLM's tool parsers keep them too)
-        said = ids if e.truncated else ids[:-1]
+        said = ids[:-1] if not e.truncated and len(ids) and int(ids[-1]) in self._end_ids else ids
         with self._tokenizing:
             e.last_message = self.prefill + self.tokenizer.decode(ids, skip_special_tokens=True)
             e.said = self.prefill + self.tokenizer.decode(said, skip_special_tokens=False)

@@ -107,7 +107,8 @@ class StopStrings:
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, tuple(stops)
-        self.tail = max((len(s) for s in stops), default=0) + 8  # tokens enough to spell the longest: each >= 1 char
+        # tokens enough to spell the longest: a byte-level token holds a UTF-8 byte at least (4 a character at most)
+        self.tail = max((len(s.encode()) for s in stops), default=0) + 8
 
     def __bool__(self) -> bool:
         return bool(self.stops)
@@ -120,7 +121,10 @@ class StopStrings:
 
     def end(self, tokens: list[int]) -> int | None:
         """How many of `tokens` a decode that stops here keeps: up to the token that completes a stop string
-        first (None: none does)."""
+        first (None: none does; read whole once first, so a message without one costs one decode)."""
+        if not self.stops or not any(stop in self.tokenizer.decode(tokens, skip_special_tokens=False)
+                                     for stop in self.stops):
+            return None
         return next((n for n in range(1, len(tokens) + 1) if self.hit(tokens[:n])), None)
 
 

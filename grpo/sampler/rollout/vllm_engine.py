@@ -342,6 +342,7 @@ class VllmEngine:
             n=1, temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
             min_p=0.0 if greedy else s.min_p, repetition_penalty=1.0 if greedy else s.repetition_penalty,
             stop=[*s.stop, *stop] or None, include_stop_str_in_output=True, detokenize=bool(s.stop or stop),
+            skip_special_tokens=False,  # stop strings read in the text special tokens included, as the HF engine's
             max_tokens=limit, logprobs=0, seed=seed, stop_token_ids=self.eos_ids,
             output_kind=RequestOutputKind.FINAL_ONLY if moved is None else RequestOutputKind.DELTA)
 

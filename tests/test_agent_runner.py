@@ -544,6 +544,20 @@ def test_turn_by_turn_every_session_waits_for_its_own_harness_only(chatty_agent)
             recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
 
 
+def run_limited(chatty_agent, harness, continuous: bool, turns: int, seed: int):
+    """(the run, its engine): one prompt's 3 sessions of `harness`, up to `turns` turns within 80 tokens, on the one
+    loop or turn by turn."""
+    model, tokenizer = chatty_agent
+    overrides = ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
+                 f"sampling.continuous_batching={str(continuous).lower()}"]
+    engine = HFEngine(model, tokenizer, load_config(None, overrides).sampling)
+    runner = runner_of(tokenizer, harness, f"agent.max_turns={turns}", max_new_tokens=80)
+    try:
+        return runner.run(engine, prompts(tokenizer, 1), 3, seed=seed), engine
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("continuous", [True, False], ids=["one-loop", "turn-by-turn"])
 def test_a_requests_max_tokens_caps_its_answer_and_the_session_goes_on_from_the_cut_turn(chatty_agent, continuous):
     """max_tokens=3, then max_completion_tokens=2: each answer within its cap, one cut there ends with "length"
@@ -562,14 +576,7 @@ def test_a_requests_max_tokens_caps_its_answer_and_the_session_goes_on_from_the_
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
         return 1.0
 
-    overrides = ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
-                 f"sampling.continuous_batching={str(continuous).lower()}"]
-    engine = HFEngine(model, tokenizer, load_config(None, overrides).sampling)
-    runner = runner_of(tokenizer, capped, "agent.max_turns=3", max_new_tokens=80)
-    try:
-        run = runner.run(engine, prompts(tokenizer, 1), 3, seed=6)
-    finally:
-        runner.close()
+    run, engine = run_limited(chatty_agent, capped, continuous, turns=3, seed=6)
     assert len(seen) == 9 and all(n <= (3, 2, 2)[k] for _, k, _, n in seen)
     assert all(n == (3, 2, 2)[k] if reason == "length" else reason == "stop" for _, k, reason, n in seen)
     assert sum(reason == "length" for _, _, reason, _ in seen) >= 5
@@ -605,14 +612,7 @@ def test_a_requests_stop_ends_its_answer_at_the_token_that_completes_it_and_the_
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
         return 1.0
 
-    overrides = ["sampling.max_new_tokens=80", "sampling.temperature=1.0",
-                 f"sampling.continuous_batching={str(continuous).lower()}"]
-    engine = HFEngine(model, tokenizer, load_config(None, overrides).sampling)
-    runner = runner_of(tokenizer, stopping, "agent.max_turns=2", max_new_tokens=80)
-    try:
-        run = runner.run(engine, prompts(tokenizer, 1), 3, seed=8)
-    finally:
-        runner.close()
+    run, engine = run_limited(chatty_agent, stopping, continuous, turns=2, seed=8)
     assert len(seen) == 6 and all("7" not in (text or "") for _, _, text in seen)
     prompt = run.prompts[0].token_ids
     uncapped = engine.generate([prompt], 3, seed=8, max_new_tokens=[80])

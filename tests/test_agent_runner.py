@@ -544,6 +544,21 @@ def test_turn_by_turn_every_session_waits_for_its_own_harness_only(chatty_agent)
             recomputed(model, prompt, e.tokens)[torch.tensor(e.model)], atol=1e-4)
 
 
+def asking(requests: list[dict]):
+    """A harness that sends `requests` in turn (each a request's own settings), each with the conversation so far and
+    a user message after each answer; what each answer was, in `.replies`: (its session's key, turn, the reply)."""
+    def harness(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k, settings in enumerate(requests):
+            reply = api.chat.completions.create(model="policy", messages=messages, **settings)
+            harness.replies.append((key, k, reply))
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        return 1.0
+    harness.replies = []
+    return harness
+
+
 def run_limited(chatty_agent, harness, continuous: bool, turns: int, seed: int):
     """(the run, its engine): one prompt's 3 sessions of `harness`, up to `turns` turns within 80 tokens, on the one
     loop or turn by turn."""
@@ -565,18 +580,9 @@ def test_a_requests_max_tokens_caps_its_answer_and_the_session_goes_on_from_the_
     tokens of what the engine draws uncapped under the same seed; the row continues clean from the cut turn (the
     template's end of turn after it is context), every sampled token's log-prob equal to a recompute."""
     model, tokenizer = chatty_agent
-    seen = []
-
-    def capped(row, base_url, key):
-        api = client(base_url, key)
-        messages = [{"role": "user", "content": row["question"]}]
-        for k, cap in enumerate(({"max_tokens": 3}, {"max_completion_tokens": 2}, {"max_tokens": 2})):
-            reply = api.chat.completions.create(model="policy", messages=messages, **cap)
-            seen.append((key, k, reply.choices[0].finish_reason, reply.usage.completion_tokens))
-            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-        return 1.0
-
+    capped = asking([{"max_tokens": 3}, {"max_completion_tokens": 2}, {"max_tokens": 2}])
     run, engine = run_limited(chatty_agent, capped, continuous, turns=3, seed=6)
+    seen = [(key, k, r.choices[0].finish_reason, r.usage.completion_tokens) for key, k, r in capped.replies]
     assert len(seen) == 9 and all(n <= (3, 2, 2)[k] for _, k, _, n in seen)
     assert all(n == (3, 2, 2)[k] if reason == "length" else reason == "stop" for _, k, reason, n in seen)
     assert sum(reason == "length" for _, _, reason, _ in seen) >= 5
@@ -601,18 +607,9 @@ def test_a_requests_stop_ends_its_answer_at_the_token_that_completes_it_and_the_
     from the row's own tokens (the harness's copy of the turn lacks the stop string: the reply rule continues it),
     every sampled token's log-prob equal to a recompute."""
     model, tokenizer = chatty_agent
-    seen = []
-
-    def stopping(row, base_url, key):
-        api = client(base_url, key)
-        messages = [{"role": "user", "content": row["question"]}]
-        for k in range(2):
-            reply = api.chat.completions.create(model="policy", messages=messages, stop=["7"])
-            seen.append((k, reply.choices[0].finish_reason, reply.choices[0].message.content))
-            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-        return 1.0
-
+    stopping = asking([{"stop": ["7"]}] * 2)
     run, engine = run_limited(chatty_agent, stopping, continuous, turns=2, seed=8)
+    seen = [(k, r.choices[0].finish_reason, r.choices[0].message.content) for _, k, r in stopping.replies]
     assert len(seen) == 6 and all("7" not in (text or "") for _, _, text in seen)
     prompt = run.prompts[0].token_ids
     uncapped = engine.generate([prompt], 3, seed=8, max_new_tokens=[80])

@@ -223,12 +223,8 @@ class LoopCache:
             first.setdefault(prompt_key(s), s)
         shared = {key: None for key in first}
         for chunk in chunks_by_tokens([s for s in first.values() if prompt_length(s)], prompt_length):
-            ids, mask = left_pad([s.history[:prompt_length(s)] for s in chunk], self.pad)
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            cache = DynamicCache(config=self.engine.model.config)
-            with torch.no_grad():
-                self.engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                  past_key_values=cache, use_cache=True, **self.engine._one_logit_row)
+            ids, mask = left_pad([s.call.prompts[s.prompt] for s in chunk], self.pad)
+            cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))  # every prompt token but the last
             for row, s in enumerate(chunk):
                 shared[prompt_key(s)] = last_columns(cache, row, prompt_length(s))
         return shared

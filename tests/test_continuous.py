@@ -102,13 +102,21 @@ def assert_same_episodes(kept, again, tolerance=LOGP_TOLERANCE):
     return gap
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-# all episodes in one batch; chunks of 3 rows; one prompt a block, one row a chunk; a one-token prompt beside a
-# 4-token one; only one-token prompts (nothing prefilled: the cache grows from empty)
-@pytest.mark.parametrize("batch, lengths", [(64, (5, 8)), (3, (5, 8, 6)), (1, (5, 8)), (3, (1, 4)), (64, (1, 1))])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+# all episodes in one batch (each architecture in each precision); chunks of 3 rows; one prompt a block, one row
+# a chunk; a one-token prompt beside a 4-token one; only one-token prompts (nothing prefilled: the cache grows
+# from empty): each of these in both architectures, one in float32 and the other in float64
+LAYOUTS = [(64, (5, 8)), (3, (5, 8, 6)), (1, (5, 8)), (3, (1, 4)), (64, (1, 1))]
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+EPISODE_CASES = sorted({(kind, 64, (5, 8), dtype) for kind in ("llama", "qwen2") for dtype in DTYPES}
+                       | {(kind, batch, lengths, ("float32", "float64")[(i + (kind == "qwen2")) % 2])
+                          for i, (batch, lengths) in enumerate(LAYOUTS[1:]) for kind in ("llama", "qwen2")})
+
+
+@pytest.mark.parametrize("kind, batch, lengths, dtype", EPISODE_CASES,
+                         ids=[f"{k}-{b}-{'.'.join(map(str, n))}-{d}" for k, b, n, d in EPISODE_CASES])
 def test_episodes_in_one_loop_draw_the_tokens_and_log_probs_of_each_alone_re_prefilled(kind, batch, lengths, dtype):
     """Under a seed, turn for turn, the episodes ending at different turns (done, at the turn limit, at the budget)."""
+    dtype = DTYPES[dtype]
     model = chatty_in(kind, dtype)
     continued, alone = run(model, batch=batch, lengths=lengths), run(model, OneAtATime, batch=batch, lengths=lengths)
     assert_same_episodes(continued, alone, TOLERANCE[dtype])

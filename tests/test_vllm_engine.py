@@ -4,6 +4,9 @@
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (ma
 # the largest |vLLM's recorded log-prob - the trainer's fp32 shared-prefix recompute| seen here:
 # 4.9e-5 over 988 tokens, kept with headroom for other CPUs' kernels
 LOGP_BOUND = 5e-4
+REPO = Path(__file__).resolve().parents[1]
 
 
 def vllm_config(*overrides):
@@ -552,40 +556,47 @@ def test_full_weights_are_reloaded_into_the_running_engine(tmp_path):
         engine.close()
 
 
+def grpo_check(run_dir, steps, *options):
+    """`grpo check` on a finished run folder, as CI and a user run it."""
+    check = subprocess.run([sys.executable, "-m", "grpo", "check", str(run_dir), "--steps", str(steps), *options],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+
+
 @needs_vllm
-@pytest.mark.parametrize("training", [["lora.r=8", "distill.teacher=smollm2-135m-instruct"],
-                                      ["lora.enabled=false", "training.reference_on=sampler",
-                                       "distill.teacher=smollm2-135m-instruct"]],
-                         ids=["lora-teacher", "full-teacher"])
-def test_two_step_run_of_the_real_processes_with_vllm(tmp_path, training):
-    """LoRA adapters swapped in, or the full weights reloaded in place (collective_rpc reload_weights)
-    between the two steps. With a teacher that is the starting model: the first step's completions are the
-    teacher's own, and the reverse KL is the engine/trainer gap alone."""
+def test_two_step_full_weights_run_of_the_real_processes_with_vllm(tmp_path):
+    """The full weights reloaded in place (collective_rpc reload_weights) between the two steps. With a teacher
+    that is the starting model: the first step's completions are the teacher's own, and the reverse KL is the
+    engine/trainer gap alone; at max_staleness 0 every step's sampler/trainer gap is the engine's alone."""
     from test_launch import launch
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=2",
-                  "sampling.max_new_tokens=24", *training, "sampling.vllm.kv_cache_gb=1", "training.beta=0",
-                  "sampling.max_staleness=0")  # every step's gap is then the engine's alone, not a policy change too
+                  "sampling.max_new_tokens=24", "lora.enabled=false", "training.reference_on=sampler",
+                  "distill.teacher=smollm2-135m-instruct", "sampling.vllm.kv_cache_gb=1", "training.beta=0",
+                  "sampling.max_staleness=0")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["staleness"] == 0 and r["sampling/sampling_logp_difference/mean"] < 1e-3 for r in rows), rows
-    if "distill.teacher=smollm2-135m-instruct" in training:
-        assert abs(rows[0]["distill/reverse_kl"]) < 1e-3, rows
+    assert abs(rows[0]["distill/reverse_kl"]) < 1e-3, rows
+    grpo_check(tmp_path, 2, "--max-logp-difference", "1e-3")
 
 
 @needs_vllm
-def test_a_vllm_run_with_in_flight_updates_trains_batches_whose_every_token_is_within_the_bound(tmp_path):
-    """sampling.in_flight_updates on vLLM at max_staleness 2: each trained batch's oldest token is its
-    policy_version, within the bound, and every version its tokens name is one the trainer published."""
+def test_a_lora_vllm_run_with_in_flight_updates_trains_batches_whose_every_token_is_within_the_bound(tmp_path):
+    """LoRA adapters swapped in, sampling.in_flight_updates at max_staleness 2: each trained batch's oldest token
+    is its policy_version, within the bound, and every version its tokens name is one the trainer published.
+    The first step's batch is all the starting policy's, which is also the teacher: its sampler/trainer gap and
+    its reverse KL are the engine's alone."""
     from test_launch import launch
 
     shutil.rmtree(tmp_path, ignore_errors=True)
     proc = launch(tmp_path, "smollm2-135m-instruct", "gsm8k-embedded", "sampling.engine=vllm", "training.steps=4",
-                  "sampling.max_new_tokens=48", "lora.r=8", "sampling.vllm.kv_cache_gb=1", "training.beta=0",
-                  "sampling.max_staleness=2", "sampling.in_flight_updates=true", "weights.keep_last=4")
+                  "sampling.max_new_tokens=48", "lora.r=8", "distill.teacher=smollm2-135m-instruct",
+                  "sampling.vllm.kv_cache_gb=1", "training.beta=0", "sampling.max_staleness=2",
+                  "sampling.in_flight_updates=true", "weights.keep_last=4")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-5000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -593,6 +604,9 @@ def test_a_vllm_run_with_in_flight_updates_trains_batches_whose_every_token_is_w
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         assert row["staleness/token_max"] == row["staleness"] <= 2 and row["policy_version"] in published
+    assert rows[0]["staleness/token_max"] == 0 and rows[0]["sampling/sampling_logp_difference/mean"] < 1e-3, rows[0]
+    assert abs(rows[0]["distill/reverse_kl"]) < 1e-3, rows[0]
+    grpo_check(tmp_path, 4)
     print("in-flight loads per step:", [r.get("sampler/in_flight_loads", 0) for r in rows],
           "spanning:", [r["staleness/multi_version_fraction"] for r in rows])
 

@@ -35,19 +35,23 @@ def script(tmp_path, body: str, name="agent.py"):
     return path
 
 
-def command_run(chatty_agent, command: str, *overrides, group=2, max_new_tokens=12, seed=1):
+def command_run(chatty_agent, command: str, *overrides, group=2, max_new_tokens=12, seed=1, stranger=False):
+    """`stranger`: a server of the host's at 127.0.0.2 on the endpoint's port number while the sessions run."""
     from grpo.agent.runner import AgentRunner
 
     model, tokenizer = chatty_agent
     cfg = load_config(None, [f"agent.command={command}", "data.prefill=", "agent.idle_timeout_s=30",
                              "agent.session_timeout_s=60", *overrides])
     runner = AgentRunner(cfg.agent, tokenizer, max_new_tokens, 256, "policy")
+    beside = socket.create_server(("127.0.0.2", runner.server.port)) if stranger else None
     try:
         run = runner.run(HFEngine(model, tokenizer, sampling_cfg(max_new_tokens)), prompts(tokenizer, 1), group,
                          seed=seed)
         left = processes_left(runner.harnesses.fn, group)
     finally:
         runner.close()
+        if beside is not None:
+            beside.close()
     return run, left
 
 
@@ -87,6 +91,9 @@ PROBES = """
         except Exception:
             pass
     probe("other port", lambda: socket.create_connection(("127.0.0.1", other_port), timeout=2))
+    endpoint_port = int(os.environ["OPENAI_BASE_URL"].split(":")[2].split("/")[0])
+    probe("endpoint's port elsewhere", lambda: socket.create_connection(("127.0.0.2", endpoint_port), timeout=2))
+    probe("endpoint's port on ::1", lambda: socket.create_connection(("::1", endpoint_port), timeout=2))
     probe("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", other_port)))
     probe("unix socket", lambda: socket.socket(socket.AF_UNIX))
     probe("bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
@@ -118,7 +125,7 @@ def test_from_inside_a_command_reaches_its_own_session_and_nothing_else_of_the_r
     agent = script(tmp_path, "import socket\n" + textwrap.dedent(PROBES))
     with socket.create_server(("127.0.0.1", 0)) as other:  # the trainer's port, say
         run, left = command_run(chatty_agent, f"python {agent} {other.getsockname()[1]} --secret={secret} "
-                                              f"--data={dataset}", group=1)
+                                              f"--data={dataset}", group=1, stranger=True)
     assert [e.reward for e in run.episodes] == [0.5]  # nothing reached; it read its own script and posted
     assert not any(e.environment_failed for e in run.episodes)
     assert left == [[]]

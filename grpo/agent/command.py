@@ -1,15 +1,15 @@
 """agent.command: your agent as a program, one process per session, in the jail the model's code runs in.
 
 Each session's command runs as one jailed call (grpo/common/jail.py): a folder of its own as its working folder
-and home, none of the run's files (its data, its reference answers, its weights), TCP connects to one port
-number alone, the endpoint's (Landlock rules ports, not addresses; no UDP, no other family, no listening: the
-trainer's sockets are closed to it), budgets of memory, processes and CPU (agent.memory_mb, max_processes,
-cpu_s). It gets OPENAI_BASE_URL (its session's /v1) and OPENAI_API_KEY, and its dataset row as one JSON line on
-stdin (read once: a process it starts later cannot read it again). Its reward is what it POSTs to
-$OPENAI_BASE_URL/reward, else the run's rewards on its last message; a command that exits with another status
-than 0 fails its session. A session past its time limit, or one that never opened, has its command killed with
-every process it started. A warden (one jail) serves one session at a time; they are kept between steps, as
-many as sessions ran at once.
+and home, none of the run's files (its data, its reference answers, its weights), a network of its own whose
+only way out is 127.0.0.1:<the endpoint's port>, relayed to the endpoint (grpo/common/jail_relay.py; TCP connects
+to that port alone, no UDP, no other family, no listening: the trainer's sockets are closed to it), budgets of
+memory, processes and CPU (agent.memory_mb, max_processes, cpu_s). It gets OPENAI_BASE_URL (its session's /v1)
+and OPENAI_API_KEY, and its dataset row as one JSON line on stdin (read once: a process it starts later cannot
+read it again). Its reward is what it POSTs to $OPENAI_BASE_URL/reward, else the run's rewards on its last
+message; a command that exits with another status than 0 fails its session. A session past its time limit, or one
+that never opened, has its command killed with every process it started. A warden (one jail) serves one session
+at a time; they are kept between steps, as many as sessions ran at once.
 """
 
 from __future__ import annotations

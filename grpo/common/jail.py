@@ -6,6 +6,7 @@
             once; per call it forks:
         call: its own session, folder and cgroup (grpo/common/jail_budget.py), user/mount/PID/IPC/network
               namespaces, Landlock file rules, seccomp, no capabilities, rlimits (grpo/common/jail_rules.py);
+              a call allowed one port reaches it through a relay (grpo/common/jail_relay.py);
               runs fn(*arguments) and writes back one JSON answer; then its whole tree is ended
 
 The owner reads back the function's JSON value (a tool's result, a reward) and nothing else: a
@@ -47,8 +48,9 @@ class JailLimits:
     """A call's budgets: memory of its whole tree (MB; 0: none), processes of its tree, CPU seconds
     of each process, the largest file it may write (MB), whether it may use the network, the
     folders it may write besides its own temporary one, the files it may read besides the system's
-    and the project's, and the one TCP port it may connect to where it has no network (0: none;
-    Landlock rules ports, not addresses, and every other port of the host stays closed to it)."""
+    and the project's, and the one TCP port it may connect to where it has no network (0: none): in a
+    network of its own, 127.0.0.1:<port> relayed to the host's (grpo/common/jail_relay.py), and a Landlock
+    rule for that port alone (where namespaces are refused, that rule alone: ports, not addresses)."""
 
     memory_mb: int = 2048
     max_processes: int = 64
@@ -228,12 +230,13 @@ class Jail:
 
 
 def jail_description(info: dict) -> str:
-    """A jail's `info` for the log: "namespaces, own /proc, no capabilities, Landlock ABI 7, budgets by cgroup v1"
-    (or why it did not start: {"refused": why})."""
+    """A jail's `info` for the log: "namespaces, own /proc, own network, no capabilities, Landlock ABI 7, budgets by
+    cgroup v1" (or why it did not start: {"refused": why})."""
     if "refused" in info:
         return f"none: it could not start ({info['refused']}), so every call fails"
     parts = ["namespaces" if info.get("namespaces") else "no namespaces (refused here)"]
     parts += ["own /proc"] if info.get("own_proc") else []
+    parts += ["own network"] if info.get("own_network") else []
     parts += ["no capabilities"] if info.get("capabilities_dropped") else ["capabilities kept"]
     abi = info.get("landlock_abi", 0)
     parts += [f"Landlock ABI {abi}" if abi else "no Landlock (no file rules)"]

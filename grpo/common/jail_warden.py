@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.common import jail_relay
 from grpo.common.child import ChildRefused, _replace_environment, end_session, raised_at
 from grpo.common.jail import HEADER, JAILED, MAX_ANSWER_BYTES, JailLimits, read_frame, write_frame
 from grpo.common.kernel_filters import load_seccomp_program
@@ -262,8 +263,17 @@ def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[
         _replace_environment({**os.environ, "TMPDIR": folder, "HOME": folder, JAILED: "1", **SINGLE_THREADED})
         _streams(Path(folder) / OUTPUT)
         rules.limit_call(limits.memory_mb, limits.cpu_s, limits.file_mb)
-        own_network = not (limits.network or limits.connect_port)  # a port of the host's loopback: its network
-        applied = {"namespaces": limits.namespaces and rules.enter_namespaces(not own_network)}
+        # one port: a network of its own whose 127.0.0.1:<port> is relayed to the host's (grpo/common/jail_relay.py)
+        relay, relay_pid = (jail_relay.start_relay(limits.connect_port) if limits.connect_port and limits.namespaces
+                            else (None, 0))
+        own_network = not limits.network and limits.namespaces and rules.enter_namespaces(False)
+        applied = {"namespaces": own_network or (limits.namespaces and rules.enter_namespaces(True))}
+        if relay is not None and own_network:
+            jail_relay.hand_over(relay, _own_loopback(limits.connect_port))
+        elif relay is not None:  # no network namespace here: the call's connects go out, to that port alone
+            relay.close()
+            os.waitpid(relay_pid, 0)
+        applied["own_network"] = bool(own_network)
         if applied["namespaces"]:
             inner = os.fork()  # the first process of the new PID namespace runs the call
             if inner:
@@ -298,6 +308,14 @@ def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[
     except OSError:
         status = 1
     os._exit(status)
+
+
+def _own_loopback(port: int):
+    """In the call's new network namespace: its loopback up and the relay's listener at 127.0.0.1:`port`."""
+    try:
+        return jail_relay.own_loopback(port)
+    except OSError as e:
+        raise ChildRefused(f"the call's own network could not be made ({e}): its port {port} would lead nowhere")
 
 
 # numerical libraries start a thread per core, each counted against max_processes: one here

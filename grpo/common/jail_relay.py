@@ -174,7 +174,10 @@ def _write(side: _Side) -> None:
             raise OSError(failed, os.strerror(failed))
         side.connecting = False
     if side.waiting:
-        sent = side.sock.send(side.waiting)
+        try:
+            sent = side.sock.send(side.waiting)
+        except BlockingIOError:  # full again since the selector looked
+            return
         del side.waiting[:sent]
     if not side.waiting and side.peer_ended:
         side.sock.shutdown(socket.SHUT_WR)

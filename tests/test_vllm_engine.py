@@ -6,10 +6,10 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from grpo.config import load_config
 from grpo.data.problems import load_problems
@@ -27,7 +27,6 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (ma
 # the largest |vLLM's recorded log-prob - the trainer's fp32 shared-prefix recompute| seen here:
 # 4.9e-5 over 988 tokens, kept with headroom for other CPUs' kernels
 LOGP_BOUND = 5e-4
-REPO = Path(__file__).resolve().parents[1]
 
 
 def vllm_config(*overrides):

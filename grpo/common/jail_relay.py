@@ -113,7 +113,7 @@ def relay_forever(listener: socket.socket, outside: tuple[str, int]) -> None:
                     sides.discard(s)
                     _watch(selector, s, closing=True)
                     s.sock.close()
-                if listener not in (k.fileobj for k in selector.get_map().values()):
+                if listener not in selector.get_map():
                     selector.register(listener, selectors.EVENT_READ, None)  # accepting again
                 continue
             _watch(selector, side)
@@ -123,7 +123,7 @@ def relay_forever(listener: socket.socket, outside: tuple[str, int]) -> None:
 def _watch(selector, side: _Side, closing: bool = False) -> None:
     """The side's registration set to what it waits for (none: unregistered)."""
     events = 0 if closing else _interest(side)
-    registered = side.sock.fileno() >= 0 and side.sock in (k.fileobj for k in selector.get_map().values())
+    registered = side.sock in selector.get_map()
     if registered and events:
         selector.modify(side.sock, events, side)
     elif registered:

@@ -38,9 +38,13 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/grpo train --config $(CONFIG) $(ARGS)
 
+# the suite on TEST_WORKERS processes (pytest-xdist; 0: in this one): its process tests spend much of their time
+# waiting on their processes, so two workers on 2 cores take about 0.7x the time of one
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check --quiet .
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # the tests that start no process or rank (tests/README.md): about 90 s on 2 cores
 test-fast: $(STAMP)

@@ -40,6 +40,7 @@ from grpo.rewards.builtins import (  # noqa: F401 (the registry's names, as befo
     rule_reward,
 )
 from grpo.rewards.http_json import BreakerOpen, ServiceError, Unreachable
+from grpo.rewards.limits import REWARD_LIMIT
 from grpo.rewards.services import ServiceSettings, is_service, is_service_name, service_reward
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,6 @@ class RewardScores:
         self.failed = torch.zeros(n, r, dtype=torch.bool) if self.failed is None else self.failed
         self.scored = torch.ones(n, dtype=torch.bool) if self.scored is None else self.scored
         self.worst = torch.zeros(n, dtype=torch.bool) if self.worst is None else self.worst
-
-
-# rewards travel and are normalised in float32: past this, a group's sums and squares overflow (3e38 would
-# give NaN advantages); no reward of any use comes near it
-REWARD_LIMIT = 1e15
 
 
 def _checked(value) -> float | None:

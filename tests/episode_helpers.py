@@ -72,8 +72,9 @@ def run_episodes(chatty, env, max_turns=4, max_new_tokens=48, timeout_s=5.0, see
         pool.close()
 
 
-def episode_step(chatty, step, *overrides):
-    """One sampler step (make_batch) of episodes with the Scripted environment: the config and the batch."""
+def episode_step(chatty, step, *overrides, engine_of=lambda engine: engine):
+    """One sampler step (make_batch) of episodes with the Scripted environment: the config and the batch.
+    `engine_of`: the HF engine as the step uses it (one polling for new weights, say)."""
     from grpo.sampler.batches import SamplerModels, make_batch
 
     model, tokenizer = chatty
@@ -86,8 +87,8 @@ def episode_step(chatty, step, *overrides):
     pool = EnvironmentPool(cfg.env.name, cfg.env.args, cfg.env.timeout_s)
     try:
         runner = EpisodeRunner(pool, tokenizer, cfg.sampling.max_new_tokens, cfg.env.max_turns)
-        policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {},
-                                  episodes=runner)
+        policy = SamplerModels.of(cfg, engine_of(HFEngine(model, tokenizer, cfg.sampling)), model, None, tokenizer,
+                                  {}, episodes=runner)
         more = lambda r: prompts_of(tokenizer, answers=(str(3 + 2 * r), str(4 + 2 * r)))  # noqa: E731
         return cfg, make_batch(cfg, policy, prompts_of(tokenizer), step=step,
                                metrics_so_far={}, measure_logp_gap=True, more_prompts=more)

@@ -602,37 +602,71 @@ def test_an_eos_drawn_at_the_message_limit_ends_the_message_uncut():
             assert truncated is cut and ids == free[turn][0][:room - budget + len(free[turn][0])]
 
 
-def _in_flight_run(tmp_path, dtype, kv: str, then=None):
-    """3 prompts x 4 completions of up to 24 tokens, 6 rows at a time; after the 8th decode step a version
-    that changes the attention (the keys of layer 0) and the head is published and loaded between two
-    decode steps. Returns the rollouts, the prompts and the two models."""
+def _new_version_loader(tmp_path, model, at_poll: int):
+    """(the model as it was, the newer one, engine -> the engine polling for weights): a version that changes the
+    attention (the keys of layer 0) and the head, published and loaded between two decode steps at poll `at_poll`."""
     import copy
 
     from grpo.weights.folder import publish, verify
 
-    model = chatty_in("llama", dtype)
-    old = copy.deepcopy(model)
-    newer = copy.deepcopy(model)
+    old, newer = copy.deepcopy(model), copy.deepcopy(model)
     with torch.no_grad():
         newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
         newer.lm_head.weight.mul_(1.3)
     folder = publish(newer, tmp_path, 1, 1)
     manifest = verify(folder)
+
+    def polling(engine):
+        polls = []
+
+        def poll() -> bool:
+            polls.append(engine.decode_rows.steps)
+            if len(polls) == at_poll:
+                engine.load_weights(folder, manifest, 1)
+                return True
+            return False
+        engine.poll_weights = poll
+        return engine
+    return old, newer, polling
+
+
+def _in_flight_run(tmp_path, dtype, kv: str, then=None):
+    """3 prompts x 4 completions of up to 24 tokens, 6 rows at a time; after the 8th decode step a new version
+    (_new_version_loader) is loaded between two decode steps. Returns the rollouts, the prompts, the two models,
+    the loop's metrics and the engine."""
+    model = chatty_in("llama", dtype)
+    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=9)
     cfg = load_config(None, ["sampling.max_new_tokens=24", "sampling.temperature=1.0",
                              "sampling.generation_batch_size=6", f"sampling.in_flight_kv={kv}"]).sampling
-    engine = HFEngine(model, CharTokenizer(), cfg)
-    polls = []
-
-    def poll() -> bool:
-        polls.append(engine.decode_rows.steps)
-        if len(polls) == 9:
-            engine.load_weights(folder, manifest, 1)
-            return True
-        return False
-    engine.poll_weights = poll
+    engine = polling(HFEngine(model, CharTokenizer(), cfg))
     ids = [p.token_ids for p in prompts((5, 8, 3))]
     got = engine.generate(ids, 4, seed=7, then=then)
     return got, ids, old, newer, engine.decode_rows.take(), engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_in_flight_weights_mid_episode_give_each_model_token_its_versions_log_prob(tmp_path, dtype):
+    """Episodes with a version loaded between two decode steps (sampling.in_flight_kv=recompute, the environment's
+    calls in flight then too): each token the model drew records the version that drew it and that version's
+    log-prob given the whole episode before it, the environment's replies included (float32 rounding; float64
+    within two float32 ulps); the environment's tokens carry no version."""
+    from grpo.model.logprobs import completion_logprobs
+
+    model = chatty_in("llama", dtype)
+    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=12)
+    with torch.no_grad():
+        got = run(model, polling)
+        ids = [torch.tensor(p.token_ids) for p in got.prompts]
+        recomputed = {v: completion_logprobs(m, ids, got.rollouts.completion_ids, [4] * len(ids), temperature=1.0)
+                      for v, m in ((0, old), (1, newer))}
+    versions, masks = got.rollouts.token_versions, got.rollouts.model_masks
+    assert all(torch.equal(v < 0, ~m) for v, m in zip(versions, masks, strict=True))
+    spanning = [j for j, v in enumerate(versions) if (v == 0).any() and (v == 1).any()]
+    assert spanning and any(not masks[j][(versions[j] >= 0).nonzero()[0]:].all() for j in spanning)  # across a reply
+    gaps = torch.cat([((logps - recomputed[v][j]).abs() / recomputed[v][j].abs().clamp(min=1))[versions[j] == v]
+                      for j, logps in enumerate(got.rollouts.logps) for v in (0, 1)])
+    assert len(gaps) == sum(int(m.sum()) for m in masks)
+    assert gaps.max().item() <= {torch.float32: LOGP_TOLERANCE, torch.float64: 2.5e-7}[dtype], gaps.max().item()
 
 
 def _own_version_gaps(got, ids, models):

@@ -59,6 +59,45 @@ def test_a_sampler_step_of_episodes_sends_the_model_mask_and_counts_only_the_mod
     assert all(torch.equal(a, b) for a, b in zip(part.model_mask, batch.model_mask[batch.group_slices()[1]]))
 
 
+def test_a_step_of_episodes_spanning_an_in_flight_load_sends_each_tokens_version(chatty, tmp_path):
+    """A version loaded mid-step (sampling.in_flight_updates, the HF engine): the batch's token_versions hold each
+    model token's version (the environment's tokens none), its policy_version is the oldest, it goes over the
+    wire as it is, and the engine's log-probs are checked against the recompute over the newest version's tokens."""
+    import copy
+
+    from helpers import assert_batches_equal
+
+    from grpo.weights.folder import publish, verify
+    from grpo.wire.codec import decode_batch, encode_batch
+
+    model, tokenizer = chatty
+    model = copy.deepcopy(model)  # the module's model stays as it is: the load below changes this one
+    newer = copy.deepcopy(model)
+    with torch.no_grad():
+        newer.lm_head.weight.mul_(1.3)
+    folder = publish(newer, tmp_path, 1, 1)
+    manifest, polls = verify(folder), []
+
+    def polling(engine):
+        def poll() -> bool:
+            polls.append(1)
+            if len(polls) == 10:
+                engine.load_weights(folder, manifest, 1)
+                return True
+            return False
+        engine.poll_weights = poll
+        return engine
+    _, batch = episode_step((model, tokenizer), 0, "sampling.in_flight_updates=true", engine_of=polling)
+    versions = batch.token_versions
+    assert all(torch.equal(v < 0, ~m) for v, m in zip(versions, batch.model_mask, strict=True))
+    assert {int(x) for v in versions for x in v[v >= 0]} == {0, 1} and batch.policy_version == 0
+    assert batch.meta["metrics"]["sampler/in_flight_loads"] == 1.0
+    assert batch.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-5  # v1's tokens against the recompute with v1
+    decoded = decode_batch(encode_batch(batch))
+    assert_batches_equal(batch, decoded)
+    assert all(torch.equal(a, b) for a, b in zip(batch.token_versions, decoded.token_versions))
+
+
 def test_a_step_made_again_after_a_restart_is_the_same_batch(chatty):
     """A sampler killed mid-episode makes its step again on restart (the cursor is saved after the
     send): a fresh pool and runner give the same episodes, so nothing is lost or changed. On-policy, bit

@@ -4,6 +4,7 @@ step ends; LATEST read at most every LATEST_READ_S. Real published folders, a re
 
 import threading
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -101,13 +102,19 @@ def test_latest_is_read_at_most_every_latest_read_s(published, monkeypatch):
 
 
 def test_an_engine_with_its_own_copy_of_the_weights_loads_where_it_polls_and_episodes_load_between_steps(published):
+    """On vLLM (its own copy of the weights, its own episode loop) a version loads where it is polled, and episodes
+    load new weights between steps; on the HF engine episodes load them in flight too (its loop records each token's
+    version)."""
     root, models, engine, stage, threads = published
     cfg = load_config(None, ["sampling.in_flight_updates=true"])
+    policy = SamplerModels.of(cfg, engine, None, None, DigitTokenizer(), {})
+    assert isinstance(in_flight_poll(cfg.sampling, replace(policy, episodes=object()), None), InFlightLoads)
     engine.generates_with_scoring_model = False  # as vLLM: its copies are staged where they are polled
-    poll = in_flight_poll(cfg.sampling, SamplerModels.of(cfg, engine, None, None, DigitTokenizer(), {}),
-                          WeightWatcher(root, [stage]))
+    poll = in_flight_poll(cfg.sampling, policy, WeightWatcher(root, [stage]))
     assert poll() is True and engine.version == 3 and threads == [threading.current_thread().name]
     assert in_flight_poll(load_config(None, []).sampling, None, None) is None
+    engine.run_episodes = lambda *args, **kwargs: None  # vLLM's episode loop
+    assert in_flight_poll(cfg.sampling, replace(policy, episodes=object()), None) is None
 
 
 def test_a_mark_held_in_flight_is_still_served_when_the_step_ends_and_waits_for_its_weights(published):

@@ -40,7 +40,7 @@ from grpo.agent.server import SOCKET_TIMEOUT_S, AgentError, AgentServer, Session
 from grpo.agent.tokens import RequestTokens
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
-from grpo.sampler.episodes import EpisodeRunner, episode_runner
+from grpo.sampler.episodes import EpisodeRunner, episode_runner, stamp_versions
 from grpo.sampler.rollout.continuous import episode_loop
 from grpo.sampler.rollout.decoding import StopStrings
 from grpo.sampler.rollout.sequences import NO_LIMITS, ReplyTokens, TurnLimits, hashed_seed
@@ -260,8 +260,9 @@ class AgentRunner:
         loop = episode_loop(engine) if continuous else None
         limits = [agent.limits for agent in agents]  # each first request's max_tokens and stop
         if loop is not None:
-            loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy, executor=executor,
-                 first_limits=limits)
+            stamp_versions([agent.episode for agent in agents],
+                           loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy,
+                                executor=executor, first_limits=limits))
         else:
             # a round's turns handed to all their harnesses at once: each waits for its own, not the others'
             self.episodes._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy, executor=executor,

@@ -315,8 +315,8 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     advantages = estimate_advantages(objective.advantage, scores.total, cfg.sampling.group_size,
                                      scale=objective.advantage_scale, scored=scores.scored)
 
-    if rollouts.token_versions is not None and rollouts.model_masks is None:  # the batch's version: its oldest token's
-        version = min((int(v.min()) for v in rollouts.token_versions if len(v)), default=version)
+    if rollouts.token_versions is not None:  # the batch's version: its oldest model token's (an environment's: -1)
+        version = min((int(v[v >= 0].min()) for v in rollouts.token_versions if bool((v >= 0).any())), default=version)
         digest = policy.engine.digests[version]
     truncated = torch.tensor(rollouts.truncated, dtype=torch.bool)
     batch = RolloutBatch(
@@ -327,7 +327,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
-        token_versions=rollouts.token_versions if rollouts.model_masks is None else None,
+        token_versions=rollouts.token_versions,
         totals=scores.total, scored=scores.scored, worst=scores.worst,
         teacher_logps=teacher_logps)
     # `reward` and its spread: the rewards' (the KL penalty has its own column's metrics)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.sampler.rollout import Rollouts
+from grpo.wire.batch import ENVIRONMENT_TOKEN
 
 
 @dataclass
@@ -19,6 +20,10 @@ class Episode:
     tokens: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
     model: list[bool] = field(default_factory=list)  # True where the model drew the token
     logps: list[float] = field(default_factory=list)  # behaviour log-probs (0 at environment tokens)
+    drawn: list[int] = field(default_factory=list)  # where in `tokens` the model's draws stand, in the order drawn
+    # the weights version that drew each of `drawn` (sampling.in_flight_updates: the decode loop's record); None: all
+    # drawn by the version served when the step started
+    versions: list[int] | None = None
     messages: list[str] = field(default_factory=list)  # the model's messages the environment took, in order
     last_message: str = ""  # the last model message as the rewards read it (data.prefill, no special tokens)
     said: str = ""  # the last model message as the environment reads it: special tokens kept, less the EOS
@@ -63,6 +68,20 @@ class Episode:
         differed may be its doing, so its failure is the episode's, not a loss nobody caused."""
         return self.child_restarts > 0 or self.env_errors > self.replay_mismatch + self.open_failed
 
+    def stamp(self, versions: list[int]) -> None:
+        """The version of each token the model drew, as the decode loop recorded them (one per draw, in order)."""
+        if len(versions) != len(self.drawn):
+            raise RuntimeError(f"the decode loop recorded {len(versions)} versions for an episode whose model drew "
+                               f"{len(self.drawn)} tokens")
+        self.versions = list(versions)
+
+    def token_versions(self) -> torch.Tensor:
+        """int32 [len(tokens)]: each model token's version, ENVIRONMENT_TOKEN elsewhere (a draw masked out since,
+        e.g. a turn its harness never received, is context too). Needs `stamp`."""
+        out = torch.full((len(self.tokens),), ENVIRONMENT_TOKEN, dtype=torch.int32)
+        out[torch.tensor(self.drawn, dtype=torch.long)] = torch.tensor(self.versions, dtype=torch.int32)
+        return torch.where(torch.tensor(self.model, dtype=torch.bool), out, ENVIRONMENT_TOKEN)
+
     def count_failure(self, failure: str | None) -> None:
         """Count a failed environment call (None: it answered); the first one is kept."""
         if failure is not None:
@@ -71,6 +90,8 @@ class Episode:
 
     def add(self, ids, model: bool, logps=None) -> None:
         ids = [int(t) for t in ids]
+        if model:
+            self.drawn += range(len(self.tokens), len(self.tokens) + len(ids))
         self.tokens += ids
         self.model += [model] * len(ids)
         self.logps += [float(x) for x in logps] if logps is not None else [0.0] * len(ids)
@@ -93,7 +114,9 @@ class Episodes:
                    rollouts=Rollouts(completion_ids=[torch.tensor(e.tokens, dtype=torch.long) for e in episodes],
                                      truncated=[e.truncated for e in episodes],
                                      logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
-                                     model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes]),
+                                     model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes],
+                                     token_versions=[e.token_versions() for e in episodes]
+                                     if episodes and all(e.versions is not None for e in episodes) else None),
                    texts=[e.last_message for e in episodes],
                    rows=[{**row, "env_reward": e.reward} for row, e in zip(rows, episodes, strict=True)],
                    episodes=episodes)

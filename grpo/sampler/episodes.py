@@ -218,8 +218,8 @@ class EpisodeRunner:
         prompt_ids = [p.token_ids for p in prompts]
         try:
             if loop is not None:
-                loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed, greedy=greedy,
-                     executor=self.pool.executor)
+                stamp_versions(episodes, loop(prompt_ids, group_size, on_turn, self.max_new_tokens, seed=seed,
+                                              greedy=greedy, executor=self.pool.executor))
             else:
                 self._turn_by_turn(engine, prompt_ids, group_size, on_turn, seed, greedy)
         finally:  # all at once: a served environment hangs up its sessions together
@@ -425,3 +425,11 @@ def environment_lanes(cfg: Config) -> int:
     if not cfg.sampling.continuous_batching:
         return 1
     return cfg.env.concurrency or cfg.sampling.generation_batch_size
+
+
+def stamp_versions(episodes: list[Episode], versions: dict[int, list[int]] | None) -> None:
+    """Each episode's draws given the versions the decode loop recorded for them (episode j: sequence j), where it
+    recorded them (the HF engine's loop: in-flight loads can change the version mid-episode)."""
+    if versions is not None:
+        for j, e in enumerate(episodes):
+            e.stamp(versions.get(j, []))

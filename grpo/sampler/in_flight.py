@@ -26,14 +26,17 @@ LATEST_READ_S = 0.05  # LATEST is read at most this often: a decode step is ~10 
 
 def in_flight_poll(sampling: SamplingConfig, policy: SamplerModels, watcher,
                    evaluator=None) -> Callable[[], bool] | None:
-    """The engine's poll (True when it loaded a version): single completions without dynamic sampling; None
+    """The engine's poll (True when it loaded a version): single completions, and episodes or agent sessions on an
+    engine whose episode loop records each token's version (the HF engine's), without dynamic sampling; None
     otherwise (new weights load between steps). With an `evaluator`, its next eval.every mark is loaded on the
     way (not jumped over) and held until the step ends, where it is evaluated."""
     if not sampling.in_flight_updates:
         return None
-    if policy.episodes is not None or sampling.dynamic_sampling:
+    # vLLM runs episodes in a loop of its own, which does not move a conversation to a new adapter
+    episodes_between = policy.episodes is not None and hasattr(policy.engine, "run_episodes")
+    if episodes_between or sampling.dynamic_sampling:
         log.info("sampling.in_flight_updates: new weights load between steps with %s",
-                 "episodes" if policy.episodes is not None else "dynamic sampling")
+                 f"episodes on {sampling.engine}" if episodes_between else "dynamic sampling")
         return None
     return InFlightLoads(watcher, evaluator, background=policy.engine.generates_with_scoring_model)
 

@@ -186,8 +186,8 @@ class SamplingConfig:
         "refilled at once with the step's next one (sampling.continuous_batching).", bound=">= 1")
     continuous_batching: bool = setting(True, "Refill decode rows as sequences end; episodes leave the batch while "
         "their environment answers. false = blocks of generation_batch_size rows (for comparison).")
-    in_flight_updates: bool = setting(False, "Single completions, sampling.old_logps=generation: load a version "
-        "published mid-step without waiting for its sequences to end; each token records its version.")
+    in_flight_updates: bool = setting(False, "With sampling.old_logps=generation: load a version published mid-step "
+        "without waiting for its sequences to end; each token records its version (on vLLM: single completions).")
     in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' recomputes every cached "
         "column under the new weights (exact); 'keep' reuses the old KV (cheaper, inexact; HF only).",
         choices=IN_FLIGHT_KV)

@@ -9,9 +9,9 @@ import torch
 from grpo.objective.advantages import advantages_problem
 from grpo.objective.kl_reward import AFTER_WORST, batch_reward_columns, kl_penalties
 from grpo.objective.kl_reward import NAME as KL_PENALTY
+from grpo.rewards.limits import REWARD_LIMIT
 from grpo.rewards.overlong import NAME as OVERLONG
 from grpo.rewards.overlong import overlong_penalty
-from grpo.rewards.registry import REWARD_LIMIT
 from grpo.wire.batch import RolloutBatch
 from grpo.wire.behaviour import BehaviourMismatch
 

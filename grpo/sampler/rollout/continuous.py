@@ -94,7 +94,8 @@ def episode_loop(engine) -> Callable | None:
 
 def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnTurn, budget: int | list[int], *,
                  seed: int | None = None, greedy: bool = False, executor: Executor | None = None,
-                 continuous: bool = True, overlap: bool = True, first_limits: list[TurnLimits] | None = None) -> None:
+                 continuous: bool = True, overlap: bool = True, first_limits: list[TurnLimits] | None = None
+                 ) -> dict[int, list[int]]:
     """B x G sequences, sequence j of prompt j // G, each at most `budget` tokens after its prompt (one
     budget, or one per prompt; an episode's messages and the replies between them: a reply that leaves
     no room for a token is an error); `on_turn` is called at the end of each message, on `executor`'s
@@ -106,11 +107,13 @@ def run_episodes(engine, prompts: list[list[int]], group_size: int, on_turn: OnT
     `continuous=False`: a block of generation_batch_size rows at a time, each decoded until its last
     sequence is done, the environments called in turn (the loop before continuous batching, for comparison).
     `first_limits`: per sequence, its first message's own max_tokens and stop strings (TurnLimits); a later
-    message's come with the reply before it (`ReplyTokens`)."""
+    message's come with the reply before it (`ReplyTokens`). Returns, per sequence, the weights version that drew
+    each of its tokens, in the order drawn (new weights may load between decode steps: sampling.in_flight_updates)."""
     call = Call.of(prompts, group_size, budget, seed, greedy, on_turn, first_limits)
     loop = ContinuousLoop(engine, greedy, executor if continuous else None, continuous, overlap)
     loop.add(call)
     loop.run(until=call)
+    return call.versions
 
 
 class ContinuousLoop(LoopCache):

@@ -140,6 +140,46 @@ def test_a_multi_turn_session_is_one_row_whose_context_is_the_conversations_rend
         assert all(x == 0.0 for x, m in zip(e.logps, e.model) if not m)
 
 
+def test_a_weight_load_mid_session_gives_each_sampled_token_its_versions_log_prob(chatty_agent, tmp_path):
+    """sampling.in_flight_updates on the HF engine: a version published while sessions run (some waiting on their
+    harness) is loaded between two decode steps, every cached column computed again under it; each sampled token
+    records the version that drew it and has that version's log-prob given the conversation before it; the
+    harness's and the template's tokens carry no version."""
+    import copy
+
+    from grpo.weights.folder import publish, verify
+
+    model, tokenizer = chatty_agent
+    model = copy.deepcopy(model)  # the module's model stays as it is: the load below changes this one
+    old, newer = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
+    folder = publish(newer, tmp_path, 1, 1)
+    manifest, polls = verify(folder), []
+    engine = HFEngine(model, tokenizer, sampling_cfg(120))
+
+    def poll() -> bool:
+        polls.append(1)
+        if len(polls) == 12:
+            engine.load_weights(folder, manifest, 1)
+            return True
+        return False
+    engine.poll_weights = poll
+    runner = runner_of(tokenizer, conversation(3), "agent.max_turns=3", max_new_tokens=120)
+    try:
+        run = runner.run(engine, prompts(tokenizer, 1), 4, seed=2)
+    finally:
+        runner.close()
+    prompt, versions = run.prompts[0].token_ids, run.rollouts.token_versions
+    assert any((v == 0).any() and (v == 1).any() for v in versions)  # sessions that span the load
+    for e, v, m in zip(run.episodes, versions, run.rollouts.model_masks, strict=True):
+        assert torch.equal(v < 0, ~m) and e.turns > 1
+        for version, weights in ((0, old), (1, newer)):
+            at = v == version
+            assert torch.allclose(torch.tensor(e.logps, dtype=torch.float64)[at],
+                                  recomputed(weights, prompt, e.tokens)[at], atol=1e-5)
+
+
 def run_agent(chatty_agent, fn, *overrides, group=2, max_new_tokens=40, seed=1):
     model, tokenizer = chatty_agent
     runner = runner_of(tokenizer, fn, *overrides, max_new_tokens=max_new_tokens)

@@ -19,7 +19,7 @@ from grpo.data.prompts import Prompt
 from grpo.environments.lanes import Lanes
 from grpo.environments.pool import EnvironmentPool
 from grpo.sampler.episodes import EpisodeRunner
-from grpo.sampler.rollout.continuous import episode_loop, run_episodes
+from grpo.sampler.rollout.continuous import ContinuousLoop, episode_loop, run_episodes
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.loop_cache import masked_gap
 from grpo.sampler.rollout.sequences import episode_seed
@@ -602,9 +602,10 @@ def test_an_eos_drawn_at_the_message_limit_ends_the_message_uncut():
             assert truncated is cut and ids == free[turn][0][:room - budget + len(free[turn][0])]
 
 
-def _new_version_loader(tmp_path, model, at_poll: int):
+def _new_version_loader(tmp_path, model, at_poll: int, also=lambda: True):
     """(the model as it was, the newer one, engine -> the engine polling for weights): a version that changes the
-    attention (the keys of layer 0) and the head, published and loaded between two decode steps at poll `at_poll`."""
+    attention (the keys of layer 0) and the head, published and loaded between two decode steps: at the first poll
+    from poll `at_poll` on where `also()` holds."""
     import copy
 
     from grpo.weights.folder import publish, verify
@@ -621,7 +622,7 @@ def _new_version_loader(tmp_path, model, at_poll: int):
 
         def poll() -> bool:
             polls.append(engine.decode_rows.steps)
-            if len(polls) == at_poll:
+            if len(polls) >= at_poll and engine.version == 0 and also():
                 engine.load_weights(folder, manifest, 1)
                 return True
             return False
@@ -644,21 +645,38 @@ def _in_flight_run(tmp_path, dtype, kv: str, then=None):
     return got, ids, old, newer, engine.decode_rows.take(), engine
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_in_flight_weights_mid_episode_give_each_model_token_its_versions_log_prob(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 64), (torch.float64, 3)],
+                         ids=["float32-one-batch", "float64-parked"])
+def test_in_flight_weights_mid_episode_give_each_model_token_its_versions_log_prob(tmp_path, monkeypatch, dtype,
+                                                                                   batch):
     """Episodes with a version loaded between two decode steps (sampling.in_flight_kv=recompute, the environment's
-    calls in flight then too): each token the model drew records the version that drew it and that version's
-    log-prob given the whole episode before it, the environment's replies included (float32 rounding; float64
-    within two float32 ulps); the environment's tokens carry no version."""
+    calls in flight then too; with 3 rows and an environment taking 0.2 s a step, episodes parked out of the batch
+    waiting on it): each token the model drew records the version that drew it and that version's log-prob given
+    the whole episode before it, the environment's replies included (float32 rounding; float64 within two float32
+    ulps); the environment's tokens carry no version."""
     from grpo.model.logprobs import completion_logprobs
+    from grpo.sampler.rollout.loop_cache import LoopCache
 
+    parked, recompute, load = [], LoopCache._recompute_kv, ContinuousLoop._load_new_weights
+
+    def parked_now(loop) -> int:
+        return sum(not s.in_batch and s.kv is not None for s in (*loop.returned, *loop.calls.values()))
+
+    def counted(loop):
+        parked.append(parked_now(loop))
+        recompute(loop)
+    now = []  # the sequences parked before this poll
+    monkeypatch.setattr(LoopCache, "_recompute_kv", counted)
+    monkeypatch.setattr(ContinuousLoop, "_load_new_weights", lambda loop: now.append(parked_now(loop)) or load(loop))
     model = chatty_in("llama", dtype)
-    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=12)
+    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=12, also=lambda: now[-1] > 0 or batch == 64)
+    slow = {} if batch == 64 else {"env": "Slow", "delay": 0.2, "lanes": 4, "length": 3}
     with torch.no_grad():
-        got = run(model, polling)
+        got = run(model, polling, batch=batch, **slow)
         ids = [torch.tensor(p.token_ids) for p in got.prompts]
         recomputed = {v: completion_logprobs(m, ids, got.rollouts.completion_ids, [4] * len(ids), temperature=1.0)
                       for v, m in ((0, old), (1, newer))}
+    assert len(parked) == 1 and (parked[0] > 0 or not slow)
     versions, masks = got.rollouts.token_versions, got.rollouts.model_masks
     assert all(torch.equal(v < 0, ~m) for v, m in zip(versions, masks, strict=True))
     spanning = [j for j, v in enumerate(versions) if (v == 0).any() and (v == 1).any()]

@@ -65,3 +65,33 @@ def command_line(process) -> str:
         return " ".join(process.cmdline())
     except psutil.NoSuchProcess:  # ZombieProcess is one
         return ""
+
+
+def new_version_loader(tmp_path, model, at_poll: int, also=lambda: True):
+    """(the model as it was, the newer one, engine -> the engine polling for weights) for an HF engine serving
+    `model` (which the load changes): a version 1 that changes the attention (the keys of layer 0) and the head,
+    published in `tmp_path` and loaded between two decode steps, at the first poll from poll `at_poll` on where
+    `also()` holds (sampling.in_flight_updates)."""
+    import copy
+
+    from grpo.weights.folder import publish, verify
+
+    old, newer = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
+        newer.lm_head.weight.mul_(1.3)
+    folder = publish(newer, tmp_path, 1, 1)
+    manifest = verify(folder)
+
+    def polling(engine):
+        polls = []
+
+        def poll() -> bool:
+            polls.append(engine.decode_rows.steps)
+            if len(polls) >= at_poll and engine.version == 0 and also():
+                engine.load_weights(folder, manifest, 1)
+                return True
+            return False
+        engine.poll_weights = poll
+        return engine
+    return old, newer, polling

@@ -147,24 +147,12 @@ def test_a_weight_load_mid_session_gives_each_sampled_token_its_versions_log_pro
     harness's and the template's tokens carry no version."""
     import copy
 
-    from grpo.weights.folder import publish, verify
+    from helpers import new_version_loader
 
     model, tokenizer = chatty_agent
     model = copy.deepcopy(model)  # the module's model stays as it is: the load below changes this one
-    old, newer = copy.deepcopy(model), copy.deepcopy(model)
-    with torch.no_grad():
-        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
-    folder = publish(newer, tmp_path, 1, 1)
-    manifest, polls = verify(folder), []
-    engine = HFEngine(model, tokenizer, sampling_cfg(120))
-
-    def poll() -> bool:
-        polls.append(1)
-        if len(polls) == 12:
-            engine.load_weights(folder, manifest, 1)
-            return True
-        return False
-    engine.poll_weights = poll
+    old, newer, polling = new_version_loader(tmp_path, model, at_poll=12)
+    engine = polling(HFEngine(model, tokenizer, sampling_cfg(120)))
     runner = runner_of(tokenizer, conversation(3), "agent.max_turns=3", max_new_tokens=120)
     try:
         run = runner.run(engine, prompts(tokenizer, 1), 4, seed=2)

@@ -12,6 +12,7 @@ import torch
 from conftest import REPO, tiny_model
 from episode_helpers import CharTokenizer
 from episode_helpers import chatty_model as chatty
+from helpers import new_version_loader
 
 from grpo.config import load_config
 from grpo.data.problems import Problem
@@ -602,41 +603,12 @@ def test_an_eos_drawn_at_the_message_limit_ends_the_message_uncut():
             assert truncated is cut and ids == free[turn][0][:room - budget + len(free[turn][0])]
 
 
-def _new_version_loader(tmp_path, model, at_poll: int, also=lambda: True):
-    """(the model as it was, the newer one, engine -> the engine polling for weights): a version that changes the
-    attention (the keys of layer 0) and the head, published and loaded between two decode steps: at the first poll
-    from poll `at_poll` on where `also()` holds."""
-    import copy
-
-    from grpo.weights.folder import publish, verify
-
-    old, newer = copy.deepcopy(model), copy.deepcopy(model)
-    with torch.no_grad():
-        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
-        newer.lm_head.weight.mul_(1.3)
-    folder = publish(newer, tmp_path, 1, 1)
-    manifest = verify(folder)
-
-    def polling(engine):
-        polls = []
-
-        def poll() -> bool:
-            polls.append(engine.decode_rows.steps)
-            if len(polls) >= at_poll and engine.version == 0 and also():
-                engine.load_weights(folder, manifest, 1)
-                return True
-            return False
-        engine.poll_weights = poll
-        return engine
-    return old, newer, polling
-
-
 def _in_flight_run(tmp_path, dtype, kv: str, then=None):
     """3 prompts x 4 completions of up to 24 tokens, 6 rows at a time; after the 8th decode step a new version
-    (_new_version_loader) is loaded between two decode steps. Returns the rollouts, the prompts, the two models,
+    (new_version_loader) is loaded between two decode steps. Returns the rollouts, the prompts, the two models,
     the loop's metrics and the engine."""
     model = chatty_in("llama", dtype)
-    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=9)
+    old, newer, polling = new_version_loader(tmp_path, model, at_poll=9)
     cfg = load_config(None, ["sampling.max_new_tokens=24", "sampling.temperature=1.0",
                              "sampling.generation_batch_size=6", f"sampling.in_flight_kv={kv}"]).sampling
     engine = polling(HFEngine(model, CharTokenizer(), cfg))
@@ -669,7 +641,7 @@ def test_in_flight_weights_mid_episode_give_each_model_token_its_versions_log_pr
     monkeypatch.setattr(LoopCache, "_recompute_kv", counted)
     monkeypatch.setattr(ContinuousLoop, "_load_new_weights", lambda loop: now.append(parked_now(loop)) or load(loop))
     model = chatty_in("llama", dtype)
-    old, newer, polling = _new_version_loader(tmp_path, model, at_poll=12, also=lambda: now[-1] > 0 or batch == 64)
+    old, newer, polling = new_version_loader(tmp_path, model, at_poll=12, also=lambda: now[-1] > 0 or batch == 64)
     slow = {} if batch == 64 else {"env": "Slow", "delay": 0.2, "lanes": 4, "length": 3}
     with torch.no_grad():
         got = run(model, polling, batch=batch, **slow)

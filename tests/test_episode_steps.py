@@ -65,28 +65,13 @@ def test_a_step_of_episodes_spanning_an_in_flight_load_sends_each_tokens_version
     wire as it is, and the engine's log-probs are checked against the recompute over the newest version's tokens."""
     import copy
 
-    from helpers import assert_batches_equal
+    from helpers import assert_batches_equal, new_version_loader
 
-    from grpo.weights.folder import publish, verify
     from grpo.wire.codec import decode_batch, encode_batch
 
     model, tokenizer = chatty
     model = copy.deepcopy(model)  # the module's model stays as it is: the load below changes this one
-    newer = copy.deepcopy(model)
-    with torch.no_grad():
-        newer.lm_head.weight.mul_(1.3)
-    folder = publish(newer, tmp_path, 1, 1)
-    manifest, polls = verify(folder), []
-
-    def polling(engine):
-        def poll() -> bool:
-            polls.append(1)
-            if len(polls) == 10:
-                engine.load_weights(folder, manifest, 1)
-                return True
-            return False
-        engine.poll_weights = poll
-        return engine
+    _, _, polling = new_version_loader(tmp_path, model, at_poll=10)
     _, batch = episode_step((model, tokenizer), 0, "sampling.in_flight_updates=true", engine_of=polling)
     versions = batch.token_versions
     assert all(torch.equal(v < 0, ~m) for v, m in zip(versions, batch.model_mask, strict=True))

@@ -46,7 +46,8 @@ def make_batch(step: int = 0, seed: int = 0, group_sizes=(3, 2), with_ref: bool 
 def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("schema", "step", "sampler", "policy_version", "group_sizes", "reward_names", "meta"):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps", "token_versions"):
+    for name in ("prompt_ids", "completion_ids", "old_logps", "ref_logps", "token_versions", "model_mask",
+                 "teacher_logps", "segments"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:

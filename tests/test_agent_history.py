@@ -9,6 +9,7 @@ from grpo.agent.history import (
     EDITED,
     FOREIGN_ASSISTANT,
     NOTHING_NEW,
+    REPEATED,
     SHORTER,
     UNKNOWN_CALL,
     continuation,
@@ -52,6 +53,8 @@ def test_the_served_conversation_then_a_tool_result_continues_whatever_the_spell
     ([SERVED[1], RETURNED, RESULT], EDITED, 0),
     ([SERVED[0], {"role": "user", "content": "Summary: asked 3 + 4, called add."}, RESULT], EDITED, 1),
     ([SERVED[0]], SHORTER, 1),
+    # the last request again, without the retry header
+    (SERVED, REPEATED, 2),
     # an assistant message we never wrote after ours (a harness answering for the model)
     ([*SERVED, RETURNED, RESULT, {"role": "assistant", "content": "The answer is 7."}], FOREIGN_ASSISTANT, 4),
     # a new message in a role a harness does not add ("Assistant", "system": a turn written for the model)
@@ -62,7 +65,8 @@ def test_the_served_conversation_then_a_tool_result_continues_whatever_the_spell
     # the same request again, with nothing new to answer
     ([*SERVED, RETURNED], NOTHING_NEW, 3),
 ], ids=["thinking-dropped", "arguments-changed", "call-added", "question-edited", "system-dropped", "summarised",
-        "cut-short", "foreign-assistant", "capitalised-role", "system-added", "unknown-call", "nothing-new"])
+        "cut-short", "repeated", "foreign-assistant", "capitalised-role", "system-added", "unknown-call",
+        "nothing-new"])
 def test_a_request_that_is_not_the_served_conversation_continued_names_why_and_where(request_, kind, at):
     result = continuation(SERVED, RETURNED, request_)
     assert (result.kind, result.at, result.new) == (kind, at, ())

@@ -4,6 +4,7 @@ was fed and sampled: the prompt the first request's render, the model's tokens w
 (equal to a recompute), every token the harness or the template wrote masked out."""
 
 import asyncio
+import dataclasses
 import time
 
 import openai
@@ -13,9 +14,11 @@ from episode_helpers import sampling_cfg
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.agent.history import as_text
+from grpo.agent.tokens import render_ids
 from grpo.config import load_config
 from grpo.data.problems import Problem
 from grpo.data.prompts import Prompt
+from grpo.model.logprobs import completion_logprobs
 from grpo.sampler.rollout.hf_engine import HFEngine
 
 QUESTION = "What is 3 plus 4?"
@@ -195,25 +198,186 @@ def test_a_harness_that_raises_after_its_turn_fails_its_sample_and_keeps_the_tur
     assert all(all(e.model) and e.turns == 1 for e in run.episodes)  # scored the batch's worst, and trained
 
 
-def test_a_harness_that_edits_its_history_is_refused_by_name_and_its_row_ends_where_it_was(chatty_agent):
-    refused = []
+def rows_of(e) -> list[tuple[list[int], list[bool], list[float]]]:
+    """A sample's rows, each (tokens, model mask, recorded log-probs), split where a new row begins."""
+    bounds = [0, *e.row_starts, len(e.tokens)]
+    return [(e.tokens[a:b], e.model[a:b], e.logps[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def assert_rows_are_what_the_engine_read(model, run, group):
+    """Each sampled token's recorded log-prob is the model's after the prompt and its own row alone (the rows before
+    it are not its context), every other token is context (masked, log-prob 0), and the batch's log-prob pass, the
+    rows as segments, reads the same, shared prefix or not."""
+    prompt = run.prompts[0].token_ids
+    for e in run.episodes:
+        for tokens, mask, logps in rows_of(e):
+            assert all(x == 0.0 for x, m in zip(logps, mask) if not m)
+            if any(mask):
+                assert torch.allclose(torch.tensor([x for x, m in zip(logps, mask) if m], dtype=torch.float64),
+                                      recomputed(model, prompt, tokens)[torch.tensor(mask)], atol=1e-4)
+    for shared_prefix in (True, False):
+        batch = completion_logprobs(model, [torch.tensor(prompt)], run.rollouts.completion_ids, [group],
+                                    segments=run.rollouts.segments, shared_prefix=shared_prefix)
+        for read, recorded, mask in zip(batch, run.rollouts.logps, run.rollouts.model_masks):
+            assert torch.allclose(read[mask], recorded[mask], atol=1e-4)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["one-loop", "turn-by-turn"])
+def test_a_harness_that_edits_our_turn_goes_on_in_a_new_row_read_after_the_prompt_alone(chatty_agent, continuous):
+    """The harness rewrites the model's answer before its next user turn: what the model reads next is not what it
+    wrote, so the sample goes on in a row of its own, the fresh render of the edited conversation (on the HF
+    engine's one loop, and turn by turn)."""
+    model, tokenizer = chatty_agent
+    edited = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "I think it is 12."},
+              {"role": "user", "content": "Sure?"}]
 
     def editing(row, base_url, key):
         api = client(base_url, key)
-        messages = [{"role": "user", "content": row["question"]}]
-        reply = api.chat.completions.create(model="policy", messages=messages)
-        messages += [{"role": "assistant", "content": "I think it is 12."}, {"role": "user", "content": "Sure?"}]
-        try:
-            api.chat.completions.create(model="policy", messages=messages)
-        except openai.BadRequestError as error:
-            refused.append(error.body)
-        return 1.0 if reply.choices[0].finish_reason == "stop" else 0.0
+        reply = api.chat.completions.create(model="policy", messages=edited[:1])
+        if reply.choices[0].finish_reason == "stop":
+            api.chat.completions.create(model="policy", messages=edited)
+        return 1.0
 
-    run = run_agent(chatty_agent, editing)
-    assert [b["code"] for b in refused] == ["assistant_changed", "assistant_changed"]
-    assert "do not continue this session's conversation (assistant_changed at messages[1])" in refused[0]["message"]
-    for e in run.episodes:
-        assert e.turns == 1 and all(e.model) and e.breaks == {"assistant_changed": 1} and not e.environment_failed
+    run = run_limited(chatty_agent, editing, continuous, turns=2, seed=1)[0]
+    prompt = run.prompts[0].token_ids
+    fresh = render_ids(tokenizer, edited)
+    two_rows = [e for e in run.episodes if e.row_starts]
+    assert two_rows and run.rollouts.segments is not None
+    for e in two_rows:
+        assert e.turns == 2 and e.new_rows == {"assistant_changed": 1} and e.continued == {"new_row": 1}
+        assert not e.breaks and not e.environment_failed
+        (first, first_mask, _), (second, second_mask, _) = rows_of(e)
+        assert all(first_mask)  # the first turn, as sampled
+        context = len(fresh) - len(prompt)  # the edited conversation's render after the prompt, masked
+        assert prompt + second[:context] == fresh and not any(second_mask[:context]) and all(second_mask[context:])
+        assert e.segments().tolist() == [0] * len(first) + [1] * len(second)
+    assert_rows_are_what_the_engine_read(model, run, 3)
+
+
+def test_a_step_of_sessions_with_new_rows_goes_over_the_wire_and_the_trainer_reads_each_row_as_sampled(
+        tiny_model_dir):
+    """make_batch with sessions that start new rows (a random tiny model, turns cut at the request's max_tokens):
+    the batch carries the rows (segments), the sampler's recompute and then the trainer's forward (GSPO: one ratio
+    per session, over all its rows) read each sampled token in the context it was drawn in, within float32
+    rounding of the engine's recorded log-probs; read as one row, the later rows' tokens are far off."""
+    from helpers import assert_batches_equal
+
+    from grpo.sampler.batches import SamplerModels, make_batch
+    from grpo.trainer.training_step import micro_batch_loss
+    from grpo.wire.codec import decode_batch, encode_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def editing(row, base_url, key):
+        api = client(base_url, key)
+        question = [{"role": "user", "content": row["question"]}]
+        reply = api.chat.completions.create(model="policy", messages=question, max_tokens=6)
+        reply = api.chat.completions.create(model="policy", max_tokens=6, messages=[
+            *question, {"role": "assistant", "content": "Maybe 12."}, {"role": "user", "content": "Sure?"}])
+        return float(len(reply.choices[0].message.content or "") % 2)
+
+    cfg = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.idle_timeout_s=10",
+                             "agent.session_timeout_s=60", "sampling.group_size=3", "sampling.max_new_tokens=80",
+                             "sampling.temperature=1.0", "training.beta=0", "lora.enabled=false",
+                             "training.reference_on=sampler", "rewards.names=[env_reward]", "rewards.weights=[1.0]",
+                             "training.use_gspo=true", "rewards.accuracy_reward=env_reward",
+                             "rewards.format_reward=env_reward"])
+    runner = runner_of(tokenizer, editing, max_new_tokens=80)
+    try:
+        policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {},
+                                  episodes=runner)
+        batch = make_batch(cfg, policy, prompts(tokenizer, 2), step=0, metrics_so_far={}, measure_logp_gap=True)
+    finally:
+        runner.close()
+    metrics = batch.meta["metrics"]
+    assert [int(s[-1]) for s in batch.segments] == [1] * 6  # every session: two rows of 6 sampled tokens each
+    assert metrics["agent/rows_per_session"] == 2 and metrics["agent/new_row/assistant_changed"] == 6
+    assert [int(m.sum()) for m in batch.model_mask] == [12] * 6
+    assert metrics["sampler/engine_logp_gap_max"] < 1e-4  # float32, |logp| ~ 11 (a vocabulary of 49,152)
+    decoded = decode_batch(encode_batch(batch))
+    assert_batches_equal(batch, decoded)
+    _, trained, _ = micro_batch_loss(model, decoded, cfg)
+    assert trained["sampling/sampling_logp_difference/max"] < 1e-4
+    _, unsplit, _ = micro_batch_loss(model, dataclasses.replace(decoded, segments=None), cfg)
+    assert unsplit["sampling/sampling_logp_difference/max"] > 1e-2
+
+
+def test_an_earlier_request_sent_again_is_refused_never_a_second_sample_of_its_turn(chatty_agent):
+    """A harness that, after two turns, sends its first turn's request again (a re-roll of that turn, to keep the
+    better answer): the model already read that conversation and sampled after it, so the request is refused by
+    name, and the sample keeps the two turns it had."""
+    refused = []
+
+    def rerolling(row, base_url, key):
+        api = client(base_url, key)
+        first = [{"role": "user", "content": row["question"]}]
+        reply = api.chat.completions.create(model="policy", messages=first)
+        second = [*first, reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        if reply.choices[0].finish_reason == "stop":
+            api.chat.completions.create(model="policy", messages=second)
+            try:
+                api.chat.completions.create(model="policy", messages=first)
+            except openai.BadRequestError as error:
+                refused.append(error.body["code"])
+        return 1.0
+
+    run = run_agent(chatty_agent, rerolling, "agent.max_turns=3", group=3, max_new_tokens=80)
+    two = [e for e in run.episodes if e.turns == 2]
+    assert two and refused == ["repeated"] * len(two)
+    assert all(e.breaks == {"repeated": 1} and not e.row_starts and not e.environment_failed for e in two)
+
+
+# Qwen3's rule for thinking: an assistant turn before the last user message is shown without its <think> block
+QWEN3_STYLE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' and '</think>' in content and loop.index0 < ns.last_query -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_drops_earlier_thinking_goes_on_in_a_new_row_each_token_trained_once(chatty_model_dir):
+    """A Qwen3-style template: the harness begins the model's second turn with a <think> block; after the next user
+    message the template no longer shows it, so the third turn is sampled in a new row, from the fresh render."""
+    model = AutoModelForCausalLM.from_pretrained(chatty_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chatty_model_dir)
+    tokenizer.chat_template = QWEN3_STYLE
+    thinking = "<think>\nLet me check.\n</think>\n\n"
+    sent = []
+
+    def thinker(row, base_url, key):
+        api = client(base_url, key)
+        messages = [{"role": "user", "content": row["question"]}]
+        for k, prefill in enumerate(("", thinking, "")):
+            begun = [{"role": "assistant", "content": prefill}] if prefill else []
+            reply = api.chat.completions.create(model="policy", messages=messages + begun, extra_body={
+                "continue_final_message": bool(prefill), "add_generation_prompt": not prefill})
+            if reply.choices[0].finish_reason != "stop" or k == 2:
+                break
+            messages += [{"role": "assistant", "content": prefill + reply.choices[0].message.content},
+                         {"role": "user", "content": ("Think again.", "Sure?")[k]}]
+            sent.append(list(messages))
+        return 1.0
+
+    run = run_agent((model, tokenizer), thinker, "agent.max_turns=3", group=3, max_new_tokens=120)
+    prompt = run.prompts[0].token_ids
+    three = [e for e in run.episodes if e.turns == 3]
+    assert three
+    for e in three:
+        assert e.continued == {"clean": 1, "new_row": 1} and e.new_rows == {"template_drops": 1} and not e.breaks
+        (first, first_mask, _), (second, second_mask, _) = rows_of(e)
+        # the new row: the last request's render (its thinking gone) after the prompt, then the third turn
+        context = second_mask.index(True)
+        assert any(prompt + second[:context] == render_ids(tokenizer, m) for m in sent if len(m) == 5)
+        assert all(second_mask[context:]) and "<think>" in tokenizer.decode(first)
+        assert "<think>" not in tokenizer.decode(second)
+        # each sampled token in one row only: the second row holds no draw of the first's
+        assert sum(e.model) == sum(first_mask) + sum(second_mask) == len(e.drawn)
+    assert_rows_are_what_the_engine_read(model, run, 3)
 
 
 def back_and_forth(histories: list, turns: int = 2, as_parts: bool = False):
@@ -505,9 +669,12 @@ def test_harnesses_that_misbehave_fail_alone_and_the_step_goes_on(chatty_agent):
     varied.kinds, varied.refused = ["deep", "exit", "fine"], []
 
     run = run_agent(chatty_agent, varied, group=3)
-    assert varied.refused == ["assistant_changed"]
+    # the deep one's call is not ours: its sample goes on in a new row (or is cut where the history leaves no room)
+    assert varied.refused in ([], ["context_length_exceeded"])
     assert sorted(e.env_error for e in run.episodes) == ["", "", "the agent raised SystemExit: 3"]
-    assert all(e.turns == 1 and all(e.model) for e in run.episodes)
+    assert sorted(e.turns for e in run.episodes) == [1, 1, 1 + (not varied.refused)]
+    assert [e.new_rows for e in run.episodes if e.turns == 2] == ([{"assistant_changed": 1}] if not varied.refused
+                                                                  else [])
     assert all("question" not in row and row["prompt_turns"] == [] for row in run.rows)  # the rewards' rows
 
 

@@ -97,3 +97,20 @@ def test_what_a_message_said_keeps_the_token_that_completed_a_stop_string_and_dr
         e = Episode()
         runner._add_model_turn(e, torch.tensor(tokens), torch.zeros(len(tokens)), False)
         assert e.said == said
+
+
+def test_a_new_row_that_the_model_already_read_is_refused_as_a_re_roll_and_a_new_context_is_not():
+    """A sample's rows after the prompt [1, 2]: [5, 6, 7] and [8, 9]. A new row whose context (the prompt, then
+    its tokens) is a prefix of the prompt and a row is what the model read before it sampled there: refused."""
+    import pytest
+
+    from grpo.agent.server import AgentError
+    from grpo.agent.tokens import REPEATED, check_not_reread
+
+    prompt, rows = [1, 2], [[5, 6, 7], [8, 9]]
+    for tokens in ([5], [5, 6], [5, 6, 7], [8]):  # an earlier request again; a completions prompt cut back
+        with pytest.raises(AgentError, match="a turn it sampled would be sampled again") as refused:
+            check_not_reread(prompt, rows, tokens)
+        assert refused.value.code == REPEATED
+    for tokens in ([5, 9], [6], [8, 9, 4], [5, 6, 7, 1]):  # another context, or more than the model read
+        check_not_reread(prompt, rows, tokens)

@@ -5,6 +5,7 @@ trainer gets must be the native runner's, token for token and mask for mask."""
 import json
 
 import openai
+import pytest
 from test_tools import CALCULATE, CALL, ScriptedModel
 from transformers import AutoTokenizer
 
@@ -40,23 +41,51 @@ def tool_agent(tools: list):
     return agent
 
 
-def test_a_tool_loop_through_the_endpoint_gives_the_native_tool_episodes_rows_token_for_token(tiny_model_dir):
+# Llama 3.1's rules for tools, in SmolLM2's tokens: the functions offered as JSON in a system message, a call written
+# as {"name": ..., "parameters": ...} alone (a calling message's text is not shown), a tool's result in the ipython role
+LLAMA31_STYLE = (
+    "{%- if tools %}{{- '<|im_start|>system\nTo call a function, reply with JSON {\"name\": its name, "
+    "\"parameters\": its arguments}. Functions:\n' }}{%- for t in tools %}{{- t | tojson + '\n' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\n' }}"
+    "{%- for c in m.tool_calls %}{%- set a = c.function.arguments %}"
+    "{{- '{\"name\": \"' + c.function.name + '\", \"parameters\": ' + (a if a is string else a | tojson) + '}' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>ipython\n' + m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+JSON_CALL = '{{"name": "calculate", "parameters": {{"expression": "{}"}}}}'
+JSON_SCRIPTS = [[JSON_CALL.format("48 / 2"), JSON_CALL.format("48 + 24"), "ep0 <answer>72</answer>"],
+                [JSON_CALL.format("48 * 0.5"), "ep1 <answer>72</answer>"],
+                ["ep2 <answer>72</answer>"]]
+
+
+@pytest.mark.parametrize("template, parser, scripts", [("chatml-tools", "hermes", SCRIPTS),
+                                                       (LLAMA31_STYLE, "llama3_json", JSON_SCRIPTS)],
+                         ids=["qwen2.5-hermes", "llama3.1-json"])
+def test_a_tool_loop_through_the_endpoint_gives_the_native_tool_episodes_rows_token_for_token(tiny_model_dir,
+                                                                                              template, parser,
+                                                                                              scripts):
+    """Qwen2.5's template (chatml-tools, hermes calls) and a template with Llama 3.1's rules (JSON calls, results
+    in the ipython role): the same scripted turns, through the SDK and natively, give the same rows."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = read_chat_template("chatml-tools")
-    cfg = load_config(None, [f"env.tools=[{CALCULATE}]", "data.few_shot=0", "data.prefill="])
+    tokenizer.chat_template = read_chat_template(template) if template == "chatml-tools" else template
+    cfg = load_config(None, [f"env.tools=[{CALCULATE}]", "data.few_shot=0", "data.prefill=",
+                             f"env.tool_parser={parser}"])
     problem = Problem("train-0", "Natalia sold 48 clips in April and half as many in May. How many in all?", "72")
     prompts, _ = build_prompts(tokenizer, cfg.data, [problem], **prompt_options(cfg.env))
     pool = EnvironmentPool(cfg.env.name, environment_args(cfg.env), 5.0)
     try:
         native = EpisodeRunner(pool, tokenizer, 400, 4, prefill="", roles=("tool",)).run(
-            ScriptedModel(tokenizer, SCRIPTS), prompts, 3)
+            ScriptedModel(tokenizer, scripts), prompts, 3)
     finally:
         pool.close()
 
-    agent_cfg = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=4"])
+    agent_cfg = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=4",
+                                   f"agent.tool_parser={parser}"])
     runner = AgentRunner(agent_cfg.agent, tokenizer, 400, 1024, "policy", entrypoint=tool_agent(list(prompts[0].tools)))
     try:
-        agent = runner.run(ScriptedModel(tokenizer, SCRIPTS), prompts, 3)
+        agent = runner.run(ScriptedModel(tokenizer, scripts), prompts, 3)
     finally:
         runner.close()
 
@@ -66,4 +95,6 @@ def test_a_tool_loop_through_the_endpoint_gives_the_native_tool_episodes_rows_to
     assert [m.tolist() for m in agent.rollouts.model_masks] == [m.tolist() for m in native.rollouts.model_masks]
     assert [e.turns for e in agent.episodes] == [e.turns for e in native.episodes] == [3, 2, 1]
     assert [e.env_errors for e in agent.episodes] == [0, 0, 0] and [e.reward for e in agent.episodes] == [1.0] * 3
+    assert [e.tool_calls for e in native.episodes] == [2, 1 + (parser == "hermes"), 0]  # hermes: ep1 calls twice
     assert sum(sum(e.continued.values()) for e in agent.episodes) == 3  # every later request continued the row
+    assert not any(e.row_starts for e in agent.episodes)

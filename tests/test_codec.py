@@ -19,6 +19,37 @@ def test_codec_round_trip_is_bit_exact_with_and_without_reference():
         assert_batches_equal(decode_batch(frames), batch)
 
 
+def with_rows(segments=None, first_token_context=True):
+    """A batch whose second sample holds two rows: its last 2 tokens (the first of them context) a row of their own."""
+    batch = make_batch()
+    lengths = [len(c) for c in batch.completion_ids]
+    batch.completion_ids[1] = torch.arange(6)
+    batch.old_logps[1], batch.ref_logps[1] = -torch.rand(6), -torch.rand(6)
+    batch.model_mask = [torch.ones(n, dtype=torch.bool) for n in [lengths[0], 6, *lengths[2:]]]
+    batch.model_mask[1][4] = not first_token_context
+    batch.segments = [torch.zeros(len(c), dtype=torch.int32) for c in batch.completion_ids]
+    batch.segments[1] = torch.tensor(segments or [0, 0, 0, 0, 1, 1], dtype=torch.int32)
+    batch.token_versions = [torch.where(m, 0, -1).int() for m in batch.model_mask]
+    return batch
+
+
+def test_a_sample_of_several_rows_round_trips_and_malformed_rows_are_refused():
+    batch = with_rows()
+    assert_batches_equal(decode_batch(encode_batch(batch)), batch)
+    for segments, context, message in (
+            ([0, 0, 0, 0, 2, 2], True, "sample 1's row indices must start at 0 and grow by one at a time"),
+            ([1, 1, 1, 1, 1, 1], True, "sample 1's row indices must start at 0"),
+            ([0, 0, 1, 1, 0, 0], True, "grow by one at a time"),
+            ([0, 0, 0, 0, 1, 1], False, "sample 1 has a row that begins with a model token")):
+        with pytest.raises(MessageError, match=message):
+            decode_batch(encode_batch(with_rows(segments, context)))
+    without_mask = with_rows()
+    without_mask.model_mask, without_mask.token_versions = None, None
+    without_mask.__post_init__()
+    with pytest.raises(MessageError, match="segments: a sample of several rows needs model_mask"):
+        decode_batch(encode_batch(without_mask))
+
+
 def _header(frames):
     return json.loads(frames[0])
 
@@ -57,7 +88,7 @@ def malformed_messages():
                            "unknown schema 'grpo.sampler.rollout/99'"),
         "a batch without token versions": (_with_header(good, schema="grpo.rollout/1"),
                                            "a batch of schema grpo.rollout/1, from a sampler older than this trainer, "
-                                           "which speaks grpo.rollout/4 .*run the sampler of the same version"),
+                                           "which speaks grpo.rollout/5 .*run the sampler of the same version"),
         "a batch without its totals": (_with_header(good, schema="grpo.rollout/3"),
                                        "a batch of schema grpo.rollout/3, from a sampler older than this trainer"),
 

@@ -23,7 +23,7 @@ from grpo.sampler.episodes import EpisodeRunner
 from grpo.sampler.rollout.continuous import ContinuousLoop, episode_loop, run_episodes
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.sampler.rollout.loop_cache import masked_gap
-from grpo.sampler.rollout.sequences import episode_seed
+from grpo.sampler.rollout.sequences import NewRow, episode_seed
 
 ENVS = str(REPO / "tests" / "scripted_envs.py")
 # not bit for bit: a message's KV comes from forwards of other shapes than the reference's one
@@ -57,7 +57,9 @@ class OneAtATime:
                 reply = on_turn(j, ids, out.logps[0], bool(out.truncated[0]))
                 if reply is None:
                     break
-                context += ids.tolist() + reply
+                # a NewRow: the context starts again after the prompt
+                context = list(prompts[j // group_size]) + reply if isinstance(reply, NewRow) else \
+                    context + ids.tolist() + reply
                 used, turn = used + len(ids) + len(reply), turn + 1
 
 
@@ -218,7 +220,7 @@ def test_the_next_calls_completions_fill_the_rows_a_call_leaves_free_and_are_wha
     (an evaluation) leaves them; generate(B) finds them started and finishes them in fewer decode steps
     than from scratch. A's and B's completions are those of each call made alone (tokens, cuts;
     log-probs to float32 rounding, to the bit in float64)."""
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     model = chatty_in("qwen2", dtype)
     cfg = load_config(None, ["sampling.max_new_tokens=30", "sampling.temperature=1.0",
@@ -251,7 +253,7 @@ def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_t
     (the tokens of B generated alone by a model that holds them), not from rows the old ones started."""
     import copy
 
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
     from grpo.weights.folder import publish, verify
 
     model = chatty_in("llama", torch.float32)
@@ -278,7 +280,7 @@ def test_new_weights_drop_the_started_completions_and_they_are_made_again_with_t
 
 
 def test_a_call_other_than_the_one_announced_drops_the_started_completions():
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     model = chatty_in("llama", torch.float32)
     engine = HFEngine(model, CharTokenizer(), load_config(None, ["sampling.max_new_tokens=20",
@@ -568,6 +570,57 @@ def test_the_loop_refuses_a_reply_that_leaves_no_room_in_the_budget():
         run_episodes(engine, [[5, 6, 7]], 2, fills, 0, seed=3)
 
 
+# ----------------------------------------------------------------------------- a new row: the context starts again
+
+def restarting(records: dict, delay: float = 0.0):
+    """on_turn: a reply after the first message; after the second, odd episodes start their context again (a NewRow:
+    the prompt, then 4 tokens), even ones get a reply; none after the fourth. `records`: each message, per episode."""
+    def on_turn(j, ids, logps, truncated):
+        records.setdefault(j, []).append((ids.tolist(), logps))
+        time.sleep(delay)
+        turn = len(records[j]) - 1
+        if truncated or turn == 3:
+            return None
+        if turn == 1 and j % 2:
+            return NewRow([20 + j, 21, 22, 23])
+        return [30, 31 + j % 3]
+    return on_turn
+
+
+@pytest.mark.parametrize("lengths, delay, penalty, dtype", [
+    ((5, 8), 0.0, 1.0, torch.float64), ((1, 4), 0.0, 1.3, torch.float32), ((5, 8), 0.05, 1.0, torch.float32)],
+    ids=["in-batch-float64", "one-token-prompt-penalty", "parked"])
+def test_a_new_row_goes_on_from_the_prompt_alone_as_a_sequence_with_that_context(monkeypatch, lengths, delay, penalty,
+                                                                               dtype):
+    """An episode whose reply is a NewRow draws its next messages as the reference does from the prompt and that
+    reply alone (the same tokens under the seed, log-probs to float32 rounding, to the bit in float64): its row in
+    the batch rewound to the prompt (its later columns masked), or, parked out of the batch while its environment
+    took 50 ms, its KV cut to the prompt's; with one-token prompts nothing is cached to keep."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpo.sampler.rollout.loop_cache import LoopCache
+
+    rewound = []
+    rewind = LoopCache._rewind
+    monkeypatch.setattr(LoopCache, "_rewind", lambda loop, s: (rewound.append(s.in_batch), rewind(loop, s)))
+    cfg = load_config(None, ["sampling.temperature=1.0", "sampling.generation_batch_size=3",
+                             f"sampling.repetition_penalty={penalty}"]).sampling
+    engine = HFEngine(chatty_in("llama", dtype), CharTokenizer(), cfg)
+    ids = [p.token_ids for p in prompts(lengths)]
+    got, alone = {}, {}
+    with ThreadPoolExecutor(4) as executor:
+        run_episodes(engine, ids, 4, restarting(got, delay), 80, seed=11, executor=executor if delay else None)
+    OneAtATime(engine).run_episodes(ids, 4, restarting(alone), 80, seed=11)
+    assert got.keys() == alone.keys()
+    for j in got:
+        assert [m for m, _ in got[j]] == [m for m, _ in alone[j]]
+        for (_, a), (_, b) in zip(got[j], alone[j]):
+            assert ((a - b).abs() / b.abs().clamp(min=1)).max().item() <= TOLERANCE[dtype]
+    restarted = [j for j in got if j % 2 and len(got[j]) >= 3]
+    assert restarted and len(rewound) == len(restarted)
+    assert (False in rewound) if delay else all(rewound)  # parked while its environment ran, or in the batch
+
+
 # ----------------------------------------------------------------------------- an EOS drawn at the message limit
 
 def messages_of(engine, budget: int) -> dict:
@@ -746,7 +799,8 @@ def test_a_recompute_computes_each_groups_prompt_once(tmp_path, monkeypatch):
 def test_an_in_flight_load_stops_the_next_calls_rows_at_once_and_makes_them_again_with_it(tmp_path, monkeypatch):
     """generate(A, then=B) with a version loaded while A decodes: B's started rows decode no step after the load
     and are not recomputed; generate(B) then makes B whole with the new version (what B draws from scratch)."""
-    from grpo.sampler.rollout.continuous import ContinuousLoop, NextCall
+    from grpo.sampler.rollout.continuous import ContinuousLoop
+    from grpo.sampler.rollout.sequences import NextCall
 
     b = [p.token_ids for p in prompts((6, 7))]
     after_load, forward = [], ContinuousLoop._forward

@@ -79,3 +79,22 @@ def test_every_prompt_of_every_step_gets_its_own_block_of_seeds():
     assert prompt_seeds(calls[0], 16) == prompt_seeds(calls[0], 16)  # a re-run draws the same
     digest = hashlib.sha256(b"7/1").digest()  # worked value: the hash of "seed/index", 63 bits, rounded down
     assert prompt_seeds(7, 2)[1] == (int.from_bytes(digest[:8], "big") >> 1) // SEED_BLOCK * SEED_BLOCK
+
+
+def test_kept_groups_of_rounds_with_and_without_new_rows_keep_every_samples_rows():
+    """A round whose sessions all stayed in one row carries no segments: kept beside a round with new rows, its
+    samples are all in row 0, never read as one row the other round's way (or theirs as one row)."""
+    from types import SimpleNamespace
+
+    from grpo.sampler.batches import kept_segments
+
+    def round_of(segments, lengths):
+        return SimpleNamespace(rollouts=SimpleNamespace(
+            segments=segments, completion_ids=[torch.zeros(n, dtype=torch.long) for n in lengths]))
+
+    split = round_of([torch.tensor([0, 1, 1], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)], [3, 2])
+    whole = round_of(None, [4, 1])
+    kept = kept_segments([split, whole], [(whole, 0), (split, 0), (whole, 1), (split, 1)])
+    assert [k.tolist() for k in kept] == [[0, 0, 0, 0], [0, 1, 1], [0], [0, 0]]
+    assert all(k.dtype == torch.int32 for k in kept)
+    assert kept_segments([whole, whole], [(whole, 0)]) is None

@@ -1,4 +1,5 @@
-"""Chunked log-probabilities, EOS masks, truncation and chunk-major reordering."""
+"""Chunked log-probabilities, EOS masks, truncation, chunk-major reordering, and a sample's rows each read after
+the prompt alone (grpo/model/segments.py)."""
 
 import pytest
 import torch
@@ -131,3 +132,55 @@ def test_check_supported_refuses_at_start_in_one_line_naming_the_field():
     with pytest.raises(ModelError, match=r"^tiny-gemma2 \(gemma2\) is not supported: final_logit_softcapping=30.0: "
                                          r"[^\n]*; attn_logit_softcapping=50.0: [^\n]*$"):
         check_supported(model, cfg)
+
+
+# ----------------------------------------------------------------------------- samples of several rows
+
+def test_a_samples_rows_split_into_completions_of_their_group_and_join_back():
+    from grpo.model.segments import join_rows, split_rows
+
+    completions = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11, 12]), torch.tensor([13, 14])]
+    segments = [torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 0])]
+    rows, sizes, counts = split_rows(completions, [2, 1], segments)
+    assert [r.tolist() for r in rows] == [[5, 6, 7], [8, 9], [10, 11], [12], [13, 14]]
+    assert sizes == [4, 1] and counts == [1, 3, 1]
+    assert [j.tolist() for j in join_rows(rows, counts)] == [c.tolist() for c in completions]
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared-prefix", "plain"])
+def test_each_row_of_a_sample_is_read_after_the_prompt_alone_values_and_gradients(shared_prefix):
+    """Two groups; samples of one, two and three rows: each token's log-prob (and entropy) is the one-sequence
+    forward's of [prompt | its row], not of [prompt | every row before it]; the gradients of a weighted sum are those
+    of the same sum over the rows as completions of their own (float64)."""
+    from conftest import tiny_model
+
+    from grpo.model.logprobs import completion_logprobs
+
+    model = tiny_model("qwen2", dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 101, (n,), generator=g) for n in (6, 4)]
+    completions = [torch.randint(3, 101, (n,), generator=g) for n in (7, 9, 5, 10)]
+    segments = [torch.tensor(s, dtype=torch.int32) for s in (
+        [0] * 7, [0, 0, 0, 1, 1, 1, 1, 1, 1], [0] * 5, [0, 0, 1, 1, 1, 1, 2, 2, 2, 2])]
+    weights = [torch.randn(len(c), generator=g, dtype=torch.float64) for c in completions]
+
+    def one_at_a_time(prompt, row):
+        ids = torch.cat([prompt, row])[None]
+        logits = model(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        return logits.gather(1, row[:, None])[:, 0], -(logits.exp() * logits).sum(-1)
+
+    read, entropy = completion_logprobs(model, prompts, completions, [2, 2], segments=segments,
+                                        shared_prefix=shared_prefix, return_entropy="grad")
+    got = torch.autograd.grad(sum((w * x).sum() for w, x in zip(weights, read)), list(model.parameters()))
+    expected_sum = 0.0
+    for j, (c, s) in enumerate(zip(completions, segments)):
+        prompt = prompts[j // 2]
+        pieces = [one_at_a_time(prompt, c[s == r]) for r in range(int(s[-1]) + 1)]
+        torch.testing.assert_close(read[j], torch.cat([p[0] for p in pieces]), rtol=0, atol=1e-10)
+        torch.testing.assert_close(entropy[j], torch.cat([p[1] for p in pieces]), rtol=0, atol=1e-10)
+        expected_sum = expected_sum + (weights[j] * torch.cat([p[0] for p in pieces])).sum()
+    expected = torch.autograd.grad(expected_sum, list(model.parameters()))
+    for a, b in zip(got, expected):  # the CPU's shared-prefix attention kernel: ~2e-7 from the plain path's anyway
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    unsplit = completion_logprobs(model, prompts, completions, [2, 2], shared_prefix=shared_prefix)
+    assert not torch.allclose(unsplit[1][3:], read[1][3:].detach())  # the rows before would have changed them

@@ -231,7 +231,8 @@ def test_agent_sessions_on_vllm_record_the_trainers_log_probs_of_every_turn_the_
     of the async engine; the row is the first request's render, then every turn as sampled, the harness's
     messages between them masked; the recorded log-probs are the trainer's recompute within the bound. The second
     request's max_tokens=4 caps its answer (cut there: "length"); the first's stop="." ends it at the token that
-    completes a "." (its text returned without it)."""
+    completes a "." (its text returned without it). The third request edits the model's second answer: that turn is
+    sampled in a new row, from the prompt and the edited conversation's render alone."""
     import openai
 
     from grpo.agent.runner import AgentRunner
@@ -243,33 +244,40 @@ def test_agent_sessions_on_vllm_record_the_trainers_log_probs_of_every_turn_the_
     def agent(row, base_url, key):
         api = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
         messages = [{"role": "user", "content": row["question"]}]
-        for k in range(2):
-            reply = api.chat.completions.create(model="policy", messages=messages,
-                                                **({"max_tokens": 4} if k else {"stop": "."}))
-            if k:
-                second.append((reply.choices[0].finish_reason, reply.usage.completion_tokens))
-            else:
-                first.append(reply.choices[0].message.content or "")
-            if reply.choices[0].finish_reason == "length":
+        for k in range(3):
+            try:
+                reply = api.chat.completions.create(model="policy", messages=messages,
+                                                    **({"max_tokens": 4} if k else {"stop": "."}))
+            except openai.BadRequestError:  # the edited conversation no longer fits the session's budget
                 break
-            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+            if k == 1:
+                second.append((reply.choices[0].finish_reason, reply.usage.completion_tokens))
+            elif k == 0:
+                first.append(reply.choices[0].message.content or "")
+            if k == 2 or (reply.choices[0].finish_reason == "length" and k == 0):
+                break
+            answer = reply.choices[0].message.model_dump(exclude_none=True)
+            messages += [{**answer, "content": "Edited."} if k else answer, {"role": "user", "content": "More."}]
         return 1.0
 
-    settings = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=2"]).agent
+    settings = load_config(None, ["agent.entrypoint=unused:fn", "data.prefill=", "agent.max_turns=3"]).agent
     runner = AgentRunner(settings, tokenizer, 96, 256, "policy", entrypoint=agent)
     try:
         run = runner.run(engine, prompts, 3, seed=5)
     finally:
         runner.close()
     assert [p.token_ids for p in run.prompts] == [p.token_ids for p in prompts]  # the same chat, rendered alike
-    assert any(e.turns == 2 for e in run.episodes) and second
+    assert any(e.turns >= 2 for e in run.episodes) and second
     assert all(n == 4 if reason == "length" else n <= 4 for reason, n in second), second
     assert len(first) == 6 and not any("." in text for text in first), first
     assert all(set(e.breaks) <= {"context_length_exceeded"} and not e.environment_failed for e in run.episodes)
     assert sum(sum(e.continued.values()) for e in run.episodes) == sum(e.turns - 1 for e in run.episodes)
+    three = [e for e in run.episodes if e.turns == 3]
+    assert three and all(e.new_rows == {"assistant_changed": 1} and len(e.row_starts) == 1 for e in three)
     with torch.no_grad():
         recomputed = completion_logprobs(model, [torch.tensor(p.token_ids) for p in run.prompts],
-                                         run.rollouts.completion_ids, [3, 3], temperature=cfg.sampling.temperature)
+                                         run.rollouts.completion_ids, [3, 3], temperature=cfg.sampling.temperature,
+                                         segments=run.rollouts.segments)
     gap = max((a - b)[m].abs().max().item()
               for a, b, m in zip(run.rollouts.logps, recomputed, run.rollouts.model_masks))
     print(f"vLLM agent sessions: largest model-token log-prob gap {gap:.2e}, turns {[e.turns for e in run.episodes]}")
@@ -324,7 +332,7 @@ def test_vllm_starts_the_next_calls_completions_as_this_ones_end_and_they_are_wh
     """`then`: the next call's completions start as this call's end (one for each), with the weights
     served now; the next call finds them all started, and they are what it draws without them. A greedy
     call leaves them; another sampled call aborts them."""
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     cfg, model, tokenizer, engine, prompts = served
     fresh = engine.generate(prompts[1:], 4, seed=12)
@@ -368,7 +376,7 @@ def test_a_published_adapter_is_swapped_in_and_a_bad_one_keeps_the_old_serving(s
     """v1 changes greedy outputs to exactly the HF engine's with the same adapter, and aborts the next
     call's completions started with the weights before; a corrupted v2 is refused before the engine sees
     it; an adapter vLLM cannot load leaves v1 serving."""
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     cfg, model, tokenizer, engine, prompts = served
     base = engine.generate(prompts, 1, greedy=True).completion_ids
@@ -452,7 +460,7 @@ def test_in_flight_the_next_steps_completions_move_to_a_newer_adapter_and_a_step
     """With in-flight updates, the completions started for the next step follow a newer adapter loaded
     between steps (the next step finds them all started, their tokens v1's or v2's); a version that moves back (a
     trainer resumed from an older checkpoint) drops them: their versions no longer name those weights."""
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     cfg, model, tokenizer, engine, prompts = served
     watcher = WeightWatcher(tmp_path, [engine.stage_weights])

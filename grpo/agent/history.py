@@ -18,6 +18,7 @@ from dataclasses import dataclass
 CONTINUES = "continues"  # the served conversation, then only new tool / user messages
 # why a request does not continue the served conversation (each a metric's name: agent/refused/<reason>)
 SHORTER = "shorter"  # fewer messages than we served: a history dropped or summarised
+REPEATED = "repeated"  # the last request's messages again (without the SDK's retry header): a turn sampled again
 EDITED = "edited"  # an earlier message differs
 ASSISTANT_CHANGED = "assistant_changed"  # our message came back otherwise (thinking dropped, text edited)
 FOREIGN_ASSISTANT = "foreign_assistant"  # a new message in another role than user or tool (one we did not write)
@@ -41,7 +42,7 @@ def continuation(served: list[dict], returned: dict, request: list[dict]) -> Con
         if normal(ours) != normal(theirs):
             return Continuation(ASSISTANT_CHANGED if i == len(served) else EDITED, at=i)
     if len(request) < len(expected):
-        return Continuation(SHORTER, at=len(request))
+        return Continuation(REPEATED if len(request) == len(served) else SHORTER, at=len(request))
     new = request[len(expected):]
     if not new:
         return Continuation(NOTHING_NEW, at=len(request))

@@ -8,10 +8,13 @@ grpo/sampler/episodes.py) samples each turn from token ids with the run's settin
 the answer to the request waiting for it (bridge.py). The harness's next request is matched with what was served
 (the prefix rule: history.py, tokens.py): CLEAN when the template's fresh render extends the row's tokens,
 EQUIVALENT when only new tool or user messages follow our message, unchanged, and the template still shows every
-earlier turn (the new messages are rendered by the reply rule); anything else is refused, naming why, and the
-session ends there: its row holds what was sampled up to then. The tokens of the harness's messages and the
-template's are context (masked); only sampled tokens are trained, and a turn whose response did not reach its
-client whole (never received) is masked too.
+earlier turn (the new messages are rendered by the reply rule); anything else (thinking dropped, a history edited
+or compacted, a message we did not write) starts a NEW_ROW of the sample: the model reads the fresh render, and
+the engine's loop starts that sequence's context again after the group's prompt. A request that changes the
+tools or the prompt, or asks for a turn already sampled, is refused, naming why, and the session ends there. The
+tokens of the harness's messages and the template's (a new row's re-rendered history too) are context (masked);
+only sampled tokens are trained, each once, and a turn whose response did not reach its client whole (never
+received) is masked too. A sample's rows share its reward and advantage; each is read after the prompt alone.
 
 With agent.max_sessions, a step's sessions go in waves of whole groups, each wave's harnesses started once the
 wave before has ended (its own seed: no two waves draw alike).
@@ -37,13 +40,13 @@ from grpo.agent.history import text_of
 from grpo.agent.messages import assistant_turn
 from grpo.agent.requests import before_stop, request_limits
 from grpo.agent.server import SOCKET_TIMEOUT_S, AgentError, AgentServer, Session, Sessions, Turn
-from grpo.agent.tokens import RequestTokens
+from grpo.agent.tokens import NEW_ROW, RequestTokens, check_not_reread
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.episodes import EpisodeRunner, episode_runner, stamp_versions
 from grpo.sampler.rollout.continuous import episode_loop
 from grpo.sampler.rollout.decoding import StopStrings
-from grpo.sampler.rollout.sequences import NO_LIMITS, ReplyTokens, TurnLimits, hashed_seed
+from grpo.sampler.rollout.sequences import NO_LIMITS, NewRow, ReplyTokens, TurnLimits, hashed_seed
 
 if TYPE_CHECKING:
     from grpo.settings import AgentConfig, Config
@@ -291,7 +294,8 @@ class AgentRunner:
 
     def _answered(self, agent: AgentSession, e: Episode, prompt: list[int], ids: torch.Tensor, truncated: bool,
                   before: int) -> list[int] | None:
-        turn = self._as_turn(agent, e, ids, truncated, len(prompt) + before)
+        start = e.row_starts[-1] if e.row_starts else 0  # where the row the model read begins
+        turn = self._as_turn(agent, e, ids, truncated, len(prompt) + before - start)
         e.last_message = agent.prefill + e.last_message  # what the rewards score: the whole assistant message
         # what the next request must repeat: the turn's message, with the text the request began it with
         returned = turn.message()
@@ -314,9 +318,12 @@ class AgentRunner:
         if e.turns >= self.settings.max_turns:  # it wants another turn: the session is cut there
             return self._cut(agent, AgentError(400, f"this session had its agent.max_turns={self.settings.max_turns} "
                                                     "turns", code="max_turns"))
+        row = prompt + e.tokens[start:]  # what the model has read: its context
         try:
-            how, tokens = self.requests.continued((agent.kind, agent.tools, len(agent.prompt)), prompt + e.tokens,
-                                                  kind, body, continuation)
+            how, tokens, why = self.requests.continued((agent.kind, agent.tools, agent.prompt), row, len(e.tokens),
+                                                       kind, body, continuation)
+            if how == NEW_ROW:
+                check_not_reread(agent.prompt, e.rows(), tokens)
         except AgentError as error:
             agent.conversation.refuse(error)
             agent.conversation.end()
@@ -328,9 +335,12 @@ class AgentRunner:
                                                code="context_length_exceeded"))
         e.continued[how] = e.continued.get(how, 0) + 1
         self._serve(agent, body)
-        e.add(tokens, model=False)
+        if how == NEW_ROW:  # the sample goes on in a row of its own: the prompt, then the request's render after it
+            e.new_row(tokens, why)
+        else:
+            e.add(tokens, model=False)
         e.replies += 1
-        return ReplyTokens.of(tokens, agent.limits)
+        return (NewRow if how == NEW_ROW else ReplyTokens).of(tokens, agent.limits)
 
     def _cut(self, agent: AgentSession, error: AgentError) -> None:
         """The request refused with `error`, and the session cut at a limit: scored as cut at the budget."""

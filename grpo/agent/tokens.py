@@ -7,7 +7,10 @@ request continues the served conversation (history.CONTINUES) and the template s
 whole: the row goes on from its own tokens plus the new messages as the reply rule renders them
 (grpo/sampler/episodes.py reply_ids). Otherwise (the template or the harness dropped the thinking, an edited or
 compacted history, a message we did not write) a NEW_ROW starts from the fresh render: what the model reads next
-is not the row's context, so the row ends where it is.
+is not the row's context, so the row ends where it is, and the sample goes on in a row of its own, read after the
+group's prompt alone (grpo/model/segments.py). A new row must begin with that prompt (the session's first
+request's render); one whose context the model already read (the last request again, an earlier one, a
+completions prompt cut back: `check_not_reread`) is refused, as it would sample a turn already sampled.
 """
 
 from __future__ import annotations
@@ -16,16 +19,20 @@ import threading
 from collections.abc import Callable
 
 from grpo.agent.bridge import continues_final
-from grpo.agent.history import CONTINUES, Continuation, as_text, text_of
+from grpo.agent.history import CONTINUES, NOTHING_NEW, REPEATED, Continuation, as_text, text_of
 from grpo.agent.server import AgentError
 from grpo.sampler.episodes import TemplateRoleError
 
 CLEAN, EQUIVALENT, NEW_ROW = "clean", "equivalent", "new_row"
-# why a request is refused and its session ends, besides history.py's reasons (each agent/refused/<reason>)
+# why a request is refused and its session ends (each agent/refused/<reason>), besides history.py's NOTHING_NEW
+# and REPEATED (a turn to sample again)
 TOOLS_CHANGED = "tools_changed"  # the request offers other tools than the session's first
 KIND_CHANGED = "kind_changed"  # chat after completions, or the other way round
+# why a request starts a new row, besides history.py's reasons (each agent/new_row/<reason>)
 TEMPLATE_DROPS = "template_drops"  # the template no longer shows an earlier turn as it was sampled
 TOKENS_DIFFER = "tokens_differ"  # a completions prompt that does not extend the session's tokens
+# refused: a new row's render that does not begin with the session's first (the group's prompt)
+PROMPT_CHANGED = "prompt_changed"
 MAX_TOKEN_CHARS = 64  # no token is longer: messages past this many characters a token of room are refused unread
 
 
@@ -95,32 +102,36 @@ class RequestTokens:
                              code="prompt")
         return list(prompt)
 
-    def continued(self, began: tuple[str, list | None, int], row: list[int], kind: str, body: dict,
-                  continuation: Continuation) -> tuple[str, list[int]]:
-        """(CLEAN or EQUIVALENT, the tokens of the request past the row); AgentError (its code the reason) when it
-        does not continue the session's conversation. `began`: the session's first request's kind, tools and
-        prompt length; `row`: its prompt and every token after it so far."""
-        first_kind, tools, prompt_length = began
+    def continued(self, began: tuple[str, list | None, list[int]], row: list[int], used: int, kind: str, body: dict,
+                  continuation: Continuation) -> tuple[str, list[int], str]:
+        """(CLEAN, EQUIVALENT or NEW_ROW; the tokens the model reads before its next message: past the row, or for
+        a NEW_ROW past the prompt; why a new row: "" otherwise); AgentError (its code the reason) for a request the
+        session cannot take. `began`: the session's first request's kind, tools and render (the group's prompt);
+        `row`: that prompt and the row's tokens since (the model's context); `used`: the sample's tokens so far."""
+        first_kind, tools, prompt = began
         if kind != first_kind:
             raise broken(KIND_CHANGED, f"a {kind} request in a session that began with {first_kind}")
         if kind == "completions":
             ids = self.first(kind, body)
             if len(ids) > len(row) and ids[:len(row)] == row:
-                return CLEAN, ids[len(row):]
-            raise broken(TOKENS_DIFFER, "the prompt does not extend the session's tokens (prompt, then every "
-                                        "completion as sampled: send token ids to be exact)")
-        if continuation.kind != CONTINUES:
-            at = "" if continuation.at is None else f" at messages[{continuation.at}]"
-            raise broken(continuation.kind, f"the messages do not continue this session's conversation "
-                                            f"({continuation.kind}{at})")
+                return CLEAN, ids[len(row):], ""
+            return NEW_ROW, self.past_prompt(ids, prompt), TOKENS_DIFFER
+        if continuation.kind in (NOTHING_NEW, REPEATED):  # a turn for the model to sample again
+            raise broken(continuation.kind, "nothing new after this session's last turn" if continuation.kind ==
+                         NOTHING_NEW else "the session's last request again, without the SDK's retry header")
         if (body.get("tools") or None) != (tools or None):
             raise broken(TOOLS_CHANGED, "the request offers other tools than the session's first")
-        room = self.max_new_tokens - (len(row) - prompt_length)
-        if sum(len(text_of(m.get("content"))) for m in continuation.new) > MAX_TOKEN_CHARS * room:
-            raise broken("context_length_exceeded", "the new messages are longer than what is left of "
+        room = self.max_new_tokens - used
+        continues = continuation.kind == CONTINUES  # else the whole conversation is rendered again, after the prompt
+        new, room = (continuation.new, room) if continues else (body["messages"], room + len(prompt))
+        if sum(len(text_of(m.get("content"))) for m in new) > MAX_TOKEN_CHARS * room:
+            raise broken("context_length_exceeded", "the messages are longer than what is left of "
                                                     f"sampling.max_new_tokens={self.max_new_tokens}")
         messages = as_text(body["messages"])
         text = self.render(messages, tools, continues_final(body))
+        fresh = self.ids_of(text)
+        if not continues:  # whatever its tokens: not the conversation the model read, continued
+            return NEW_ROW, self.past_prompt(fresh, prompt), continuation.kind
         roles = {m["role"] for m in continuation.new}
         prefill = text_of(messages[-1].get("content")) if continues_final(body) else ""  # the turn it begins
 
@@ -129,14 +140,24 @@ class RequestTokens:
             return self.reply_tokens(texts, roles.pop(), ended_with=row[-1], prefill=prefill)
 
         try:
-            how, tokens = next_context(row, self.ids_of(text), True,
-                                       len(roles) == 1 and shows_every_turn(text, messages), reply)
-        except TemplateRoleError as error:
-            raise broken(TEMPLATE_DROPS, str(error)) from None
-        if how not in (CLEAN, EQUIVALENT):
-            raise broken(TEMPLATE_DROPS, "the chat template does not show the session's earlier turns as they were "
-                                         "sampled (it drops or rewrites one)")
-        return how, tokens
+            how, tokens = next_context(row, fresh, True, len(roles) == 1 and shows_every_turn(text, messages), reply)
+        except TemplateRoleError:  # the reply rule cannot write these roles: the fresh render, in a row of its own
+            how = NEW_ROW
+        if how == NEW_ROW:  # the template drops or rewrites an earlier turn
+            return NEW_ROW, self.past_prompt(fresh, prompt), TEMPLATE_DROPS
+        return how, tokens, ""
+
+    @staticmethod
+    def past_prompt(ids: list[int], prompt: list[int]) -> list[int]:
+        """A new row's tokens after the prompt it shares with its group; AgentError where it does not begin with that
+        prompt, or is that prompt alone (the session's first request again)."""
+        if ids[:len(prompt)] != prompt:
+            raise broken(PROMPT_CHANGED, "the request does not begin as the session's first did (the system prompt, "
+                                         "the tools or the first messages changed), and a sample's rows share the "
+                                         "group's prompt")
+        if len(ids) == len(prompt):
+            raise broken(REPEATED, "the request is the session's first again")
+        return ids[len(prompt):]
 
     def render(self, messages: list[dict], tools, continued: bool = False) -> str:
         """The template's text of a request; AgentError where the template refuses it (roles out of order)."""
@@ -152,6 +173,16 @@ class RequestTokens:
         harness's: it may write them)."""
         with self.lock:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_not_reread(prompt: list[int], rows: list[list[int]], tokens: list[int]) -> None:
+    """A new row's context (the prompt, then `tokens`) must not be what the model already read in one of the
+    sample's rows (the prompt and a prefix of that row): the model would sample again what it sampled there, a
+    re-roll of a turn (an earlier request sent again, a completions prompt cut back)."""
+    context = prompt + tokens
+    if any((prompt + row)[:len(context)] == context for row in rows):
+        raise broken(REPEATED, "the request is a conversation the model already read in this session: a turn it "
+                               "sampled would be sampled again")
 
 
 def broken(reason: str, message: str) -> AgentError:

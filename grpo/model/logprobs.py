@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 from grpo.model.loading import unwrap_causal_lm
+from grpo.model.segments import has_rows, join_rows, split_rows
 from grpo.model.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
 
 if TYPE_CHECKING:
@@ -202,17 +203,23 @@ def check_supported(model, cfg: Config, name: str | None = None) -> None:
 def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
                         group_sizes: Sequence[int], *, shared_prefix: bool = True, temperature: float = 1.0,
                         max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,
-                        return_entropy: bool | str = False):
+                        return_entropy: bool | str = False, segments: Sequence[torch.Tensor] | None = None):
     """log p(c_j[t] | prompt_i, c_j[:t]) at `temperature`, one float32 tensor [C_j] per completion.
 
     prompt_ids: B unpadded int64 tensors; completion_ids: sum(group_sizes) tensors, prompt-major.
     Differentiable when grad is enabled. With `return_entropy`, also the per-token entropies (a metric,
-    without grad; return_entropy="grad": differentiable too).
+    without grad; return_entropy="grad": differentiable too). `segments`: per completion, which of its rows each
+    token is in (grpo/model/segments.py): each row is then read after the prompt alone.
     """
     sizes = _check_inputs(prompt_ids, completion_ids, group_sizes)
+    counts = None
+    if has_rows(segments):
+        completion_ids, sizes, counts = split_rows(completion_ids, sizes, segments)
     compute = _shared_prefix_logprobs if shared_prefix else _plain_logprobs
     logps, entropies = compute(model, list(prompt_ids), list(completion_ids), sizes, temperature,
                                max_tokens_per_forward, return_entropy)
+    if counts is not None:
+        logps, entropies = join_rows(logps, counts), join_rows(entropies, counts) if return_entropy else entropies
     return (logps, entropies) if return_entropy else logps
 
 
@@ -236,7 +243,7 @@ VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8, torch.bfloat16: 0.
 
 
 def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temperature: float = 1.0,
-                         max_groups: int = 2) -> float:
+                         max_groups: int = 2, segments: Sequence[torch.Tensor] | None = None) -> float:
     """Compare the shared and the plain path on the first `max_groups` groups; raise on a mismatch.
 
     Behind `training.verify_shared_prefix`: a model whose attention the hook cannot serve
@@ -246,8 +253,10 @@ def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temp
     sizes = [int(g) for g in group_sizes][:max_groups]
     prompts, completions = list(prompt_ids)[:len(sizes)], list(completion_ids)[:sum(sizes)]
     with torch.no_grad():
-        shared = completion_logprobs(model, prompts, completions, sizes, temperature=temperature)
-        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=temperature)
+        rows = None if segments is None else list(segments)[:sum(sizes)]
+        shared = completion_logprobs(model, prompts, completions, sizes, temperature=temperature, segments=rows)
+        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=temperature,
+                                    segments=rows)
     diff = max((a - b).abs().max().item() for a, b in zip(shared, plain))
     dtype = _model_parts(model)[2].weight.dtype
     tolerance = VERIFY_TOLERANCE.get(dtype, 1e-3)

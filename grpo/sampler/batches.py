@@ -19,6 +19,7 @@ import torch
 
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
+from grpo.model.segments import has_rows, join_rows, split_rows
 from grpo.objective import Objective
 from grpo.objective.advantages import estimate_advantages, worst_of_batch
 from grpo.objective.kl_reward import NAME as KL_PENALTY
@@ -187,7 +188,8 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
                           logps=[rnd.rollouts.logps[i] for rnd, i in samples],
                           model_masks=[rnd.rollouts.model_masks[i] for rnd, i in samples] if episodic else None,
                           token_versions=[rnd.rollouts.token_versions[i] for rnd, i in samples]
-                          if all(rnd.rollouts.token_versions is not None for rnd in rounds) else None),
+                          if all(rnd.rollouts.token_versions is not None for rnd in rounds) else None,
+                          segments=kept_segments(rounds, samples)),
         texts=[rnd.texts[i] for rnd, i in samples],
         rows=[rnd.rows[i] for rnd, i in samples],
         scores=RewardScores(torch.stack([rnd.scores.per_function[i] for rnd, i in samples]),
@@ -203,6 +205,15 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         generation_flops=sum(rnd.generation_flops for rnd in rounds),
         episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None,
         failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
+
+
+def kept_segments(rounds: list[Round], samples: list[tuple[Round, int]]) -> list[torch.Tensor] | None:
+    """The kept samples' rows (grpo/model/segments.py): all in row 0 for a round none of whose samples started a new
+    row; None where no round's did."""
+    if all(rnd.rollouts.segments is None for rnd in rounds):
+        return None
+    return [rnd.rollouts.segments[i] if rnd.rollouts.segments is not None
+            else torch.zeros(len(rnd.rollouts.completion_ids[i]), dtype=torch.int32) for rnd, i in samples]
 
 
 def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompts, step: int, sandbox,
@@ -242,7 +253,8 @@ def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.T
     engine's recorded log-probs and the recompute, or None when nothing was recomputed). Each with the
     shared-prefix forward at the sampling temperature: the prompt once per group."""
     args = (prompt_ids, rollouts.completion_ids, [cfg.sampling.group_size] * len(prompt_ids))
-    kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix)
+    kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix,
+                  segments=rollouts.segments)
     recorded = cfg.sampling.old_logps == "generation"
     with torch.no_grad():
         recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or measure_logp_gap else None
@@ -268,8 +280,12 @@ def teacher_logprobs(teacher, args: tuple, kwargs: dict) -> list[torch.Tensor] |
     1, the config's rule), or its model's shared-prefix forward, as the policy's."""
     if teacher is None:
         return None
-    if isinstance(teacher, RemoteTeacher):
-        return teacher.completion_logprobs(*args)
+    if isinstance(teacher, RemoteTeacher):  # its server reads completions of one row: each row sent as one
+        prompt_ids, completion_ids, group_sizes = args
+        if not has_rows(kwargs["segments"]):
+            return teacher.completion_logprobs(*args)
+        rows, sizes, counts = split_rows(completion_ids, group_sizes, kwargs["segments"])
+        return join_rows(teacher.completion_logprobs(prompt_ids, rows, sizes), counts)
     return completion_logprobs(teacher, *args, **kwargs)
 
 
@@ -327,7 +343,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         truncated=truncated,
         meta={"sample_ids": [p.problem.id for p in prompts]}, behaviour=policy.behaviour,
         weights_digest=digest, model_mask=rollouts.model_masks,
-        token_versions=rollouts.token_versions,
+        token_versions=rollouts.token_versions, segments=rollouts.segments,
         totals=scores.total, scored=scores.scored, worst=scores.worst,
         teacher_logps=teacher_logps)
     # `reward` and its spread: the rewards' (the KL penalty has its own column's metrics)

@@ -52,6 +52,10 @@ class Episode:
     continued: dict = field(default_factory=dict)
     breaks: dict = field(default_factory=dict)
     undelivered: int = 0
+    # where in `tokens` each row after the first begins (a request that did not continue what the model read starts
+    # a new row, read after the prompt alone), and why each did (by reason: history.py's, or the template's)
+    row_starts: list[int] = field(default_factory=list)
+    new_rows: dict = field(default_factory=dict)
 
     @property
     def environment_failed(self) -> bool:
@@ -81,6 +85,25 @@ class Episode:
         out = torch.full((len(self.tokens),), ENVIRONMENT_TOKEN, dtype=torch.int32)
         out[torch.tensor(self.drawn, dtype=torch.long)] = torch.tensor(self.versions, dtype=torch.int32)
         return torch.where(torch.tensor(self.model, dtype=torch.bool), out, ENVIRONMENT_TOKEN)
+
+    def new_row(self, ids, why: str) -> None:
+        """A new row of this sample from here (grpo/sampler/rollout/sequences.py NewRow): `ids`, the tokens the model
+        reads after the prompt before its next message, context only."""
+        self.row_starts.append(len(self.tokens))
+        self.new_rows[why] = self.new_rows.get(why, 0) + 1
+        self.add(ids, model=False)
+
+    def rows(self) -> list[list[int]]:
+        """Its rows' tokens (each after the prompt), in order."""
+        bounds = [0, *self.row_starts, len(self.tokens)]
+        return [self.tokens[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def segments(self) -> torch.Tensor:
+        """int32 [len(tokens)]: which of the sample's rows each token is in (0 up to the first new row)."""
+        out = torch.zeros(len(self.tokens), dtype=torch.int32)
+        for start in self.row_starts:
+            out[start:] += 1
+        return out
 
     def count_failure(self, failure: str | None) -> None:
         """Count a failed environment call (None: it answered); the first one is kept."""
@@ -116,7 +139,9 @@ class Episodes:
                                      logps=[torch.tensor(e.logps, dtype=torch.float32) for e in episodes],
                                      model_masks=[torch.tensor(e.model, dtype=torch.bool) for e in episodes],
                                      token_versions=[e.token_versions() for e in episodes]
-                                     if episodes and all(e.versions is not None for e in episodes) else None),
+                                     if episodes and all(e.versions is not None for e in episodes) else None,
+                                     segments=[e.segments() for e in episodes]
+                                     if any(e.row_starts for e in episodes) else None),
                    texts=[e.last_message for e in episodes],
                    rows=[{**row, "env_reward": e.reward} for row, e in zip(rows, episodes, strict=True)],
                    episodes=episodes)
@@ -152,11 +177,12 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Agents' sessions: their requests that continued the row exactly (clean: the fresh render extends it) or by
-    the reply rule (equivalent), those refused by reason (the prefix rule's, or a limit's), and the turns whose
-    response never reached its client (never trained)."""
-    metrics = {"agent/undelivered_turns": float(sum(e.undelivered for e in episodes))}
+    the reply rule (equivalent), those that started a new row, by reason, those refused by reason (the prefix rule's,
+    or a limit's), the rows per session, and the turns whose response never reached its client (never trained)."""
+    metrics = {"agent/undelivered_turns": float(sum(e.undelivered for e in episodes)),
+               "agent/rows_per_session": sum(1 + len(e.row_starts) for e in episodes) / max(len(episodes), 1)}
     for name, counts in (("continued", [e.continued for e in episodes]),
-                         ("refused", [e.breaks for e in episodes])):
+                         ("refused", [e.breaks for e in episodes]), ("new_row", [e.new_rows for e in episodes])):
         for key in sorted({k for c in counts for k in c}):
             metrics[f"agent/{name}/{key}"] = float(sum(c.get(key, 0) for c in counts))
     return metrics

@@ -36,7 +36,7 @@ from grpo.rewards.strict import reward_rows
 from grpo.sampler.episode_records import Episode, Episodes
 from grpo.sampler.rollout.continuous import episode_loop
 from grpo.sampler.rollout.decoding import StopStrings
-from grpo.sampler.rollout.sequences import NO_LIMITS, TurnLimits, limits_of, message_limit
+from grpo.sampler.rollout.sequences import NO_LIMITS, NewRow, TurnLimits, limits_of, message_limit
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -278,6 +278,7 @@ class EpisodeRunner:
                               max_new_tokens=[self.max_new_tokens] * len(prompt_ids))
         live, turn = list(range(len(prompt_ids) * group_size)), 0
         contexts = {j: list(prompt_ids[j // group_size]) for j in live}
+        used = dict.fromkeys(live, 0)  # tokens of each episode's budget used: its messages and replies
         limits = dict(enumerate(first_limits or []))  # each episode's next message's own limits
         kept = {}  # each message's tokens as its limits keep them
         while live:
@@ -292,15 +293,17 @@ class EpisodeRunner:
             going_on = []
             for k, (j, reply) in enumerate(zip(live, replies)):
                 if reply is not None:
-                    contexts[j] += kept[k].tolist() + reply
+                    restart = isinstance(reply, NewRow)  # its context starts again after the prompt
+                    contexts[j] = (list(prompt_ids[j // group_size]) if restart
+                                   else contexts[j] + kept[k].tolist()) + reply
+                    used[j] += len(kept[k]) + len(reply)
                     limits[j] = limits_of(reply)
                     going_on.append(j)
             live = going_on
             if not live:
                 break
             turn += 1
-            budgets = [message_limit(self.max_new_tokens - (len(contexts[j]) - len(prompt_ids[j // group_size])),
-                                     limits[j]) for j in live]
+            budgets = [message_limit(self.max_new_tokens - used[j], limits[j]) for j in live]
             out = engine.generate([contexts[j] for j in live], 1, seed=turn_seed(seed, turn), greedy=greedy,
                                   max_new_tokens=budgets)
 

@@ -86,7 +86,7 @@ def next_call(loop: SamplerRun, step: int):
         return None
     if loop.watcher.latest() not in (None, engine.version):
         return None
-    from grpo.sampler.rollout.continuous import NextCall
+    from grpo.sampler.rollout.sequences import NextCall
 
     prompts = round_prompts(sampling, loop.cursor, loop.prompts, g)(0)
     return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g))

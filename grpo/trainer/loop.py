@@ -120,7 +120,7 @@ class TrainingLoop:
             self.ends.metrics.write_evaluation({"wall_time": time.time(), **batch.meta["eval"]})
         if not self.prefix_verified:
             verify_shared_prefix(self.model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
-                                 temperature=self.cfg.sampling.temperature)
+                                 temperature=self.cfg.sampling.temperature, segments=batch.segments)
             self.prefix_verified = True
         return batch
 

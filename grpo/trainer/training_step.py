@@ -62,7 +62,8 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
     logps, entropies = completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                            shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
                                            return_entropy="grad" if objective.entropy_coef > 0 else True,
-                                           max_tokens_per_forward=training.max_tokens_per_micro_batch)
+                                           max_tokens_per_forward=training.max_tokens_per_micro_batch,
+                                           segments=mb.segments)
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
@@ -113,7 +114,7 @@ def reference_logps(model, mb: RolloutBatch, cfg: Config) -> list[torch.Tensor]:
     with torch.no_grad(), model.disable_adapter():
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                    shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
-                                   max_tokens_per_forward=training.max_tokens_per_micro_batch)
+                                   max_tokens_per_forward=training.max_tokens_per_micro_batch, segments=mb.segments)
 
 
 class PolicyObjective(torch.nn.Module):

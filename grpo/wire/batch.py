@@ -17,8 +17,9 @@ from grpo.weights.folder import INITIAL_DIGEST
 
 # /2: every token carries the weights version that sampled it (token_versions); /3: no loss denominators
 # (the trainer counts them from the batch it holds); /4: each sample's total and whether it was scored or failed
-# (the trainer recomputes the advantages from them)
-SCHEMA = "grpo.rollout/4"
+# (the trainer recomputes the advantages from them); /5: a sample may hold several rows, each its own context
+# (segments: an agent's session whose requests did not continue what the model read)
+SCHEMA = "grpo.rollout/5"
 ENVIRONMENT_TOKEN = -1  # token_versions of a token an environment wrote (episodes): no version sampled it
 
 
@@ -49,6 +50,9 @@ class RolloutBatch:
     scored: torch.Tensor | None = None  # bool [N], the samples in their group's mean and std
     worst: torch.Tensor | None = None  # bool [N], the samples a reward failed on, scoring the batch's worst
     teacher_logps: list[torch.Tensor] | None = None  # N x float32 [C_j]: distill.teacher's; None without one
+    # N x int32 [C_j]: which of its sample's rows each token is in (0, then 1 from where a second row begins ...):
+    # each row is read after the prompt alone, not after the rows before it (grpo/model/segments.py). None: one row each
+    segments: list[torch.Tensor] | None = None
     schema: str = SCHEMA
 
     def __post_init__(self):
@@ -103,6 +107,7 @@ FIELDS = (
     Field("old_logps", "ragged", "<f4", rows="token", optional=True),
     Field("ref_logps", "ragged", "<f4", rows="token", optional=True),
     Field("teacher_logps", "ragged", "<f4", rows="token", optional=True),
+    Field("segments", "ragged", "<i4", rows="token", optional=True),
     Field("rewards", "tensor", "<f4", rows="completion", columns="reward_names"),
     Field("reward_names", "header", list),
     Field("advantages", "tensor", "<f4", rows="completion"),

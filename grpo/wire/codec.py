@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 SECRET_ENV = "GRPO_TRANSPORT_SECRET"
 DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
-EARLIER_SCHEMAS = ("grpo.rollout/1", "grpo.rollout/2", "grpo.rollout/3")
+EARLIER_SCHEMAS = ("grpo.rollout/1", "grpo.rollout/2", "grpo.rollout/3", "grpo.rollout/4")
 
 TENSORS = {f.name: f for f in TENSOR_FIELDS}
 TORCH_DTYPE = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
@@ -107,7 +107,7 @@ def _header(frame: bytes) -> dict:
         raise MessageError(f"header must be a JSON object, got {type(header).__name__}")
     if header.get("schema") in EARLIER_SCHEMAS:
         raise MessageError(f"a batch of schema {header['schema']}, from a sampler older than this trainer, which "
-                           f"speaks {SCHEMA} (what each sample's advantage was made from): run the sampler of the "
+                           f"speaks {SCHEMA} (what a batch holds has changed since): run the sampler of the "
                            "same version")
     if header.get("schema") != SCHEMA:
         raise MessageError(f"unknown schema {str(header.get('schema'))[:80]!r}; this trainer speaks {SCHEMA}")
@@ -194,6 +194,21 @@ def _check_versions(policy_version: int, versions: list[torch.Tensor], model_mas
         raise MessageError(f"policy_version {policy_version} is not the oldest token's version {int(model.min())}")
 
 
+def _check_segments(segments: list[torch.Tensor] | None, model_mask: list[torch.Tensor] | None) -> None:
+    """Each sample's rows: 0 first, then each new row one more, and each new row begins with context (its first
+    token the template's or the harness's: the shared-prefix forward reads no log-prob of it)."""
+    if segments is None:
+        return
+    if model_mask is None:
+        raise MessageError("segments: a sample of several rows needs model_mask (a new row begins with context)")
+    for j, (rows, mask) in enumerate(zip(segments, model_mask)):
+        steps = rows.diff(prepend=rows.new_zeros(1))
+        if bool(((steps != 0) & (steps != 1)).any()) or (len(rows) and int(rows[0]) != 0):
+            raise MessageError(f"segments: sample {j}'s row indices must start at 0 and grow by one at a time")
+        if bool(mask[steps == 1].any()):
+            raise MessageError(f"segments: sample {j} has a row that begins with a model token")
+
+
 def decode_batch(frames, secret: bytes | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutBatch:
     """Frames -> RolloutBatch, or MessageError for any bad input (never another exception)."""
     try:
@@ -232,4 +247,5 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
             raise MessageError(f"missing tensor field '{f.name}'")
     _check_consistency(header, dims)
     _check_versions(header["policy_version"], tensors["token_versions"], tensors.get("model_mask"))
+    _check_segments(tensors.get("segments"), tensors.get("model_mask"))
     return RolloutBatch(**{f.name: header[f.name] if f.wire == "header" else tensors.get(f.name) for f in FIELDS})

@@ -177,7 +177,7 @@ class Completions:
             self.llm = vllm.LLM(**engine_arguments(cfg, False, psutil.virtual_memory().available))
 
     def __call__(self, variant: str, prompts: list, seed: int, then: list | None = None) -> dict[str, float]:
-        from grpo.sampler.rollout.continuous import NextCall
+        from grpo.sampler.rollout.sequences import NextCall
 
         G = self.cfg.sampling.group_size
         self.engine.loop_metrics.take()

@@ -54,6 +54,8 @@ class Rollouts:
     # N x int32 [C_j]: the weights version that drew each token, where it may differ within a completion
     # (sampling.in_flight_updates); None: all drawn by the version served when the call started
     token_versions: list[torch.Tensor] | None = None
+    # N x int32 [C_j]: which of its rows each token is in (an agent's session: grpo/model/segments.py); None: one row
+    segments: list[torch.Tensor] | None = None
 
 
 @runtime_checkable

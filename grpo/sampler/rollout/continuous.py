@@ -14,6 +14,9 @@ A sequence's life: queued -> decoding -> (an episode whose message ended: waitin
   loop), or inline without one. A reply that comes back while the row is still in the batch is fed
   there; a row that waited through a whole decode step leaves the batch at the next regroup with
   its KV (its own columns, in order: parked, not recomputed) and joins again when its reply is in.
+- A `NewRow` reply (an agent's request that does not continue what the model read) rewinds its row
+  to its prompt: its columns past the prompt masked (cut off its KV while parked), then it is fed the
+  prompt's last token and the reply, as a fresh sequence with that context would be.
 - A regroup is one copy of the KV: it runs when the rows that left (done, or parked) are
   COMPACT_FRACTION of the batch, or when that many queued rows (or all of them) fit. The kept rows'
   columns stay where they are, a joining row's columns are right-aligned, and the columns left of
@@ -63,6 +66,7 @@ from grpo.sampler.rollout.sequences import (
     QUEUED,
     WAITING,
     Call,
+    NewRow,
     OnTurn,
     Sequence,
     TurnLimits,
@@ -300,6 +304,8 @@ class ContinuousLoop(LoopCache):
         check_room(s.episode, len(reply), s.budget, s.used)
         s.turn += 1
         s.generator = self._generator(s)
+        if isinstance(reply, NewRow):  # its context starts again: its prompt, then the reply
+            self._rewind(s)
         s.feed, s.drawn, s.logps = [*s.feed, *reply], [], []
         if s.in_batch:
             s.state = DECODING
@@ -422,17 +428,6 @@ class ContinuousLoop(LoopCache):
                     cached = getattr(layer, name)
                     index = order[:, None, :, None].expand(-1, cached.shape[1], -1, cached.shape[3])
                     setattr(layer, name, cached.gather(2, index))
-
-
-@dataclass
-class NextCall:
-    """A generate call to come: `HFEngine.generate(then=...)` starts its completions in the rows the
-    current call leaves free."""
-
-    prompts: list[list[int]]
-    group_size: int
-    seed: int | None
-    max_new_tokens: list[int] | None = None
 
 
 @dataclass

@@ -34,10 +34,10 @@ from transformers.cache_utils import DynamicLayer
 from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.model.loading import unwrap_causal_lm
 from grpo.sampler.rollout import Rollouts
-from grpo.sampler.rollout.continuous import Carried, ContinuousLoop, NextCall
+from grpo.sampler.rollout.continuous import Carried, ContinuousLoop
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings, TokenSampler, left_pad, seen_tokens
 from grpo.sampler.rollout.loop_cache import runs_continuously
-from grpo.sampler.rollout.sequences import Call
+from grpo.sampler.rollout.sequences import Call, NextCall
 from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
 
 log = logging.getLogger(__name__)

@@ -166,6 +166,18 @@ class LoopCache:
                 s.state = DECODING
             s.kv = None  # in the cache now (a group's prompt KV stays with its queued rows)
 
+    def _rewind(self, s: Sequence) -> None:
+        """Sequence `s` back to its prompt (a `NewRow` reply): its KV past the prompt dropped (masked in the batch,
+        cut off a parked one), so that what it is fed next follows its prompt alone, as a fresh sequence's does."""
+        kept = prompt_length(s)  # the cached prompt: every token but the last, which is fed again first
+        if s.in_batch:
+            b = self.rows.index(s)
+            self.mask[b, self.mask[b].nonzero().squeeze(-1)[kept:]] = 0
+        elif s.kv is not None:
+            s.kv = [(keys[:, :kept].clone(), values[:, :kept].clone()) for keys, values in s.kv] if kept else None
+        s.history, s.position, s.feed = s.history[:kept], kept, [s.call.prompts[s.prompt][-1]]
+        self.seen_for = None  # the repetition penalty's rows are built again, from the histories
+
     def _own_columns(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row b's cached columns (the unmasked ones, in order) of every layer, copied out of the batch."""
         columns = self.mask[b].nonzero().squeeze(-1)

@@ -15,7 +15,7 @@ import torch
 # (episode, the message's tokens, their log-probs, cut at its limit) -> the environment's reply to feed
 # before the episode's next message, or None: the episode is over. A reply must leave the model room for
 # one token at least within the episode's budget (grpo/sampler/episodes.py cuts one that does not fit); a
-# `ReplyTokens` sets the next message's own limits (TurnLimits).
+# `ReplyTokens` sets the next message's own limits (TurnLimits); a `NewRow` replaces the episode's context.
 OnTurn = Callable[[int, torch.Tensor, torch.Tensor, bool], "list[int] | None"]
 
 
@@ -43,6 +43,12 @@ class ReplyTokens(list):
         return reply
 
 
+class NewRow(ReplyTokens):
+    """A reply that starts the episode's context again: the model reads next its prompt, then these tokens (an
+    agent's request that does not continue what the model read: grpo/agent/tokens.py), not what came before. The
+    tokens still count against the episode's budget, as a reply's do (they are stored in its record)."""
+
+
 def limits_of(reply: list[int]) -> TurnLimits:
     return getattr(reply, "limits", NO_LIMITS)
 
@@ -68,6 +74,17 @@ def check_room(episode: int, reply: int, budget: int, used: int) -> None:
         raise ValueError(f"episode {episode}: a reply of {reply} tokens leaves no room for another message within "
                          f"the episode's budget of {budget} tokens ({used} used with it); cut the reply to leave one "
                          "token at least, or end the episode")
+
+
+@dataclass
+class NextCall:
+    """A generate call to come: `HFEngine.generate(then=...)` starts its completions in the rows the
+    current call leaves free."""
+
+    prompts: list[list[int]]
+    group_size: int
+    seed: int | None
+    max_new_tokens: list[int] | None = None
 
 
 DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"

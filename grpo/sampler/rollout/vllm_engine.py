@@ -56,8 +56,17 @@ import torch
 
 from grpo.model.completions import eos_token_ids
 from grpo.sampler.rollout import SEED_BLOCK, Rollouts, prompt_seeds
-from grpo.sampler.rollout.continuous import NextCall
-from grpo.sampler.rollout.sequences import Call, OnTurn, TurnLimits, check_room, episode_seed, limits_of, message_limit
+from grpo.sampler.rollout.sequences import (
+    Call,
+    NewRow,
+    NextCall,
+    OnTurn,
+    TurnLimits,
+    check_room,
+    episode_seed,
+    limits_of,
+    message_limit,
+)
 from grpo.sampler.rollout.vllm_arguments import INSTALL_HINT, VllmUnavailable, cpu_threads_environment, engine_arguments
 from grpo.sampler.rollout.vllm_async import EngineLoop, EnvironmentCalls, StepCounts
 from grpo.sampler.rollout.vllm_tasks import InFlightPoller, all_of, cancelled, resumed_seed
@@ -426,5 +435,6 @@ class VllmEngine:
             used += len(ids) + len(reply)
             check_room(j, len(reply), budget, used)
             limits = limits_of(reply)
-            context += ids.tolist() + reply
+            # a NewRow starts the context again after the prompt; its tokens count against the budget all the same
+            context = list(prompt) + reply if isinstance(reply, NewRow) else context + ids.tolist() + reply
             turn += 1

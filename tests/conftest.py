@@ -32,7 +32,7 @@ FAST_FILES = {
     "test_mixture.py", "test_models.py",
     "test_procedural.py", "test_remote_teacher.py", "test_rollout.py", "test_run_integrity.py",
     "test_sampler_step.py", "test_schedule.py", "test_shared_prefix.py", "test_shown_completions.py",
-    "test_skipping_adamw.py", "test_transport.py",
+    "test_skipping_adamw.py", "test_transport.py", "test_vision.py",
 }
 
 

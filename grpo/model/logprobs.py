@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 from grpo.model.loading import unwrap_causal_lm
 from grpo.model.segments import has_rows, join_rows, split_rows
 from grpo.model.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
+from grpo.model.vision import PromptImages, batch_images, packed_inputs, vision_language_model
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -104,14 +105,20 @@ def _store(logps: list, entropies: list, indices: list[int], lp, ent, completion
         logps[j], entropies[j] = a, b
 
 
-def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy):
+def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy,
+                            images=None):
     causal_lm, decoder, head = _model_parts(model)
     device = head.weight.device
     logps, entropies = [None] * len(completion_ids), [None] * len(completion_ids)
     install_shared_prefix_attention(causal_lm)
+    vlm = vision_language_model(causal_lm) if images is not None else None
     for row in pack_groups(prompt_ids, completion_ids, sizes, max_tokens):
-        hidden = decoder(input_ids=row.input_ids[None].to(device), position_ids=row.position_ids[None].to(device),
-                         attention_mask=NO_MASK.to(device), use_cache=False,
+        inputs = dict(input_ids=row.input_ids[None].to(device), position_ids=row.position_ids[None].to(device))
+        if vlm is not None:  # each group's prompt with its images' features, computed once, and M-RoPE positions
+            embeddings, positions = packed_inputs(vlm, row.input_ids.to(device), row.position_ids.to(device),
+                                                  row.groups, prompt_ids, images)
+            inputs = dict(inputs_embeds=embeddings[None], position_ids=positions[:, None])
+        hidden = decoder(**inputs, attention_mask=NO_MASK.to(device), use_cache=False,
                          shared_prefix_groups=row.groups).last_hidden_state[0]  # [L, H]
         lp, ent = head_logprobs(hidden[row.hidden_index.to(device)], row.targets.to(device), head, temperature,
                                 with_entropy=with_entropy)
@@ -133,9 +140,11 @@ def _plain_rows(prompt_ids, completion_ids, sizes, max_tokens):
     return prompt_of, batches
 
 
-def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy):
-    """The baseline: each completion in its own right-padded row with its prompt repeated."""
-    _, decoder, head = _model_parts(model)
+def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy, images=None):
+    """The baseline: each completion in its own right-padded row with its prompt repeated (and its images: the
+    vision-language model's own forward, its vision encoder on every row's)."""
+    causal_lm, decoder, head = _model_parts(model)
+    vlm = vision_language_model(causal_lm) if images is not None else None
     device = head.weight.device
     logps, entropies = [None] * len(completion_ids), [None] * len(completion_ids)
     prompt_of, batches = _plain_rows(prompt_ids, completion_ids, sizes, max_tokens)
@@ -147,8 +156,13 @@ def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_t
         for k, r in enumerate(rows):
             input_ids[k, :len(r)] = r
             attention_mask[k, :len(r)] = 1
-        hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         use_cache=False).last_hidden_state  # [n, width, H]
+        inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+        if vlm is not None:
+            pixel_values, grid_thw = batch_images([images[prompt_of[j]] for j in batch])
+            inputs.update(pixel_values=None if pixel_values is None else pixel_values.to(device),
+                          image_grid_thw=None if grid_thw is None else grid_thw.to(device),
+                          mm_token_type_ids=(input_ids == vlm.config.image_token_id).int().to(device))
+        hidden = (vlm or decoder)(**inputs).last_hidden_state  # [n, width, H]
         select_row, select_pos, targets = [], [], []
         for k, j in enumerate(batch):
             P, C = len(prompt_ids[prompt_of[j]]), len(completion_ids[j])
@@ -203,21 +217,25 @@ def check_supported(model, cfg: Config, name: str | None = None) -> None:
 def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor],
                         group_sizes: Sequence[int], *, shared_prefix: bool = True, temperature: float = 1.0,
                         max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD,
-                        return_entropy: bool | str = False, segments: Sequence[torch.Tensor] | None = None):
+                        return_entropy: bool | str = False, segments: Sequence[torch.Tensor] | None = None,
+                        images: Sequence[PromptImages | None] | None = None):
     """log p(c_j[t] | prompt_i, c_j[:t]) at `temperature`, one float32 tensor [C_j] per completion.
 
     prompt_ids: B unpadded int64 tensors; completion_ids: sum(group_sizes) tensors, prompt-major.
     Differentiable when grad is enabled. With `return_entropy`, also the per-token entropies (a metric,
     without grad; return_entropy="grad": differentiable too). `segments`: per completion, which of its rows each
-    token is in (grpo/model/segments.py): each row is then read after the prompt alone.
+    token is in (grpo/model/segments.py): each row is then read after the prompt alone. `images`: per prompt, its
+    images (grpo/model/vision.py) or None, for a vision-language model.
     """
     sizes = _check_inputs(prompt_ids, completion_ids, group_sizes)
     counts = None
     if has_rows(segments):
         completion_ids, sizes, counts = split_rows(completion_ids, sizes, segments)
     compute = _shared_prefix_logprobs if shared_prefix else _plain_logprobs
+    if images is not None and len(images) != len(prompt_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(images)} prompts' images")
     logps, entropies = compute(model, list(prompt_ids), list(completion_ids), sizes, temperature,
-                               max_tokens_per_forward, return_entropy)
+                               max_tokens_per_forward, return_entropy, images=images)
     if counts is not None:
         logps, entropies = join_rows(logps, counts), join_rows(entropies, counts) if return_entropy else entropies
     return (logps, entropies) if return_entropy else logps

@@ -32,6 +32,7 @@ class GroupSpan:
     start: int  # row offset of the prompt's first token
     prompt_len: int  # P
     completion_lens: list[int]  # C_1 .. C_G
+    prompt: int = 0  # its prompt's index in the batch
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -99,7 +100,7 @@ def _build_row(group_indices, prompt_ids, completion_ids, bounds) -> PackedRow:
         prompt = prompt_ids[i]
         P = len(prompt)
         a, b = bounds[i]
-        span = GroupSpan(offset, P, [len(c) for c in completion_ids[a:b]])
+        span = GroupSpan(offset, P, [len(c) for c in completion_ids[a:b]], prompt=i)
         ids.append(prompt)
         positions.append(torch.arange(P))
         cursor = offset + P

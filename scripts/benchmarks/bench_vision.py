@@ -1,0 +1,117 @@
+"""Log-prob passes with images: the shared-prefix path (each group's prompt, its image through the vision encoder
+included, computed once) against the plain one (each [prompt | completion] row with its image, the model's own
+forward: the encoder G times), side by side on a tiny random Qwen2-VL built from a config.
+
+    .venv/bin/python scripts/benchmarks/bench_vision.py                      # 4 prompts x G=8, 448x448, 64 tokens
+    .venv/bin/python scripts/benchmarks/bench_vision.py --size 224 --group 4 --repeats 5
+
+Both variants run in this process, alternating, no grad; it prints each one's median seconds, the share of it spent
+in the vision encoder, and the plain/shared ratio. The models here are also the tests' (tests/test_vision.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+IMAGE, START, END = 100, 98, 97  # the image placeholder token, and the tokens around an image
+
+
+def tiny_vlm(dtype=torch.float64, seed: int = 0, hidden: int = 64, vision_dim: int = 32, depth: int = 2):
+    """A random Qwen2-VL: a 2-layer language model (GQA) and a `depth`-block vision encoder, vocabulary 101."""
+    from transformers import AutoModelForImageTextToText, Qwen2VLConfig
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=101, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                         bos_token_id=None, eos_token_id=1, pad_token_id=0),
+        vision_config=dict(depth=depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=IMAGE, video_token_id=99, vision_start_token_id=START, vision_end_token_id=END,
+        tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config).to(dtype).eval()
+
+
+def images_of(*sizes, seed: int = 0):
+    """Random RGB images of these (height, width), through Qwen2-VL's image processor (PIL: no torchvision)."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from grpo.model.vision import PromptImages
+
+    rng = np.random.default_rng(seed)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    out = Qwen2VLImageProcessorPil()(images=pictures, return_tensors="pt")
+    return PromptImages(out["pixel_values"], out["image_grid_thw"])
+
+
+def prompt_with(images, text=(5, 6)) -> torch.Tensor:
+    """Text, then each image as <start> its tokens <end>, then more text."""
+    ids = list(text)
+    for t, h, w in images.grid_thw.tolist():
+        ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
+    return torch.tensor(ids + [7, 8, 9])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--size", type=int, default=448, help="each prompt's one square image, in pixels")
+    parser.add_argument("--completion", type=int, default=64, help="tokens a completion")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    from grpo.model.logprobs import completion_logprobs
+    from grpo.model.vision import vision_language_model
+
+    model = tiny_vlm(torch.float32)
+    images = [images_of((args.size, args.size), seed=i) for i in range(args.prompts)]
+    prompts = [prompt_with(i) for i in images]
+    g = torch.Generator().manual_seed(0)
+    completions = [torch.randint(2, 90, (args.completion,), generator=g) for _ in range(args.prompts * args.group)]
+    visual = vision_language_model(model).visual
+    forward, encoder_s = visual.forward, [0.0]
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = forward(*a, **k)
+        encoder_s[0] += time.perf_counter() - t
+        return out
+
+    visual.forward = timed
+    times = {"shared": [], "plain": []}
+    encoder = {"shared": [], "plain": []}
+    torch.set_grad_enabled(False)
+    for repeat in range(args.repeats + 1):  # the first round warms up, and is not counted
+        for variant in ("shared", "plain") if repeat % 2 else ("plain", "shared"):
+            encoder_s[0] = 0.0
+            t = time.perf_counter()
+            completion_logprobs(model, prompts, completions, [args.group] * args.prompts, images=images,
+                                shared_prefix=variant == "shared", max_tokens_per_forward=10**6)
+            if repeat:
+                times[variant].append(time.perf_counter() - t)
+                encoder[variant].append(encoder_s[0])
+    print(f"{args.prompts} prompts x G={args.group}, one {args.size}x{args.size} image each "
+          f"({len(prompts[0])} prompt tokens, {images[0].patches} patches), {args.completion}-token completions, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    for variant in ("shared", "plain"):
+        median = statistics.median(times[variant])
+        print(f"  {variant:6s} {median:7.3f} s   vision encoder {statistics.median(encoder[variant]) / median:5.1%}")
+    print(f"  plain / shared: {statistics.median(times['plain']) / statistics.median(times['shared']):.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,9 @@ from pathlib import Path
 from grpo.common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 from grpo.data.code_tasks import code_task_rows, is_code_tasks
 from grpo.data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
+from grpo.data.images import read_images
 from grpo.data.procedural import TaskError, check_task, is_procedural, task_rows
+from grpo.data.shapes import is_shapes, shape_rows
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,17 @@ class Columns:
     answer: str = "answer"
     answer_format: str = "gsm8k"
     hub_config: str | None = None  # None: 'main' for openai/gsm8k, else the dataset's default
+    image: str | None = None  # the column with each prompt's images (data.image_column)
 
     @classmethod
     def of(cls, data_cfg) -> "Columns":
-        return cls(data_cfg.prompt_column, data_cfg.answer_column, data_cfg.answer_format, data_cfg.hub_config)
+        return cls(data_cfg.prompt_column, data_cfg.answer_column, data_cfg.answer_format, data_cfg.hub_config,
+                   data_cfg.image_column)
 
 
 GSM8K_COLUMNS = Columns()
 PROCEDURAL_COLUMNS = Columns("question", "answer", "text")  # the rows data/procedural.py makes
+SHAPES_COLUMNS = Columns("question", "answer", "text", image="image")  # data/shapes.py's
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Problem:
     # the prompt as chat messages ({"role", "content"}), when the dataset gives them
     messages: tuple = field(default=(), hash=False)
     row: dict = field(default_factory=dict, compare=False, hash=False)  # the row's JSON columns, for rewards
+    images: tuple = field(default=(), compare=False, hash=False)  # its images' encoded bytes (PNG, JPEG, ...)
 
 
 @dataclass
@@ -128,8 +134,10 @@ def _reference(value, answer_format: str) -> tuple[str | None, str]:
     return (text or None), ""
 
 
-def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_COLUMNS) -> list[Problem]:
-    """Turn raw dict rows into Problems; a bad row is skipped and counted by reason."""
+def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_COLUMNS,
+               folder: Path | None = None) -> list[Problem]:
+    """Turn raw dict rows into Problems; a bad row is skipped and counted by reason. `folder`: where an image
+    column's relative paths are read from."""
     problems = []
     for i, row in enumerate(raw_rows):
         stats.rows += 1
@@ -148,8 +156,14 @@ def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_
         if final is None:
             stats.skip("non-numeric answer" if columns.answer_format == "gsm8k" else f"empty {columns.answer}")
             continue
+        images = ()
+        if columns.image is not None:
+            images, problem = read_images(row.get(columns.image), folder)
+            if problem:
+                stats.skip(problem)
+                continue
         question = messages[-1]["content"] if messages else prompt.strip()
-        problems.append(Problem(f"{split}-{i}", question, final, reasoning, messages or (), _json_columns(row)))
+        problems.append(Problem(f"{split}-{i}", question, final, reasoning, messages or (), _json_columns(row), images))
     return problems
 
 
@@ -276,6 +290,13 @@ def _read_procedural(path: str, split: str, task_args: dict) -> list:
         raise DataError(str(e)) from None
 
 
+def _read_shapes(split: str, task_args: dict) -> list:
+    try:
+        return shape_rows(split, task_args)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
 def _read_code_tasks(split: str, task_args: dict) -> list:
     try:
         return code_task_rows(split, task_args)
@@ -289,6 +310,8 @@ def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None =
         return _read_embedded(split)
     if is_code_tasks(path):
         return _read_code_tasks(split, task_args or {})
+    if is_shapes(path):
+        return _read_shapes(split, task_args or {})
     if is_procedural(path):
         return _read_procedural(path, split, task_args or {})
     folder = Path(path).expanduser()
@@ -301,6 +324,8 @@ def check_source(path: str, split: str, task_args: dict | None = None) -> None:
         _read_embedded(split)
     elif is_code_tasks(path):
         _read_code_tasks(split, task_args or {})
+    elif is_shapes(path):
+        _read_shapes(split, {**(task_args or {}), "size": 1, "test_size": 1})
     elif is_procedural(path):
         try:
             check_task(path, task_args or {})
@@ -318,9 +343,11 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
     their own columns (`task_args` are its settings)."""
     stats = LoadStats()
     columns = PROCEDURAL_COLUMNS if is_procedural(path) or is_code_tasks(path) else columns
+    columns = SHAPES_COLUMNS if is_shapes(path) else columns
     raw = _read_rows(path, split, stats, columns.hub_config, task_args)
     check_columns(raw, columns, f"{path} split '{split}'")
-    problems = parse_rows(raw, split, stats, columns)
+    folder = Path(path).expanduser()
+    problems = parse_rows(raw, split, stats, columns, folder if folder.is_dir() else None)
     if stats.skipped:
         log.warning("%s/%s: skipped %d of %d rows: %s%s", path, split, sum(stats.skipped.values()),
                     stats.rows, stats.skipped, format_fix(stats, columns))
@@ -338,7 +365,7 @@ def check_rows(data_cfg, split: str, rows: int = CHECKED_ROWS) -> str | None:
     column is missing or none is usable (naming the setting that fixes it); a warning when most are
     skipped; None when they parse. Embedded and local files only (a Hub dataset is checked as it loads)."""
     columns, path = Columns.of(data_cfg), data_cfg.path
-    if is_procedural(path) or is_code_tasks(path):
+    if is_procedural(path) or is_code_tasks(path) or is_shapes(path):
         return None  # rows of our own making
     folder = Path(path).expanduser()
     if path == EMBEDDED_GSM8K:

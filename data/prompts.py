@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo.common.sources import ModelError
+from grpo.data.images import ImageReader, PromptImages
 from grpo.data.problems import Problem
 
 
@@ -14,6 +15,7 @@ class Prompt:
     token_ids: list[int]  # the whole prompt, prefill included, no padding
     turns: tuple = ()  # the chat it was rendered from (before the generation prompt and prefill)
     tools: tuple = ()  # the tools' JSON schemas the chat template offered in it (env.tools)
+    images: object = None  # ImageSource of its images, or None (text alone)
 
 
 def solved_answer(shot: Problem) -> str:
@@ -117,11 +119,42 @@ def _opened_turns(turns: tuple, opening: str) -> tuple:
 ENCODE_BATCH = 2048  # prompts per tokenizer call
 
 
+@dataclass(frozen=True)
+class ImageSource:
+    """A prompt's images, made into the model's input when a step draws the prompt (`load`): a dataset's pixel
+    values held for every prompt at once would not fit in memory."""
+
+    reader: ImageReader
+    images: tuple[bytes, ...]
+
+    def load(self) -> PromptImages:
+        return self.reader.pixels(self.images)
+
+
+def prompt_images(prompts: list) -> list | None:
+    """Each prompt's images (PromptImages, or None for a prompt without), made now; None when no prompt has any."""
+    if all(p.images is None for p in prompts):
+        return None
+    return [p.images.load() if isinstance(p.images, ImageSource) else p.images for p in prompts]
+
+
+def image_prompt(tokenizer, reader: ImageReader, turns: list[dict], prefill: str, images: tuple[bytes, ...]
+                 ) -> tuple[list[int], ImageSource]:
+    """A prompt with images: its images as content parts before the last turn's text (the chat template writes a
+    placeholder for each, widened to the image's tokens); (the token ids, where its images come from)."""
+    last = turns[-1]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": last["content"]}]
+    text = render(tokenizer, [*turns[:-1], {**last, "content": parts}], prefill)
+    text = reader.widen(text, reader.pixels(images).grid_thw)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], ImageSource(reader, images)
+
+
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
                    max_prompt_tokens: int, shots: list[Problem] = (), demonstrate=None,
-                   tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
+                   tools: list[dict] | None = None, processor=None) -> tuple[list[Prompt], int]:
     """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`.
-    The `shots` themselves are not asked. `tools`: JSON schemas the chat template offers."""
+    The `shots` themselves are not asked. `tools`: JSON schemas the chat template offers. `processor`: the
+    vision-language model's, for problems with images (their image tokens count in the length)."""
     tools = tuple(tools or ())
     if tools:
         check_template_offers_tools(tokenizer, list(tools))
@@ -135,7 +168,12 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
     encoded = [ids for start in range(0, len(texts), ENCODE_BATCH)
                for ids in tokenizer(texts[start:start + ENCODE_BATCH], add_special_tokens=False,
                                     return_attention_mask=False)["input_ids"]]
-    prompts = [Prompt(problem, ids, tuple(t), tools) for problem, ids, t in zip(asked, encoded, turns)
+    if any(problem.images for problem in asked) and processor is None:
+        raise ModelError("the dataset's prompts hold images (data.image_column), and the model has no image "
+                         "processor: use a vision-language model (Qwen2-VL, Qwen2.5-VL) with its processor's files")
+    images = [image_prompt(tokenizer, processor, t, prefill, problem.images) if problem.images else (ids, None)
+              for problem, ids, t in zip(asked, encoded, turns)]
+    prompts = [Prompt(problem, ids, tuple(t), tools, own) for problem, (ids, own), t in zip(asked, images, turns)
                if len(ids) <= max_prompt_tokens]
     return prompts, len(asked) - len(prompts)
 
@@ -151,9 +189,10 @@ def few_shot_examples(data_cfg, count: int) -> list[Problem]:
 
 
 def build_prompts(tokenizer, data_cfg, problems: list[Problem], demonstrate=None,
-                  tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
+                  tools: list[dict] | None = None, processor=None) -> tuple[list[Prompt], int]:
     """The training / evaluation prompts as `data.*` configures them (`demonstrate`: see
-    `solved_turns`; `tools`: grpo.environments.prompt_options)."""
+    `solved_turns`; `tools`: grpo.environments.prompt_options; `processor`: a vision-language model's, for
+    prompts with images)."""
     shots = few_shot_examples(data_cfg, data_cfg.few_shot)
     return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
-                          shots, demonstrate, tools)
+                          shots, demonstrate, tools, processor)

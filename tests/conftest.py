@@ -125,6 +125,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2-VL with the embedded model's tokenizer (and Qwen2-VL's vision tokens), a chat template that
+    writes image parts and Qwen2-VL's image processor (images scaled to at most 112 x 112), as a model folder."""
+    sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
+    from bench_vision import save_tiny_vlm
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    save_tiny_vlm(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer and chat template, for processes."""
     sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))

@@ -1,10 +1,14 @@
-"""Images in prompts (grpo/model/vision.py) on a tiny random Qwen2-VL built from a config: the shared-prefix
-log-probs with images equal the model's own forward of each [prompt | completion] alone with its images (values in
-float64 and LoRA gradients), the vision encoder runs once per group there (G times per prompt on the plain path),
-and the completions' positions are the model's own M-RoPE positions of the whole sequence."""
+"""Images in prompts (grpo/model/vision.py) on a tiny random Qwen2-VL (and Qwen2.5-VL) built from a config: the
+shared-prefix log-probs with images equal the model's own forward of each [prompt | completion] alone with its images
+(values in float64 and LoRA gradients), the vision encoder runs once per group there (G times per prompt on the plain
+path), the completions' positions are the model's own M-RoPE positions of the whole sequence, the HF engine's recorded
+log-probs are the recompute, and a step on a dataset's images reaches the trainer's loss as sampled."""
 
+import dataclasses
+import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO
@@ -46,10 +50,11 @@ def encoder_patches(model, monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared-prefix", "plain"])
-def test_log_probs_with_images_equal_each_sequence_alone_and_the_encoder_runs_once_per_group(monkeypatch,
+@pytest.mark.parametrize("kind, shared_prefix", [("qwen2_vl", True), ("qwen2_vl", False), ("qwen2_5_vl", True)],
+                         ids=["qwen2-vl-shared-prefix", "qwen2-vl-plain", "qwen2.5-vl-shared-prefix"])
+def test_log_probs_with_images_equal_each_sequence_alone_and_the_encoder_runs_once_per_group(monkeypatch, kind,
                                                                                               shared_prefix):
-    model = tiny_vlm()
+    model = tiny_vlm(kind=kind)
     prompts, images, completions = batch()
     calls = encoder_patches(model, monkeypatch)
     with torch.no_grad():
@@ -107,3 +112,124 @@ def test_a_prompt_whose_image_tokens_do_not_match_its_images_is_refused():
     images = images_of((56, 56))
     with pytest.raises(ValueError, match="the prompt holds 3 image tokens and its images make 4"):
         prompt_inputs(vision_language_model(model), torch.tensor([5, START, IMAGE, IMAGE, IMAGE, END]), images)
+
+
+def test_the_hf_engine_generates_with_images_and_records_the_log_probs_the_trainer_recomputes():
+    """Sampled: each completion's recorded log-probs equal the shared-prefix recompute with the images (float64);
+    greedy: the same tokens as transformers' own `generate` with the pixel values (its M-RoPE decode positions)."""
+    from episode_helpers import CharTokenizer
+
+    from grpo.config import load_config
+    from grpo.sampler.rollout.hf_engine import HFEngine
+
+    model = tiny_vlm()
+    prompts, images, _ = batch()
+    cfg = load_config(None, ["sampling.temperature=1.0", "sampling.max_new_tokens=12",
+                             "sampling.generation_batch_size=4"]).sampling
+    engine = HFEngine(model, CharTokenizer(), cfg)
+    out = engine.generate([p.tolist() for p in prompts], 3, seed=5, images=images)
+    recomputed = completion_logprobs(model, prompts, out.completion_ids, [3, 3], images=images)
+    for recorded, again in zip(out.logps, recomputed):
+        torch.testing.assert_close(recorded.double(), again.double(), rtol=0, atol=1e-6)
+    assert len({tuple(c.tolist()) for c in out.completion_ids}) > 1
+    greedy = engine.generate([p.tolist() for p in prompts], 1, greedy=True, images=images)
+    for prompt, own, got in zip(prompts, images, greedy.completion_ids):
+        ids = prompt[None]
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=own.pixel_values,
+                                image_grid_thw=own.grid_thw, mm_token_type_ids=(ids == IMAGE).int(),
+                                max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)[0, len(prompt):]
+        assert got.tolist() == theirs[:len(got)].tolist()
+
+
+def picture_rows(folder):
+    """A dataset folder: PNG images beside train.jsonl, and rows whose image is missing, damaged or a URL."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k, (h, w) in enumerate(((56, 56), (84, 56), (112, 112))):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not a picture")
+    rows = [{"question": f"How many squares in picture {k}?", "answer": str(k + 1), "image": f"img{k}.png"}
+            for k in range(3)]
+    rows += [{"question": "Two pictures?", "answer": "2", "image": ["img0.png", "img1.png"]},
+             {"question": "q", "answer": "1", "image": "gone.png"},
+             {"question": "q", "answer": "1", "image": "broken.png"},
+             {"question": "q", "answer": "1", "image": "https://example.com/a.png"}]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_a_step_on_images_from_the_dataset_to_the_trainers_loss_reads_each_token_as_sampled(tiny_vlm_dir,
+                                                                                             tmp_path):
+    """The dataset's images (a row of two; a missing, a damaged and a URL row skipped and counted) become prompts
+    with their image tokens; a sampler step (make_batch, LoRA, the vision encoder frozen) sends them with the batch;
+    the sampler's recompute and the trainer's forward of the decoded batch read each sampled token as the engine
+    drew it (within float32 rounding), and without the images far from it."""
+    from helpers import assert_batches_equal
+
+    from grpo.config import load_config
+    from grpo.data.problems import load_split
+    from grpo.data.prompts import build_prompts
+    from grpo.model.loading import load_policy, load_processor, load_tokenizer
+    from grpo.sampler.batches import SamplerModels, make_batch
+    from grpo.sampler.rollout.hf_engine import HFEngine
+    from grpo.trainer.training_step import micro_batch_loss
+    from grpo.wire.codec import decode_batch, encode_batch
+
+    picture_rows(tmp_path)
+    cfg = load_config(None, [f"model.name_or_path={tiny_vlm_dir}", f"data.path={tmp_path}", "data.image_column=image",
+                             "data.answer_format=text", "data.few_shot=0", "sampling.group_size=3",
+                             "sampling.max_new_tokens=8", "sampling.temperature=1.0", "training.beta=0",
+                             "lora.r=4", "lora.target_modules=[q_proj,v_proj]", "model.dtype=float32"])
+    problems, stats = load_split(cfg.data, "train")
+    assert len(problems) == 4 and stats.skipped == {"missing image": 1, "unreadable image": 1,
+                                                    "image is a URL (store the file and give its path)": 1}
+    tokenizer = load_tokenizer(cfg.model)
+    reader = load_processor(cfg.model, cfg.data, tokenizer)
+    prompts, dropped = build_prompts(tokenizer, cfg.data, problems, processor=reader)
+    model = load_policy(cfg)
+    vlm = vision_language_model(model.get_base_model())
+    assert dropped == 0 and not any(p.requires_grad for p in vlm.visual.parameters())
+    for prompt in prompts:  # each image's placeholder widened to its tokens
+        made = prompt.images.load()
+        assert prompt.token_ids.count(vlm.config.image_token_id) == int(made.grid_thw.prod(-1).sum()) // 4
+    assert len(prompts[3].images.load().grid_thw) == 2
+    policy = SamplerModels.of(cfg, HFEngine(model, tokenizer, cfg.sampling), model, None, tokenizer, {})
+    batch = make_batch(cfg, policy, [prompts[0], prompts[3]], step=0, metrics_so_far={}, measure_logp_gap=True)
+    assert batch.patch_values == 1176 and [len(g) for g in batch.image_grids] == [3, 6]
+    assert batch.meta["metrics"]["sampler/engine_logp_gap_max"] < 1e-4
+    decoded = decode_batch(encode_batch(batch))
+    assert_batches_equal(batch, decoded)
+    _, trained, _ = micro_batch_loss(model, decoded, cfg)
+    assert trained["sampling/sampling_logp_difference/max"] < 1e-4
+    blind = dataclasses.replace(decoded, image_pixels=None, image_grids=None, patch_values=0)
+    assert micro_batch_loss(model, blind, cfg)[1]["sampling/sampling_logp_difference/max"] > 1e-2
+
+
+def test_image_fields_on_the_wire_are_checked_whole():
+    from helpers import make_batch
+
+    from grpo.wire.codec import MessageError, decode_batch, encode_batch
+
+    def with_images(pixels, grids, patch_values=6):
+        batch = make_batch()  # two prompts
+        batch.image_pixels, batch.image_grids, batch.patch_values = pixels, grids, patch_values
+        return batch
+
+    good = with_images([torch.rand(2 * 2 * 6), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()])
+    assert decode_batch(encode_batch(good)).image_grids[0].tolist() == [1, 2, 2]
+    for batch, message in (
+            (with_images([torch.rand(23), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()]),
+             "prompt 0 holds 23 values; its grids make 4 patches of 6"),
+            (with_images([torch.rand(0), torch.zeros(0)], [torch.tensor([1, 0, 2]), torch.zeros(0).long()]),
+             r"prompt 0's grid is not \(time, height, width\) >= 1 an image"),
+            (with_images([torch.rand(24)], [torch.tensor([1, 2, 2])]), "images for 1 and 1 prompts"),
+            (with_images([torch.rand(24), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()], 0),
+             "patch_values must be >= 1"),
+            (with_images([torch.zeros(0), torch.zeros(0)], [torch.tensor([1, 512, 512]), torch.zeros(0).long()], 1),
+             "prompt 0's images hold 262144 patches, over 65536")):
+        with pytest.raises(MessageError, match=message):
+            decode_batch(encode_batch(batch))
+    half = with_images([torch.rand(24), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()])
+    half.image_grids = None
+    with pytest.raises(MessageError, match="image_pixels and image_grids travel together"):
+        decode_batch(encode_batch(half))

@@ -36,7 +36,7 @@ from grpo.data.problems import load_split
 from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
-from grpo.model.loading import add_lora, load_model, load_tokenizer
+from grpo.model.loading import add_lora, load_model, load_processor, load_tokenizer
 from grpo.rewards.sandbox import reward_sandbox
 from grpo.rewards.strict import checks_of
 from grpo.run.outputs import RunOutputsError, run_config, run_of_weights, version_folder
@@ -70,7 +70,8 @@ def evaluate(cfg: Config, weights: Path | None, limit: int | None, batch_size: i
     model = load_evaluated_model(cfg, weights, device)
     problems, _ = load_split(evaluation_source(cfg.data), split)  # data.eval_path when set
     problems = problems[:limit] if limit else problems
-    prompts, dropped = build_prompts(tokenizer, source_configs(cfg.data)[0], problems, **prompt_options(cfg.env))
+    prompts, dropped = build_prompts(tokenizer, source_configs(cfg.data)[0], problems, **prompt_options(cfg.env),
+                                     processor=load_processor(cfg.model, evaluation_source(cfg.data), tokenizer))
     engine = HFEngine(model, tokenizer, cfg.sampling)
     episodes = rollout_runner(cfg, tokenizer)  # episodes or agent sessions: greedy, judged by their last message
     # as in training

@@ -82,12 +82,13 @@ def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
         return "peft"
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from grpo.common.model_files import DTYPES, resolve_model_path
+    from grpo.model.loading import model_class
 
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir),
-                                                dtype=DTYPES["float32"], trust_remote_code=cfg.model.trust_remote_code)
+    path = resolve_model_path(cfg.model.name_or_path, cfg.model.cache_dir)
+    base = model_class(path, cfg.model).from_pretrained(path, dtype=DTYPES["float32"],
+                                                        trust_remote_code=cfg.model.trust_remote_code)
     merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload().to(DTYPES[dtype])
     merged.save_pretrained(tmp, safe_serialization=True)  # also generation_config
     return "transformers"
@@ -162,9 +163,11 @@ READ_CALLS = {
 def usage_code(cfg: Config, library: str) -> list[str]:
     """A Python snippet that loads the export and answers one question in the training prompt format;
     for a tool run, offering the tools as training did and reading the calls as env.tool_parser does."""
-    load = ([f'base = AutoModelForCausalLM.from_pretrained("{base_reference(cfg.model)[0]}")',
+    images = cfg.data.image_column or cfg.data.path == "shapes"  # a vision-language model
+    auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
+    load = ([f'base = {auto}.from_pretrained("{base_reference(cfg.model)[0]}")',
              'model = PeftModel.from_pretrained(base, "DIR")'] if library == "peft"
-            else ['model = AutoModelForCausalLM.from_pretrained("DIR")'])
+            else [f'model = {auto}.from_pretrained("DIR")'])
     tools, decode = bool(cfg.env.tools), "skip_special_tokens=True"
     offered, read = [], []
     if tools:
@@ -182,7 +185,7 @@ def usage_code(cfg: Config, library: str) -> list[str]:
         read = [f"# its tool calls, read as in training (env.tool_parser={cfg.env.tool_parser}; vLLM: "
                 f"--tool-call-parser {cfg.env.tool_parser})", *read_lines, "print(calls)"]
     return ["```python", *(["import json", "import re", ""] if tools else []),
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"from transformers import {auto}, AutoTokenizer",
             *(["from peft import PeftModel"] if library == "peft" else []), "",
             'tokenizer = AutoTokenizer.from_pretrained("DIR")', *load, *offered,
             f'messages = [{{"role": "system", "content": {json.dumps(cfg.data.system_prompt)}}},',
@@ -255,12 +258,24 @@ def evaluation_text(run_dir: Path, step: int) -> str:
             f"(standard error), exact-format rate {row.get('eval/format_rate', 0.0):.4f}.")
 
 
+def save_image_processor(model_cfg, tmp: Path) -> None:
+    """A vision-language model's image processor (preprocessor_config.json) beside the weights, as it was read."""
+    from grpo.common.model_files import resolve_model_path
+
+    path = Path(resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir))
+    if (path / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code).save_pretrained(tmp)
+
+
 def save_tokenizer(model_cfg, tmp: Path) -> None:
     """The training tokenizer's files and chat template, less the offline-loading flags transformers
     records in tokenizer_config.json (they describe this machine, not the tokenizer)."""
     from grpo.model.loading import load_tokenizer
 
     load_tokenizer(model_cfg).save_pretrained(tmp)
+    save_image_processor(model_cfg, tmp)
     path = tmp / "tokenizer_config.json"
     if path.is_file():
         settings = json.loads(path.read_text())

@@ -23,6 +23,7 @@ from grpo.data.code_tasks import is_code_tasks
 from grpo.data.mixture import source_configs
 from grpo.data.mixture import source_problems as mixture_entry_problems
 from grpo.data.procedural import is_procedural
+from grpo.data.shapes import is_shapes
 from grpo.settings import ALL_LINEAR, SHIPPED_CHAT_TEMPLATES, TRANSPORT_SCHEMES, clip_range
 from grpo.settings.choices import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, name_or_import_path_problem
 from grpo.settings.engines import ENGINE_TRAITS
@@ -147,9 +148,11 @@ def _data_errors(data) -> list[str]:
             errors.append(f"{named}data.few_shot={source.few_shot} shows solved problems (GSM8K's worked solutions, "
                           "or a reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
                           "data.path=reasoning-gym:<task>; set data.few_shot=0 for your own data")
-        if source.task_args and not (is_procedural(source.path) or is_code_tasks(source.path)):
-            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task or of code-tasks; "
-                          f"data.path={source.path!r} is neither (use data.path=reasoning-gym:<task> or code-tasks)")
+        if source.task_args and not (is_procedural(source.path) or is_code_tasks(source.path)
+                                     or is_shapes(source.path)):
+            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task, of code-tasks or of "
+                          f"shapes; data.path={source.path!r} is none of them (use data.path=reasoning-gym:<task>, "
+                          "code-tasks or shapes)")
     return errors
 
 

@@ -47,7 +47,7 @@ class ModelShape:
     def of(cls, model) -> "ModelShape":
         """Counted from the model's own linear maps (a PEFT model's LoRA maps apart)."""
         causal_lm = unwrap_causal_lm(model)
-        config = causal_lm.config
+        config = causal_lm.config.get_text_config()  # a vision-language model's: its language model's
         base, adapters = 0, 0
         for name, module in causal_lm.get_decoder().named_modules():
             if isinstance(module, torch.nn.Linear):

@@ -13,6 +13,9 @@ import torch
 
 from grpo.common.model_files import DTYPES, resolve_model_path
 from grpo.common.sources import EMBEDDED_MODELS, ModelError
+from grpo.data.images import ImageReader
+from grpo.data.shapes import is_shapes
+from grpo.model.vision import SUPPORTED_MODEL_TYPES
 from grpo.settings import ALL_LINEAR
 
 if TYPE_CHECKING:
@@ -54,13 +57,52 @@ def load_tokenizer(model_cfg, chat_template_kwargs: dict | None = None):
     return tokenizer
 
 
-def load_model(model_cfg, device: str | torch.device = "cpu"):
-    """The base causal LM in the configured dtype, attention kernel and checkpointing mode."""
-    from transformers import AutoModelForCausalLM
+def model_class(path, model_cfg):
+    """AutoModelForCausalLM, or for a vision-language model (its config has a vision_config) the image-text class
+    of a family the log-prob passes serve (grpo/model/vision.py); ModelError naming any other's type."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError):  # the load below says what is wrong with the folder
+        return AutoModelForCausalLM
+    if getattr(config, "vision_config", None) is None:
+        return AutoModelForCausalLM
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(f"'{model_cfg.name_or_path}' is a vision-language model of type {config.model_type}; the "
+                         f"log-prob passes serve images for {', '.join(SUPPORTED_MODEL_TYPES)} (their M-RoPE "
+                         "positions and vision features)")
+    return AutoModelForImageTextToText
+
+
+def load_processor(model_cfg, data_cfg, tokenizer):
+    """How the model reads images (data/images.py ImageReader: its image processor, its placeholder token and merge
+    size) where the data has images (data.image_column, data.path=shapes), else None; ModelError for a model that
+    cannot."""
+    if not (data_cfg.image_column or is_shapes(data_cfg.path)):
+        return None
+    from transformers import AutoConfig, AutoImageProcessor
 
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if getattr(config, "vision_config", None) is None or config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(f"the data has images, and '{model_cfg.name_or_path}' ({config.model_type}) is not a "
+                         f"vision-language model the log-prob passes serve ({', '.join(SUPPORTED_MODEL_TYPES)})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"'{model_cfg.name_or_path}' has no image processor (preprocessor_config.json): {e}") from None
+    return ImageReader(image_processor, tokenizer.convert_ids_to_tokens(config.image_token_id),
+                       config.vision_config.spatial_merge_size)
+
+
+def load_model(model_cfg, device: str | torch.device = "cpu"):
+    """The base causal LM (or vision-language model) in the configured dtype, attention kernel and checkpointing
+    mode."""
+    path = resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir)
+    auto = model_class(path, model_cfg)
+    try:
+        model = auto.from_pretrained(
             path, dtype=DTYPES[model_cfg.dtype], attn_implementation=model_cfg.attn_implementation,
             trust_remote_code=model_cfg.trust_remote_code,
         )
@@ -143,10 +185,12 @@ def add_lora(model, lora_cfg):
     """Wrap `model` in a PEFT LoRA adapter; only the adapter's parameters are trainable."""
     import peft
 
+    vision = getattr(model.config, "vision_config", None) is not None  # the vision encoder stays as it is
     config = peft.LoraConfig(  # no dropout: a token's log-prob is one function of the weights in both processes
         r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0, target_modules=target_modules_of(lora_cfg),
         use_rslora=lora_cfg.use_rslora, use_dora=lora_cfg.use_dora,
         modules_to_save=list(lora_cfg.modules_to_save) or None, task_type="CAUSAL_LM",
+        exclude_modules=r".*visual.*" if vision else None,
     )
     try:
         return peft.get_peft_model(model, config)
@@ -163,7 +207,12 @@ def target_modules_of(lora_cfg) -> list[str] | str:
 def load_policy(cfg: Config, device: str | torch.device = "cpu"):
     """The trainable policy: the base model, wrapped in LoRA when `lora.enabled`."""
     model = load_model(cfg.model, device)
-    return add_lora(model, cfg.lora) if cfg.lora.enabled else model
+    if cfg.lora.enabled:
+        return add_lora(model, cfg.lora)
+    for name, p in model.named_parameters():  # a full fine-tune of a vision-language model: its vision encoder frozen
+        if ".visual." in f".{name}":
+            p.requires_grad_(False)
+    return model
 
 
 def unwrap_causal_lm(model):

@@ -261,7 +261,8 @@ VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8, torch.bfloat16: 0.
 
 
 def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temperature: float = 1.0,
-                         max_groups: int = 2, segments: Sequence[torch.Tensor] | None = None) -> float:
+                         max_groups: int = 2, segments: Sequence[torch.Tensor] | None = None,
+                         images: Sequence[PromptImages | None] | None = None) -> float:
     """Compare the shared and the plain path on the first `max_groups` groups; raise on a mismatch.
 
     Behind `training.verify_shared_prefix`: a model whose attention the hook cannot serve
@@ -271,10 +272,10 @@ def verify_shared_prefix(model, prompt_ids, completion_ids, group_sizes, *, temp
     sizes = [int(g) for g in group_sizes][:max_groups]
     prompts, completions = list(prompt_ids)[:len(sizes)], list(completion_ids)[:sum(sizes)]
     with torch.no_grad():
-        rows = None if segments is None else list(segments)[:sum(sizes)]
-        shared = completion_logprobs(model, prompts, completions, sizes, temperature=temperature, segments=rows)
-        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=temperature,
-                                    segments=rows)
+        kwargs = dict(temperature=temperature, segments=None if segments is None else list(segments)[:sum(sizes)],
+                      images=None if images is None else list(images)[:len(sizes)])
+        shared = completion_logprobs(model, prompts, completions, sizes, **kwargs)
+        plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, **kwargs)
     diff = max((a - b).abs().max().item() for a, b in zip(shared, plain))
     dtype = _model_parts(model)[2].weight.dtype
     tolerance = VERIFY_TOLERANCE.get(dtype, 1e-3)

@@ -8,23 +8,13 @@ three (the model's own `get_rope_index` on the whole sequence gives the same: te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from grpo.data.images import PromptImages
+
+__all__ = ["PromptImages"]  # defined with the data, which makes it
+
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-
-
-@dataclass(frozen=True)
-class PromptImages:
-    """A prompt's images, as the model's image processor made them."""
-
-    pixel_values: torch.Tensor  # float [patches, values a patch]: every image's patches, image after image
-    grid_thw: torch.Tensor  # int64 [images, 3]: each image's (time, height, width) in patches
-
-    @property
-    def patches(self) -> int:
-        return int(self.grid_thw.prod(-1).sum())
 
 
 def vision_language_model(causal_lm):
@@ -92,3 +82,23 @@ def batch_images(images: list[PromptImages | None]) -> tuple[torch.Tensor | None
     if not present:
         return None, None
     return torch.cat([i.pixel_values for i in present]), torch.cat([i.grid_thw for i in present])
+
+
+def wire_images(images: list[PromptImages | None]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Prompts' images as a batch carries them (grpo/wire/batch.py): per prompt its pixels and grids flattened
+    (empty without images), and the values a patch holds."""
+    present = [i for i in images if i is not None]
+    patch_values = int(present[0].pixel_values.shape[1]) if present else 0
+    if any(int(i.pixel_values.shape[1]) != patch_values for i in present):
+        raise ValueError("the prompts' images hold patches of different sizes (one image processor makes them all)")
+    pixels = [i.pixel_values.float().reshape(-1) if i is not None else torch.zeros(0) for i in images]
+    grids = [i.grid_thw.long().reshape(-1) if i is not None else torch.zeros(0, dtype=torch.long) for i in images]
+    return pixels, grids, patch_values
+
+
+def batch_prompt_images(batch) -> list[PromptImages | None] | None:
+    """A RolloutBatch's images, per prompt (None for a prompt without; None for a batch of text alone)."""
+    if batch.image_pixels is None:
+        return None
+    return [PromptImages(pixels.reshape(-1, batch.patch_values), grid.reshape(-1, 3)) if len(grid) else None
+            for pixels, grid in zip(batch.image_pixels, batch.image_grids)]

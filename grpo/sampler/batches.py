@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo.data.prompts import prompt_images
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.segments import has_rows, join_rows, split_rows
+from grpo.model.vision import wire_images
 from grpo.objective import Objective
 from grpo.objective.advantages import estimate_advantages, worst_of_batch
 from grpo.objective.kl_reward import NAME as KL_PENALTY
@@ -207,6 +209,14 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
 
 
+def image_fields(images: list | None) -> dict:
+    """The batch's image fields (grpo/wire/batch.py) of the prompts' images; none for prompts of text alone."""
+    if images is None:
+        return {}
+    pixels, grids, patch_values = wire_images(images)
+    return {"image_pixels": pixels, "image_grids": grids, "patch_values": patch_values}
+
+
 def kept_segments(rounds: list[Round], samples: list[tuple[Round, int]]) -> list[torch.Tensor] | None:
     """The kept samples' rows (grpo/model/segments.py): all in row 0 for a round none of whose samples started a new
     row; None where no round's did."""
@@ -247,14 +257,14 @@ def sample_groups(cfg: Config, policy: SamplerModels, prompts: list, more_prompt
 
 
 def policy_logprobs(cfg: Config, policy: SamplerModels, prompt_ids: list[torch.Tensor], rollouts: Rollouts,
-                    measure_logp_gap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None,
+                    measure_logp_gap: bool, images: list | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None,
                                                      list[torch.Tensor] | None, float | None]:
     """(old log-probs, reference log-probs or None, the teacher's or None, the largest gap between the
     engine's recorded log-probs and the recompute, or None when nothing was recomputed). Each with the
     shared-prefix forward at the sampling temperature: the prompt once per group."""
     args = (prompt_ids, rollouts.completion_ids, [cfg.sampling.group_size] * len(prompt_ids))
     kwargs = dict(temperature=cfg.sampling.temperature, shared_prefix=cfg.training.shared_prefix,
-                  segments=rollouts.segments)
+                  segments=rollouts.segments, images=images)
     recorded = cfg.sampling.old_logps == "generation"
     with torch.no_grad():
         recomputed = completion_logprobs(policy.model, *args, **kwargs) if not recorded or measure_logp_gap else None
@@ -313,10 +323,10 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
     prompts, rollouts, objective = kept.prompts, kept.rollouts, policy.objective
-    prompt_ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
-
+    prompt_ids, images = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts], prompt_images(prompts)
     t = time.perf_counter()
-    old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap)
+    old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap,
+                                                               images)
     timings["timing/logprobs_s"] = time.perf_counter() - t
     old_logps, ref_logps, teacher_logps = (None if logps is None else [x.float().cpu() for x in logps]
                                            for logps in (old_logps, ref_logps, teacher_logps))  # as sent
@@ -345,7 +355,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
         weights_digest=digest, model_mask=rollouts.model_masks,
         token_versions=rollouts.token_versions, segments=rollouts.segments,
         totals=scores.total, scored=scores.scored, worst=scores.worst,
-        teacher_logps=teacher_logps)
+        teacher_logps=teacher_logps, **image_fields(images))
     # `reward` and its spread: the rewards' (the KL penalty has its own column's metrics)
     metrics = sampler_metrics(batch, dataclasses.replace(scores, total=reward_totals), {**timings, **dynamic_metrics})
     metrics.update(strict_rates(kept.texts, kept.rows, checks_of(cfg.rewards), call=sandbox))

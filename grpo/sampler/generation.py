@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.data.prompts import prompt_images
 from grpo.rewards.strict import reward_rows
 from grpo.sampler.rollout import Rollouts
 
@@ -26,11 +27,17 @@ def generate_completions(engine, tokenizer, prompts: list, group_size: int, pref
                          seed: int | None = None, greedy: bool = False, then=None) -> Completions:
     """Generate and decode (`episodes`: a grpo.sampler.episodes.EpisodeRunner, which runs each sample
     as an episode). `then`: the engine's next call, started in the rows this one leaves free."""
+    images = prompt_images(prompts)
+    if images is not None:  # the engine takes each prompt's images with it (then: text alone)
+        if episodes is not None:
+            raise ValueError("prompts with images run as single completions: episodes and agent sessions take text")
+        extra = {"images": images}
+    else:
+        extra = {"then": then} if then is not None else {}
     if episodes is not None:
         run = episodes.run(engine, prompts, group_size, seed=seed, greedy=greedy)
         return Completions(run.prompts, run.rollouts, run.texts, run.rows, run.episodes)
-    rollouts = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy,
-                               **({"then": then} if then is not None else {}))
+    rollouts = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy, **extra)
     texts = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
     return Completions(prompts, rollouts, texts, reward_rows([p for p in prompts for _ in range(group_size)]),
                        None)

@@ -127,6 +127,8 @@ class DataConfig:
         "one are skipped and counted) or text (the value as it is).", choices=("gsm8k", "text"))
     hub_config: Optional[str] = setting(None, "Config name of a Hub dataset (default: 'main' for openai/gsm8k, else "
         "none).")
+    image_column: Optional[str] = setting(None, "Column with each prompt's images, for a vision-language model: paths "
+        "(relative to the data folder) or an Image column; a missing, unreadable or URL image skips its row, counted.")
     max_prompt_tokens: int = setting(512, "Prompts longer than this (after the chat template) are dropped and counted.",
         bound=">= 1")
     system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "System prompt that asks for <think>/<answer>.")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from grpo.common.run_folder import RunFolder
 from grpo.model.flops import ModelShape, batch_step_flops
 from grpo.model.logprobs import verify_shared_prefix
+from grpo.model.vision import batch_prompt_images
 from grpo.objective import Objective
 from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
@@ -120,7 +121,8 @@ class TrainingLoop:
             self.ends.metrics.write_evaluation({"wall_time": time.time(), **batch.meta["eval"]})
         if not self.prefix_verified:
             verify_shared_prefix(self.model, batch.prompt_ids, batch.completion_ids, batch.group_sizes,
-                                 temperature=self.cfg.sampling.temperature, segments=batch.segments)
+                                 temperature=self.cfg.sampling.temperature, segments=batch.segments,
+                                 images=batch_prompt_images(batch))
             self.prefix_verified = True
         return batch
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from grpo.model.logprobs import completion_logprobs, pad_right
 from grpo.model.sharding import pack_micro_batches, shard_groups
+from grpo.model.vision import batch_prompt_images
 from grpo.objective import ADDITIVE, Denominators, Objective, batch_denominators, loss_mask, policy_loss
 from grpo.objective import EXTREMES as LOSS_EXTREMES
 from grpo.trainer.groups import group_costs, select_groups
@@ -63,7 +64,7 @@ def micro_batch_loss(model, mb: RolloutBatch, cfg: Config, first_pass: bool = Tr
                                            shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
                                            return_entropy="grad" if objective.entropy_coef > 0 else True,
                                            max_tokens_per_forward=training.max_tokens_per_micro_batch,
-                                           segments=mb.segments)
+                                           segments=mb.segments, images=batch_prompt_images(mb))
     device = logps[0].device
     new, mask = pad_right(logps)  # [n, T]
     old = pad_right([x.to(device) for x in mb.old_logps])[0] if mb.old_logps is not None else new.detach()
@@ -114,7 +115,8 @@ def reference_logps(model, mb: RolloutBatch, cfg: Config) -> list[torch.Tensor]:
     with torch.no_grad(), model.disable_adapter():
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids, mb.group_sizes,
                                    shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
-                                   max_tokens_per_forward=training.max_tokens_per_micro_batch, segments=mb.segments)
+                                   max_tokens_per_forward=training.max_tokens_per_micro_batch, segments=mb.segments,
+                                   images=batch_prompt_images(mb))
 
 
 class PolicyObjective(torch.nn.Module):

@@ -18,7 +18,7 @@ from grpo.weights.folder import INITIAL_DIGEST
 # /2: every token carries the weights version that sampled it (token_versions); /3: no loss denominators
 # (the trainer counts them from the batch it holds); /4: each sample's total and whether it was scored or failed
 # (the trainer recomputes the advantages from them); /5: a sample may hold several rows, each its own context
-# (segments: an agent's session whose requests did not continue what the model read)
+# (segments: an agent's session whose requests did not continue what the model read), and a prompt may hold images
 SCHEMA = "grpo.rollout/5"
 ENVIRONMENT_TOKEN = -1  # token_versions of a token an environment wrote (episodes): no version sampled it
 
@@ -53,6 +53,11 @@ class RolloutBatch:
     # N x int32 [C_j]: which of its sample's rows each token is in (0, then 1 from where a second row begins ...):
     # each row is read after the prompt alone, not after the rows before it (grpo/model/segments.py). None: one row each
     segments: list[torch.Tensor] | None = None
+    # a prompt's images (vision-language models: grpo/model/vision.py), flattened: every image's patches, each of
+    # patch_values values, and each image's (time, height, width) in patches; an empty tensor for a prompt without
+    image_pixels: list[torch.Tensor] | None = None  # B x float32 [patches x patch_values]
+    image_grids: list[torch.Tensor] | None = None  # B x int64 [3 x images]
+    patch_values: int = 0  # values a patch holds (channels x temporal patch x patch size^2); 0: no images
     schema: str = SCHEMA
 
     def __post_init__(self):
@@ -108,6 +113,9 @@ FIELDS = (
     Field("ref_logps", "ragged", "<f4", rows="token", optional=True),
     Field("teacher_logps", "ragged", "<f4", rows="token", optional=True),
     Field("segments", "ragged", "<i4", rows="token", optional=True),
+    Field("image_pixels", "ragged", "<f4", rows="prompt", optional=True),
+    Field("image_grids", "ragged", "<i8", rows="prompt", optional=True),
+    Field("patch_values", "header", int),
     Field("rewards", "tensor", "<f4", rows="completion", columns="reward_names"),
     Field("reward_names", "header", list),
     Field("advantages", "tensor", "<f4", rows="completion"),

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 SECRET_ENV = "GRPO_TRANSPORT_SECRET"
 DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
+MAX_IMAGE_PATCHES = 65536  # a prompt's images: a 12.8-megapixel image in 14-pixel patches (Qwen2-VL's largest)
 EARLIER_SCHEMAS = ("grpo.rollout/1", "grpo.rollout/2", "grpo.rollout/3", "grpo.rollout/4")
 
 TENSORS = {f.name: f for f in TENSOR_FIELDS}
@@ -209,6 +210,30 @@ def _check_segments(segments: list[torch.Tensor] | None, model_mask: list[torch.
             raise MessageError(f"segments: sample {j} has a row that begins with a model token")
 
 
+def _check_images(h: dict, tensors: dict) -> None:
+    """Images travel per prompt, both fields or neither: each prompt's grids whole (3 numbers an image, each at least
+    1), its pixels exactly its patches x patch_values, at most MAX_IMAGE_PATCHES patches."""
+    pixels, grids = tensors.get("image_pixels"), tensors.get("image_grids")
+    if pixels is None and grids is None:
+        return
+    if pixels is None or grids is None:
+        raise MessageError("image_pixels and image_grids travel together")
+    prompts, patch_values = len(tensors["prompt_ids"]), h["patch_values"]
+    if len(pixels) != prompts or len(grids) != prompts:
+        raise MessageError(f"images for {len(pixels)} and {len(grids)} prompts, and the batch has {prompts}")
+    if patch_values < 1:
+        raise MessageError("patch_values must be >= 1 in a batch with images")
+    for i, (values, grid) in enumerate(zip(pixels, grids)):
+        if len(grid) % 3 or (len(grid) and int(grid.min()) < 1):
+            raise MessageError(f"image_grids: prompt {i}'s grid is not (time, height, width) >= 1 an image")
+        patches = int(grid.reshape(-1, 3).prod(-1).sum())
+        if patches > MAX_IMAGE_PATCHES:
+            raise MessageError(f"image_pixels: prompt {i}'s images hold {patches} patches, over {MAX_IMAGE_PATCHES}")
+        if len(values) != patches * patch_values:
+            raise MessageError(f"image_pixels: prompt {i} holds {len(values)} values; its grids make {patches} "
+                               f"patches of {patch_values}")
+
+
 def decode_batch(frames, secret: bytes | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutBatch:
     """Frames -> RolloutBatch, or MessageError for any bad input (never another exception)."""
     try:
@@ -248,4 +273,5 @@ def _decode(frames, secret, max_bytes) -> RolloutBatch:
     _check_consistency(header, dims)
     _check_versions(header["policy_version"], tensors["token_versions"], tensors.get("model_mask"))
     _check_segments(tensors.get("segments"), tensors.get("model_mask"))
+    _check_images(header, tensors)
     return RolloutBatch(**{f.name: header[f.name] if f.wire == "header" else tensors.get(f.name) for f in FIELDS})

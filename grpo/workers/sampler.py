@@ -49,7 +49,14 @@ from grpo.data.problems import load_split
 from grpo.data.prompts import build_prompts
 from grpo.environments import prompt_options
 from grpo.environments.pool import IsolationError
-from grpo.model.loading import add_lora, check_teacher_tokenizer, load_model, load_teacher, load_tokenizer
+from grpo.model.loading import (
+    add_lora,
+    check_teacher_tokenizer,
+    load_model,
+    load_processor,
+    load_teacher,
+    load_tokenizer,
+)
 from grpo.model.logprobs import check_supported
 from grpo.objective import Objective
 from grpo.rewards.reward_model import RewardModelError
@@ -184,7 +191,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
     model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
-    teacher = load_distill_teacher(cfg, tokenizer, device, base.config.vocab_size)
+    teacher = load_distill_teacher(cfg, tokenizer, device, base.config.get_text_config().vocab_size)
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),
                            episodes=rollout_runner(cfg, tokenizer), sandbox=reward_sandbox(cfg.rewards),
@@ -214,7 +221,8 @@ def load_distill_teacher(cfg: Config, tokenizer, device, vocab_size: int):
 def source_prompts(cfg: Config, tokenizer, source, k: int) -> list:
     """One source's prompts (a mixture's ids prefixed with the source's number: ids stay unique)."""
     problems, _ = load_split(source, source.split)
-    prompts, dropped = build_prompts(tokenizer, source, problems, **prompt_options(cfg.env))
+    prompts, dropped = build_prompts(tokenizer, source, problems, **prompt_options(cfg.env),
+                                     processor=load_processor(cfg.model, source, tokenizer))
     if cfg.data.sources:
         prompts = [dataclasses.replace(p, problem=dataclasses.replace(p.problem, id=f"{k}:{p.problem.id}"))
                    for p in prompts]
@@ -229,7 +237,7 @@ def evaluation_prompts(cfg: Config, tokenizer) -> list:
     source = evaluation_source(cfg.data)  # data.eval_path, else the training data; the few-shot turns are the latter's
     problems, _ = load_split(source, cfg.eval.split)
     prompts, _ = build_prompts(tokenizer, source_configs(cfg.data)[0], problems[:cfg.eval.num_problems],
-                               **prompt_options(cfg.env))
+                               **prompt_options(cfg.env), processor=load_processor(cfg.model, source, tokenizer))
     log.info("evaluation every %d versions on %d problems of %s/%s", cfg.eval.every, len(prompts), source.path,
              cfg.eval.split)
     return prompts

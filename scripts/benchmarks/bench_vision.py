@@ -26,19 +26,26 @@ sys.path.insert(0, str(ROOT))
 IMAGE, START, END = 100, 98, 97  # the image placeholder token, and the tokens around an image
 
 
-def tiny_vlm(dtype=torch.float64, seed: int = 0, hidden: int = 64, vision_dim: int = 32, depth: int = 2):
-    """A random Qwen2-VL: a 2-layer language model (GQA) and a `depth`-block vision encoder, vocabulary 101."""
-    from transformers import AutoModelForImageTextToText, Qwen2VLConfig
+def tiny_vlm(dtype=torch.float64, seed: int = 0, hidden: int = 64, vision_dim: int = 32, depth: int = 2,
+             kind: str = "qwen2_vl"):
+    """A random Qwen2-VL (or Qwen2.5-VL, `kind`): a 2-layer language model (GQA) and a `depth`-block vision encoder
+    (Qwen2.5-VL's: windowed attention but in its last block), vocabulary 101."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig
 
-    config = Qwen2VLConfig(
+    vision = dict(depth=depth, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if kind == "qwen2_vl":
+        config_class, vision = Qwen2VLConfig, {**vision, "embed_dim": vision_dim, "hidden_size": hidden, "mlp_ratio": 2}
+    else:
+        config_class, vision = Qwen2_5_VLConfig, {**vision, "hidden_size": vision_dim, "out_hidden_size": hidden,
+                                                   "intermediate_size": 2 * vision_dim, "window_size": 56,
+                                                   "fullatt_block_indexes": [depth - 1]}
+    config = config_class(
         text_config=dict(vocab_size=101, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
                          bos_token_id=None, eos_token_id=1, pad_token_id=0),
-        vision_config=dict(depth=depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=2, mlp_ratio=2,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMAGE, video_token_id=99, vision_start_token_id=START, vision_end_token_id=END,
-        tie_word_embeddings=False)
+        vision_config=vision, image_token_id=IMAGE, video_token_id=99, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(config).to(dtype).eval()
@@ -63,6 +70,46 @@ def prompt_with(images, text=(5, 6)) -> torch.Tensor:
     for t, h, w in images.grid_thw.tolist():
         ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
     return torch.tensor(ids + [7, 8, 9])
+
+
+# ChatML, each image content part written as Qwen2-VL writes it (its placeholder widened to the image's tokens)
+VLM_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.content is string %}{{- m.content }}{%- else %}{%- for part in m.content %}"
+    "{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def save_tiny_vlm(folder: Path, hidden: int = 64, max_pixels: int = 112 * 112) -> None:
+    """A tiny random Qwen2-VL saved with the embedded model's tokenizer (and Qwen2-VL's vision tokens added), a chat
+    template that writes image parts, and Qwen2-VL's image processor (images scaled to at most `max_pixels`)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from grpo.config import ModelConfig
+    from grpo.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig())
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_tokens(vision, special_tokens=True)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(vision)
+    tokenizer.chat_template = VLM_TEMPLATE
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo.model.completions import chunk_major_to_prompt_major, cut_at_eos, eos_token_ids
 from grpo.model.loading import unwrap_causal_lm
+from grpo.model.vision import prompt_inputs, vision_language_model
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import Carried, ContinuousLoop
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings, TokenSampler, left_pad, seen_tokens
@@ -128,8 +129,32 @@ class HFEngine:
                        past_key_values=cache, use_cache=True, **self._one_logit_row)
         return cache
 
+    def _prefill_images(self, prompts: list[list[int]], images: list, pad: int):
+        """A vision-language model's prefill of left-padded prompts with their images (grpo/model/vision.py: the
+        image tokens' embeddings are the vision encoder's features, the positions M-RoPE's), every token but the
+        last; (the cache, each row's shift of its text positions: how far its next position is from its length)."""
+        vlm = vision_language_model(unwrap_causal_lm(self.model))
+        width = max(len(p) for p in prompts) - 1
+        embeddings, positions, shifts = [], torch.zeros(3, len(prompts), width, dtype=torch.long), []
+        with torch.no_grad():
+            for b, (prompt, own) in enumerate(zip(prompts, images)):
+                ids = torch.tensor(prompt, device=self.device)
+                embedded, placed, after = prompt_inputs(vlm, ids, own)
+                row = vlm.get_input_embeddings()(torch.full((width,), pad, device=self.device))
+                row[width - len(prompt) + 1:] = embedded[:-1]
+                embeddings.append(row)
+                positions[:, b, width - len(prompt) + 1:] = placed[:, :-1].cpu()
+                shifts.append(after - len(prompt))
+            _, mask = left_pad(prompts, pad)
+            cache = DynamicCache(config=self.model.config)
+            self.model(inputs_embeds=torch.stack(embeddings), attention_mask=mask[:, :-1].to(self.device),
+                       position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                       **self._one_logit_row)
+        return cache, torch.tensor(shifts, device=self.device)[:, None]
+
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cache, sampler: TokenSampler,
-                limits: torch.Tensor, stopped: list[int] | None = None) -> torch.Tensor:
+                limits: torch.Tensor, stopped: list[int] | None = None, shift: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Decode from the cache of every prompt token but the last: [N, steps] tokens, padded.
 
         One forward per token for all N rows, as `generate`'s greedy loop ran it over our
@@ -137,7 +162,8 @@ class HFEngine:
         token from then on and stay in the batch (their random draws too, so a seed gives the
         same tokens however the rows end). It stops once every row has drawn EOS or reached its
         own limit. A row whose text came to hold a stop string (sampling.stop) ends as at EOS:
-        `stopped[row]` is then its length (-1 for the others).
+        `stopped[row]` is then its length (-1 for the others). `shift` [N, 1]: added to each row's positions (a
+        prompt with images: its text goes on from its M-RoPE positions).
         """
         n, width = ids.shape
         steps = int(limits.max())
@@ -145,6 +171,7 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         mask = torch.cat([mask, mask.new_ones(n, steps)], dim=1)
         position = mask[:, :width].sum(-1, keepdim=True) - 1  # the last prompt token's
+        position = position if shift is None else position + shift
         out = ids.new_full((n, steps), pad)
         unfinished = torch.ones(n, dtype=torch.bool, device=ids.device)
         token = ids[:, -1:]
@@ -181,7 +208,7 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
                  greedy: bool = False, max_new_tokens: Sequence[int] | None = None,
-                 then: NextCall | None = None) -> Rollouts:
+                 then: NextCall | None = None, images: list | None = None) -> Rollouts:
         """G completions of each prompt in the continuous loop (grpo/sampler/rollout/continuous.py: at most
         generation_batch_size rows, a finished row refilled at once with the call's next completion), each
         completion seeded on its own; in blocks (`generate_in_blocks`) with sampling.continuous_batching
@@ -191,7 +218,11 @@ class HFEngine:
         call's leave free at its end, and stay in the loop (`carried`) for that call, which finds them
         started (or done). A greedy call (an evaluation) leaves them; another sampled call, or new
         weights, drop them (their tokens are the same whichever way they are made: each completion's
-        seed is its own)."""
+        seed is its own). `images`: per prompt, its images (grpo/model/vision.py) or None: decoded in blocks,
+        each prompt's images through the vision encoder once in its prefill."""
+        if images is not None and any(i is not None for i in images):
+            return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy,
+                                           max_new_tokens=max_new_tokens, images=images)
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             if self.poll_weights is not None and not greedy:  # the blocks do not poll: said once, then not asked
                 self.poll_weights = None
@@ -234,7 +265,8 @@ class HFEngine:
         return call
 
     def generate_in_blocks(self, prompts: list[list[int]], group_size: int, *, seed: int | None = None,
-                           greedy: bool = False, max_new_tokens: Sequence[int] | None = None) -> Rollouts:
+                           greedy: bool = False, max_new_tokens: Sequence[int] | None = None,
+                           images: list | None = None) -> Rollouts:
         """G completions of each prompt, decoded in chunks of at most generation_batch_size rows:
         blocks of prompts (`prompt_blocks`; later turns of episodes are many prompts of one
         completion each), each prefilled once and decoded in chunks of its completions (`chunk_plan`),
@@ -242,16 +274,20 @@ class HFEngine:
         limits = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
         if seed is not None:
             torch.manual_seed(seed)
-        parts = [self._generate_block([prompts[i] for i in block], group_size, greedy, [limits[i] for i in block])
+        parts = [self._generate_block([prompts[i] for i in block], group_size, greedy, [limits[i] for i in block],
+                                      None if images is None else [images[i] for i in block])
                  for block in prompt_blocks(len(prompts), self.cfg.generation_batch_size)]
         return Rollouts(*([x for part in parts for x in getattr(part, name)]
                           for name in ("completion_ids", "truncated", "logps")))
 
-    def _generate_block(self, prompts: list[list[int]], group_size: int, greedy: bool, limits: list[int]) -> Rollouts:
+    def _generate_block(self, prompts: list[list[int]], group_size: int, greedy: bool, limits: list[int],
+                        images: list | None = None) -> Rollouts:
         cfg = self.cfg
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = self._prefill(ids, mask) if ids.shape[1] > 1 else None
+        cache, shift = self._prefill(ids, mask) if ids.shape[1] > 1 else None, None
+        if images is not None:  # a prompt with images is longer than one token: it holds them
+            cache, shift = self._prefill_images(prompts, images, self.tokenizer.pad_token_id)
         plan = chunk_plan(len(prompts), group_size, cfg.generation_batch_size)
         produced, truncated, logps = [], [], []
         for k in plan:
@@ -262,7 +298,7 @@ class HFEngine:
                 chunk_cache = repeat_in_place(cache, k)
             sampler, stopped = TokenSampler.of(cfg, greedy), []
             out = self._decode(ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0), chunk_cache, sampler,
-                               row_limits, stopped)
+                               row_limits, stopped, None if shift is None else shift.repeat_interleave(k, 0))
             recorded = sampler.recorded().cpu()
             for i, row in enumerate(out.cpu()):  # chunk rows: k per prompt, prompt-major
                 tokens, cut = (row[:stopped[i]], False) if stopped[i] >= 0 else \

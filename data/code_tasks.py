@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import random
 
+from grpo.data.generated import SPLIT_SETTINGS, row_seeds
+
 PATH = "code-tasks"
 DEFAULT_SIZE, DEFAULT_TEST_SIZE, DEFAULT_SEED = 2_000, 200, 0
-TEST_SEED_OFFSET = 1_000_000_000  # the held-out rows' seed, far from any train seed
-SETTINGS = ("size", "seed", "test_size", "test_seed")
+SETTINGS = SPLIT_SETTINGS
 INPUTS = 3  # tests per task
 
 
@@ -109,14 +110,5 @@ def is_code_tasks(path: str) -> bool:
 
 def code_task_rows(split: str, task_args: dict) -> list[dict]:
     """The rows of a split (`train` or `test`); ValueError naming a setting it does not have."""
-    unknown = sorted(set(task_args) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"data.task_args: {PATH} has no setting {', '.join(map(repr, unknown))}; its settings: "
-                         f"{', '.join(SETTINGS)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"{PATH} has the splits train and test; got {split!r} (data.split / eval.split)")
-    seed = int(task_args.get("seed", DEFAULT_SEED))
-    if split == "train":
-        return [task_row(seed + i) for i in range(int(task_args.get("size", DEFAULT_SIZE)))]
-    start = int(task_args.get("test_seed", seed + TEST_SEED_OFFSET))
-    return [task_row(start + i, "test") for i in range(int(task_args.get("test_size", DEFAULT_TEST_SIZE)))]
+    seeds = row_seeds(PATH, SETTINGS, split, task_args, DEFAULT_SIZE, DEFAULT_TEST_SIZE, DEFAULT_SEED)
+    return [task_row(seed, split) for seed in seeds]

@@ -37,13 +37,27 @@ class ImageReader:
         out = self.image_processor(images=pil_images(images), return_tensors="pt")
         return PromptImages(out["pixel_values"], out["image_grid_thw"])
 
-    def widen(self, text: str, grid_thw: torch.Tensor) -> str:
-        """`text` with its k-th placeholder repeated for image k's tokens; ValueError when the counts differ."""
+    def token_counts(self, images: tuple[bytes, ...]) -> list[int]:
+        """Each image's tokens, from its size alone where the image processor can say (no pixels made)."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            return (self.pixels(images).grid_thw.prod(-1) // self.merge**2).tolist()
+        return [count(height, width) // self.merge**2 for width, height in image_sizes(images)]
+
+    def widen(self, text: str, counts: list[int]) -> str:
+        """`text` with its k-th placeholder repeated for image k's `counts[k]` tokens; ValueError when the number of
+        placeholders differs."""
         pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(grid_thw):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} image placeholders for {len(grid_thw)} images")
-        counts = (grid_thw.prod(-1) // self.merge**2).tolist()
+        if len(pieces) - 1 != len(counts):
+            raise ValueError(f"the prompt holds {len(pieces) - 1} image placeholders for {len(counts)} images")
         return pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+
+
+def has_images(source) -> bool:
+    """Whether a data source's prompts hold images (data.image_column, or the shapes task's pictures)."""
+    from grpo.data.shapes import is_shapes
+
+    return bool(source.image_column) or is_shapes(source.path)
 
 
 MISSING, UNREADABLE, URL = "missing image", "unreadable image", "image is a URL (store the file and give its path)"
@@ -67,9 +81,12 @@ def read_images(value, folder: Path | None) -> tuple[tuple[bytes, ...], str | No
 def _read_one(item, folder: Path | None) -> tuple[bytes, str | None]:
     if isinstance(item, dict):
         item = item.get("bytes") or item.get("path")
-    if hasattr(item, "save") and hasattr(item, "mode"):  # a PIL image (a Hub dataset's Image column, decoded)
+    if hasattr(item, "save") and hasattr(item, "mode"):  # a PIL image (an Image column someone decoded)
         out = io.BytesIO()
-        item.save(out, format="PNG")
+        try:
+            on_white(item).save(out, format="PNG")
+        except (OSError, ValueError):
+            return b"", UNREADABLE
         item = out.getvalue()
     if isinstance(item, (bytes, bytearray)):
         data = bytes(item)
@@ -87,18 +104,44 @@ def _read_one(item, folder: Path | None) -> tuple[bytes, str | None]:
 
 
 def decodes(data: bytes) -> bool:
+    """Whether the bytes are an image the processor can be given (decoded, and made RGB)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image.load()
+            on_white(image)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
         return False
     return True
+
+
+def image_sizes(images: tuple[bytes, ...]) -> list[list[int]]:
+    """Each image's [width, height] in pixels, as the rewards get them (row["image_sizes"])."""
+    from PIL import Image
+
+    out = []
+    for data in images:
+        with Image.open(io.BytesIO(data)) as image:
+            out.append(list(image.size))
+    return out
 
 
 def pil_images(images: tuple[bytes, ...]) -> list:
     """The images as RGB PIL images, for the model's processor."""
     from PIL import Image
 
-    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    return [on_white(Image.open(io.BytesIO(data))) for data in images]
+
+
+def on_white(image):
+    """An RGB image; a transparent one laid on white (as transformers' convert_to_rgb does: a line drawing on a
+    transparent background stays a drawing, not a black square)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")

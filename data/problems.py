@@ -20,7 +20,7 @@ from pathlib import Path
 from grpo.common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
 from grpo.data.code_tasks import code_task_rows, is_code_tasks
 from grpo.data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
-from grpo.data.images import read_images
+from grpo.data.images import image_sizes, read_images
 from grpo.data.procedural import TaskError, check_task, is_procedural, task_rows
 from grpo.data.shapes import is_shapes, shape_rows
 
@@ -163,7 +163,8 @@ def parse_rows(raw_rows, split: str, stats: LoadStats, columns: Columns = GSM8K_
                 stats.skip(problem)
                 continue
         question = messages[-1]["content"] if messages else prompt.strip()
-        problems.append(Problem(f"{split}-{i}", question, final, reasoning, messages or (), _json_columns(row), images))
+        columns_kept = _json_columns(row) | ({"image_sizes": image_sizes(images)} if images else {})
+        problems.append(Problem(f"{split}-{i}", question, final, reasoning, messages or (), columns_kept, images))
     return problems
 
 
@@ -262,18 +263,32 @@ def check_hub_dataset(name: str) -> str | None:
     return reason
 
 
-def _read_hub(name: str, split: str, hub_config: str | None) -> list:
+def _read_hub(name: str, split: str, hub_config: str | None, image_column: str | None = None) -> list:
     offline_reason = check_hub_dataset(name)
     import datasets
 
     config = hub_config if hub_config is not None else (HUB_CONFIG if name == "openai/gsm8k" else None)
     try:
-        return list(datasets.load_dataset(name, config, split=split))
+        rows = datasets.load_dataset(name, config, split=split)
+        return list(_undecoded(rows, image_column) if image_column in rows.features else rows)
     except Exception as e:
         if offline_reason is not None:  # HF_HUB_OFFLINE and not in the cache
             raise _hub_unreachable_error(name, f"{offline_reason} and it is not in the local cache") from None
         raise DataError(f"could not load data.path={name!r} (config {config!r}, split '{split}') from the Hugging "
                         f"Face Hub: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _undecoded(rows, column: str):
+    """`rows` with the image column's images left as their encoded bytes: decoded, a split's pixels would all be held
+    at once (data/images.py reads the bytes)."""
+    import datasets
+
+    feature = rows.features[column]
+    if isinstance(feature, datasets.Image):
+        return rows.cast_column(column, datasets.Image(decode=False))
+    if isinstance(getattr(feature, "feature", None), datasets.Image):  # a list of images a row
+        return rows.cast_column(column, type(feature)(datasets.Image(decode=False)))
+    return rows
 
 
 def _read_embedded(split: str) -> list:
@@ -305,7 +320,7 @@ def _read_code_tasks(split: str, task_args: dict) -> list:
 
 
 def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None,
-               task_args: dict | None = None) -> list:
+               task_args: dict | None = None, image_column: str | None = None) -> list:
     if path == EMBEDDED_GSM8K:
         return _read_embedded(split)
     if is_code_tasks(path):
@@ -315,7 +330,7 @@ def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None =
     if is_procedural(path):
         return _read_procedural(path, split, task_args or {})
     folder = Path(path).expanduser()
-    return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split, hub_config)
+    return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split, hub_config, image_column)
 
 
 def check_source(path: str, split: str, task_args: dict | None = None) -> None:
@@ -344,7 +359,7 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
     stats = LoadStats()
     columns = PROCEDURAL_COLUMNS if is_procedural(path) or is_code_tasks(path) else columns
     columns = SHAPES_COLUMNS if is_shapes(path) else columns
-    raw = _read_rows(path, split, stats, columns.hub_config, task_args)
+    raw = _read_rows(path, split, stats, columns.hub_config, task_args, columns.image)
     check_columns(raw, columns, f"{path} split '{split}'")
     folder = Path(path).expanduser()
     problems = parse_rows(raw, split, stats, columns, folder if folder.is_dir() else None)

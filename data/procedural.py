@@ -22,15 +22,16 @@ import functools
 import json
 import random
 
+from grpo.data.generated import SPLIT_SETTINGS, TEST_SEED_OFFSET
+
 PREFIX = "reasoning-gym:"
 SPLITS = ("train", "test")
 DEFAULT_SIZE = 10_000  # train rows: a 60-minute run on 2 CPU cores asks for ~2,000 prompts
 DEFAULT_TEST_SIZE = 1_000  # generated held-out rows, before removing those the train split holds
 DEFAULT_SEED = 0
 # reasoning-gym draws row i from Random(seed + i): seeds 0 and 1 share all but one row. The held-out
-# rows start this far from the train seed, so no train split below a billion rows reaches them.
-TEST_SEED_OFFSET = 1_000_000_000
-OWN_KEYS = ("size", "seed", "test_size", "test_seed")  # ours; every other key is the task's
+# rows start TEST_SEED_OFFSET from the train seed, so no train split below a billion rows reaches them.
+OWN_KEYS = SPLIT_SETTINGS  # ours; every other key is the task's
 
 
 class TaskError(ValueError):

@@ -145,7 +145,7 @@ def image_prompt(tokenizer, reader: ImageReader, turns: list[dict], prefill: str
     last = turns[-1]
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": last["content"]}]
     text = render(tokenizer, [*turns[:-1], {**last, "content": parts}], prefill)
-    text = reader.widen(text, reader.pixels(images).grid_thw)
+    text = reader.widen(text, reader.token_counts(images))
     return tokenizer(text, add_special_tokens=False)["input_ids"], ImageSource(reader, images)
 
 

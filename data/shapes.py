@@ -2,9 +2,10 @@
 
 Each row is a picture of one to eight shapes (circles, squares, triangles in red, green, blue) drawn with PIL on a
 white canvas, and asks how many there are: of all ("How many shapes are in the picture?"), of a colour ("How many red
-shapes ...?") or of a kind ("How many circles ...?"), a third each; the answer is the count, exact. Shapes do not overlap. Each row is drawn from its own seed, so the same settings give the same
-pictures on every machine and nothing is stored; the held-out split (`test`) draws from seeds the train split never
-uses. `data.task_args`: `size` and `seed` of the train split, `test_size` and `test_seed` of the held-out one, and
+shapes ...?") or of a kind ("How many circles ...?"), a third each; the answer is the count, exact. Shapes do not
+overlap. Each row is drawn from its own seed (data/generated.py), so the same settings give the same pictures on every
+machine and nothing is stored; the held-out split (`test`) draws from seeds the train split never uses.
+`data.task_args`: `size` and `seed` of the train split, `test_size` and `test_seed` of the held-out one, and
 `image_size` (the canvas's side in pixels).
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 import io
 import random
 
+from grpo.data.generated import SPLIT_SETTINGS, row_seeds
+
 PATH = "shapes"
 DEFAULT_SIZE, DEFAULT_TEST_SIZE, DEFAULT_SEED, DEFAULT_IMAGE_SIZE = 1_000, 200, 0, 112
-TEST_SEED_OFFSET = 1_000_000_000  # the held-out rows' seeds, far from any train seed
-SETTINGS = ("size", "seed", "test_size", "test_seed", "image_size")
+SETTINGS = (*SPLIT_SETTINGS, "image_size")
 KINDS, COLOURS = ("circle", "square", "triangle"), {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220)}
 MAX_SHAPES = 8
 
@@ -68,14 +70,6 @@ def shape_row(seed: int, side: int) -> dict:
 
 def shape_rows(split: str, task_args: dict) -> list[dict]:
     """The rows of a split (`train` or `test`); ValueError naming a setting it does not have."""
-    unknown = sorted(set(task_args) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"data.task_args: {PATH} has no setting {', '.join(map(repr, unknown))}; its settings: "
-                         f"{', '.join(SETTINGS)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"{PATH} has the splits train and test; got {split!r} (data.split / eval.split)")
-    seed, side = int(task_args.get("seed", DEFAULT_SEED)), int(task_args.get("image_size", DEFAULT_IMAGE_SIZE))
-    if split == "train":
-        return [shape_row(seed + i, side) for i in range(int(task_args.get("size", DEFAULT_SIZE)))]
-    start = int(task_args.get("test_seed", seed + TEST_SEED_OFFSET))
-    return [shape_row(start + i, side) for i in range(int(task_args.get("test_size", DEFAULT_TEST_SIZE)))]
+    seeds = row_seeds(PATH, SETTINGS, split, task_args, DEFAULT_SIZE, DEFAULT_TEST_SIZE, DEFAULT_SEED)
+    side = int(task_args.get("image_size", DEFAULT_IMAGE_SIZE))
+    return [shape_row(seed, side) for seed in seeds]

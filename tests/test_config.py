@@ -145,6 +145,11 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
      "weights load between steps) and sampling.in_flight_kv in ['recompute'] (a moved request's prefix is "
      "prefilled again); got lora.enabled=True, in_flight_kv=keep"),
     (["training.reference_on=trainer", "lora.enabled=false"], "training.reference_on=trainer needs lora.enabled"),
+    (["data.path=shapes", "sampling.engine=vllm"], "prompts with images (data.image_column, data.path=shapes) run on "
+                                                   "sampling.engine=hf; vLLM takes text prompts here"),
+    (["data.image_column=image", "env.tools=[grpo.environments.calculator:calculate]"],
+     "prompts with images run as single completions"),
+    (["data.path=shapes", "distill.teacher=smollm2-135m-instruct"], "prompts with images and distill.teacher"),
     (["training.kl_in=reward", "training.beta=0"], "training.kl_in=reward with training.beta=0 puts no KL in the"),
     (["training.kl_in=reward", "training.kl_estimator=k1", "training.reference_on=trainer"],
      "training.kl_in=reward needs training.reference_on=sampler"),

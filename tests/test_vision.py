@@ -63,10 +63,23 @@ def test_log_probs_with_images_equal_each_sequence_alone_and_the_encoder_runs_on
         for j, c in enumerate(completions):
             torch.testing.assert_close(got[j], one_at_a_time(model, prompts[j // 3], c, images[j // 3]),
                                        rtol=0, atol=1e-10)
-    each = [i.patches for i in images]  # 16, and 24 + 8
-    assert patches == (each if shared_prefix else [3 * each[0] + 3 * each[1]])
+    each = [i.patches for i in images]
+    assert patches == (each if shared_prefix else [each[0]] * 3 + [each[1]] * 3)  # once per group, or per row
     without = completion_logprobs(model, prompts, completions, [3, 3])  # the image tokens' own embeddings instead
     assert max((a - b).abs().max().item() for a, b in zip(got, without)) > 1e-3
+
+
+def test_an_image_token_the_model_drew_is_text_on_both_paths():
+    """A completion may hold the image placeholder (a random model draws it): it is read as the token it is, the
+    same on the shared-prefix and the plain path, and nothing of the image is put there."""
+    model = tiny_vlm()
+    prompts, images, completions = batch()
+    completions[1] = torch.tensor([5, IMAGE, 7, IMAGE])
+    with torch.no_grad():
+        shared = completion_logprobs(model, prompts, completions, [3, 3], images=images)
+        plain = completion_logprobs(model, prompts, completions, [3, 3], images=images, shared_prefix=False)
+    for a, b in zip(shared, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
 def test_lora_gradients_with_images_equal_those_of_each_sequence_alone():
@@ -183,6 +196,7 @@ def test_a_step_on_images_from_the_dataset_to_the_trainers_loss_reads_each_token
     problems, stats = load_split(cfg.data, "train")
     assert len(problems) == 4 and stats.skipped == {"missing image": 1, "unreadable image": 1,
                                                     "image is a URL (store the file and give its path)": 1}
+    assert problems[3].row["image_sizes"] == [[56, 56], [56, 84]]  # what the rewards get of the images: [w, h]
     tokenizer = load_tokenizer(cfg.model)
     reader = load_processor(cfg.model, cfg.data, tokenizer)
     prompts, dropped = build_prompts(tokenizer, cfg.data, problems, processor=reader)
@@ -221,15 +235,72 @@ def test_image_fields_on_the_wire_are_checked_whole():
             (with_images([torch.rand(23), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()]),
              "prompt 0 holds 23 values; its grids make 4 patches of 6"),
             (with_images([torch.rand(0), torch.zeros(0)], [torch.tensor([1, 0, 2]), torch.zeros(0).long()]),
-             r"prompt 0's grid is not \(time, height, width\) >= 1 an image"),
+             r"prompt 0's grid is not \(time, height, width\) in 1..65536 an image"),
             (with_images([torch.rand(24)], [torch.tensor([1, 2, 2])]), "images for 1 and 1 prompts"),
             (with_images([torch.rand(24), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()], 0),
              "patch_values must be >= 1"),
             (with_images([torch.zeros(0), torch.zeros(0)], [torch.tensor([1, 512, 512]), torch.zeros(0).long()], 1),
-             "prompt 0's images hold 262144 patches, over 65536")):
+             "prompt 0's images hold 262144 patches, over 65536"),
+            (with_images([torch.zeros(0), torch.zeros(0)], [torch.tensor([1, 2**32, 2**32]), torch.zeros(0).long()],
+                         1), r"prompt 0's grid is not \(time, height, width\) in 1..65536")):  # product: 0 in int64
         with pytest.raises(MessageError, match=message):
             decode_batch(encode_batch(batch))
     half = with_images([torch.rand(24), torch.zeros(0)], [torch.tensor([1, 2, 2]), torch.zeros(0).long()])
     half.image_grids = None
     with pytest.raises(MessageError, match="image_pixels and image_grids travel together"):
         decode_batch(encode_batch(half))
+
+
+def test_images_of_any_mode_are_given_as_rgb_a_transparent_one_on_white():
+    """A line drawing on a transparent background stays a drawing (not a black square); CMYK JPEGs, palette and
+    float images are read; bytes that are no image are skipped as unreadable."""
+    import io
+
+    from PIL import Image
+
+    from grpo.data.images import UNREADABLE, pil_images, read_images
+
+    drawing = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    drawing.putpixel((3, 3), (0, 0, 0, 255))
+    encoded = []
+    for image, kind in ((drawing, "PNG"), (Image.new("CMYK", (8, 8), (0, 0, 0, 255)), "JPEG"),
+                        (Image.new("P", (8, 8)), "PNG")):
+        out = io.BytesIO()
+        image.save(out, format=kind)
+        encoded.append(out.getvalue())
+    images, problem = read_images([{"bytes": data} for data in encoded] + [Image.new("F", (8, 8))], None)
+    assert problem is None and len(images) == 4
+    rgb = pil_images(images)
+    assert all(image.mode == "RGB" for image in rgb)
+    assert rgb[0].getpixel((0, 0)) == (255, 255, 255) and rgb[0].getpixel((3, 3)) == (0, 0, 0)
+    assert read_images({"bytes": b"\x89PNG\r\n\x1a\n not a picture"}, None) == ((), UNREADABLE)
+
+
+def test_the_trainer_refuses_images_its_model_cannot_read_before_any_forward():
+    from conftest import tiny_model
+    from helpers import make_batch
+
+    from grpo.model.vision import check_batch_images, wire_images
+
+    model = tiny_vlm()
+    prompts, images, _ = batch()
+
+    def with_images(prompt_ids, own):
+        out = make_batch()  # two prompts
+        pixels, grids, values = wire_images(own)
+        out.prompt_ids, out.image_pixels, out.image_grids, out.patch_values = prompt_ids, pixels, grids, values
+        return out
+
+    assert check_batch_images(with_images(prompts, images), model) is None
+    assert check_batch_images(with_images(prompts, [images[0], None]), model) == \
+        "prompt 1 holds 12 image tokens, and its images make 0"
+    assert check_batch_images(with_images([prompts[0][:-6], prompts[1]], images), model) == \
+        "prompt 0 holds 2 image tokens, and its images make 4"
+    odd = dataclasses.replace(images[0], grid_thw=torch.tensor([[1, 4, 3]]), pixel_values=images[0].pixel_values[:12])
+    assert "prompt 0's image grid is not a whole number of 2-patch tokens a side" in \
+        check_batch_images(with_images([prompts[0], prompts[1]], [odd, images[1]]), model)
+    narrow = with_images(prompts, images)
+    narrow.patch_values = 588
+    assert check_batch_images(narrow, model) == "the batch's patches hold 588 values, and this model's 1176"
+    assert check_batch_images(with_images(prompts, images), tiny_model("qwen2")) == \
+        "the batch holds images, and the model is not a vision-language model"

@@ -34,6 +34,8 @@ import yaml
 from grpo.common.files import aside_name
 from grpo.common.sources import EMBEDDED_MODELS, SourceError
 from grpo.config import Config, ConfigError, to_dict
+from grpo.data.images import has_images
+from grpo.data.mixture import source_configs
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root
 from grpo.weights.folder import MANIFEST, WeightsError, verify
 
@@ -163,7 +165,7 @@ READ_CALLS = {
 def usage_code(cfg: Config, library: str) -> list[str]:
     """A Python snippet that loads the export and answers one question in the training prompt format;
     for a tool run, offering the tools as training did and reading the calls as env.tool_parser does."""
-    images = cfg.data.image_column or cfg.data.path == "shapes"  # a vision-language model
+    images = any(has_images(source) for source in source_configs(cfg.data))  # a vision-language model
     auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
     load = ([f'base = {auto}.from_pretrained("{base_reference(cfg.model)[0]}")',
              'model = PeftModel.from_pretrained(base, "DIR")'] if library == "peft"

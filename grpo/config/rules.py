@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from grpo.common.files import is_checkpoint_folder
 from grpo.data.code_tasks import is_code_tasks
+from grpo.data.images import has_images
 from grpo.data.mixture import source_configs
 from grpo.data.mixture import source_problems as mixture_entry_problems
 from grpo.data.procedural import is_procedural
@@ -58,6 +59,7 @@ def validate(cfg: Config, problems: list[str] = (), checks: Sequence[Callable[[C
         cfg.env.name = "tools"
     # every field's own range (declared on it: grpo/settings), then the choices, then what spans fields
     errors = [*problems, *field_problems(cfg)] + _value_errors(cfg) + _reward_errors(cfg) + _env_errors(cfg) \
+        + _image_errors(cfg) \
         + _transport_errors(cfg.transport) + _run_errors(cfg) + [problem for check in checks for problem in check(cfg)]
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
@@ -135,6 +137,24 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
                       f"{publish_every}: versions are published every {publish_every} steps, so a step may be "
                       f"{publish_every - 1} versions behind; set sampling.max_staleness >= {publish_every - 1} or "
                       "publish more often")
+    return errors
+
+
+def _image_errors(cfg: Config) -> list[str]:
+    """What prompts with images do not run with yet: vLLM, episodes, tools, agent sessions and a distillation
+    teacher (text alone)."""
+    entries = [e for e in cfg.data.sources if isinstance(e, dict)]  # a malformed entry is _data_errors' to name
+    if not (has_images(cfg.data) or any(is_shapes(e.get("path")) for e in entries)):
+        return []
+    errors = []
+    if cfg.sampling.engine == "vllm":
+        errors.append("prompts with images (data.image_column, data.path=shapes) run on sampling.engine=hf; vLLM "
+                      "takes text prompts here")
+    if cfg.env.name or cfg.agent.harness:
+        errors.append("prompts with images run as single completions; episodes, tools and agent sessions "
+                      "(env.name, env.tools, agent.*) take text prompts")
+    if cfg.distill.teacher:
+        errors.append("prompts with images and distill.teacher: the teacher scores text prompts here")
     return errors
 
 

@@ -13,8 +13,7 @@ import torch
 
 from grpo.common.model_files import DTYPES, resolve_model_path
 from grpo.common.sources import EMBEDDED_MODELS, ModelError
-from grpo.data.images import ImageReader
-from grpo.data.shapes import is_shapes
+from grpo.data.images import ImageReader, has_images
 from grpo.model.vision import SUPPORTED_MODEL_TYPES
 from grpo.settings import ALL_LINEAR
 
@@ -58,20 +57,16 @@ def load_tokenizer(model_cfg, chat_template_kwargs: dict | None = None):
 
 
 def model_class(path, model_cfg):
-    """AutoModelForCausalLM, or for a vision-language model (its config has a vision_config) the image-text class
-    of a family the log-prob passes serve (grpo/model/vision.py); ModelError naming any other's type."""
+    """AutoModelForCausalLM, or for a vision-language model of a family the log-prob passes serve with images
+    (grpo/model/vision.py) the image-text class."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError):  # the load below says what is wrong with the folder
         return AutoModelForCausalLM
-    if getattr(config, "vision_config", None) is None:
-        return AutoModelForCausalLM
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(f"'{model_cfg.name_or_path}' is a vision-language model of type {config.model_type}; the "
-                         f"log-prob passes serve images for {', '.join(SUPPORTED_MODEL_TYPES)} (their M-RoPE "
-                         "positions and vision features)")
+    if getattr(config, "vision_config", None) is None or config.model_type not in SUPPORTED_MODEL_TYPES:
+        return AutoModelForCausalLM  # another multimodal checkpoint trains on text as before (images: load_processor)
     return AutoModelForImageTextToText
 
 
@@ -79,7 +74,7 @@ def load_processor(model_cfg, data_cfg, tokenizer):
     """How the model reads images (data/images.py ImageReader: its image processor, its placeholder token and merge
     size) where the data has images (data.image_column, data.path=shapes), else None; ModelError for a model that
     cannot."""
-    if not (data_cfg.image_column or is_shapes(data_cfg.path)):
+    if not has_images(data_cfg):
         return None
     from transformers import AutoConfig, AutoImageProcessor
 

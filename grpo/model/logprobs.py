@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from grpo.model.loading import unwrap_causal_lm
 from grpo.model.segments import has_rows, join_rows, split_rows
 from grpo.model.shared_prefix import NO_MASK, install_shared_prefix_attention, pack_groups
-from grpo.model.vision import PromptImages, batch_images, packed_inputs, vision_language_model
+from grpo.model.vision import PromptImages, packed_inputs, plain_inputs, vision_language_model
 
 if TYPE_CHECKING:
     from grpo.settings import Config
@@ -141,8 +141,8 @@ def _plain_rows(prompt_ids, completion_ids, sizes, max_tokens):
 
 
 def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_tokens, with_entropy, images=None):
-    """The baseline: each completion in its own right-padded row with its prompt repeated (and its images: the
-    vision-language model's own forward, its vision encoder on every row's)."""
+    """The baseline: each completion in its own right-padded row with its prompt repeated (and its images, through
+    the vision encoder for every row)."""
     causal_lm, decoder, head = _model_parts(model)
     vlm = vision_language_model(causal_lm) if images is not None else None
     device = head.weight.device
@@ -156,13 +156,14 @@ def _plain_logprobs(model, prompt_ids, completion_ids, sizes, temperature, max_t
         for k, r in enumerate(rows):
             input_ids[k, :len(r)] = r
             attention_mask[k, :len(r)] = 1
-        inputs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-        if vlm is not None:
-            pixel_values, grid_thw = batch_images([images[prompt_of[j]] for j in batch])
-            inputs.update(pixel_values=None if pixel_values is None else pixel_values.to(device),
-                          image_grid_thw=None if grid_thw is None else grid_thw.to(device),
-                          mm_token_type_ids=(input_ids == vlm.config.image_token_id).int().to(device))
-        hidden = (vlm or decoder)(**inputs).last_hidden_state  # [n, width, H]
+        inputs = dict(input_ids=input_ids.to(device))
+        if vlm is not None:  # each row's prompt with its images, its encoder run for every row
+            embeddings, positions = plain_inputs(vlm, [prompt_ids[prompt_of[j]] for j in batch],
+                                                 [completion_ids[j] for j in batch],
+                                                 [images[prompt_of[j]] for j in batch], width)
+            inputs = dict(inputs_embeds=embeddings, position_ids=positions)
+        hidden = decoder(**inputs, attention_mask=attention_mask.to(device),
+                         use_cache=False).last_hidden_state  # [n, width, H]
         select_row, select_pos, targets = [], [], []
         for k, j in enumerate(batch):
             P, C = len(prompt_ids[prompt_of[j]]), len(completion_ids[j])
@@ -209,6 +210,9 @@ def check_supported(model, cfg: Config, name: str | None = None) -> None:
     causal_lm = unwrap_causal_lm(model)
     problems = unsupported_features(causal_lm.config, cfg.training.shared_prefix,
                                     cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens)
+    if vision_language_model(causal_lm) is not None and cfg.deepspeed.zero_stage == 3:
+        problems.append("deepspeed.zero_stage=3 partitions the vision encoder, and each rank runs it as often as its "
+                        "share of prompts has images: the ranks would wait on each other; use zero_stage 0-2")
     if problems:
         raise ModelError(f"{name or cfg.model.name_or_path} ({causal_lm.config.model_type}) is not supported: "
                          + "; ".join(problems))
@@ -234,6 +238,9 @@ def completion_logprobs(model, prompt_ids: Sequence[torch.Tensor], completion_id
     compute = _shared_prefix_logprobs if shared_prefix else _plain_logprobs
     if images is not None and len(images) != len(prompt_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(images)} prompts' images")
+    if images is not None and any(i is not None for i in images) and \
+            vision_language_model(unwrap_causal_lm(model)) is None:
+        raise ValueError("prompts with images, and a model without a vision encoder: its log-probs would ignore them")
     logps, entropies = compute(model, list(prompt_ids), list(completion_ids), sizes, temperature,
                                max_tokens_per_forward, return_entropy, images=images)
     if counts is not None:

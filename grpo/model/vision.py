@@ -75,13 +75,20 @@ def packed_inputs(vlm, input_ids: torch.Tensor, position_ids: torch.Tensor, span
     return torch.cat(pieces), positions
 
 
-def batch_images(images: list[PromptImages | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(pixel_values, image_grid_thw) of rows' images, row after row, as the model's forward takes them (None
-    without any)."""
-    present = [i for i in images if i is not None]
-    if not present:
-        return None, None
-    return torch.cat([i.pixel_values for i in present]), torch.cat([i.grid_thw for i in present])
+def plain_inputs(vlm, prompts: list[torch.Tensor], completions: list[torch.Tensor], images: list,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [prompt | completion] rows' (embeddings [n, width, H], positions [3, n, width]): each row's prompt
+    with its images (the encoder run for each row), its completion's tokens (an image token the model drew is
+    text: it has no image) going on from the prompt's largest position."""
+    device = vlm.get_input_embeddings().weight.device
+    rows, positions = [], torch.zeros(3, len(prompts), width, dtype=torch.long, device=device)
+    for k, (prompt, completion, own) in enumerate(zip(prompts, completions, images)):
+        embedded, placed, after = prompt_inputs(vlm, prompt.to(device), own)
+        row = torch.cat([embedded, vlm.get_input_embeddings()(completion.to(device))])
+        rows.append(torch.nn.functional.pad(row, (0, 0, 0, width - len(row))))
+        positions[:, k, :len(prompt)] = placed
+        positions[:, k, len(prompt):len(row)] = after + torch.arange(len(completion), device=device)
+    return torch.stack(rows), positions
 
 
 def wire_images(images: list[PromptImages | None]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
@@ -102,3 +109,28 @@ def batch_prompt_images(batch) -> list[PromptImages | None] | None:
         return None
     return [PromptImages(pixels.reshape(-1, batch.patch_values), grid.reshape(-1, 3)) if len(grid) else None
             for pixels, grid in zip(batch.image_pixels, batch.image_grids)]
+
+
+def check_batch_images(batch, causal_lm) -> str | None:
+    """Why the batch's images cannot be what this model reads (None: they can): the model has no vision encoder;
+    a patch's values are not its encoder's (channels x temporal patch x patch size^2); a grid is not a whole number
+    of merged tokens; a prompt's image tokens are not its images' count. Checked before any forward, on every rank
+    alike."""
+    images = batch_prompt_images(batch)
+    if images is None:
+        return None
+    vlm = vision_language_model(causal_lm)
+    if vlm is None:
+        return "the batch holds images, and the model is not a vision-language model"
+    vision = vlm.config.vision_config
+    values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    if batch.patch_values != values:
+        return f"the batch's patches hold {batch.patch_values} values, and this model's {values}"
+    for i, (prompt, own) in enumerate(zip(batch.prompt_ids, images)):
+        count = int((prompt == vlm.config.image_token_id).sum())
+        if own is not None and bool((own.grid_thw[:, 1:] % vision.spatial_merge_size).any()):
+            return f"prompt {i}'s image grid is not a whole number of {vision.spatial_merge_size}-patch tokens a side"
+        expected = 0 if own is None else image_tokens(vlm, own)
+        if count != expected:
+            return f"prompt {i} holds {count} image tokens, and its images make {expected}"
+    return None

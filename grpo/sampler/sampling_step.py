@@ -89,6 +89,8 @@ def next_call(loop: SamplerRun, step: int):
     from grpo.sampler.rollout.sequences import NextCall
 
     prompts = round_prompts(sampling, loop.cursor, loop.prompts, g)(0)
+    if any(p.images is not None for p in prompts):  # prompts with images decode in blocks, not in the loop
+        return None
     return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g))
 
 
@@ -131,11 +133,20 @@ def round_prompts(sampling: SamplingConfig, cursor, prompts: list, g: int):
     return prompts_of_round
 
 
+class BatchTooLarge(RuntimeError):
+    """A batch over the message size the trainer accepts: the run stops, saying which setting to change."""
+
+
 def send(loop: SamplerRun, step: int, batch: RolloutBatch) -> None:
     """Spool the batch, send it, then save the data cursor: after the send, so that a restart
     neither repeats nor skips prompts."""
     t = time.perf_counter()
     frames = loop.sender.encode(batch)
+    size, cap = sum(len(f) for f in frames), loop.cfg.transport.max_message_mb * 2**20
+    if size > cap:  # the trainer's socket would drop it unread, and the run would wait on it
+        raise BatchTooLarge(f"step {step}'s batch is {size / 2**20:.0f} MiB, over transport.max_message_mb="
+                            f"{loop.cfg.transport.max_message_mb:g}; raise it, or send fewer prompts a step (images: "
+                            "a smaller image processor size)")
     loop.spool.put(step, frames)  # kept until the trainer checkpoints past it (at-least-once delivery)
     loop.sender.send_frames(frames)  # blocks at the high-water mark: a slow trainer applies back-pressure
     loop.previous_send_s = time.perf_counter() - t

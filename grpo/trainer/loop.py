@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from grpo.common.run_folder import RunFolder
 from grpo.model.flops import ModelShape, batch_step_flops
+from grpo.model.loading import unwrap_causal_lm
 from grpo.model.logprobs import verify_shared_prefix
-from grpo.model.vision import batch_prompt_images
+from grpo.model.vision import batch_prompt_images, check_batch_images
 from grpo.objective import Objective
 from grpo.run.metrics_log import MetricsLog
 from grpo.run.tracking import open_tracker
@@ -112,6 +113,9 @@ class TrainingLoop:
         # rank 0 decoded it on arrival; the others with the same cap
         batch = item[1] if item is not None else decode_batch(frames, max_bytes=self.ends_max_bytes)
         check_behaviour(batch.behaviour, self.expected, batch.sampler, batch.step)
+        images = check_batch_images(batch, unwrap_causal_lm(self.model))
+        if images is not None:
+            raise BehaviourMismatch(f"sampler {batch.sampler} step {batch.step}: {images}")
         check_advantages(batch, self.cfg)
         check_staleness(self.state.step, batch.policy_version, self.cfg.sampling.max_staleness, batch.sampler,
                         batch.step)

@@ -28,6 +28,7 @@ SECRET_ENV = "GRPO_TRANSPORT_SECRET"
 DEFAULT_MAX_BYTES = 512 * 2**20
 MAX_HEADER_BYTES = 4 * 2**20  # the header is metadata; anything bigger is an attack or a bug
 MAX_IMAGE_PATCHES = 65536  # a prompt's images: a 12.8-megapixel image in 14-pixel patches (Qwen2-VL's largest)
+MAX_GRID_SIDE = MAX_IMAGE_PATCHES  # patches along one side (bounds the product: no overflow)
 EARLIER_SCHEMAS = ("grpo.rollout/1", "grpo.rollout/2", "grpo.rollout/3", "grpo.rollout/4")
 
 TENSORS = {f.name: f for f in TENSOR_FIELDS}
@@ -224,8 +225,9 @@ def _check_images(h: dict, tensors: dict) -> None:
     if patch_values < 1:
         raise MessageError("patch_values must be >= 1 in a batch with images")
     for i, (values, grid) in enumerate(zip(pixels, grids)):
-        if len(grid) % 3 or (len(grid) and int(grid.min()) < 1):
-            raise MessageError(f"image_grids: prompt {i}'s grid is not (time, height, width) >= 1 an image")
+        if len(grid) % 3 or (len(grid) and (int(grid.min()) < 1 or int(grid.max()) > MAX_GRID_SIDE)):
+            raise MessageError(f"image_grids: prompt {i}'s grid is not (time, height, width) in 1..{MAX_GRID_SIDE} "
+                               "an image")
         patches = int(grid.reshape(-1, 3).prod(-1).sum())
         if patches > MAX_IMAGE_PATCHES:
             raise MessageError(f"image_pixels: prompt {i}'s images hold {patches} patches, over {MAX_IMAGE_PATCHES}")

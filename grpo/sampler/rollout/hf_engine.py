@@ -221,6 +221,8 @@ class HFEngine:
         seed is its own). `images`: per prompt, its images (grpo/model/vision.py) or None: decoded in blocks,
         each prompt's images through the vision encoder once in its prefill."""
         if images is not None and any(i is not None for i in images):
+            if not greedy:
+                self.carried = None  # a next call started as text: not this one
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy,
                                            max_new_tokens=max_new_tokens, images=images)
         if not (self.cfg.continuous_batching and runs_continuously(self)):
@@ -285,9 +287,10 @@ class HFEngine:
         cfg = self.cfg
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache, shift = self._prefill(ids, mask) if ids.shape[1] > 1 else None, None
         if images is not None:  # a prompt with images is longer than one token: it holds them
             cache, shift = self._prefill_images(prompts, images, self.tokenizer.pad_token_id)
+        else:
+            cache, shift = self._prefill(ids, mask) if ids.shape[1] > 1 else None, None
         plan = chunk_plan(len(prompts), group_size, cfg.generation_batch_size)
         produced, truncated, logps = [], [], []
         for k in plan:

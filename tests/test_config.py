@@ -150,6 +150,8 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["data.image_column=image", "env.tools=[grpo.environments.calculator:calculate]"],
      "prompts with images run as single completions"),
     (["data.path=shapes", "distill.teacher=smollm2-135m-instruct"], "prompts with images and distill.teacher"),
+    (["data.path=shapes", "sampling.in_flight_updates=true", "sampling.old_logps=generation"],
+     "prompts with images decode in blocks, which load new weights between steps only"),
     (["training.kl_in=reward", "training.beta=0"], "training.kl_in=reward with training.beta=0 puts no KL in the"),
     (["training.kl_in=reward", "training.kl_estimator=k1", "training.reference_on=trainer"],
      "training.kl_in=reward needs training.reference_on=sampler"),

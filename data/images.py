@@ -1,6 +1,7 @@
 """A dataset row's images (data.image_column), for a vision-language model: read as their encoded bytes (a path
-relative to the dataset's folder, or the bytes a parquet Image column holds), each checked to decode. A row whose
-image is missing, unreadable or a URL (nothing is downloaded) is skipped and counted by that reason."""
+relative to the dataset's folder, the bytes a parquet or Hub Image column holds), each checked to decode; a row whose
+image is missing, unreadable or a URL (nothing is downloaded) is skipped and counted by that reason. `ImageReader`
+makes them the model's input (`PromptImages`: pixel values and grids) and says how many tokens each image takes."""
 
 from __future__ import annotations
 

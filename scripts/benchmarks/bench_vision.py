@@ -112,6 +112,52 @@ def save_tiny_vlm(folder: Path, hidden: int = 64, max_pixels: int = 112 * 112) -
     tokenizer.save_pretrained(folder)
 
 
+def save_smollm2_vlm(folder: Path, max_pixels: int = 112 * 112) -> None:
+    """A Qwen2-VL whose language model is the embedded SmolLM2-135M-Instruct, weights copied (q/k/v biases zero; with
+    the three M-RoPE positions of a text token equal, its rotary is SmolLM2's), and a random tiny vision encoder: a
+    model that reads and writes the task's format from the start, for a learning run on this machine."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from grpo.config import ModelConfig
+    from grpo.model.loading import load_model, load_tokenizer
+
+    tokenizer, base = load_tokenizer(ModelConfig()), load_model(ModelConfig())
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_tokens(vision, special_tokens=True)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(vision)
+    tokenizer.chat_template = VLM_TEMPLATE
+    c = base.config
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                         rms_norm_eps=c.rms_norm_eps, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         rope_parameters={"rope_type": "default", "mrope_section": [8, 12, 12],
+                                          "rope_theta": c.rope_parameters["rope_theta"]}),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=c.hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    text, source = model.model.language_model, base.model
+    with torch.no_grad():
+        text.embed_tokens.weight[:c.vocab_size] = source.embed_tokens.weight
+        for name, param in text.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            if name.endswith(".bias"):  # Qwen2's q/k/v biases: SmolLM2 has none
+                param.zero_()
+            else:
+                param.copy_(source.get_parameter(name))
+    model.lm_head.weight = text.embed_tokens.weight
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=4)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpo.data.prompts import prompt_images
 from grpo.model.flops import ModelShape, generation_flops
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.segments import has_rows, join_rows, split_rows
@@ -101,6 +100,7 @@ class Round:
     generation_flops: int = 0  # model FLOPs of the generation (grpo/model/flops.py)
     episodes: list | None = None  # grpo.sampler.episode_records.Episode per sample, with env.name
     failed_on_all: FailedOnAll | None = None  # set by generate_and_score
+    images: list | None = None  # each prompt's images as generation got them (the batch carries the same)
 
 
 def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: int, sandbox, then=None) -> Round:
@@ -124,7 +124,7 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
-                 FailedOnAll.of(scores, episodes))
+                 FailedOnAll.of(scores, episodes), made.images)
 
 
 def completions_shown(cfg: Config, policy: SamplerModels, kept: Round, advantages: torch.Tensor) -> list[dict]:
@@ -206,6 +206,8 @@ def keep_groups(rounds: list[Round], chosen: list[tuple[int, int]], G: int) -> R
         generate_s=sum(rnd.generate_s for rnd in rounds), rewards_s=sum(rnd.rewards_s for rnd in rounds),
         generation_flops=sum(rnd.generation_flops for rnd in rounds),
         episodes=[rnd.episodes[i] for rnd, i in samples] if episodic else None,
+        images=None if all(rnd.images is None for rnd in rounds) else
+        [rounds[r].images[j] if rounds[r].images is not None else None for r, j in chosen],
         failed_on_all=functools.reduce(FailedOnAll.both, [rnd.failed_on_all for rnd in rounds]))
 
 
@@ -323,7 +325,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     timings["perf/generation_model_gflop"] = kept.generation_flops / 1e9
     timings["perf/generation_gflop_per_s"] = kept.generation_flops / 1e9 / max(kept.generate_s, 1e-9)
     prompts, rollouts, objective = kept.prompts, kept.rollouts, policy.objective
-    prompt_ids, images = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts], prompt_images(prompts)
+    prompt_ids, images = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts], kept.images
     t = time.perf_counter()
     old_logps, ref_logps, teacher_logps, gap = policy_logprobs(cfg, policy, prompt_ids, rollouts, measure_logp_gap,
                                                                images)

@@ -21,6 +21,7 @@ class Completions:
     texts: list[str]  # what the rewards score: the prefill and the completion (an episode: its last model message)
     rows: list[dict]  # each sample's dataset row as the rewards get it (episodes: with env_reward)
     episodes: list | None  # grpo.sampler.episode_records.Episode per sample, with an environment
+    images: list | None = None  # each prompt's images as the engine got them (None: text alone)
 
 
 def generate_completions(engine, tokenizer, prompts: list, group_size: int, prefill: str, episodes: Any = None, *,
@@ -40,4 +41,4 @@ def generate_completions(engine, tokenizer, prompts: list, group_size: int, pref
     rollouts = engine.generate([p.token_ids for p in prompts], group_size, seed=seed, greedy=greedy, **extra)
     texts = [prefill + text for text in tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)]
     return Completions(prompts, rollouts, texts, reward_rows([p for p in prompts for _ in range(group_size)]),
-                       None)
+                       None, images)

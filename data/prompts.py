@@ -138,15 +138,14 @@ def prompt_images(prompts: list) -> list | None:
     return [p.images.load() if isinstance(p.images, ImageSource) else p.images for p in prompts]
 
 
-def image_prompt(tokenizer, reader: ImageReader, turns: list[dict], prefill: str, images: tuple[bytes, ...]
-                 ) -> tuple[list[int], ImageSource]:
-    """A prompt with images: its images as content parts before the last turn's text (the chat template writes a
-    placeholder for each, widened to the image's tokens); (the token ids, where its images come from)."""
+def image_prompt_text(tokenizer, reader: ImageReader, turns: list[dict], prefill: str,
+                      images: tuple[bytes, ...]) -> str:
+    """A prompt with images, as text: its images as content parts before the last turn's text (the chat template
+    writes a placeholder for each), each placeholder widened to its image's tokens."""
     last = turns[-1]
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": last["content"]}]
     text = render(tokenizer, [*turns[:-1], {**last, "content": parts}], prefill)
-    text = reader.widen(text, reader.token_counts(images))
-    return tokenizer(text, add_special_tokens=False)["input_ids"], ImageSource(reader, images)
+    return reader.widen(text, reader.token_counts(images))
 
 
 def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
@@ -164,17 +163,16 @@ def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefi
     # in batches: a fast tokenizer encodes each in Rust (10k prompts: ~0.5 s against ~2.6 s one by one),
     # a few thousand at a time to bound the memory; the chat template already holds the special tokens,
     # so no BOS is added twice
-    texts = [render(tokenizer, t, prefill, tools) for t in turns]
-    encoded = [ids for start in range(0, len(texts), ENCODE_BATCH)
-               for ids in tokenizer(texts[start:start + ENCODE_BATCH], add_special_tokens=False,
-                                    return_attention_mask=False)["input_ids"]]
     if any(problem.images for problem in asked) and processor is None:
         raise ModelError("the dataset's prompts hold images (data.image_column), and the model has no image "
                          "processor: use a vision-language model (Qwen2-VL, Qwen2.5-VL) with its processor's files")
-    images = [image_prompt(tokenizer, processor, t, prefill, problem.images) if problem.images else (ids, None)
-              for problem, ids, t in zip(asked, encoded, turns)]
-    prompts = [Prompt(problem, ids, tuple(t), tools, own) for problem, (ids, own), t in zip(asked, images, turns)
-               if len(ids) <= max_prompt_tokens]
+    texts = [image_prompt_text(tokenizer, processor, t, prefill, problem.images) if problem.images
+             else render(tokenizer, t, prefill, tools) for problem, t in zip(asked, turns)]
+    encoded = [ids for start in range(0, len(texts), ENCODE_BATCH)
+               for ids in tokenizer(texts[start:start + ENCODE_BATCH], add_special_tokens=False,
+                                    return_attention_mask=False)["input_ids"]]
+    prompts = [Prompt(problem, ids, tuple(t), tools, ImageSource(processor, problem.images) if problem.images else None)
+               for problem, ids, t in zip(asked, encoded, turns) if len(ids) <= max_prompt_tokens]
     return prompts, len(asked) - len(prompts)
 
 

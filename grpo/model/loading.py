@@ -56,6 +56,12 @@ def load_tokenizer(model_cfg, chat_template_kwargs: dict | None = None):
     return tokenizer
 
 
+def serves_images(config) -> bool:
+    """Whether a checkpoint's config is a vision-language model of a family the log-prob passes serve with images
+    (grpo/model/vision.py)."""
+    return getattr(config, "vision_config", None) is not None and config.model_type in SUPPORTED_MODEL_TYPES
+
+
 def model_class(path, model_cfg):
     """AutoModelForCausalLM, or for a vision-language model of a family the log-prob passes serve with images
     (grpo/model/vision.py) the image-text class."""
@@ -65,9 +71,8 @@ def model_class(path, model_cfg):
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError):  # the load below says what is wrong with the folder
         return AutoModelForCausalLM
-    if getattr(config, "vision_config", None) is None or config.model_type not in SUPPORTED_MODEL_TYPES:
-        return AutoModelForCausalLM  # another multimodal checkpoint trains on text as before (images: load_processor)
-    return AutoModelForImageTextToText
+    # another multimodal checkpoint trains on text as before (with images, load_processor refuses it)
+    return AutoModelForImageTextToText if serves_images(config) else AutoModelForCausalLM
 
 
 def load_processor(model_cfg, data_cfg, tokenizer):
@@ -80,7 +85,7 @@ def load_processor(model_cfg, data_cfg, tokenizer):
 
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.cache_dir)
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-    if getattr(config, "vision_config", None) is None or config.model_type not in SUPPORTED_MODEL_TYPES:
+    if not serves_images(config):
         raise ModelError(f"the data has images, and '{model_cfg.name_or_path}' ({config.model_type}) is not a "
                          f"vision-language model the log-prob passes serve ({', '.join(SUPPORTED_MODEL_TYPES)})")
     try:

@@ -158,14 +158,17 @@ def test_every_task_scores_its_own_reference_answer_through_our_path_as_reasonin
     rearc's grids then never equal the answer's): the scorer gets the task's own entry, regenerated."""
     import reasoning_gym
 
-    from grpo.data.procedural import create, task_names
+    from grpo.data.procedural import original_entry, task_names
 
     needs_settings = {"composite"}  # made of other tasks named in its settings
     checked = 0
     for task in sorted(set(task_names()) - needs_settings):
         rows = task_rows(f"reasoning-gym:{task}", "train", {"size": 3})
-        entries = list(create(task, split_settings({"size": 3}, "train")))
+        # the entry as made under its own seed: list_functions draws from the global `random`, so a
+        # dataset iterated here directly would make other entries, depending on the tests run before
+        entries = [original_entry(row["entry"]) for row in rows]
         for row, entry in zip(rows, entries, strict=True):
+            assert entry["question"] == row["question"], task
             row = json.loads(json.dumps(row))  # as the reward sandbox receives it
             expected = reasoning_gym.get_score_answer_fn(task)(str(entry["answer"]).strip(), entry)
             completion = f"<answer>{entry['answer']}</answer>"

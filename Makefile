@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install install-vllm train test test-fast test-vllm bench-trl bench-learn clean-venv
+.PHONY: install install-vllm install-verifiers train test test-fast test-vllm test-verifiers bench-trl bench-learn clean-venv
 
 # $(call install_env,VENV,REQUIREMENTS,SHM_OP): a venv with torch first and deepspeed built against it
 # (no build isolation: deepspeed ships only as source), then the rest and the embedded model.
@@ -69,6 +69,25 @@ $(VLLM_STAMP): requirements.txt requirements-vllm-$(VLLM_KIND).txt
 	touch $(VLLM_STAMP)
 
 install-vllm: $(STAMP) $(VLLM_STAMP)
+
+# A verifiers environment by name (agent.verifiers) in its own environment, .venv-verifiers: verifiers 0.3.1 and what
+# it pulls, no torch (requirements-verifiers.txt says why). Install your environment there too:
+# .venv-verifiers/bin/pip install <it>
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed-$(shell cat requirements-verifiers.txt | cksum | cut -d' ' -f1)
+
+$(VERIFIERS_STAMP): requirements-verifiers.txt
+	test -x $(VERIFIERS_VENV)/bin/python || python3 -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q -r requirements-verifiers.txt
+	$(VERIFIERS_VENV)/bin/python -c "import importlib.metadata as m; print('verifiers', m.version('verifiers'), 'is installed in $(VERIFIERS_VENV)')"
+	rm -f $(VERIFIERS_VENV)/.installed-*
+	touch $(VERIFIERS_STAMP)
+
+install-verifiers: $(VERIFIERS_STAMP)
+
+# The tests of a verifiers environment's rows and rollouts (the trainer in .venv, the environment in .venv-verifiers)
+test-verifiers: $(STAMP) $(VERIFIERS_STAMP)
+	$(PY) -m pytest -q tests/test_verifiers.py $(ARGS)
 
 # The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
 test-vllm: $(VLLM_STAMP)

@@ -18,6 +18,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from grpo.common.sources import HUB_ID_RE, SourceError, hub_offline_by_request, hub_unreachable_reason
+from grpo.common.verifiers_bridge import VerifiersError, env_of, env_rows, is_verifiers
 from grpo.data.code_tasks import code_task_rows, is_code_tasks
 from grpo.data.embedded import EMBEDDED_GSM8K, EmbeddedDataError, embedded_rows
 from grpo.data.images import image_sizes, read_images
@@ -53,6 +54,7 @@ class Columns:
 GSM8K_COLUMNS = Columns()
 PROCEDURAL_COLUMNS = Columns("question", "answer", "text")  # the rows data/procedural.py makes
 SHAPES_COLUMNS = Columns("question", "answer", "text", image="image")  # data/shapes.py's
+VERIFIERS_COLUMNS = Columns("prompt", "answer", "text")  # a verifiers environment's dataset: chat messages
 
 
 @dataclass(frozen=True)
@@ -319,6 +321,13 @@ def _read_code_tasks(split: str, task_args: dict) -> list:
         raise DataError(str(e)) from None
 
 
+def _read_verifiers(path: str, split: str, args: dict) -> list:
+    try:
+        return env_rows(env_of(path), args, split)
+    except VerifiersError as e:
+        raise DataError(str(e)) from None
+
+
 def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None = None,
                task_args: dict | None = None, image_column: str | None = None) -> list:
     if path == EMBEDDED_GSM8K:
@@ -329,6 +338,8 @@ def _read_rows(path: str, split: str, stats: LoadStats, hub_config: str | None =
         return _read_shapes(split, task_args or {})
     if is_procedural(path):
         return _read_procedural(path, split, task_args or {})
+    if is_verifiers(path):
+        return _read_verifiers(path, split, task_args or {})
     folder = Path(path).expanduser()
     return _read_local(folder, split, stats) if folder.is_dir() else _read_hub(path, split, hub_config, image_column)
 
@@ -346,6 +357,8 @@ def check_source(path: str, split: str, task_args: dict | None = None) -> None:
             check_task(path, task_args or {})
         except TaskError as e:
             raise DataError(str(e)) from None
+    elif is_verifiers(path):
+        _read_verifiers(path, split, task_args or {})
     elif Path(path).expanduser().is_dir():
         _require_local_files(Path(path).expanduser(), split)
     else:
@@ -358,7 +371,7 @@ def load_problems(path: str, split: str, columns: Columns = GSM8K_COLUMNS,
     their own columns (`task_args` are its settings)."""
     stats = LoadStats()
     columns = PROCEDURAL_COLUMNS if is_procedural(path) or is_code_tasks(path) else columns
-    columns = SHAPES_COLUMNS if is_shapes(path) else columns
+    columns = SHAPES_COLUMNS if is_shapes(path) else VERIFIERS_COLUMNS if is_verifiers(path) else columns
     raw = _read_rows(path, split, stats, columns.hub_config, task_args, columns.image)
     check_columns(raw, columns, f"{path} split '{split}'")
     folder = Path(path).expanduser()
@@ -380,8 +393,8 @@ def check_rows(data_cfg, split: str, rows: int = CHECKED_ROWS) -> str | None:
     column is missing or none is usable (naming the setting that fixes it); a warning when most are
     skipped; None when they parse. Embedded and local files only (a Hub dataset is checked as it loads)."""
     columns, path = Columns.of(data_cfg), data_cfg.path
-    if is_procedural(path) or is_code_tasks(path) or is_shapes(path):
-        return None  # rows of our own making
+    if is_procedural(path) or is_code_tasks(path) or is_shapes(path) or is_verifiers(path):
+        return None  # rows of our own making, or an environment's
     folder = Path(path).expanduser()
     if path == EMBEDDED_GSM8K:
         raw = _read_embedded(split)[:rows]

@@ -33,16 +33,17 @@ log = logging.getLogger(__name__)
 TARGET = "command"
 
 
-def command_words(command: str) -> list[str]:
-    """The command line's words: a leading `python` (or `python3`) is this environment's interpreter, a program
-    found on PATH is named by its path, and a word that names a file here is made absolute (the command runs in a
-    folder of its own)."""
-    words = shlex.split(command)
+def command_words(command: str | list[str]) -> list[str]:
+    """The command line's words (a list is taken as it is): a leading `python` (or `python3`) is this environment's
+    interpreter, a program found on PATH is named by its path, and a word that names a file here is made absolute
+    (the command runs in a folder of its own)."""
+    words = shlex.split(command) if isinstance(command, str) else list(command)
     if words and words[0] in ("python", "python3"):
         words[0] = sys.executable
     elif words and "/" not in words[0] and shutil.which(words[0]):
         words[0] = shutil.which(words[0])
-    return [str(Path(w).resolve()) if not w.startswith("-") and Path(w).is_file() else w for w in words]
+    # absolute, links kept: a venv's bin/python is a link whose own path tells Python its environment
+    return [str(Path(w).absolute()) if not w.startswith("-") and Path(w).is_file() else w for w in words]
 
 
 def readable_paths(words: list[str], readable: list[str] = ()) -> tuple[str, ...]:
@@ -57,13 +58,20 @@ def readable_paths(words: list[str], readable: list[str] = ()) -> tuple[str, ...
 CERTIFICATES = ("/etc/ssl", "/etc/ca-certificates", "/etc/pki")
 
 
+def verifiers_command(env: str, args: dict, model_name: str, readable: list[str]) -> tuple[list[str], list[str]]:
+    """agent.verifiers as a command: (the words of its rollout script in .venv-verifiers, what its jail reads)."""
+    from grpo.common.verifiers_bridge import readable_for, script_words
+
+    return script_words("rollout", env, args, model_name), [*readable, *readable_for(env)]
+
+
 class AgentCommand:
     """The harness of agent.command: called per session with (row, base_url, api_key) on the session's thread
     (grpo/agent/harness.py), it runs the command in a jail of the pool and returns None (its reward is what it
     posted); `stop(api_key)` kills a session's command; `close()` ends every jail."""
 
-    def __init__(self, command: str, port: int, timeout_s: float, memory_mb: int = 2048, max_processes: int = 64,
-                 cpu_s: int = 600, readable: list[str] = ()):
+    def __init__(self, command: str | list[str], port: int, timeout_s: float, memory_mb: int = 2048,
+                 max_processes: int = 64, cpu_s: int = 600, readable: list[str] = ()):
         self.words = command_words(command)
         self.timeout_s = timeout_s
         self.limits = JailLimits(memory_mb=memory_mb, max_processes=max_processes, cpu_s=cpu_s,

@@ -79,18 +79,21 @@ class AgentRunner:
 
     def __init__(self, settings: AgentConfig, tokenizer, max_new_tokens: int, max_prompt_tokens: int,
                  model_name: str, entrypoint=None, scores_env_reward: bool = True,
-                 truncated_reward: float | None = None):
+                 truncated_reward: float | None = None, verifiers_args: dict | None = None):
         from grpo.common.imports import import_object
 
         self.settings, self.tokenizer = settings, tokenizer
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.sessions = Sessions()
         self.server = AgentServer(self.sessions, model_name)
-        if entrypoint is None and settings.command:
-            from grpo.agent.command import AgentCommand
+        if entrypoint is None and (settings.command or settings.verifiers):
+            from grpo.agent.command import AgentCommand, verifiers_command
 
-            entrypoint = AgentCommand(settings.command, self.server.port, settings.session_timeout_s,
-                                      settings.memory_mb, settings.max_processes, settings.cpu_s, settings.readable)
+            command, readable = settings.command, settings.readable
+            if settings.verifiers:  # its rollout script, run as a command
+                command, readable = verifiers_command(settings.verifiers, verifiers_args or {}, model_name, readable)
+            entrypoint = AgentCommand(command, self.server.port, settings.session_timeout_s,
+                                      settings.memory_mb, settings.max_processes, settings.cpu_s, readable)
         self.harnesses = Harnesses(entrypoint or import_object(settings.entrypoint, "agent.entrypoint"))
         # its reply rule (the harness's new messages after our turn) and its turn-by-turn path are the environments'
         self.episodes = EpisodeRunner(None, tokenizer, max_new_tokens, settings.max_turns, roles=())
@@ -398,7 +401,7 @@ def agent_runner(cfg: Config, tokenizer) -> AgentRunner:
     """With agent.entrypoint or agent.command: the endpoint on loopback, and the runner of its sessions."""
     runner = AgentRunner(cfg.agent, tokenizer, cfg.sampling.max_new_tokens, cfg.data.max_prompt_tokens,
                          cfg.model.name_or_path, scores_env_reward="env_reward" in cfg.rewards.names,
-                         truncated_reward=cfg.env.truncated_reward)
+                         truncated_reward=cfg.env.truncated_reward, verifiers_args=cfg.data.task_args)
     for client in ("httpx", "httpx2"):  # the OpenAI client's line per request, in the sampler's log
         logging.getLogger(client).setLevel(logging.WARNING)
     log.info("agent sessions of %s on %s: at most %d model turns, %d tokens in all", cfg.agent.harness,

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from grpo.common.files import is_checkpoint_folder
+from grpo.common.verifiers_bridge import PREFIX as VERIFIERS_PREFIX
+from grpo.common.verifiers_bridge import VerifiersError, is_verifiers, readable_for, verifiers_python
 from grpo.data.code_tasks import is_code_tasks
 from grpo.data.images import has_images
 from grpo.data.mixture import source_configs
@@ -167,15 +169,19 @@ def _data_errors(data) -> list[str]:
         return errors
     for source in source_configs(data):  # data itself, or each of data.sources with its own keys
         named = f"data.sources: {source.path}: " if data.sources else ""
-        if source.few_shot > 0 and source.answer_format != "gsm8k" and not is_procedural(source.path):
+        if source.few_shot > 0 and is_verifiers(source.path):
+            errors.append(f"{named}data.few_shot={source.few_shot} shows solved problems before each question, and a "
+                          "verifiers environment's prompt is its own (its few-shot turns are in it): set "
+                          "data.few_shot=0")
+        elif source.few_shot > 0 and source.answer_format != "gsm8k" and not is_procedural(source.path):
             errors.append(f"{named}data.few_shot={source.few_shot} shows solved problems (GSM8K's worked solutions, "
                           "or a reasoning-gym task's answers): it needs data.answer_format=gsm8k or "
                           "data.path=reasoning-gym:<task>; set data.few_shot=0 for your own data")
         if source.task_args and not (is_procedural(source.path) or is_code_tasks(source.path)
-                                     or is_shapes(source.path)):
-            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task, of code-tasks or of "
-                          f"shapes; data.path={source.path!r} is none of them (use data.path=reasoning-gym:<task>, "
-                          "code-tasks or shapes)")
+                                     or is_shapes(source.path) or is_verifiers(source.path)):
+            errors.append(f"{named}data.task_args are the settings of a reasoning-gym task, of code-tasks, of "
+                          f"shapes or of a verifiers environment; data.path={source.path!r} is none of them (use "
+                          "data.path=reasoning-gym:<task>, code-tasks, shapes or verifiers:<env>)")
     return errors
 
 
@@ -307,15 +313,19 @@ def _agent_errors(cfg: Config) -> list[str]:
     agent, errors = cfg.agent, []
     if not agent.harness:
         return errors
-    if agent.entrypoint and agent.command:
-        errors.append("agent.entrypoint and agent.command are both set: your agent is a function or a program; set one")
-    if agent.command:
+    named = [f"agent.{k}" for k in ("entrypoint", "command", "verifiers") if getattr(agent, k)]
+    if len(named) > 1:
+        errors.append(f"{' and '.join(named)} are {'both' if len(named) == 2 else 'all'} set: your agent is a "
+                      "function, a program or a verifiers environment; set one")
+    if agent.verifiers:
+        errors += _verifiers_errors(cfg)
+    elif agent.command:
         errors += command_errors(agent.command) + readable_errors(agent.readable, run_paths(cfg))
     elif ":" not in agent.entrypoint:
         errors.append(f"agent.entrypoint must be 'package.module:function' or 'path/to/file.py:function'; got "
                       f"{agent.entrypoint!r}")
     if cfg.env.name:
-        which = "agent.command" if agent.command else "agent.entrypoint"
+        which = next(f"agent.{k}" for k in ("verifiers", "command", "entrypoint") if getattr(agent, k))
         errors.append(f"{which} runs your own agent loop, and env.name={cfg.env.name} runs episodes of an "
                       "environment: set one of them")
     if cfg.data.prefill:
@@ -329,6 +339,22 @@ def _agent_errors(cfg: Config) -> list[str]:
                       f"{cfg.sampling.group_size}: a group's sessions open together (they share its prompt); set it "
                       f">= {cfg.sampling.group_size}, or 0 for no limit")
     return errors
+
+
+def _verifiers_errors(cfg: Config) -> list[str]:
+    """agent.verifiers: its rows are its environment's (their prompts are what its rollouts send first)."""
+    env, errors = cfg.agent.verifiers, []
+    if cfg.data.path != f"{VERIFIERS_PREFIX}{env}" or cfg.data.sources:
+        errors.append(f"agent.verifiers={env} runs that environment's rollouts on its own dataset's rows: set "
+                      f"data.path={VERIFIERS_PREFIX}{env} (data.task_args are its load_environment arguments)")
+    if env.endswith(".py") and not os.path.isfile(os.path.expanduser(env)):
+        return errors + [f"agent.verifiers: {env!r} is not a file (give an installed environment's id, or its .py "
+                         "file)"]
+    try:
+        verifiers_python()
+    except VerifiersError as e:
+        return errors + [f"agent.verifiers: {e}"]
+    return errors + readable_errors([*cfg.agent.readable, *readable_for(env)], run_paths(cfg))
 
 
 def command_errors(command: str) -> list[str]:

@@ -109,10 +109,10 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    path: str = setting("gsm8k-embedded", "'gsm8k-embedded' (offline), a Hub dataset id, a local folder with "
-        "train.jsonl/test.jsonl or parquet, or 'reasoning-gym:<task>' (procedural, offline; data.task_args).")
-    task_args: dict = setting({}, "data.path=reasoning-gym:<task> only: the task's settings (its reasoning-gym "
-        "config's fields, e.g. min_terms) and size, seed, test_size, test_seed of the splits.")
+    path: str = setting("gsm8k-embedded", "'gsm8k-embedded' (offline), a Hub dataset id, a folder of "
+        "train/test jsonl or parquet, 'reasoning-gym:<task>' (data.task_args), or 'verifiers:<env>' (its dataset).")
+    task_args: dict = setting({}, "A reasoning-gym task's settings (its config's fields, e.g. min_terms; size, seed, "
+        "test_size, test_seed of the splits), or a verifiers environment's load_environment arguments.")
     split: str = setting("train", "Split used for training prompts.")
     sources: list[dict] = setting([], "A mixture of datasets instead of data.path: [{path: ..., weight: 3}, {path: "
         "..., weight: 1}]; each prompt comes from source k with probability weight_k / the weights' sum.")
@@ -334,6 +334,8 @@ class AgentConfig:
         "called per sample with (row, base_url, api_key), sync or async; it talks to the policy over the OpenAI API.")
     command: str = setting("", "Your agent as a program, run per sample in a jail (TCP to the endpoint's port only) "
         "with OPENAI_BASE_URL and OPENAI_API_KEY set and its row as JSON on stdin; or agent.entrypoint.")
+    verifiers: str = setting("", "A verifiers environment's id, or its .py file: its rollouts run per sample as "
+        "agent.command runs (make install-verifiers); its rubric scores them. Needs data.path=verifiers:<the same>.")
     readable: list[str] = setting([], "agent.command: files and folders its jail may read besides the files its "
         "command line names (a script's modules, say); nothing of the run is readable otherwise.")
     memory_mb: int = setting(2048, "agent.command: memory in MB of one session's process tree (past it the session "
@@ -357,8 +359,8 @@ class AgentConfig:
 
     @property
     def harness(self) -> str:
-        """What runs the sessions: agent.entrypoint or agent.command ('' when neither: no agent)."""
-        return self.entrypoint or self.command
+        """What runs the sessions: agent.entrypoint, agent.command or agent.verifiers ('' when none: no agent)."""
+        return self.entrypoint or self.command or self.verifiers
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""A verifiers environment by name: `data.path: verifiers:<env>` reads its dataset, `agent.verifiers: <env>` runs
+its rollouts as agent sessions. verifiers lives in an environment of its own (`make install-verifiers` builds
+.venv-verifiers); the trainer runs verifiers_env.py there as a program and never imports verifiers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+PREFIX = "verifiers:"
+VENV = Path(".venv-verifiers")  # in the working folder, as sampling.vllm.python's .venv-vllm
+SCRIPT = Path(__file__).with_name("verifiers_env.py")
+ROWS_TIMEOUT_S = 600.0
+INSTALL_HINT = ("make install-verifiers (it builds .venv-verifiers with verifiers 0.3.1; then install your "
+                "environment there: .venv-verifiers/bin/pip install <it>)")
+
+
+class VerifiersError(Exception):
+    """verifiers is not installed, or the environment would not load or give its rows."""
+
+
+def is_verifiers(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def env_of(path: str) -> str:
+    return path.removeprefix(PREFIX)
+
+
+def verifiers_python() -> Path:
+    """The interpreter of .venv-verifiers, absolute: VerifiersError saying how to make it when it is not there."""
+    python = (VENV / "bin" / "python").absolute()
+    if not python.exists():
+        raise VerifiersError(f"a verifiers environment needs {python}: {INSTALL_HINT}")
+    return python
+
+
+def env_reference(env: str) -> str:
+    """An environment's id as given, or its .py file made absolute (the script runs in another folder)."""
+    return str(Path(env).expanduser().resolve()) if env.endswith(".py") else env
+
+
+def script_words(what: str, env: str, args: dict, last: str) -> list[str]:
+    """The command line of verifiers_env.py: `rows` (last = the split) or `rollout` (last = the model's name)."""
+    return [str(verifiers_python()), str(SCRIPT), what, env_reference(env), json.dumps(args), last]
+
+
+def readable_for(env: str) -> list[str]:
+    """What a jailed rollout reads besides the system's files: this script, .venv-verifiers (verifiers and what was
+    installed there) and an environment given as a file, its folder (the modules beside it)."""
+    paths = [str(SCRIPT), str(VENV.absolute())]
+    if env.endswith(".py"):
+        paths.append(str(Path(env_reference(env)).parent))
+    return paths
+
+
+def env_rows(env: str, args: dict, split: str) -> list[dict]:
+    """The rows of the environment's dataset (`train`) or its eval dataset (any other split), as verifiers formats
+    them: `prompt` (its chat messages, system prompt and few-shot turns included), `answer`, and `info`, `task`,
+    `example_id` where it has them."""
+    which = "train" if split == "train" else "eval"
+    try:
+        done = subprocess.run(script_words("rows", env, args, which), capture_output=True, text=True,
+                              timeout=ROWS_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise VerifiersError(f"verifiers environment {env!r} gave no {which} rows in {ROWS_TIMEOUT_S:g} s "
+                             "(its load_environment, or its dataset's make)") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+        raise VerifiersError(f"verifiers environment {env!r} would not give its {which} rows (exit status "
+                             f"{done.returncode}):\n{tail}")
+    try:
+        return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise VerifiersError(f"verifiers environment {env!r} printed what is not a row: {e}") from None
+

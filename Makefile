@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= config.yaml
 
-.PHONY: install install-vllm install-verifiers train test test-fast test-vllm test-verifiers bench-trl bench-learn clean-venv
+.PHONY: install install-vllm install-verifiers train test test-fast test-vllm bench-trl bench-learn clean-venv
 
 # $(call install_env,VENV,REQUIREMENTS,SHM_OP): a venv with torch first and deepspeed built against it
 # (no build isolation: deepspeed ships only as source), then the rest and the embedded model.
@@ -43,7 +43,7 @@ train: $(STAMP)
 # processes then start slowly enough that a timing-bound test (a start-up stall caught at 8 s) can fail
 TEST_WORKERS ?= 0
 
-test: $(STAMP)
+test: $(STAMP) $(VERIFIERS_STAMP)  # tests/test_verifiers.py runs verifiers there
 	$(VENV)/bin/ruff check --quiet .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
@@ -84,10 +84,6 @@ $(VERIFIERS_STAMP): requirements-verifiers.txt
 	touch $(VERIFIERS_STAMP)
 
 install-verifiers: $(VERIFIERS_STAMP)
-
-# The tests of a verifiers environment's rows and rollouts (the trainer in .venv, the environment in .venv-verifiers)
-test-verifiers: $(STAMP) $(VERIFIERS_STAMP)
-	$(PY) -m pytest -q tests/test_verifiers.py $(ARGS)
 
 # The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
 test-vllm: $(VLLM_STAMP)

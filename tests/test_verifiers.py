@@ -1,8 +1,8 @@
 """A verifiers environment by name (grpo/common/verifiers_bridge.py, verifiers_env.py): its dataset's rows as the
 run's data, its rollouts run in .venv-verifiers (verifiers 0.3.1) as agent.command's jailed sessions against the HF
 engine with a tiny model, its rubric's reward the sample's. The rollout's turns must be the tokens an in-process
-harness sending the same messages gets, and its reward the rubric's on those tokens' text. `make test-verifiers`
-(the environment is built by make install-verifiers; without it these tests skip, but the last)."""
+harness sending the same messages gets, and its reward the rubric's on those tokens' text. `make test` builds
+.venv-verifiers first (make install-verifiers); without it these tests skip, but the last."""
 
 import json
 import textwrap

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo.common.sources import ModelError
+from grpo.common.verifiers_bridge import is_verifiers
 from grpo.data.images import ImageReader, PromptImages
 from grpo.data.problems import Problem
 
@@ -38,12 +39,13 @@ def solved_turns(shots: list[Problem], demonstrate=None) -> list[dict]:
     return turns
 
 
-def prompt_turns(question: str, system_prompt: str, shots: list[Problem] = (), messages: tuple = (),
+def prompt_turns(question: str, system_prompt: str | None, shots: list[Problem] = (), messages: tuple = (),
                  demonstrate=None) -> list[dict]:
     """The prompt's chat turns. A dataset's own chat `messages` replace the question; the system
-    prompt goes first unless they open with a system turn of their own."""
+    prompt goes first unless they open with a system turn of their own (or it is None: none)."""
     conversation = list(messages) or [{"role": "user", "content": question}]
-    system = [] if conversation[0]["role"] == "system" else [{"role": "system", "content": system_prompt}]
+    own = conversation[0]["role"] == "system" or system_prompt is None
+    system = [] if own else [{"role": "system", "content": system_prompt}]
     return [*system, *solved_turns(shots, demonstrate), *conversation]
 
 
@@ -148,7 +150,7 @@ def image_prompt_text(tokenizer, reader: ImageReader, turns: list[dict], prefill
     return reader.widen(text, reader.token_counts(images))
 
 
-def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str, prefill: str,
+def encode_prompts(tokenizer, problems: list[Problem], system_prompt: str | None, prefill: str,
                    max_prompt_tokens: int, shots: list[Problem] = (), demonstrate=None,
                    tools: list[dict] | None = None, processor=None) -> tuple[list[Prompt], int]:
     """Tokenised prompts, and how many were dropped for being longer than `max_prompt_tokens`.
@@ -192,5 +194,7 @@ def build_prompts(tokenizer, data_cfg, problems: list[Problem], demonstrate=None
     `solved_turns`; `tools`: grpo.environments.prompt_options; `processor`: a vision-language model's, for
     prompts with images)."""
     shots = few_shot_examples(data_cfg, data_cfg.few_shot)
-    return encode_prompts(tokenizer, problems, data_cfg.system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
+    # a verifiers environment's prompt is its own, as its rollouts send it: no system prompt of the run's added
+    system_prompt = None if is_verifiers(data_cfg.path) else data_cfg.system_prompt
+    return encode_prompts(tokenizer, problems, system_prompt, data_cfg.prefill, data_cfg.max_prompt_tokens,
                           shots, demonstrate, tools, processor)

@@ -166,10 +166,12 @@ def test_a_command_that_never_ends_is_killed_with_its_children_at_its_session_ti
 
 def test_a_command_that_exits_otherwise_than_0_fails_its_session_and_keeps_the_turn_it_received(chatty_agent,
                                                                                                 tmp_path):
-    agent = script(tmp_path, "sys.exit(3)\n")
+    # what it posted is dropped: a process of the model's code in its jail may have posted it, then killed it
+    agent = script(tmp_path, "post(0.5)\nsys.exit(3)\n")
     run, _ = command_run(chatty_agent, f"python {agent}")
     assert [e.env_error for e in run.episodes] == ["the agent command exited with status 3 (its output is in the "
                                                    "sampler's log, marked [jailed call])"] * 2
+    assert [e.reward for e in run.episodes] == [None, None]
     assert all(all(e.model) for e in run.episodes)
 
 

@@ -164,6 +164,9 @@ def test_keys_sessions_and_their_ends(served):
     assert post("/reward", {"reward": float("nan")})[0] == 400
     assert post("/reward", {"reward": True})[0] == 400
     assert post("/reward", {"reward": 0.75}) == (200, {"reward": 0.75}) and session.reward == 0.75
+    assert post("/reward", {"reward": 0.75}) == (200, {"reward": 0.75})  # the same again: a retried post
+    status, refused = post("/reward", {"reward": 1.0})  # posted once: a second reward is not taken
+    assert status == 409 and refused["error"]["code"] == "reward_posted" and session.reward == 0.75
     assert post("/end", {}) == (200, {"ended": True})
     with pytest.raises(openai.ConflictError, match="this session has ended"):
         client(server, session).chat.completions.create(**chat)

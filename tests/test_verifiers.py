@@ -29,21 +29,27 @@ SUMS = str(REPO / "configs" / "verifiers_sums.py")
 # MultiTurnEnv that answers the model's first message once with a user message, so the rollout's second request
 # carries verifiers' record of the first turn back.
 ENV = '''
+    import os
+
     import verifiers as vf
     from datasets import Dataset
 
-    def reward_of(text, answer):
-        return len(text) / 100 + (1.0 if answer in text else 0.0)
+    def reward_of(text, answer):  # 100 more where the session's key reached the environment's code
+        return len(text) / 100 + (1.0 if answer in text else 0.0) + (100 if "OPENAI_API_KEY" in os.environ else 0)
 
     class Again(vf.MultiTurnEnv):
         async def env_response(self, messages, state, **kwargs):
             return [{"role": "user", "content": "Once more, the sum?"}]
 
-    def load_environment(turns=1):
+    def load_environment(turns=1, group=False, talk=False):
         rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(3, 4), (12, 9)]]
         def scored(completion, answer, **kwargs):
             return sum(reward_of(m["content"] or "", answer) for m in completion if m["role"] == "assistant")
-        rubric = vf.Rubric(funcs=[scored])
+        def relative(completions, **kwargs) -> list:
+            return [0.0] * len(completions)
+        if talk:
+            print("loading the environment")  # on stdout: the rows must not take it for one
+        rubric = vf.Rubric(funcs=[scored, relative] if group else [scored])
         kind = vf.SingleTurnEnv if turns == 1 else Again
         extra = {} if turns == 1 else {"max_turns": turns}
         return kind(dataset=Dataset.from_list(rows), system_prompt="Add.", rubric=rubric, **extra)
@@ -110,6 +116,15 @@ def test_an_environments_rows_are_its_datasets_with_its_prompt_and_answer():
 
 
 @needs_verifiers
+def test_an_environment_that_prints_gives_its_rows_and_one_it_cannot_score_alone_is_refused(environment):
+    assert [row["answer"] for row in env_rows(environment, {"talk": True}, "train")] == ["7", "21"]
+    with pytest.raises(VerifiersError, match="has group reward functions"):
+        env_rows(environment, {"group": True}, "train")
+    with pytest.raises(VerifiersError, match="has no eval dataset: set eval.every=0"):
+        env_rows(environment, {}, "test")  # verifiers would evaluate on its train rows
+
+
+@needs_verifiers
 def test_a_rollout_is_the_tokens_an_in_process_harness_gets_and_its_reward_the_rubrics(chatty_agent, environment):
     _, tokenizer = chatty_agent
     run, prompts = verifiers_run(chatty_agent, environment, {})
@@ -147,8 +162,8 @@ def test_the_config_names_the_mistakes():
         return str(refusal.value)
 
     assert "set data.path=verifiers:my-env" in refused("agent.verifiers=my-env")
-    assert "agent.command and agent.verifiers are both set" in refused("agent.verifiers=my-env", "data.path=verifiers:my-env",
-                                             "agent.command=python x.py")
+    assert "agent.command and agent.verifiers are both set" in refused(
+        "agent.verifiers=my-env", "data.path=verifiers:my-env", "agent.command=python x.py")
     assert "is not a file" in refused("agent.verifiers=nowhere.py", "data.path=verifiers:nowhere.py")
     assert "data.task_args are the settings of" in refused("data.task_args={terms: 3}")
     assert "set data.few_shot=0" in refused(f"agent.verifiers={SUMS}", f"data.path=verifiers:{SUMS}",

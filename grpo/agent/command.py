@@ -6,10 +6,10 @@ only way out is 127.0.0.1:<the endpoint's port>, relayed to the endpoint (grpo/c
 to that port alone, no UDP, no other family, no listening: the trainer's sockets are closed to it), budgets of
 memory, processes and CPU (agent.memory_mb, max_processes, cpu_s). It gets OPENAI_BASE_URL (its session's /v1)
 and OPENAI_API_KEY, and its dataset row as one JSON line on stdin (read once: a process it starts later cannot
-read it again). Its reward is what it POSTs to $OPENAI_BASE_URL/reward, else the run's rewards on its last
-message; a command that exits with another status than 0 fails its session. A session past its time limit, or one
-that never opened, has its command killed with every process it started. A warden (one jail) serves one session
-at a time; they are kept between steps, as many as sessions ran at once.
+read it again). Its reward is what it POSTs to $OPENAI_BASE_URL/reward (once), else the run's rewards on its last
+message; a command that exits with another status than 0 fails its session, and what it posted is dropped. A
+session past its time limit, or one that never opened, has its command killed with every process it started. A
+warden (one jail) serves one session at a time; they are kept between steps, as many as sessions ran at once.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ class AgentCommand:
     """The harness of agent.command: called per session with (row, base_url, api_key) on the session's thread
     (grpo/agent/harness.py), it runs the command in a jail of the pool and returns None (its reward is what it
     posted); `stop(api_key)` kills a session's command; `close()` ends every jail."""
+
+    # a command that fails loses the reward posted during it: a process the model's code started in its jail (a
+    # tool that runs code, say) may have posted it, and its harness then found the reward taken (a reward is posted
+    # once) or was killed
+    failure_voids_reward = True
 
     def __init__(self, command: str | list[str], port: int, timeout_s: float, memory_mb: int = 2048,
                  max_processes: int = 64, cpu_s: int = 600, readable: list[str] = ()):

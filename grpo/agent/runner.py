@@ -235,7 +235,8 @@ class AgentRunner:
             returned = agent.harness.result(timeout=max(agent.deadline - time.monotonic(), 0.0) if wait else 0.0)
         except HarnessError as error:
             returned = None
-            if agent.session.reward is None:
+            if agent.session.reward is None or getattr(self.harnesses.fn, "failure_voids_reward", False):
+                agent.session.reward = None  # a program that failed: what was posted from inside it is not trusted
                 e.count_failure(str(error))
         except Exception:  # still running (TimeoutError), or cancelled
             returned = None

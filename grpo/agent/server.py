@@ -308,6 +308,9 @@ class _Handler(BaseHTTPRequestHandler):
         reward = body.get("reward") if isinstance(body, dict) else None
         if type(reward) not in (int, float) or reward != reward or abs(reward) == float("inf"):
             raise AgentError(400, "reward must be a finite number: {\"reward\": 1.0}", code="reward")
+        if session.reward is not None and session.reward != float(reward):  # the same again: a retried post
+            raise AgentError(409, f"this session's reward was posted already ({session.reward:g}); a reward is "
+                                  "posted once", kind="conflict", code="reward_posted")
         session.reward = float(reward)
         return {"reward": session.reward}
 

@@ -48,11 +48,22 @@ def script_words(what: str, env: str, args: dict, last: str) -> list[str]:
 
 def readable_for(env: str) -> list[str]:
     """What a jailed rollout reads besides the system's files: this script, .venv-verifiers (verifiers and what was
-    installed there) and an environment given as a file, its folder (the modules beside it)."""
-    paths = [str(SCRIPT), str(VENV.absolute())]
+    installed there), the Python it was made from (its standard library), and an environment given as a file, its
+    folder (the modules beside it)."""
+    paths = [str(SCRIPT), str(VENV.absolute()), *base_python(VENV / "pyvenv.cfg")]
     if env.endswith(".py"):
         paths.append(str(Path(env_reference(env)).parent))
     return paths
+
+
+def base_python(config: Path) -> list[str]:
+    """The installation a venv was made from (pyvenv.cfg's `home` is its bin folder), where it says so."""
+    try:
+        lines = config.read_text().splitlines()
+    except OSError:
+        return []
+    homes = [line.split("=", 1)[1].strip() for line in lines if line.split("=", 1)[0].strip() == "home"]
+    return [str(Path(homes[0]).parent)] if homes and Path(homes[0]).is_dir() else []
 
 
 def env_rows(env: str, args: dict, split: str) -> list[dict]:

@@ -17,6 +17,8 @@ environment's rubric's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
 import os
 import sys
@@ -29,23 +31,36 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 
 
 def load(env: str, args: dict):
-    """The environment, from its id or its file (whose folder goes on the import path)."""
+    """The environment, from its id or its file (whose folder goes on the import path). What it prints goes to
+    stderr (stdout carries the rows)."""
     path = Path(env)
     if path.suffix == ".py":
         sys.path.insert(0, str(path.resolve().parent))
         env = path.stem
-    import verifiers as vf
+    with contextlib.redirect_stdout(sys.stderr):
+        import verifiers as vf
 
-    environment = vf.load_environment(env, **args)
+        environment = vf.load_environment(env, **args)
     if getattr(environment, "message_type", "chat") != "chat":
         raise SystemExit(f"verifiers environment {env!r} asks for message_type={environment.message_type!r}; "
                          "the trainer runs chat environments")
+    if getattr(environment, "requires_group_rollouts", False):
+        raise SystemExit(f"verifiers environment {env!r} has group reward functions (its rubric scores a group "
+                         "together); the trainer scores each rollout alone")
     return environment
 
 
 def rows(env: str, args: dict, split: str) -> None:
     environment = load(env, args)
-    dataset = environment.get_dataset() if split == "train" else environment.get_eval_dataset()
+    with contextlib.redirect_stdout(sys.stderr):
+        if split == "train":
+            dataset = environment.get_dataset()
+        else:
+            environment.build_eval_dataset()
+            if environment.eval_dataset is None:  # verifiers would evaluate on its train rows
+                raise SystemExit(f"verifiers environment {env!r} has no eval dataset: set eval.every=0, or "
+                                 "data.eval_path to held-out rows")
+            dataset = environment.get_eval_dataset()
     for row in dataset:
         print(json.dumps(row, default=str))
 
@@ -53,9 +68,8 @@ def rows(env: str, args: dict, split: str) -> None:
 def rollout_input(row: dict) -> dict:
     """verifiers' RolloutInput of a trainer's row (grpo/agent/runner.py harness_row)."""
     answer = row.get("answer", row.get("reference_answer", ""))
-    given = {"prompt": row["prompt_turns"], "answer": answer if isinstance(answer, str) else json.dumps(answer),
-             "info": row.get("info") or {}, "example_id": row.get("example_id", 0)}
-    return given | ({"task": row["task"]} if "task" in row else {})  # an environment's own task payload
+    return {"prompt": row["prompt_turns"], "answer": answer if isinstance(answer, str) else json.dumps(answer),
+            "info": row.get("info") or {}, "example_id": row.get("example_id", 0)}
 
 
 async def rollout(env: str, args: dict, model: str) -> None:
@@ -63,14 +77,19 @@ async def rollout(env: str, args: dict, model: str) -> None:
     from verifiers.legacy.clients.openai_chat_completions_client import OpenAIChatCompletionsClient
 
     row = json.loads(sys.stdin.readline())
+    # the session's URL and key for this client alone: a process the environment starts (a tool running the
+    # model's code) does not inherit them, and a client the environment makes of its own (a judge's) does not
+    # call the policy's session
+    openai = AsyncOpenAI(base_url=os.environ.pop("OPENAI_BASE_URL"), api_key=os.environ.pop("OPENAI_API_KEY"),
+                         max_retries=0)
     environment = load(env, args)
-    openai = AsyncOpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY are the session's
-    output = await environment.run_rollout(rollout_input(row), OpenAIChatCompletionsClient(openai), model, {})
-    if output.get("error"):
-        raise SystemExit(f"the verifiers rollout failed: {output['error']}")
+    sampling = copy.deepcopy(getattr(environment, "sampling_args", None) or {})  # its max_tokens, stop
+    output = await environment.run_rollout(rollout_input(row), OpenAIChatCompletionsClient(openai), model, sampling)
     reward = output.get("reward")
     if reward is None:
-        raise SystemExit("the verifiers rollout returned no reward")
+        raise SystemExit(f"the verifiers rollout gave no reward (its error: {output.get('error')})")
+    if output.get("error"):  # scored by its rubric all the same, as verifiers scores it
+        print(f"verifiers rollout ended with an error: {output['error']}")
     await openai.post("/reward", body={"reward": float(reward)}, cast_to=object)
     print(f"verifiers rollout: reward {reward}, metrics {json.dumps(output.get('metrics') or {}, default=str)}")
 

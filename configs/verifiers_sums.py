@@ -2,8 +2,8 @@
 written against verifiers' API as any environment on its hub is, and run by the trainer by name
 (agent.verifiers, data.path=verifiers:<it>). Its questions are sums of two or three numbers, made from a seed (no
 download: a rollout builds the environment again in its jail, which has no network); its rubric rewards the right
-number in <answer> </answer> (1.0), the right number as the reply's last number (0.3: a small model rarely writes
-the tags at first) and an answer tag that holds something (0.2).
+number in <answer> </answer> (1.0), how close the reply's last number is to the sum (0.3 at most: a small model
+rarely writes the tags, or the sum, at first) and an answer tag that holds something (0.2).
 
     load_environment(size=200, eval_size=50, seed=0, terms=2)
 """
@@ -38,13 +38,13 @@ def load_environment(size: int = 200, eval_size: int = 50, seed: int = 0, terms:
     def last_message(completion) -> str:
         return (completion[-1]["content"] or "") if isinstance(completion, list) and completion else str(completion)
 
-    def sum_last(completion, answer, **kwargs) -> float:  # the reply's last number (listing numbers earns nothing)
+    def near(completion, answer, **kwargs) -> float:  # how close the reply's last number is to the sum
         numbers = re.findall(r"-?\d+", last_message(completion))
-        return 1.0 if numbers and numbers[-1] == answer else 0.0
+        return max(0.0, 1.0 - abs(int(numbers[-1]) - int(answer)) / int(answer)) if numbers else 0.0
 
     def tagged(completion, **kwargs) -> float:  # an answer tag with something in it
         return 1.0 if re.search(r"<answer>\s*\S[^<]*</answer>", last_message(completion)) else 0.0
 
-    rubric = vf.Rubric(funcs=[right_sum, sum_last, tagged], weights=[1.0, 0.3, 0.2], parser=parser)
+    rubric = vf.Rubric(funcs=[right_sum, near, tagged], weights=[1.0, 0.3, 0.2], parser=parser)
     return vf.SingleTurnEnv(dataset=sums(size, seed, terms), eval_dataset=sums(eval_size, seed + 1, terms),
                             system_prompt=SYSTEM, parser=parser, rubric=rubric)

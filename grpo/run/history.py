@@ -57,7 +57,7 @@ REFUSED = {
     "weights.dir": "the published versions the spooled batches name",
     "weights.channel": "the published versions the spooled batches name",
     "env.tools": TASK, "env.args": TASK, "env.tool_parser": TASK, "agent.tool_parser": TASK,
-    "agent.split_reasoning": TASK,
+    "agent.split_reasoning": TASK, "agent.verifiers": TASK,
 }
 # what grpo/wire/behaviour.py's behaviour_of records in every batch (a key REFUSED names already keeps its reason)
 # and what the trainer recomputes every batch's advantages with (grpo/trainer/advantage_check.py)

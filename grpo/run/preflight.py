@@ -92,14 +92,16 @@ def named_code_problems(cfg: Config) -> list[str]:
 
 
 def _agent_problems(agent) -> list[str]:
-    """agent.entrypoint imported now: a function of (row, base_url, api_key); agent.command: its jail possible here."""
+    """agent.entrypoint imported now: a function of (row, base_url, api_key); agent.command and agent.verifiers:
+    their jail possible here."""
     from grpo.common.imports import ImportPathError, import_object, is_import_path
 
-    if agent.command:
+    if agent.command or agent.verifiers:
         from grpo.common.kernel_filters import landlock_abi
 
+        which = "agent.command" if agent.command else "agent.verifiers"
         abi = landlock_abi()  # the jail's one port: a Landlock rule on TCP ports
-        return [] if abi >= 4 else [f"agent.command runs in a jail whose network is one TCP port, which needs the "
+        return [] if abi >= 4 else [f"{which} runs in a jail whose network is one TCP port, which needs the "
                                     f"kernel's Landlock ABI 4 (Linux 6.7); this kernel has {abi or 'none'}: use "
                                     "agent.entrypoint, which runs in the sampler"]
     if not agent.entrypoint or not is_import_path(agent.entrypoint):

@@ -6,6 +6,7 @@ harness sending the same messages gets, and its reward the rubric's on those tok
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -141,6 +142,22 @@ def test_a_rollout_is_the_tokens_an_in_process_harness_gets_and_its_reward_the_r
     texts = [assistant_texts(tokenizer, e) for e in run.episodes]
     assert len({t[0] for t in texts}) == 2  # two samples, two texts: the rewards below differ
     assert [e.reward for e in run.episodes] == [reward_of(t[0], "7") for t in texts]
+
+
+@needs_verifiers
+def test_an_environment_installed_from_a_folder_of_its_own_runs_by_its_id(chatty_agent, environment):
+    """As an editable install leaves it (`pip install -e`): a .pth file in .venv-verifiers naming its source folder.
+    The jail must read that folder, or the rollout could not import it."""
+    folder = str(Path(environment).parent)
+    site = next((REPO / ".venv-verifiers" / "lib").glob("python3*/site-packages"))
+    link = site / f"__editable__digit_sums_{Path(folder).name}.pth"
+    link.write_text(folder + "\n")
+    try:
+        assert verifiers_bridge.module_folder("digit-sums") == [folder]
+        run, _ = verifiers_run(chatty_agent, "digit-sums", {})
+    finally:
+        link.unlink()
+    assert all(not e.environment_failed and e.reward is not None for e in run.episodes)
 
 
 @needs_verifiers

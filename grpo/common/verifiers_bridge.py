@@ -48,12 +48,34 @@ def script_words(what: str, env: str, args: dict, last: str) -> list[str]:
 
 def readable_for(env: str) -> list[str]:
     """What a jailed rollout reads besides the system's files: this script, .venv-verifiers (verifiers and what was
-    installed there), the Python it was made from (its standard library), and an environment given as a file, its
-    folder (the modules beside it)."""
+    installed there), the Python it was made from (its standard library), and the environment's folder: a file's,
+    or an installed environment's where it is not in .venv-verifiers (an editable install's source folder)."""
     paths = [str(SCRIPT), str(VENV.absolute()), *base_python(VENV / "pyvenv.cfg")]
     if env.endswith(".py"):
         paths.append(str(Path(env_reference(env)).parent))
+    else:
+        paths += module_folder(env)
     return paths
+
+
+FIND_MODULE = ("import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
+               "print(s.origin if s and s.origin else '')")
+
+
+def module_folder(env: str) -> list[str]:
+    """The folder an installed environment's module is imported from, where it lies outside .venv-verifiers; []
+    where it is inside, or not found (its rows then say so). verifiers imports `my-env` as `my_env`."""
+    name = env.replace("-", "_").split("/")[-1]
+    try:
+        done = subprocess.run([str(verifiers_python()), "-c", FIND_MODULE, name], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    origin = done.stdout.strip() if done.returncode == 0 else ""
+    if not origin or not Path(origin).is_file():
+        return []
+    folder = Path(origin).resolve().parent
+    return [] if folder.is_relative_to(VENV.absolute().resolve()) else [str(folder)]
 
 
 def base_python(config: Path) -> list[str]:

@@ -172,7 +172,7 @@ def test_a_multi_turn_rollout_continues_its_row_and_its_reward_scores_every_turn
 
 
 @needs_verifiers
-def test_the_config_names_the_mistakes():
+def test_the_config_names_the_mistakes(tmp_path):
     def refused(*overrides) -> str:
         with pytest.raises(ConfigError) as refusal:
             load_config(None, ["data.prefill=", "data.few_shot=0", *overrides])
@@ -185,6 +185,11 @@ def test_the_config_names_the_mistakes():
     assert "data.task_args are the settings of" in refused("data.task_args={terms: 3}")
     assert "set data.few_shot=0" in refused(f"agent.verifiers={SUMS}", f"data.path=verifiers:{SUMS}",
                                             "data.few_shot=2")
+    beside_the_runs = tmp_path / "env.py"  # its folder, which its jail reads, holds the run folder
+    beside_the_runs.write_text((REPO / "configs" / "verifiers_sums.py").read_text())
+    assert (f"agent.verifiers={beside_the_runs}: its jail reads '{tmp_path}', which holds the run folder"
+            in refused(f"agent.verifiers={beside_the_runs}", f"data.path=verifiers:{beside_the_runs}",
+                       f"run.dir={tmp_path / 'runs'}"))
     cfg = load_config(None, ["data.prefill=", "data.few_shot=0", f"agent.verifiers={SUMS}",
                              f"data.path=verifiers:{SUMS}", "data.task_args={terms: 3}"])
     assert cfg.agent.harness == SUMS

@@ -354,7 +354,10 @@ def _verifiers_errors(cfg: Config) -> list[str]:
         verifiers_python()
     except VerifiersError as e:
         return errors + [f"agent.verifiers: {e}"]
-    return errors + readable_errors([*cfg.agent.readable, *readable_for(env)], run_paths(cfg))
+    protected = run_paths(cfg)
+    return (errors + readable_errors(cfg.agent.readable, protected)
+            + readable_errors(readable_for(env), protected, f"agent.verifiers={env}: its jail reads",
+                              "move the environment to a folder of its own", ", which"))
 
 
 def command_errors(command: str) -> list[str]:
@@ -387,20 +390,21 @@ def run_paths(cfg: Config) -> dict[str, Path]:
     return {what: Path(path).expanduser().resolve() for what, path in paths.items()}
 
 
-def readable_errors(readable: list[str], protected: dict[str, Path]) -> list[str]:
+def readable_errors(readable: list[str], protected: dict[str, Path], named: str = "agent.readable:",
+                    fix: str = "name the files or folders it needs", joiner: str = "") -> list[str]:
     """agent.readable: paths that are there, none of them in a protected one (run_paths) or holding one; the home
     folder's own files excepted from "in": a folder of your agent's under it is fine, the home folder is not."""
     errors = []
     for path in readable:
         if not os.path.exists(path):
-            errors.append(f"agent.readable: {path!r} is not there")
+            errors.append(f"{named} {path!r} is not there")
             continue
         resolved = Path(path).resolve()
         for what, held in protected.items():
             inside = resolved.is_relative_to(held) and what != "the home folder"
             if inside or held.is_relative_to(resolved):
-                errors.append(f"agent.readable: {path!r} {'is in' if inside else 'holds'} {what} ({held}), which "
-                              "the agent must not read; name the files or folders it needs")
+                errors.append(f"{named} {path!r}{joiner} {'is in' if inside else 'holds'} {what} ({held}): the "
+                              f"agent must not read it; {fix}")
                 break
     return errors
 

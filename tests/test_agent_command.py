@@ -131,6 +131,34 @@ def test_from_inside_a_command_reaches_its_own_session_and_nothing_else_of_the_r
     assert left == [[]]
 
 
+OUTPUT_PROBES = """
+    import subprocess
+    print("the key is", os.environ["OPENAI_API_KEY"], flush=True)  # as a harness's log line may show it
+    child = (
+        "import glob, os, sys\\n"
+        "found = 0\\n"
+        "for path in ['/proc/self/fd/2', f'/proc/{os.getppid()}/fd/1', '.output',\\n"
+        "             *glob.glob('*output*'), *glob.glob('../*output*'), *glob.glob('/tmp/*/*output*')]:\\n"
+        "    try:\\n"
+        "        found += sys.argv[1] in open(path, errors='replace').read()\\n"
+        "    except OSError:\\n"
+        "        pass\\n"
+        "print(found)\\n")
+    seen = subprocess.run([sys.executable, "-c", child, os.environ["OPENAI_API_KEY"]], stdout=subprocess.PIPE,
+                          text=True).stdout
+    post(float(seen.strip() or -1))
+"""
+
+
+def test_what_a_command_prints_cannot_be_read_back_by_a_process_it_starts(chatty_agent, tmp_path):
+    """Its output goes to a file beside its jail folder, written through a descriptor: a process of the model's code
+    cannot read a key the harness printed (an OpenAI client's log line holds the session's URL)."""
+    agent = script(tmp_path, OUTPUT_PROBES)
+    run, left = command_run(chatty_agent, f"python {agent}", group=1)
+    assert [e.reward for e in run.episodes] == [0.0]  # it ran, and read the key nowhere
+    assert left == [[]]
+
+
 def test_the_jails_outlive_their_sessions_and_serve_the_next_steps(chatty_agent, tmp_path):
     from grpo.agent.runner import AgentRunner
 

@@ -154,6 +154,8 @@ def test_an_environment_installed_from_a_folder_of_its_own_runs_by_its_id(chatty
     link.write_text(folder + "\n")
     try:
         assert verifiers_bridge.module_folder("digit-sums") == [folder]
+        # found as the jail imports it: not from the working folder (this checkout's `data`), nor by a dotted name
+        assert verifiers_bridge.module_folder("data") == verifiers_bridge.module_folder("digit_sums.x") == []
         run, _ = verifiers_run(chatty_agent, "digit-sums", {})
     finally:
         link.unlink()

@@ -38,6 +38,9 @@ ROUTE = re.compile(r"^/s/(?P<token>[A-Za-z0-9_-]{16,128})(?P<rest>/v1/chat/compl
                    r"/reward|/end|/v1/reward|/v1/end)$")  # the last two: under the base URL too
 
 
+REWARD_LOCK = threading.Lock()  # rewards are posted once a session, rarely: one lock for all
+
+
 @dataclass
 class Turn:
     """What the model wrote for one request."""
@@ -308,10 +311,11 @@ class _Handler(BaseHTTPRequestHandler):
         reward = body.get("reward") if isinstance(body, dict) else None
         if type(reward) not in (int, float) or reward != reward or abs(reward) == float("inf"):
             raise AgentError(400, "reward must be a finite number: {\"reward\": 1.0}", code="reward")
-        if session.reward is not None and session.reward != float(reward):  # the same again: a retried post
-            raise AgentError(409, f"this session's reward was posted already ({session.reward:g}); a reward is "
-                                  "posted once", kind="conflict", code="reward_posted")
-        session.reward = float(reward)
+        with REWARD_LOCK:  # two posts at once: one is first, the other sees it
+            if session.reward is not None and session.reward != float(reward):  # the same again: a retried post
+                raise AgentError(409, f"this session's reward was posted already ({session.reward:g}); a reward "
+                                      "is posted once", kind="conflict", code="reward_posted")
+            session.reward = float(reward)
         return {"reward": session.reward}
 
     def _stream(self, session: Session, kind: str, body: dict, ignored: list[str], delivery: Delivery, retry: bool,

@@ -155,21 +155,25 @@ def run_call(fn, arguments: list, timeout_s: float, jail: Confinement):
     from grpo.common.jail_budget import CallBudget
 
     folder = tempfile.mkdtemp(dir=jail.folder)
+    # what it prints goes to a file beside its folder, opened here: the call writes it through the descriptor and
+    # cannot open it by name, so a process it starts cannot read what the call printed (a key in a logged URL)
+    output, output_path = tempfile.mkstemp(dir=jail.folder, suffix=OUTPUT)
     ruleset, abi = rules.file_rules([folder, *jail.limits.writable], jail.readable, jail.limits.network,
                                     jail.limits.connect_port)
     budget = CallBudget(jail.limits.memory_mb, jail.limits.max_processes)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # never returns
-        _jailed(fn, arguments, jail, folder, (ruleset, abi), budget, write_end)
-    for fd in (write_end, *([ruleset] if ruleset >= 0 else [])):
+        _jailed(fn, arguments, jail, folder, (ruleset, abi), budget, write_end, output)
+    for fd in (write_end, output, *([ruleset] if ruleset >= 0 else [])):
         os.close(fd)
     try:
         answer = _await(read_end, pid, time.monotonic() + timeout_s, budget)
     finally:
         os.close(read_end)
         _end_call(pid)
-    _show_output(Path(folder) / OUTPUT)
+    _show_output(Path(output_path))
+    Path(output_path).unlink(missing_ok=True)
 
     def clean_up() -> None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -177,7 +181,7 @@ def run_call(fn, arguments: list, timeout_s: float, jail: Confinement):
     return answer, clean_up
 
 
-OUTPUT = ".output"  # a call's stdout and stderr, in its folder
+OUTPUT = ".output"  # the suffix of the file a call's stdout and stderr go to, beside its folder
 
 
 def _show_output(path: Path) -> None:
@@ -250,7 +254,7 @@ def _decoded(data: bytes) -> list:
 
 
 def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[int, int], budget,
-            answer_fd: int) -> None:
+            answer_fd: int, output_fd: int) -> None:
     """The call's first process: confined, then fn(*arguments); its answer written to `answer_fd`.
     Never returns."""
     from grpo.common import jail_rules as rules
@@ -261,7 +265,7 @@ def _jailed(fn, arguments: list, jail: Confinement, folder: str, ruleset: tuple[
         os.setsid()
         budget.enter()
         _replace_environment({**os.environ, "TMPDIR": folder, "HOME": folder, JAILED: "1", **SINGLE_THREADED})
-        _streams(Path(folder) / OUTPUT)
+        _streams(output_fd)
         rules.limit_call(limits.memory_mb, limits.cpu_s, limits.file_mb)
         # one port: a network of its own whose 127.0.0.1:<port> is relayed to the host's (grpo/common/jail_relay.py)
         relay, relay_pid = (jail_relay.start_relay(limits.connect_port) if limits.connect_port and limits.namespaces
@@ -322,16 +326,15 @@ def _own_loopback(port: int):
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _streams(output: Path) -> None:
-    """stdin reads nothing; stdout and stderr go to a file in the call's folder (never to the
-    owner's log, which a call could otherwise write over or truncate)."""
+def _streams(output_fd: int) -> None:
+    """stdin reads nothing; stdout and stderr go to the call's output file (never to the owner's log,
+    which a call could otherwise write over or truncate)."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    os.close(output_fd)
 
 
 if __name__ == "__main__":

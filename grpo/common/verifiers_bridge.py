@@ -66,8 +66,10 @@ def module_folder(env: str) -> list[str]:
     """The folder an installed environment's module is imported from, where it lies outside .venv-verifiers; []
     where it is inside, or not found (its rows then say so). verifiers imports `my-env` as `my_env`."""
     name = env.replace("-", "_").split("/")[-1]
-    try:
-        done = subprocess.run([str(verifiers_python()), "-c", FIND_MODULE, name], capture_output=True, text=True,
+    if not name.isidentifier():  # a dotted name would import its parent package here, outside the jail
+        return []
+    try:  # -I: not this working folder nor PYTHONPATH first on the path; what the rollout imports in its jail
+        done = subprocess.run([str(verifiers_python()), "-I", "-c", FIND_MODULE, name], capture_output=True, text=True,
                               timeout=60, check=False)
     except (subprocess.TimeoutExpired, OSError):
         return []

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ async def rollout(env: str, args: dict, model: str) -> None:
     openai = AsyncOpenAI(base_url=os.environ.pop("OPENAI_BASE_URL"), api_key=os.environ.pop("OPENAI_API_KEY"),
                          max_retries=0)
     environment = load(env, args)
+    for name in ("httpx", "httpcore", "openai"):  # their request lines hold the session's URL: never in the output
+        logging.getLogger(name).setLevel(logging.WARNING)
     sampling = copy.deepcopy(getattr(environment, "sampling_args", None) or {})  # its max_tokens, stop
     output = await environment.run_rollout(rollout_input(row), OpenAIChatCompletionsClient(openai), model, sampling)
     reward = output.get("reward")

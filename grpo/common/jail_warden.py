@@ -5,7 +5,8 @@ Per call: a folder of its own (the only one it may write, with the limits' `writ
 (grpo/common/jail_budget.py), then in the child a session of its own, rlimits, namespaces (user, mount,
 PID, IPC and, unless allowed, network), no capabilities, a Landlock domain made for that call and
 the seccomp filter compiled once (grpo/common/jail_rules.py). The call's stdout and stderr go to a file
-in its folder, whose first lines the warden copies to its own stderr marked as the call's. Every
+beside its folder (opened by the warden, written through the descriptor: the call cannot open it by name), whose
+first lines the warden copies to its own stderr marked as the call's. Every
 descriptor but its answer pipe is closed. After the answer (or the time limit, or a budget) every
 process the call started is killed, adopted orphans included (the warden is a subreaper); the
 answer is sent before its folder is removed.

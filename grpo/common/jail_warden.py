@@ -158,7 +158,9 @@ def run_call(fn, arguments: list, timeout_s: float, jail: Confinement):
     folder = tempfile.mkdtemp(dir=jail.folder)
     # what it prints goes to a file beside its folder, opened here: the call writes it through the descriptor and
     # cannot open it by name, so a process it starts cannot read what the call printed (a key in a logged URL)
-    output, output_path = tempfile.mkstemp(dir=jail.folder, suffix=OUTPUT)
+    made, output_path = tempfile.mkstemp(dir=jail.folder, suffix=OUTPUT)
+    os.close(made)
+    output = os.open(output_path, os.O_WRONLY | os.O_APPEND)  # appending: a call that truncates it writes from 0
     ruleset, abi = rules.file_rules([folder, *jail.limits.writable], jail.readable, jail.limits.network,
                                     jail.limits.connect_port)
     budget = CallBudget(jail.limits.memory_mb, jail.limits.max_processes)

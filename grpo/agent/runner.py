@@ -399,7 +399,8 @@ def rollout_runner(cfg: Config, tokenizer) -> AgentRunner | EpisodeRunner | None
 
 
 def agent_runner(cfg: Config, tokenizer) -> AgentRunner:
-    """With agent.entrypoint or agent.command: the endpoint on loopback, and the runner of its sessions."""
+    """With agent.entrypoint, agent.command or agent.verifiers: the endpoint on loopback, and the runner of its
+    sessions."""
     runner = AgentRunner(cfg.agent, tokenizer, cfg.sampling.max_new_tokens, cfg.data.max_prompt_tokens,
                          cfg.model.name_or_path, scores_env_reward="env_reward" in cfg.rewards.names,
                          truncated_reward=cfg.env.truncated_reward, verifiers_args=cfg.data.task_args)

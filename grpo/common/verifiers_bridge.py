@@ -109,4 +109,3 @@ def env_rows(env: str, args: dict, split: str) -> list[dict]:
         return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     except json.JSONDecodeError as e:
         raise VerifiersError(f"verifiers environment {env!r} printed what is not a row: {e}") from None
-

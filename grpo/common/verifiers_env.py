@@ -10,8 +10,8 @@ is run there as a program (stdlib and verifiers only):
 
 <env> is an installed environment's id (`my-env` imports `my_env`) or a path to its .py file. A rollout's prompt is
 the row's `prompt_turns`, the chat the run rendered the group's prompt from, so its first request is that prompt
-token for token; its answer, info and example_id (and task, where it has one) are the row's. The reward is the
-environment's rubric's.
+token for token; its answer, info and example_id are the row's (a row's `task` is not passed: 0.3.1 reads that
+field as a serialized task of its own). The reward is the environment's rubric's.
 """
 
 from __future__ import annotations

@@ -38,6 +38,22 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/grpo train --config $(CONFIG) $(ARGS)
 
+# A verifiers environment by name (agent.verifiers) in its own environment, .venv-verifiers: verifiers 0.3.1 and what
+# it pulls, no torch (requirements-verifiers.txt says why). Install your environment there too:
+# .venv-verifiers/bin/pip install <it>
+# (here, above `test`: make expands a rule's prerequisites where it reads the rule)
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed-$(shell cat requirements-verifiers.txt | cksum | cut -d' ' -f1)
+
+$(VERIFIERS_STAMP): requirements-verifiers.txt
+	test -x $(VERIFIERS_VENV)/bin/python || python3 -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q -r requirements-verifiers.txt
+	$(VERIFIERS_VENV)/bin/python -c "import importlib.metadata as m; print('verifiers', m.version('verifiers'), 'is installed in $(VERIFIERS_VENV)')"
+	rm -f $(VERIFIERS_VENV)/.installed-*
+	touch $(VERIFIERS_STAMP)
+
+install-verifiers: $(VERIFIERS_STAMP)
+
 # the suite in this process (TEST_WORKERS=0), or on that many pytest-xdist workers: its process tests spend much
 # of their time waiting on their processes, so two workers on 2 cores take about 0.65x the time of one; but their
 # processes then start slowly enough that a timing-bound test (a start-up stall caught at 8 s) can fail
@@ -45,7 +61,7 @@ TEST_WORKERS ?= 0
 
 test: $(STAMP) $(VERIFIERS_STAMP)  # tests/test_verifiers.py runs verifiers there
 	$(VENV)/bin/ruff check --quiet .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+	GRPO_TESTS_NEED_VERIFIERS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 # the tests that start no process or rank (tests/README.md): about 90 s on 2 cores
 test-fast: $(STAMP)
@@ -69,21 +85,6 @@ $(VLLM_STAMP): requirements.txt requirements-vllm-$(VLLM_KIND).txt
 	touch $(VLLM_STAMP)
 
 install-vllm: $(STAMP) $(VLLM_STAMP)
-
-# A verifiers environment by name (agent.verifiers) in its own environment, .venv-verifiers: verifiers 0.3.1 and what
-# it pulls, no torch (requirements-verifiers.txt says why). Install your environment there too:
-# .venv-verifiers/bin/pip install <it>
-VERIFIERS_VENV := .venv-verifiers
-VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed-$(shell cat requirements-verifiers.txt | cksum | cut -d' ' -f1)
-
-$(VERIFIERS_STAMP): requirements-verifiers.txt
-	test -x $(VERIFIERS_VENV)/bin/python || python3 -m venv $(VERIFIERS_VENV)
-	$(VERIFIERS_VENV)/bin/python -m pip install -q -r requirements-verifiers.txt
-	$(VERIFIERS_VENV)/bin/python -c "import importlib.metadata as m; print('verifiers', m.version('verifiers'), 'is installed in $(VERIFIERS_VENV)')"
-	rm -f $(VERIFIERS_VENV)/.installed-*
-	touch $(VERIFIERS_STAMP)
-
-install-verifiers: $(VERIFIERS_STAMP)
 
 # The tests that start a real vLLM engine, in .venv-vllm (CI runs them after make install-vllm)
 test-vllm: $(VLLM_STAMP)

@@ -2,9 +2,11 @@
 run's data, its rollouts run in .venv-verifiers (verifiers 0.3.1) as agent.command's jailed sessions against the HF
 engine with a tiny model, its rubric's reward the sample's. The rollout's turns must be the tokens an in-process
 harness sending the same messages gets, and its reward the rubric's on those tokens' text. `make test` builds
-.venv-verifiers first (make install-verifiers); without it these tests skip, but the last."""
+.venv-verifiers first (make install-verifiers) and tells these tests it did; without it, run by hand, they skip, but
+the last."""
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.settings.tree import ConfigError
 
 HAVE_VERIFIERS = (REPO / ".venv-verifiers" / "bin" / "python").exists()
+if os.environ.get("GRPO_TESTS_NEED_VERIFIERS") and not HAVE_VERIFIERS:  # make test built it: its absence is a fault
+    raise RuntimeError("make test runs these tests in .venv-verifiers, and it is not there")
 needs_verifiers = pytest.mark.skipif(not HAVE_VERIFIERS, reason="verifiers is not installed (make install-verifiers)")
 SUMS = str(REPO / "configs" / "verifiers_sums.py")
 

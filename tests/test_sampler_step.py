@@ -15,13 +15,14 @@ from grpo.data.prompts import Prompt
 from grpo.model.loading import add_lora
 from grpo.model.logprobs import completion_logprobs
 from grpo.objective import Denominators, Objective
+from grpo.objective.advantages import group_advantages
 from grpo.rewards import score_completions
 from grpo.run.ports import free_local_port
 from grpo.sampler.batches import SamplerModels, environment_failures, make_batch, step_seed
 from grpo.sampler.dynamic_sampling import has_spread
 from grpo.sampler.episode_records import Episode
 from grpo.sampler.failures import FailedOnAll, FailureStreaks, RewardAlwaysFails
-from grpo.sampler.rollout import RolloutEngine
+from grpo.sampler.rollout import RolloutEngine, Rollouts
 from grpo.sampler.rollout.hf_engine import HFEngine
 from grpo.trainer.advantage_check import check_advantages
 from grpo.trainer.training_step import denominators_of
@@ -172,6 +173,40 @@ def test_a_sample_a_reward_failed_on_scores_its_groups_worst_honest_total(tmp_pa
     assert m[f"rewards/{name}/mean"] == pytest.approx(26 / 3)  # the reward's own values: the failure is not one
     assert m["reward"] == pytest.approx(8.25) and m["reward_std"] == pytest.approx(1.5)  # what trains
     assert denominators_of(batch, Objective()) == Denominators(sequences=8, tokens=16, completions=8)  # in the loss
+
+
+class CutEngine(FakeEngine):
+    """Per group "7", "8", "9 2 2" and "10": the third runs to sampling.max_new_tokens=4 (its overlong penalty's)."""
+
+    def generate(self, prompts, group_size, *, seed=None, greedy=False):
+        n = len(prompts) * group_size
+        completions = [torch.tensor([7 + j % group_size, *([2, 2] if j % group_size == 2 else []), 1])
+                       for j in range(n)]  # token 1 is EOS
+        return Rollouts(completions, [False] * n, [torch.full((len(c),), -0.5) for c in completions])
+
+
+def test_a_failure_scores_below_an_honest_answer_the_overlong_penalty_cut(tmp_path):
+    """Per group 7, (failed on "8"), 9 less the overlong penalty 5 (4 tokens of 4, buffer 2: -5), 10. The failure
+    takes the lowest honest score before the penalty, 7, and keeps its own (0), but 7 would beat the honest 9 - 5 = 4:
+    its total is capped there, 4. Failing to be scored never beats being cut for length. The trainer's check
+    recomputes it and refuses the uncapped batch."""
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS.replace("return float(completion)",
+                                                                 "return float(completion.split()[0])"))
+    name = f"{tmp_path}/my_rewards.py:picky"
+    cfg = config(f"rewards.names=[{name}]", "sampling.group_size=4", "rewards.max_failed_steps=1",
+                 "sampling.max_new_tokens=4", "rewards.overlong_buffer=2", "rewards.overlong_penalty=5")
+    policy = SamplerModels.of(cfg, CutEngine(), add_lora(tiny_model(), cfg.lora).eval(), None, DigitTokenizer(), {})
+    batch = make_batch(cfg, policy, prompts(), step=0, metrics_so_far={}, measure_logp_gap=False,
+                       streaks=FailureStreaks())
+    assert batch.reward_names == [name, "overlong_penalty"]
+    assert batch.rewards[:, 1].tolist() == [0.0, 0.0, -5.0, 0.0] * 2
+    assert batch.totals.tolist() == [7.0, 4.0, 4.0, 10.0] * 2
+    check_advantages(batch, cfg)
+    uncapped = dataclasses.replace(batch, totals=torch.tensor([7.0, 7.0, 4.0, 10.0] * 2))
+    uncapped.advantages = group_advantages(uncapped.totals, [4, 4])
+    with pytest.raises(BehaviourMismatch, match="sample 1 failed a reward but its total 7, penalties included, is "
+                                                "above an honest answer's of its group"):
+        check_advantages(uncapped, cfg)
 
 
 def test_with_on_failure_fallback_a_failed_sample_is_scored_as_the_fallback(tmp_path):

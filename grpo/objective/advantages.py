@@ -156,25 +156,40 @@ def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor,
     return torch.where(worst, rewards[honest].min(), rewards), scored | worst  # [N], [N]
 
 
+def failures_below_honest(totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor) -> torch.Tensor:
+    """After a penalty column is added (the overlong penalty, the KL penalty in the reward), a failed sample's total is
+    at most the batch's lowest honest total: it keeps its own penalty, but an honest answer's larger one (a length-cut
+    answer's overlong penalty) never lets a failure score above it.
+    (totals float[N], scored bool[N], worst bool[N]) -> float[N]."""
+    honest = scored & ~worst  # [N]
+    if not honest.any():
+        return totals
+    return torch.where(scored & worst, torch.minimum(totals, totals[honest].min()), totals)  # [N]
+
+
 def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor,
                        rewards: torch.Tensor, weights: torch.Tensor, after_worst: torch.Tensor,
                        group_sizes: Sequence[int], scale: str, limit: float, estimator: str = "grpo") -> str:
     """Why a batch's advantages do not follow from its rewards ("" when they do), the way the sampler
     makes them: each total is its weighted rewards (float[N, R] @ weights float[R]), except that a
-    failed (`worst`) sample's part before the `after_worst` columns (the overlong penalty) is at most
-    every honest total of its group (the batch's lowest honest one); that part is within `limit`
-    (what the sampler lets a total reach); an unscored sample has advantage 0; and the advantages
-    are `estimator`'s of the totals (grpo's under `scale`). Every comparison fails on NaN."""
+    failed (`worst`) sample's part before the `after_worst` columns (the penalties) is at most every
+    honest one of its group (the batch's lowest honest one), and its total at most every honest total of
+    its group, penalties included; the part before the penalties is within `limit` (what the sampler lets
+    a total reach; a failed sample's total within it and the largest penalty); an unscored sample has
+    advantage 0; and the advantages are `estimator`'s of the totals (grpo's under `scale`). Every
+    comparison fails on NaN."""
     penalty = rewards.double()[:, after_worst] @ weights.double()[after_worst]  # [N]
     weighted = rewards.double()[:, ~after_worst] @ weights.double()[~after_worst]  # [N]
     base = totals.double() - penalty  # [N]: the total before the columns added after the worst
     # float32 totals: rounded relative to the largest of the values summed
     size = torch.stack([totals.double().abs(), weighted.abs(), penalty.abs()]).amax(0).clamp(min=1.0)  # [N]
-    outside = ~(base.abs() <= limit * (1 + 1e-6))  # [N]
+    replaced = scored & worst  # [N]
+    # a failed total capped at an honest total (failures_below_honest) is that total less its own penalty
+    outside = ~torch.where(replaced, totals.double().abs() <= limit * (1 + 1e-6) + penalty.abs().max(),
+                           base.abs() <= limit * (1 + 1e-6))  # [N]
     if outside.any():
         i = int(outside.nonzero()[0])
         return f"sample {i}'s total {float(totals[i]):.9g} is beyond the rewards' limit {limit:g}"
-    replaced = scored & worst  # [N]
     wrong = ~replaced & ~((base - weighted).abs() <= 1e-5 * size)  # [N]
     if wrong.any():
         i = int(wrong.nonzero()[0])
@@ -189,6 +204,13 @@ def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: t
     if above.any():
         i = int(above.nonzero()[0])
         return f"sample {i} failed a reward but scores {float(base[i]):.9g}, above an honest answer of its group"
+    lowest_total = torch.full((len(sizes),), torch.inf, dtype=torch.float64).scatter_reduce(
+        0, group, torch.where(honest, totals.double(), torch.inf), "amin")  # [B]
+    above = replaced & ~(totals.double() <= lowest_total[group] + 1e-5 * size)  # [N]
+    if above.any():
+        i = int(above.nonzero()[0])
+        return (f"sample {i} failed a reward but its total {float(totals[i]):.9g}, penalties included, is above "
+                f"an honest answer's of its group")
     unscored = ~scored & (advantages != 0)  # [N]
     if unscored.any():
         i = int(unscored.nonzero()[0])

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from grpo.settings import Config
 
 NAME = "kl_penalty"  # its column among the batch's rewards
-AFTER_WORST = (OVERLONG, NAME)  # columns a failed sample keeps its own value of (not replaced by the worst)
+# columns a failed sample keeps its own value of (not replaced by the worst; its total stays below every honest one)
+AFTER_WORST = (OVERLONG, NAME)
 
 
 def batch_reward_columns(cfg: Config) -> tuple[list[str], list[float]]:

@@ -22,7 +22,7 @@ from grpo.model.logprobs import completion_logprobs
 from grpo.model.segments import has_rows, join_rows, split_rows
 from grpo.model.vision import wire_images
 from grpo.objective import Objective
-from grpo.objective.advantages import estimate_advantages, worst_of_batch
+from grpo.objective.advantages import estimate_advantages, failures_below_honest, worst_of_batch
 from grpo.objective.kl_reward import NAME as KL_PENALTY
 from grpo.objective.kl_reward import batch_reward_columns, kl_penalties
 from grpo.rewards import RewardScores, score_completions
@@ -117,7 +117,7 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
     worst = scores.worst | cut_at_budget(episodes, cfg, len(texts))  # [N]
     total, scored = worst_of_batch(scores.total, scores.scored, worst)  # failing never pays
     scores = dataclasses.replace(scores, total=total, scored=scored, worst=worst)
-    if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty
+    if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty (with_penalty)
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
         scores = with_penalty(scores, penalty, OVERLONG)
@@ -169,11 +169,13 @@ def cut_at_budget(episodes: list | None, cfg: Config, n: int) -> torch.Tensor:
 
 def with_penalty(scores: RewardScores, penalty: torch.Tensor, name: str) -> RewardScores:
     """`scores` with a penalty [N] as one more column `name`, added to the totals (it never fails): DAPO's
-    overlong penalty, or the KL penalty of training.kl_in=reward."""
+    overlong penalty, or the KL penalty of training.kl_in=reward. A failed sample keeps its own, and its total stays
+    at most the batch's lowest honest one (failures_below_honest)."""
     n = len(penalty)
     return RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),  # [N, R + 1]
                         torch.cat([scores.applies, torch.ones(n, 1, dtype=torch.bool)], 1),  # [N, R + 1]
-                        scores.total + penalty, {**scores.failures, name: 0}, scores.errors,
+                        failures_below_honest(scores.total + penalty, scores.scored, scores.worst),
+                        {**scores.failures, name: 0}, scores.errors,
                         torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored,
                         scores.worst)
 

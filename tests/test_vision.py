@@ -82,12 +82,25 @@ def test_an_image_token_the_model_drew_is_text_on_both_paths():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def test_lora_gradients_with_images_equal_those_of_each_sequence_alone():
-    from peft import LoraConfig, get_peft_model
+@pytest.mark.parametrize("train_vision", [False, True], ids=["encoder-frozen", "model.train_vision"])
+def test_lora_gradients_with_images_equal_those_of_each_sequence_alone(train_vision):
+    """LoRA as a run adds it (add_lora): on the language model's named layers, and with model.train_vision on every
+    linear layer of the vision encoder too, whose gradients then flow through its one pass per group."""
+    from grpo.model.loading import add_lora
+    from grpo.settings import LoraConfig
 
-    model = get_peft_model(tiny_vlm(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                                                  exclude_modules=r".*visual.*", init_lora_weights=False))
-    assert not any("visual" in name for name, p in model.named_parameters() if p.requires_grad)
+    model = add_lora(tiny_vlm(), LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]), train_vision)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # PEFT starts B at 0: every gradient but B's would be 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    visual = vision_language_model(model.get_base_model()).visual
+    linears = {name for name, m in vision_language_model(tiny_vlm()).visual.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    adapted = {name for name, m in visual.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == (linears if train_vision else set())
+    assert len(adapted) == (0 if not train_vision else 2 * 4 + 2)  # qkv, proj, fc1, fc2 a block; the merger's two
     prompts, images, completions = batch(G=2, seed=4)
     weights = [torch.randn(len(c), generator=torch.Generator().manual_seed(j), dtype=torch.float64)
                for j, c in enumerate(completions)]
@@ -98,6 +111,10 @@ def test_lora_gradients_with_images_equal_those_of_each_sequence_alone():
                 for j, (w, c) in enumerate(zip(weights, completions)))
     for a, b in zip(shared, torch.autograd.grad(alone, trained)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    vision_grads = [grad for name, grad in zip(names, shared) if ".visual." in name]
+    assert len(vision_grads) == (0 if not train_vision else 2 * 10) and all(bool(grad.abs().sum() > 0)
+                                                                             for grad in vision_grads)
 
 
 def test_the_packed_positions_are_the_models_own_m_rope_positions_of_each_whole_sequence():

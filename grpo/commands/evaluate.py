@@ -54,7 +54,7 @@ def load_evaluated_model(cfg: Config, weights: Path | None, device):
         return base.eval()
     if (weights / MANIFEST).is_file():  # a published version: verify, then load like the sampler does
         manifest = verify(weights)
-        model = add_lora(base, cfg.lora) if manifest["kind"] == "lora" else base
+        model = add_lora(base, cfg.lora, cfg.model.train_vision) if manifest["kind"] == "lora" else base
         load_into(model, weights, manifest)
         return model.eval()
     from peft import PeftModel

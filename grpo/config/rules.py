@@ -147,7 +147,8 @@ def _image_errors(cfg: Config) -> list[str]:
     (text alone) and in-flight weight loads (their decode loop)."""
     entries = [e for e in cfg.data.sources if isinstance(e, dict)]  # a malformed entry is _data_errors' to name
     if not (has_images(cfg.data) or any(is_shapes(e.get("path")) for e in entries)):
-        return []
+        return ["model.train_vision trains a vision-language model's vision encoder, and this run's prompts hold no "
+                "images (data.image_column, data.path: shapes)"] if cfg.model.train_vision else []
     errors = []
     if cfg.sampling.engine == "vllm":
         errors.append("prompts with images (data.image_column, data.path=shapes) run on sampling.engine=hf; vLLM "

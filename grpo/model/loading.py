@@ -181,21 +181,32 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def add_lora(model, lora_cfg):
-    """Wrap `model` in a PEFT LoRA adapter; only the adapter's parameters are trainable."""
+def add_lora(model, lora_cfg, train_vision: bool = False):
+    """Wrap `model` in a PEFT LoRA adapter; only the adapter's parameters are trainable. A vision-language model's
+    vision encoder stays as it is, or with `train_vision` (model.train_vision) gets LoRA on each of its linear
+    layers, whatever lora.target_modules names."""
     import peft
 
-    vision = getattr(model.config, "vision_config", None) is not None  # the vision encoder stays as it is
+    vision = getattr(model.config, "vision_config", None) is not None
+    targets = target_modules_of(lora_cfg)
+    if vision and train_vision and targets != ALL_LINEAR:  # all-linear takes the encoder's layers already
+        targets = [*targets, *vision_linear_names(model)]
     config = peft.LoraConfig(  # no dropout: a token's log-prob is one function of the weights in both processes
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0, target_modules=target_modules_of(lora_cfg),
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=0.0, target_modules=targets,
         use_rslora=lora_cfg.use_rslora, use_dora=lora_cfg.use_dora,
         modules_to_save=list(lora_cfg.modules_to_save) or None, task_type="CAUSAL_LM",
-        exclude_modules=r".*visual.*" if vision else None,
+        exclude_modules=r".*visual.*" if vision and not train_vision else None,
     )
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:
         raise ModelError(f"lora.target_modules {lora_cfg.target_modules} do not fit this model: {e}") from None
+
+
+def vision_linear_names(model) -> list[str]:
+    """The full names of the linear layers of a vision-language model's vision encoder (its `visual` module)."""
+    return [name for name, module in model.named_modules()
+            if ".visual." in f".{name}" and isinstance(module, torch.nn.Linear)]
 
 
 def target_modules_of(lora_cfg) -> list[str] | str:
@@ -208,9 +219,9 @@ def load_policy(cfg: Config, device: str | torch.device = "cpu"):
     """The trainable policy: the base model, wrapped in LoRA when `lora.enabled`."""
     model = load_model(cfg.model, device)
     if cfg.lora.enabled:
-        return add_lora(model, cfg.lora)
-    for name, p in model.named_parameters():  # a full fine-tune of a vision-language model: its vision encoder frozen
-        if ".visual." in f".{name}":
+        return add_lora(model, cfg.lora, cfg.model.train_vision)
+    for name, p in model.named_parameters():  # a full fine-tune of a vision-language model: its vision encoder
+        if ".visual." in f".{name}" and not cfg.model.train_vision:  # frozen unless model.train_vision
             p.requires_grad_(False)
     return model
 

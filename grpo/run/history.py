@@ -48,6 +48,7 @@ REFUSED = {
     "model.name_or_path": "the model the checkpoint holds",
     "model.dtype": "the dtype of the checkpoint's weights and optimizer state",
     "model.chat_template": "the prompts the policy was trained on",
+    "model.train_vision": "the weights the checkpoint trains",
     "lora.enabled": "a LoRA adapter or the full model: what the checkpoint holds",
     "lora.": "the checkpoint's LoRA adapter",
     "training.use_gspo": "the objective the checkpoint was trained with",

@@ -90,6 +90,8 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, "Allow custom modelling code from the Hub.")
     chat_template: Optional[str] = setting(None, "Replace the tokenizer's chat template: a Jinja template file, or "
         "'chatml-tools' (shipped: ChatML with Hermes-style tool calls). Exported models keep it.")
+    train_vision: bool = setting(False, "A vision-language model's vision encoder trains too: LoRA on each of its "
+        "linear layers (with lora.enabled), or all of its weights in a full fine-tune. Off: frozen.")
 
 
 @dataclass

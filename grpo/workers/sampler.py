@@ -190,7 +190,7 @@ def load_policy_and_prompts(cfg: Config) -> tuple[SamplerModels, list[list]]:
     sources = [source_prompts(cfg, tokenizer, source, k) for k, source in enumerate(source_configs(cfg.data))]
     objective = Objective.of(cfg)  # the one of this process: the models carry it to every step
     reference = copy.deepcopy(base).eval() if objective.beta > 0 and not cfg.lora.enabled else None
-    model = (add_lora(base, cfg.lora) if cfg.lora.enabled else base).eval()
+    model = (add_lora(base, cfg.lora, cfg.model.train_vision) if cfg.lora.enabled else base).eval()
     teacher = load_distill_teacher(cfg, tokenizer, device, base.config.get_text_config().vocab_size)
     policy = SamplerModels(make_engine(cfg, model, tokenizer), model, reference, tokenizer,
                            behaviour_of(cfg, tokenizer, objective.header()), objective, ServiceSettings.of(cfg),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.objective.advantages import advantages_problem, group_advantages, worst_of_batch
+from grpo.objective.advantages import advantages_problem, failures_below_honest, group_advantages, worst_of_batch
 
 
 def test_worked_numbers_group_scale():
@@ -164,6 +164,18 @@ def test_failing_never_earns_more_than_the_worst_graded_answer():
     advantages = group_advantages(out, 4, scored=kept)
     assert out[3] == 0.0
     torch.testing.assert_close(advantages[:4], torch.tensor([2.5, 2.5, 2.5, -7.5]) / (5 + 1e-4), rtol=0, atol=1e-6)
+
+
+def test_a_failure_stays_below_its_own_groups_honest_totals_after_a_penalty():
+    """Totals after a penalty column, two groups of four: group 0's failure (index 3, 0.9 before the cap) is capped
+    at its group's lowest honest total, 0.5; group 1's honest sample penalised to -6 does not drag it there (its
+    wrong answers would then gain). Group 1's failure is already below; an unscored sample and a group with no
+    honest sample keep theirs."""
+    totals = torch.tensor([1.0, 0.5, 1.0, 0.9, -6.0, 1.0, -7.0, 2.0, 3.0, 4.0, 0.0, 0.0])
+    worst = torch.tensor([False, False, False, True, False, False, True, False, True, True, False, False])
+    scored = torch.tensor([True, True, True, True, True, True, True, True, True, True, False, False])
+    assert failures_below_honest(totals, scored, worst, 4).tolist() == \
+        [1.0, 0.5, 1.0, 0.5, -6.0, 1.0, -7.0, 2.0, 3.0, 4.0, 0.0, 0.0]
 
 
 def sampler_made(scale: str = "group"):

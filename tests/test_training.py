@@ -34,14 +34,16 @@ def test_two_rank_update_equals_the_single_process_whole_batch_update(tmp_path):
     """W=2 ranks with several micro-batches each against one process: every aggregation at both
     levels (GRPO token, GSPO sequence) at ZeRO-0, every aggregation at the token level at ZeRO-2 and
     ZeRO-3, GSPO/grpo at ZeRO-3, the reference log-probs computed by the trainer at ZeRO-0 and 3, and
-    CISPO with the entropy bonus, SAPO with GSPO's sequence ratio."""
+    CISPO with the entropy bonus, SAPO with GSPO's sequence ratio; and a tiny Qwen2-VL with images whose vision encoder
+    trains (model.train_vision) at ZeRO-2 and ZeRO-0, one rank padding with a zero-loss forward."""
     out = tmp_path / "result.json"
     proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_local_port()),
                            str(REPO / "tests" / "ds_equivalence.py"), str(out)], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cases = json.loads(out.read_text())
-    assert len(cases) == 17
+    assert len(cases) == 19
+    assert [case["micro_batches"] for case in cases if "model.train_vision=true" in case["case"]] == [[1, 2]] * 2
     for case in cases:
         assert relative(case["loss"], case["ref_loss"]) <= 1e-6, case["case"]
         assert relative(case["grad_norm"], case["ref_grad_norm"]) <= 1e-6, case["case"]

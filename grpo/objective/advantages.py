@@ -156,15 +156,17 @@ def worst_of_batch(rewards: torch.Tensor, scored: torch.Tensor,
     return torch.where(worst, rewards[honest].min(), rewards), scored | worst  # [N], [N]
 
 
-def failures_below_honest(totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor) -> torch.Tensor:
+def failures_below_honest(totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
     """After a penalty column is added (the overlong penalty, the KL penalty in the reward), a failed sample's total is
-    at most the batch's lowest honest total: it keeps its own penalty, but an honest answer's larger one (a length-cut
-    answer's overlong penalty) never lets a failure score above it.
-    (totals float[N], scored bool[N], worst bool[N]) -> float[N]."""
-    honest = scored & ~worst  # [N]
-    if not honest.any():
-        return totals
-    return torch.where(scored & worst, torch.minimum(totals, totals[honest].min()), totals)  # [N]
+    at most the lowest honest total of its group: it keeps its own penalty, but an honest answer's larger one (a
+    length-cut answer's overlong penalty) never lets a failure score above it. Its group's, not the batch's: one
+    heavily penalised answer elsewhere must not push a group's failure far below its wrong answers, which would
+    then gain. (totals float[N], scored bool[N], worst bool[N], N = groups x group_size) -> float[N]."""
+    honest = (scored & ~worst).view(-1, group_size)  # [B, G]
+    lowest = torch.where(honest, totals.view(-1, group_size), torch.inf).amin(1, keepdim=True)  # [B, 1]
+    capped = torch.minimum(totals.view(-1, group_size), lowest).reshape(-1)  # [N]; inf: a group with no honest one
+    return torch.where(scored & worst, capped, totals)  # [N]
 
 
 def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: torch.Tensor, worst: torch.Tensor,

@@ -120,7 +120,7 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
     if cfg.rewards.overlong_buffer > 0:  # after: a failed sample keeps its own length's penalty (with_penalty)
         penalty = torch.tensor([overlong_penalty(len(c), cfg.sampling.max_new_tokens, cfg.rewards.overlong_buffer,
                                                  cfg.rewards.overlong_penalty) for c in rollouts.completion_ids])
-        scores = with_penalty(scores, penalty, OVERLONG)
+        scores = with_penalty(scores, penalty, OVERLONG, G)
     flops = generation_flops(policy.shape, [len(p.token_ids) for p in prompts],
                              [len(c) for c in rollouts.completion_ids], [G] * len(prompts), adapters=cfg.lora.enabled)
     return Round(prompts, rollouts, texts, rows, scores, generate_s, time.perf_counter() - t, flops.total, episodes,
@@ -167,14 +167,14 @@ def cut_at_budget(episodes: list | None, cfg: Config, n: int) -> torch.Tensor:
     return torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
 
 
-def with_penalty(scores: RewardScores, penalty: torch.Tensor, name: str) -> RewardScores:
+def with_penalty(scores: RewardScores, penalty: torch.Tensor, name: str, group_size: int) -> RewardScores:
     """`scores` with a penalty [N] as one more column `name`, added to the totals (it never fails): DAPO's
     overlong penalty, or the KL penalty of training.kl_in=reward. A failed sample keeps its own, and its total stays
-    at most the batch's lowest honest one (failures_below_honest)."""
+    at most the lowest honest one of its group (failures_below_honest)."""
     n = len(penalty)
     return RewardScores(torch.cat([scores.per_function, penalty[:, None]], 1),  # [N, R + 1]
                         torch.cat([scores.applies, torch.ones(n, 1, dtype=torch.bool)], 1),  # [N, R + 1]
-                        failures_below_honest(scores.total + penalty, scores.scored, scores.worst),
+                        failures_below_honest(scores.total + penalty, scores.scored, scores.worst, group_size),
                         {**scores.failures, name: 0}, scores.errors,
                         torch.cat([scores.failed, torch.zeros(n, 1, dtype=torch.bool)], 1), scores.scored,
                         scores.worst)
@@ -338,7 +338,7 @@ def make_batch(cfg: Config, policy: SamplerModels, prompts: list, step: int, met
     if objective.kl_in == "reward" and objective.beta > 0:  # each score less beta x its completion's KL, from the
         # log-probs as the batch carries them, as the trainer recomputes it
         penalty = kl_penalties(old_logps, ref_logps, rollouts.model_masks, objective.beta, objective.kl_estimator)
-        kept = dataclasses.replace(kept, scores=with_penalty(kept.scores, penalty, KL_PENALTY))
+        kept = dataclasses.replace(kept, scores=with_penalty(kept.scores, penalty, KL_PENALTY, cfg.sampling.group_size))
     scores = kept.scores
     # a sample no reward could be asked about: advantage 0, out of its group's mean and std; it stays in the
     # batch and in the loss's denominators, as a group whose rewards are all equal does (TRL, DAPO's token mean)

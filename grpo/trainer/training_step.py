@@ -143,9 +143,16 @@ class PolicyObjective(torch.nn.Module):
 
 def dummy_loss(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
-    every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require."""
-    logps = completion_logprobs(model, [batch.prompt_ids[0][:1]], [batch.completion_ids[0][:1]], [1],
-                                temperature=temperature)
+    every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require. With
+    images, the first prompt's whole with them: a trained vision encoder (model.train_vision) gets
+    its gradients on this rank too, or ZeRO-1/2's reduction would not line up across ranks."""
+    images = batch_prompt_images(batch)
+    if images is not None and images[0] is not None:
+        prompt, images = batch.prompt_ids[0], images[:1]
+    else:
+        prompt, images = batch.prompt_ids[0][:1], None
+    logps = completion_logprobs(model, [prompt], [batch.completion_ids[0][:1]], [1], temperature=temperature,
+                                images=images)
     return logps[0].sum() * 0.0
 
 

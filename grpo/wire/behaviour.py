@@ -28,7 +28,7 @@ BEHAVIOUR_KEYS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "s
                   "sampling.num_workers", "sampling.max_staleness", "weights.publish_every",
                   # the sampler's copy scales by its own alpha
                   "lora.enabled", "lora.r", "lora.alpha", "lora.target_modules", "lora.use_rslora", "lora.use_dora",
-                  "lora.modules_to_save",
+                  "lora.modules_to_save", "model.train_vision",
                   "env.name", "env.max_turns", "agent.entrypoint", "agent.command", "agent.max_turns",
                   "distill.teacher")  # whose log-probs the batch carries
 

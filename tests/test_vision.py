@@ -321,3 +321,36 @@ def test_the_trainer_refuses_images_its_model_cannot_read_before_any_forward():
     assert check_batch_images(narrow, model) == "the batch's patches hold 588 values, and this model's 1176"
     assert check_batch_images(with_images(prompts, images), tiny_model("qwen2")) == \
         "the batch holds images, and the model is not a vision-language model"
+
+
+@pytest.mark.parametrize("case", ["text-eager-plain-path", "images-encoder-trained"])
+def test_a_padding_forward_gives_zero_loss_and_every_trained_parameter_a_gradient(case):
+    """A rank with fewer micro-batches than the others pads with a zero-loss forward: it takes the run's own path (the
+    plain one with training.shared_prefix=false, which eager attention needs), and every trained parameter gets a
+    gradient from it, the vision encoder's LoRA too, as ZeRO-1/2's reduction across ranks needs."""
+    from ds_equivalence import make_batch
+
+    from grpo.config import load_config
+    from grpo.model.loading import add_lora
+    from grpo.settings import LoraConfig
+    from grpo.trainer.training_step import PolicyObjective
+
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    if case == "images-encoder-trained":
+        cfg = load_config(None, ["model.train_vision=true", "data.path=shapes"])
+        model = add_lora(tiny_vlm(torch.float32), lora, train_vision=True)
+    else:
+        from conftest import tiny_model
+
+        cfg = load_config(None, ["training.shared_prefix=false", "model.attn_implementation=eager"])
+        model = add_lora(tiny_model(), lora)
+    batch = make_batch(model, vision=cfg.model.train_vision)  # its log-probs made on sdpa
+    if not cfg.model.train_vision:
+        model.config._attn_implementation = "eager"
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert any(".visual." in name for name in trained) == cfg.model.train_vision
+    loss, metrics, tokens = PolicyObjective(model, cfg)(None, batch)
+    assert (loss.item(), metrics, tokens) == (0.0, {}, 0)
+    loss.backward()
+    assert [name for name, p in trained.items() if p.grad is None] == []
+    assert all(not p.grad.any() for p in trained.values())

@@ -135,24 +135,28 @@ class PolicyObjective(torch.nn.Module):
     def forward(self, mb: RolloutBatch | None, batch: RolloutBatch, first_pass: bool = True,
                 denominators: Denominators | None = None):
         if mb is None:
-            return dummy_loss(self.policy, batch, self.cfg.sampling.temperature), {}, 0
+            return dummy_loss(self.policy, batch, self.cfg), {}, 0
         return micro_batch_loss(self.policy, mb, self.cfg, first_pass,
                                 denominators or denominators_of(batch, self.objective),
                                 objective=self.objective)
 
 
-def dummy_loss(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-    """A zero loss over a 1-token forward, for a rank with fewer micro-batches than the others:
-    every rank then runs the same forwards and backwards, as ZeRO-2/3 collectives require. With
-    images, the first prompt's whole with them: a trained vision encoder (model.train_vision) gets
-    its gradients on this rank too, or ZeRO-1/2's reduction would not line up across ranks."""
-    images = batch_prompt_images(batch)
-    if images is not None and images[0] is not None:
-        prompt, images = batch.prompt_ids[0], images[:1]
+def dummy_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """A zero loss over a 1-token forward on the run's own path (training.shared_prefix), for a rank
+    with fewer micro-batches than the others: every rank then runs the same forwards and backwards,
+    as ZeRO-2/3 collectives require. With images, a prompt's whole with them: a trained vision
+    encoder (model.train_vision) gets its gradients on this rank too, or ZeRO-1/2's reduction would
+    not line up across ranks."""
+    images = batch_prompt_images(batch) or []
+    at = next((i for i, own in enumerate(images) if own is not None), None)
+    if at is not None:
+        prompt, images = batch.prompt_ids[at], images[at:at + 1]
     else:
         prompt, images = batch.prompt_ids[0][:1], None
-    logps = completion_logprobs(model, [prompt], [batch.completion_ids[0][:1]], [1], temperature=temperature,
-                                images=images)
+    training = cfg.training
+    logps = completion_logprobs(model, [prompt], [batch.completion_ids[0][:1]], [1],
+                                shared_prefix=training.shared_prefix, temperature=cfg.sampling.temperature,
+                                max_tokens_per_forward=training.max_tokens_per_micro_batch, images=images)
     return logps[0].sum() * 0.0
 
 

@@ -24,7 +24,7 @@ def check_advantages(batch: RolloutBatch, cfg: Config) -> None:
     (rewards.names, then the overlong penalty when it is on, recomputed here from the completions'
     lengths, then with training.kl_in=reward the KL penalty, recomputed from the batch's log-probs), its
     totals those columns weighted by rewards.weights (the penalties with weight 1, added after a failed
-    sample takes the batch's worst, its total then at most every honest one: grpo/sampler/batches.py), and its
+    sample takes the batch's worst, its total then at most its group's honest ones: grpo/sampler/batches.py), and its
     advantages those totals' under training.advantage (grpo.objective.advantages.advantages_problem). The trainer
     trains on nothing else."""
     where = f"sampler {batch.sampler} step {batch.step}"

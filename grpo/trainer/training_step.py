@@ -142,7 +142,7 @@ class PolicyObjective(torch.nn.Module):
 
 
 def dummy_loss(model, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """A zero loss over a 1-token forward on the run's own path (training.shared_prefix), for a rank
+    """A zero loss over one completion token on the run's own path (training.shared_prefix), for a rank
     with fewer micro-batches than the others: every rank then runs the same forwards and backwards,
     as ZeRO-2/3 collectives require. With images, a prompt's whole with them: a trained vision
     encoder (model.train_vision) gets its gradients on this rank too, or ZeRO-1/2's reduction would

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from grpo.settings import Config
 
 NAME = "kl_penalty"  # its column among the batch's rewards
-# columns a failed sample keeps its own value of (not replaced by the worst; its total stays below its group's honest ones)
+# columns a failed sample keeps its own value of (not the worst; its total stays below its group's honest ones)
 AFTER_WORST = (OVERLONG, NAME)
 
 

@@ -140,3 +140,8 @@ def test_a_batch_made_with_other_generation_or_lora_settings_is_refused_naming_t
     key = setting.split("=")[0]
     with pytest.raises(BehaviourMismatch, match=f"{key}: the sampler used .*, this trainer has"):
         check_behaviour(recorded(setting), recorded(), sampler=0, step=1)
+    # a batch spooled before the setting existed does not record it: its sampler ran as the default does
+    older = {k: v for k, v in recorded().items() if k != key}
+    check_behaviour(older, recorded(), sampler=0, step=1)
+    with pytest.raises(BehaviourMismatch, match=f"{key}: the sampler used .*, this trainer has"):
+        check_behaviour(older, recorded(setting), sampler=0, step=1)

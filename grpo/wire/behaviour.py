@@ -10,6 +10,7 @@ run's trainer published, e.g. not one left in a `weights.dir` by another run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import TYPE_CHECKING
@@ -53,13 +54,24 @@ def behaviour_of(cfg: Config, tokenizer, objective: dict) -> dict:
 
 
 def check_behaviour(recorded: dict, expected: dict, sampler: int, step: int) -> None:
-    """Raise naming every key on which the batch's making differs from the trainer's settings."""
-    differences = [f"{key}: the sampler used {recorded.get(key)!r}, this trainer has {value!r}"
-                   for key, value in expected.items() if recorded.get(key) != value]
+    """Raise naming every key on which the batch's making differs from the trainer's settings. A setting the
+    batch does not record was not one when it was made (a batch spooled before an upgrade): its sampler ran as
+    the setting's default does."""
+    made = {**setting_defaults(), **recorded}
+    differences = [f"{key}: the sampler used {made.get(key)!r}, this trainer has {value!r}"
+                   for key, value in expected.items() if made.get(key) != value]
     if differences:
         raise BehaviourMismatch(f"sampler {sampler} step {step} was made with other settings than this trainer's; "
                                 f"nothing was trained with it. Start both with the same config: "
                                 + "; ".join(differences))
+
+
+@functools.cache
+def setting_defaults() -> dict:
+    """Each of BEHAVIOUR_KEYS at its default."""
+    from grpo.settings import Config
+
+    return {key: get_key(Config(), key) for key in BEHAVIOUR_KEYS}
 
 
 def check_staleness(trainer_version: int, batch_version: int, max_staleness: int, sampler: int, step: int) -> None:

@@ -200,15 +200,17 @@ def advantages_problem(advantages: torch.Tensor, totals: torch.Tensor, scored: t
     sizes = expand_group_sizes(group_sizes, totals.numel())
     group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # [N]
     honest = scored & ~worst  # [N]
-    lowest = torch.full((len(sizes),), torch.inf, dtype=torch.float64).scatter_reduce(
-        0, group, torch.where(honest, base, torch.inf), "amin")  # [B]
-    above = replaced & ~(base <= lowest[group] + 1e-5 * size)  # [N]
+
+    def above_honest(values: torch.Tensor) -> torch.Tensor:  # [N] float64: a failed one above its group's honest ones
+        lowest = torch.full((len(sizes),), torch.inf, dtype=torch.float64).scatter_reduce(
+            0, group, torch.where(honest, values, torch.inf), "amin")  # [B]
+        return replaced & ~(values <= lowest[group] + 1e-5 * size)  # [N]
+
+    above = above_honest(base)
     if above.any():
         i = int(above.nonzero()[0])
         return f"sample {i} failed a reward but scores {float(base[i]):.9g}, above an honest answer of its group"
-    lowest_total = torch.full((len(sizes),), torch.inf, dtype=torch.float64).scatter_reduce(
-        0, group, torch.where(honest, totals.double(), torch.inf), "amin")  # [B]
-    above = replaced & ~(totals.double() <= lowest_total[group] + 1e-5 * size)  # [N]
+    above = above_honest(totals.double())
     if above.any():
         i = int(above.nonzero()[0])
         return (f"sample {i} failed a reward but its total {float(totals[i]):.9g}, penalties included, is above "

@@ -71,7 +71,8 @@ def setting_defaults() -> dict:
     """Each of BEHAVIOUR_KEYS at its default."""
     from grpo.settings import Config
 
-    return {key: get_key(Config(), key) for key in BEHAVIOUR_KEYS}
+    defaults = Config()
+    return {key: get_key(defaults, key) for key in BEHAVIOUR_KEYS}
 
 
 def check_staleness(trainer_version: int, batch_version: int, max_staleness: int, sampler: int, step: int) -> None:

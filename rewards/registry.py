@@ -128,14 +128,30 @@ def reward_values(name: str, fn, call, completions, rows, prompts, errors: list[
         return _score_service(name, fn, list(completions), list(rows), prompts, errors)
     if is_batched(fn):
         return _score_batch(name, fn, call, list(completions), list(rows), errors)
+    if call is not None and hasattr(call, "map"):  # the sandbox: the samples spread over its wardens
+        answers = call.map(name, list(completions), list(rows))
+    else:
+        answers = [_answer(call, fn, name, completion, row) for completion, row in zip(completions, rows, strict=True)]
     values = []
-    for completion, row in zip(completions, rows, strict=True):
+    for answer in answers:
         try:
-            values.append(_checked(call(name, completion, row) if call is not None else fn(completion, row)))
-        except Exception as e:  # a reward bug must not end a run of hours
+            if isinstance(answer, Exception):  # a reward bug must not end a run of hours
+                values.append(FAILED)
+                errors.append(failure_text(answer))
+            else:
+                values.append(_checked(answer))
+        except Exception as e:  # not a finite number
             values.append(FAILED)
             errors.append(failure_text(e))
     return values
+
+
+def _answer(call, fn, name: str, completion: str, row: dict):
+    """The reward's value for one sample, or the exception it raised."""
+    try:
+        return call(name, completion, row) if call is not None else fn(completion, row)
+    except Exception as e:
+        return e
 
 
 def report_failures(name: str, values: list, errors: list[str], fallback: float | None) -> int:

@@ -9,11 +9,17 @@ process tree (docs/environments.md, "What the sandbox allows", has the table and
 batched reward gets `rewards.timeout_s` per completion, in one call. The call sees the environment
 variables every child does (grpo/common/child.py: PATH, HOME, LANG, LC_*, its own TMPDIR) and the ones
 named in `pass_env`; no network unless `network`.
+
+A warden serves one call at a time; `workers` wardens score a batch's samples at once (`map`), each
+sample still in a process of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from grpo.common.child import ChildFailed
@@ -29,28 +35,76 @@ class RewardFailed(ChildFailed):
 
 
 class RewardSandbox:
-    def __init__(self, timeout_s: float, pass_env=(), limits: JailLimits = JailLimits(), names=()):
-        """`names`: the rule rewards the jail imports (and warms) as it starts, not in a first call's time."""
+    def __init__(self, timeout_s: float, pass_env=(), limits: JailLimits = JailLimits(), names=(), workers: int = 1):
+        """`names`: the rule rewards the jail imports (and warms) as it starts, not in a first call's time.
+        `workers`: wardens, started at once; each serves one call at a time."""
+        if workers < 1:
+            raise ValueError(f"a reward sandbox needs at least one worker; got {workers}")
         self.timeout_s = timeout_s
-        self._jail = Jail("rewards", "grpo.rewards.sandbox:jailed_reward", list(names), limits, pass_env=pass_env)
+        # each warden started, called and restarted on a thread of its own that lives as long as the sandbox: a
+        # warden dies with the thread that started it (its parent-death signal), never with a caller's thread
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix="reward-jail") for _ in range(workers)]
+        started = [thread.submit(Jail, "rewards", "grpo.rewards.sandbox:jailed_reward", list(names), limits,
+                                 pass_env=pass_env) for thread in self._threads]
+        failed = [f.exception() for f in started if f.exception() is not None]
+        self._jails = [f.result() for f in started if f.exception() is None]
+        if failed:
+            self.close()
+            raise failed[0]
+        self.calls = [0] * workers  # the calls each warden served
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # wardens not serving a call
+        for index in range(workers):
+            self._free.put(index)
+
+    @property
+    def workers(self) -> int:
+        return len(self._jails)
 
     @property
     def confinement(self) -> dict:
         """What confines a call here (namespaces, Landlock's ABI, budgets: grpo/common/jail.py)."""
-        return self._jail.info
+        return self._jails[0].info
 
     def __call__(self, name: str, completion: str | list[str], row: dict | list[dict]):
-        """One sample's reward, or a batched reward's list (completion and row are then lists)."""
+        """One sample's reward, or a batched reward's list (completion and row are then lists), on
+        the first warden free."""
         batched = isinstance(completion, list)
         limit = self.timeout_s * (len(completion) if batched else 1)
+        index = self._free.get()
         try:
-            return self._jail.call(name, [completion, row], limit, f"no answer within rewards.timeout_s="
-                                   f"{self.timeout_s:g} s" + (" per completion" if batched else ""))
+            self.calls[index] += 1
+            return self._threads[index].submit(
+                self._jails[index].call, name, [completion, row], limit,
+                f"no answer within rewards.timeout_s={self.timeout_s:g} s" + (" per completion" if batched else "")
+            ).result()
         except ChildFailed as e:
             raise RewardFailed(str(e), e.where) from None
+        finally:
+            self._free.put(index)
+
+    def map(self, name: str, completions: list[str], rows: list[dict]) -> list:
+        """Each sample's reward (as `self(name, completion, row)` gives it, or the exception it
+        raised), in order, the samples spread over the wardens."""
+        def one(completion, row):
+            try:
+                return self(name, completion, row)
+            except Exception as e:
+                return e
+        if self.workers == 1 or len(completions) < 2:
+            return [one(c, r) for c, r in zip(completions, rows, strict=True)]
+        with ThreadPoolExecutor(min(self.workers, len(completions))) as pool:
+            return list(pool.map(one, completions, rows))
 
     def close(self) -> None:
-        self._jail.close()
+        for jail in self._jails:
+            jail.close()
+        for thread in self._threads:
+            thread.shutdown(wait=False)
+
+
+def default_workers() -> int:
+    """rewards.workers=0: a warden for each core this process may use, at most 8."""
+    return min(8, len(os.sched_getaffinity(0)))
 
 
 def reward_sandbox(rewards) -> RewardSandbox | None:
@@ -63,8 +117,9 @@ def reward_sandbox(rewards) -> RewardSandbox | None:
 
     names = dict.fromkeys(n for n in [*rewards.names, rewards.accuracy_reward, rewards.format_reward]
                           if not is_service_name(n))
-    sandbox = RewardSandbox(rewards.timeout_s, rewards.pass_env, limits, names)
-    log.info("rule rewards run in a jail per sample: %s", jail_description(sandbox.confinement))
+    sandbox = RewardSandbox(rewards.timeout_s, rewards.pass_env, limits, names, rewards.workers or default_workers())
+    log.info("rule rewards run in a jail per sample (%d at once): %s", sandbox.workers,
+             jail_description(sandbox.confinement))
     return sandbox
 
 

@@ -266,12 +266,46 @@ def test_sandboxed_rewards_time_out_fall_back_and_keep_going():
     assert elapsed < 10  # two 0.5 s timeouts, not a hang
 
 
+def test_wardens_scoring_at_once_give_what_one_gives_each_sample_alone():
+    """rewards.workers: a batch with hangs, a raise and math-verify's samples, spread over two wardens, scores,
+    fails and reports as one warden does, every sample still a call of its own (each warden served some)."""
+    troublesome_path = f"{__file__}:troublesome"
+    texts = ["ok", "spin", GOOD, "regex", "boom", GOOD, "<answer>8</answer>", "spin"]
+    names = [troublesome_path, "gsm8k_answer", "think_answer_format_partial"]
+    got = {}
+    for workers in (1, 2):
+        sandbox = RewardSandbox(timeout_s=0.5, workers=workers)
+        try:
+            scores = score_completions(texts, rows(*["7"] * 8), names, [1.0, 1.0, 0.5], fallback=None, call=sandbox)
+            rates = strict_rates(texts, rows(*["7"] * 8), call=sandbox)
+            got[workers] = (scores, rates, list(sandbox.calls))
+        finally:
+            sandbox.close()
+    (one, one_rates, one_calls), (two, two_rates, two_calls) = got[1], got[2]
+    assert one.per_function[:, 0].tolist() == [2.0, 0.0, 2.0, 0.0, 0.0, 2.0, 2.0, 0.0]  # 0.0: failed (worst)
+    assert one.per_function[:, 1].tolist() == [-1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0]
+    assert one.failures == {troublesome_path: 4, "gsm8k_answer": 0, "think_answer_format_partial": 0}
+    assert one_rates == {"strict/answer_accuracy": 0.25, "strict/format_rate": 0.25}
+    for field in ("per_function", "applies", "failed", "total", "scored", "worst"):
+        assert torch.equal(getattr(one, field), getattr(two, field)), field
+    assert (one.failures, one.errors, one_rates) == (two.failures, two.errors, two_rates)
+    assert one.errors[troublesome_path] == "no answer within rewards.timeout_s=0.5 s"  # the first, a spin
+    assert one_calls == [8 * 5] and sum(two_calls) == 8 * 5 and min(two_calls) > 0  # 3 rewards and 2 checks a sample
+
+
+def test_a_reward_sandbox_with_no_worker_is_refused_and_the_setting_is_checked():
+    with pytest.raises(ValueError, match="at least one worker; got 0"):
+        RewardSandbox(timeout_s=1.0, workers=0)
+    with pytest.raises(ConfigError, match="rewards.workers must be >= 0"):
+        checked_config(None, ["rewards.workers=-1"])
+
+
 def test_the_sandbox_replaces_a_jail_that_was_killed():
     sandbox = RewardSandbox(timeout_s=5)
     try:
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
-        os.kill(sandbox._jail._process.pid, signal.SIGKILL)
-        sandbox._jail._process.wait()
+        os.kill(sandbox._jails[0]._process.pid, signal.SIGKILL)
+        sandbox._jails[0]._process.wait()
         assert sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"}) == 1.0
     finally:
         sandbox.close()
@@ -282,7 +316,7 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from grpo.rewards.sandbox import RewardSandbox
 sandbox = RewardSandbox(timeout_s=5)
-print(sandbox._jail._process.pid, flush=True)
+print(sandbox._jails[0]._process.pid, flush=True)
 time.sleep(600)
 """
 

@@ -395,7 +395,7 @@ def test_a_reward_that_hangs_or_raises_fails_its_sample_and_the_next_is_scored()
             sandbox(PROBE_REWARD, "1 / 0", {"reference_answer": "1"})
         assert re.fullmatch(r"tests/sandbox_probes.py:\d+, in run_completion", raised.value.where)
         assert sandbox(PROBE_REWARD, "score = 0.25", {"reference_answer": "1"}) == 0.25
-        assert sandbox._jail.restarts == 0
+        assert sandbox._jails[0].restarts == 0
     finally:
         sandbox.close()
 
@@ -409,9 +409,10 @@ def test_a_jail_that_cannot_start_says_why():
 def test_a_killed_warden_is_started_again_for_the_next_call():
     sandbox = RewardSandbox(timeout_s=5.0)
     try:
-        os.kill(sandbox._jail._process.pid, signal.SIGKILL)
-        sandbox._jail._process.wait()
-        assert sandbox(PROBE_REWARD, "score = 3.0", {"reference_answer": "1"}) == 3.0 and sandbox._jail.restarts == 1
+        os.kill(sandbox._jails[0]._process.pid, signal.SIGKILL)
+        sandbox._jails[0]._process.wait()
+        assert sandbox(PROBE_REWARD, "score = 3.0", {"reference_answer": "1"}) == 3.0
+        assert sandbox._jails[0].restarts == 1
     finally:
         sandbox.close()
 

@@ -4,13 +4,16 @@ reward in a forked child that serves every sample), side by side in one run, alt
 
     .venv/bin/python scripts/benchmarks/bench_jail.py                 # 200 calls each, 4 lanes x 12 slow calls
     .venv/bin/python scripts/benchmarks/bench_jail.py --calls 50 --slow-calls 4
+    .venv/bin/python scripts/benchmarks/bench_jail.py --only-batch --samples 128 --workers 2
 
 Printed: ms per call of a trivial tool (a new episode's first step through EnvironmentPool: open
 it, parse the call, run it, build the reply), of the calculator tool, and of a trivial reward (RewardSandbox
 against the forked child); then episodes/s on the 1-second tool workload (each episode one step
 whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them); then ms to start the
 environments' child (as at a run's start and after a hung step), forked from a sampler holding
-`--sampler-mb` MB against started by exec, as the child now is.
+`--sampler-mb` MB against started by exec, as the child now is. Last, a sampler step's scoring:
+`--samples` completions scored by the default run's rewards and its two reported checks (a call each,
+four a sample) by one warden against `--workers` wardens at once (rewards.workers), alternating.
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.common.child import Child  # noqa: E402
+from grpo.config import load_config  # noqa: E402
 from grpo.environments import Reply  # noqa: E402
 from grpo.environments.pool import EnvironmentPool, isolated_episodes  # noqa: E402
 from grpo.environments.tool_calls import PARSERS  # noqa: E402
 from grpo.environments.tools import load_tools, shown  # noqa: E402
+from grpo.rewards.registry import score_completions  # noqa: E402
 from grpo.rewards.sandbox import RewardSandbox  # noqa: E402
+from grpo.rewards.strict import checks_of, strict_rates  # noqa: E402
 from grpo.settings import EnvConfig  # noqa: E402
 
 HERE = str(Path(__file__).resolve())
@@ -184,6 +190,35 @@ def bench_child_start(starts: int, held_mb: int) -> None:
     del held
 
 
+ANSWERS = ["<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>", "<think>\n3 + 4 = 8\n</think>\n<answer>8</answer>",
+           "<think>\nIt is $\\frac{14}{2}$.\n</think>\n<answer>$\\frac{14}{2}$</answer>", "The answer is 7.",
+           "<think>\n7 apples\n</think>\n<answer>7 apples</answer>\nextra", "<answer>1,234.50</answer>"]
+
+
+def bench_reward_batch(samples: int, workers: int, rounds: int = 3) -> None:
+    """A sampler step's rule-reward scoring (score_completions, then strict_rates) of `samples` completions,
+    one warden against `workers`, alternating; seconds per batch, medians of `rounds`."""
+    rewards = load_config(None, []).rewards
+    names = [*rewards.names, *checks_of(rewards)]
+    texts = [ANSWERS[i % len(ANSWERS)] for i in range(samples)]
+    rows = [{"reference_answer": "7"} for _ in texts]
+    made = {n: RewardSandbox(rewards.timeout_s, names=names, workers=n) for n in (1, workers)}
+    try:
+        seconds: dict[int, list[float]] = {n: [] for n in made}
+        for _ in range(rounds):
+            for n, sandbox in made.items():
+                started = time.perf_counter()
+                score_completions(texts, rows, rewards.names, rewards.weights, None, call=sandbox)
+                strict_rates(texts, rows, checks_of(rewards), call=sandbox)
+                seconds[n].append(time.perf_counter() - started)
+        one, many = statistics.median(seconds[1]), statistics.median(seconds[workers])
+        print(f"{'a step scored, ' + str(samples) + ' samples':<34} 1 warden {one:6.2f} s   {workers} wardens "
+              f"{many:6.2f} s   ratio {one / many:5.2f}x ({4 * samples} calls, medians of {rounds})")
+    finally:
+        for sandbox in made.values():
+            sandbox.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
@@ -192,14 +227,20 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=20, help="starts of the environments' child per variant")
     parser.add_argument("--sampler-mb", type=int, default=2048, help="memory the sampler holds when it forks")
     parser.add_argument("--only-starts", action="store_true", help="measure the child's start alone")
+    parser.add_argument("--samples", type=int, default=128, help="completions of the scored step")
+    parser.add_argument("--workers", type=int, default=2, help="wardens scoring at once (rewards.workers)")
+    parser.add_argument("--only-batch", action="store_true", help="measure a step's scoring alone")
     args = parser.parse_args()
     if args.only_starts:
         return bench_child_start(args.starts, args.sampler_mb)
+    if args.only_batch:
+        return bench_reward_batch(args.samples, args.workers)
     bench_tool(f"{HERE}:noop", "noop", {"x": 1}, args.calls, "trivial tool (one episode step)")
     bench_tool(CALCULATE, "calculate", {"expression": "48 / 2 + 7 * 3"}, args.calls, "calculator tool (one step)")
     bench_reward(args.calls)
     bench_slow_tool(args.lanes, args.slow_calls)
     bench_child_start(args.starts, args.sampler_mb)
+    bench_reward_batch(args.samples, args.workers)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ variables every child does (grpo/common/child.py: PATH, HOME, LANG, LC_*, its ow
 named in `pass_env`; no network unless `network`.
 
 A warden serves one call at a time; `workers` wardens score a batch's samples at once (`map`), each
-sample still in a process of its own.
+sample still in a process of its own, for the built-ins that run nothing of the completion (AT_ONCE). A
+reward that runs the model's code is scored one sample at a time: its processes could take the CPU
+from a neighbour's call and make that honest sample time out. Where a call could signal another
+warden's (no PID namespace and no Landlock signal scope), there is one warden.
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from grpo.common.child import ChildFailed
 from grpo.common.jail import Jail, JailLimits, jail_description
+from grpo.rewards.builtins import ENV_REWARD, REWARD_FUNCTIONS
 
 log = logging.getLogger(__name__)
 
 WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score once in the jail's warden
+# the built-ins that run nothing of the completion: math-verify parses digits and operators, never a name; a
+# reasoning-gym task's scorer may eval the answer (countdown, puzzle24, ...), so it is not among them
+AT_ONCE = frozenset([*REWARD_FUNCTIONS, ENV_REWARD])
+SIGNAL_SCOPE_ABI = 6  # the Landlock ABI that keeps a call's signals within its own domain
 
 
 class RewardFailed(ChildFailed):
@@ -43,17 +52,28 @@ class RewardSandbox:
         self.timeout_s = timeout_s
         # each warden started, called and restarted on a thread of its own that lives as long as the sandbox: a
         # warden dies with the thread that started it (its parent-death signal), never with a caller's thread
-        self._threads = [ThreadPoolExecutor(1, thread_name_prefix="reward-jail") for _ in range(workers)]
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"reward-jail-{i}") for i in range(workers)]
         started = [thread.submit(Jail, "rewards", "grpo.rewards.sandbox:jailed_reward", list(names), limits,
                                  pass_env=pass_env) for thread in self._threads]
         failed = [f.exception() for f in started if f.exception() is not None]
         self._jails = [f.result() for f in started if f.exception() is None]
+        self.closed = False
         if failed:
             self.close()
             raise failed[0]
-        self.calls = [0] * workers  # the calls each warden served
+        if workers > 1 and not shields_siblings(self._jails[0].info):
+            log.warning("rule rewards: one warden, not %d: a call here could signal another warden's (no PID "
+                        "namespace, Landlock below ABI %d)", workers, SIGNAL_SCOPE_ABI)
+            for jail, thread in zip(self._jails[1:], self._threads[1:]):
+                jail.close()
+                thread.shutdown(wait=False)
+            self._jails, self._threads = self._jails[:1], self._threads[:1]
+        self.calls = [0] * self.workers  # the calls each warden served
+        self.most_at_once: dict[str, int] = {}  # each reward's most calls at once
+        self._running: dict[str, int] = {}
+        self._counting = threading.Lock()
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # wardens not serving a call
-        for index in range(workers):
+        for index in range(self.workers):
             self._free.put(index)
 
     @property
@@ -70,7 +90,10 @@ class RewardSandbox:
         the first warden free."""
         batched = isinstance(completion, list)
         limit = self.timeout_s * (len(completion) if batched else 1)
+        if self.closed:
+            raise RewardFailed("the rewards jail is closed")
         index = self._free.get()
+        self._count(name, +1)
         try:
             self.calls[index] += 1
             return self._threads[index].submit(
@@ -80,31 +103,46 @@ class RewardSandbox:
         except ChildFailed as e:
             raise RewardFailed(str(e), e.where) from None
         finally:
+            self._count(name, -1)
             self._free.put(index)
+
+    def _count(self, name: str, change: int) -> None:
+        with self._counting:
+            self._running[name] = self._running.get(name, 0) + change
+            self.most_at_once[name] = max(self.most_at_once.get(name, 0), self._running[name])
 
     def map(self, name: str, completions: list[str], rows: list[dict]) -> list:
         """Each sample's reward (as `self(name, completion, row)` gives it, or the exception it
-        raised), in order, the samples spread over the wardens."""
+        raised), in order: spread over the wardens for a reward in AT_ONCE, else one at a time."""
         def one(completion, row):
             try:
                 return self(name, completion, row)
             except Exception as e:
                 return e
-        if self.workers == 1 or len(completions) < 2:
+        if self.workers == 1 or len(completions) < 2 or name not in AT_ONCE:
             return [one(c, r) for c, r in zip(completions, rows, strict=True)]
         with ThreadPoolExecutor(min(self.workers, len(completions))) as pool:
             return list(pool.map(one, completions, rows))
 
     def close(self) -> None:
+        self.closed = True
         for jail in self._jails:
             jail.close()
         for thread in self._threads:
             thread.shutdown(wait=False)
 
 
+def shields_siblings(info: dict) -> bool:
+    """Whether a call confined as `info` says (Jail.info) cannot signal another warden's call: it has a PID
+    namespace of its own, or Landlock scopes its signals."""
+    return bool(info.get("namespaces")) or info.get("landlock_abi", 0) >= SIGNAL_SCOPE_ABI
+
+
 def default_workers() -> int:
-    """rewards.workers=0: a warden for each core this process may use, at most 8."""
-    return min(8, len(os.sched_getaffinity(0)))
+    """rewards.workers=0: a warden for each core this sampler may use (its OMP_NUM_THREADS, the launcher's share
+    on a CPU-only machine), at most 8."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, min(8, int(threads) if threads.isdigit() else len(os.sched_getaffinity(0))))
 
 
 def reward_sandbox(rewards) -> RewardSandbox | None:

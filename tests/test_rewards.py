@@ -18,7 +18,7 @@ from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from grpo.rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from grpo.rewards.overlong import overlong_penalty
-from grpo.rewards.sandbox import RewardSandbox
+from grpo.rewards.sandbox import RewardFailed, RewardSandbox, default_workers, shields_siblings
 from grpo.rewards.strict import passes, strict_rates
 from grpo.rewards.think_format import think_answer_format, think_answer_format_partial
 from grpo.settings.tree import ConfigError
@@ -279,6 +279,9 @@ def test_wardens_scoring_at_once_give_what_one_gives_each_sample_alone():
             scores = score_completions(texts, rows(*["7"] * 8), names, [1.0, 1.0, 0.5], fallback=None, call=sandbox)
             rates = strict_rates(texts, rows(*["7"] * 8), call=sandbox)
             got[workers] = (scores, rates, list(sandbox.calls))
+            # a function of yours may run the completion's code: one call at a time, so that what it starts cannot
+            # take the CPU from a neighbour's call
+            assert sandbox.most_at_once[troublesome_path] == 1
         finally:
             sandbox.close()
     (one, one_rates, one_calls), (two, two_rates, two_calls) = got[1], got[2]
@@ -296,8 +299,26 @@ def test_wardens_scoring_at_once_give_what_one_gives_each_sample_alone():
 def test_a_reward_sandbox_with_no_worker_is_refused_and_the_setting_is_checked():
     with pytest.raises(ValueError, match="at least one worker; got 0"):
         RewardSandbox(timeout_s=1.0, workers=0)
-    with pytest.raises(ConfigError, match="rewards.workers must be >= 0"):
-        checked_config(None, ["rewards.workers=-1"])
+    for wrong in (-1, 65):
+        expected = rf"rewards.workers must be in \[0, 64\] \(0 = by the cores\); got {wrong}"
+        with pytest.raises(ConfigError, match=expected):
+            checked_config(None, [f"rewards.workers={wrong}"])
+    with pytest.raises(RewardFailed, match="the rewards jail is closed"):
+        sandbox = RewardSandbox(timeout_s=1.0)
+        sandbox.close()
+        sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"})
+
+
+def test_wardens_run_at_once_only_where_no_call_can_signal_another(monkeypatch):
+    assert shields_siblings({"namespaces": True, "landlock_abi": 0})  # its own PID namespace
+    assert shields_siblings({"namespaces": False, "landlock_abi": 6})  # Landlock scopes its signals
+    assert not shields_siblings({"namespaces": False, "landlock_abi": 5}) and not shields_siblings({})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launcher's share on a CPU-only machine
+    assert default_workers() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "32")
+    assert default_workers() == 8
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_workers() == min(8, len(os.sched_getaffinity(0)))
 
 
 def test_the_sandbox_replaces_a_jail_that_was_killed():
@@ -314,7 +335,7 @@ def test_the_sandbox_replaces_a_jail_that_was_killed():
 ORPHAN = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from grpo.rewards.sandbox import RewardSandbox
+from grpo.rewards.sandbox import RewardFailed, RewardSandbox, default_workers, shields_siblings
 sandbox = RewardSandbox(timeout_s=5)
 print(sandbox._jails[0]._process.pid, flush=True)
 time.sleep(600)

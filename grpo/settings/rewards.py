@@ -71,8 +71,8 @@ class RewardsConfig:
         "made, else watched); past it the call fails (0 = no limit).", bound=">= 0", why="0 = no limit")
     max_processes: int = setting(64, "Processes one reward call's tree may have at once (0 = no limit).",
         bound=">= 0", why="0 = no limit")
-    workers: int = setting(0, "Rule-reward calls at once: the jail's wardens, each scoring one sample at a time in "
-        "a process of its own. 0 = one for each CPU core the sampler may use, at most 8.", bound=">= 0",
+    workers: int = setting(0, "Rule-reward calls at once, each sample in a process of its own, for the built-ins "
+        "that run nothing of the completion. 0 = one per core the sampler may use, at most 8.", bound="in [0, 64]",
         why="0 = by the cores")
     reward_model_device: str = setting("auto", "Device of the reward models (reward_model:...): auto (= "
         "sampling.device), cpu, cuda, cuda:N. They run in model.dtype.")

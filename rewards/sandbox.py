@@ -33,8 +33,9 @@ from grpo.rewards.builtins import ENV_REWARD, REWARD_FUNCTIONS
 log = logging.getLogger(__name__)
 
 WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score once in the jail's warden
-# the built-ins that run nothing of the completion: math-verify parses digits and operators, never a name; a
-# reasoning-gym task's scorer may eval the answer (countdown, puzzle24, ...), so it is not among them
+# the built-ins that run nothing of the completion (math-verify builds sympy objects from it and imports or calls
+# none of its names: one core and the call's memory at most); a reasoning-gym task's scorer may eval the answer
+# (countdown, puzzle24, ...), so it is not among them
 AT_ONCE = frozenset([*REWARD_FUNCTIONS, ENV_REWARD])
 SIGNAL_SCOPE_ABI = 6  # the Landlock ABI that keeps a call's signals within its own domain
 
@@ -139,10 +140,10 @@ def shields_siblings(info: dict) -> bool:
 
 
 def default_workers() -> int:
-    """rewards.workers=0: a warden for each core this sampler may use (its OMP_NUM_THREADS, the launcher's share
-    on a CPU-only machine), at most 8."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    return max(1, min(8, int(threads) if threads.isdigit() else len(os.sched_getaffinity(0))))
+    """rewards.workers=0: a warden for each core this sampler may use (no more than its OMP_NUM_THREADS, the
+    launcher's share on a CPU-only machine), at most 8."""
+    cores, threads = len(os.sched_getaffinity(0)), os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, min(8, cores, int(threads) if threads.isdigit() else cores))
 
 
 def reward_sandbox(rewards) -> RewardSandbox | None:

@@ -247,7 +247,8 @@ def _overflowing(scores: torch.Tensor, applies: torch.Tensor, weight: torch.Tens
 def score_completions(completions: Sequence[str], rows: Sequence[dict], names: Sequence[str],
                       weights: Sequence[float], fallback: float | None, call: Callable | None = None,
                       prompts: Sequence | None = None, services: ServiceSettings | None = None,
-                      environment_failures: Sequence[tuple[str, bool] | None] | None = None) -> RewardScores:
+                      environment_failures: Sequence[tuple[str, bool] | None] | None = None,
+                      also: Sequence[str] = ()) -> RewardScores:
     """Score every completion with every reward, never a crash. Where a reward fails on a sample
     (a function that raises, returns a non-finite value or times out on it; a service's invalid
     value; an environment that failed on the episode's messages), the sample scores `fallback`, or,
@@ -262,8 +263,11 @@ def score_completions(completions: Sequence[str], rows: Sequence[dict], names: S
     (each sample's chat turns, data.prompts.Prompt.turns) and `services` (their settings) are for
     the service rewards (rewards/services.py), which run here. `environment_failures`: in
     multi-turn episodes, each sample's environment failure as (what, whether it could not be
-    asked), None where it answered; env_reward fails there.
+    asked), None where it answered; env_reward fails there. `also`: rewards asked of the same samples
+    next (the reported checks), which the sandbox may score in the same calls (RewardSandbox.prefetch).
     """
+    if call is not None and hasattr(call, "prefetch"):
+        call.prefetch([*names, *also], list(completions), list(rows))
     n = len(completions)
     scores = torch.zeros(n, len(names), dtype=torch.float32)
     applies = torch.ones(n, len(names), dtype=torch.bool)

@@ -14,11 +14,14 @@ A warden serves one call at a time; `workers` wardens score a batch's samples at
 sample still in a process of its own, for the built-ins that run nothing of the completion (AT_ONCE). A
 reward that runs the model's code is scored one sample at a time: its processes could take the CPU
 from a neighbour's call and make that honest sample time out. Where a call could signal another
-warden's (no PID namespace and no Landlock signal scope), there is one warden.
+warden's (no PID namespace and no Landlock signal scope), there is one warden. Those built-ins are
+also scored together (`prefetch`): one call a sample gives each of them, the step's rewards and its
+reported checks alike, and the calls that ask for them next take the values kept.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -38,6 +41,7 @@ WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score
 # (countdown, puzzle24, ...), so it is not among them
 AT_ONCE = frozenset([*REWARD_FUNCTIONS, ENV_REWARD])
 SIGNAL_SCOPE_ABI = 6  # the Landlock ABI that keeps a call's signals within its own domain
+TOGETHER = "together:"  # a target that scores a sample with the AT_ONCE built-ins it names, comma-separated
 
 
 class RewardFailed(ChildFailed):
@@ -76,6 +80,7 @@ class RewardSandbox:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # wardens not serving a call
         for index in range(self.workers):
             self._free.put(index)
+        self._kept: dict[tuple[str, str], float | None] = {}  # (name, request) -> the value `prefetch` got
 
     @property
     def workers(self) -> int:
@@ -93,6 +98,8 @@ class RewardSandbox:
         limit = self.timeout_s * (len(completion) if batched else 1)
         if self.closed:
             raise RewardFailed("the rewards jail is closed")
+        if self._kept and not batched and (name, request := _request(completion, row)) in self._kept:
+            return self._kept[(name, request)]
         index = self._free.get()
         self._count(name, +1)
         try:
@@ -120,10 +127,30 @@ class RewardSandbox:
                 return self(name, completion, row)
             except Exception as e:
                 return e
-        if self.workers == 1 or len(completions) < 2 or name not in AT_ONCE:
+        if self.workers == 1 or len(completions) < 2 or not (name in AT_ONCE or name.startswith(TOGETHER)):
             return [one(c, r) for c, r in zip(completions, rows, strict=True)]
         with ThreadPoolExecutor(min(self.workers, len(completions))) as pool:
             return list(pool.map(one, completions, rows))
+
+    def prefetch(self, names, completions: list[str], rows: list[dict]) -> None:
+        """Each sample scored with every name of `names` in AT_ONCE in one call (a process of its own, as
+        each call is), the values kept (until the next prefetch) for the calls that ask for them. Where that
+        call failed, or a function raised in it, nothing is kept: the sample's own calls then fail or
+        score as they would have."""
+        together = list(dict.fromkeys(n for n in names if n in AT_ONCE))
+        self._kept = {}
+        if len(together) < 2:
+            return
+        kept = {}
+        answers = self.map(TOGETHER + ",".join(together), list(completions), list(rows))
+        for completion, row, answer in zip(completions, rows, answers, strict=True):
+            request = _request(completion, row)
+            if request is None or not isinstance(answer, list) or len(answer) != len(together):
+                continue
+            for name, got in zip(together, answer):
+                if isinstance(got, list) and len(got) == 2 and got[0] == "ok":
+                    kept[(name, request)] = got[1]
+        self._kept = kept
 
     def close(self) -> None:
         self.closed = True
@@ -131,6 +158,14 @@ class RewardSandbox:
             jail.close()
         for thread in self._threads:
             thread.shutdown(wait=False)
+
+
+def _request(completion, row) -> str | None:
+    """A call's arguments as the warden gets them (JSON), the key of a kept value; None where they are not JSON."""
+    try:
+        return json.dumps([completion, row])
+    except (TypeError, ValueError):
+        return None
 
 
 def shields_siblings(info: dict) -> bool:
@@ -169,6 +204,8 @@ def jailed_reward(name: str) -> Callable:
     scorer's dataset) runs there before each call's fork, from the row, never the completion."""
     from grpo.rewards.builtins import REWARD_FUNCTIONS, rule_reward
 
+    if name.startswith(TOGETHER):
+        return _together(name.removeprefix(TOGETHER).split(","))
     fn = rule_reward(name)
     if name in REWARD_FUNCTIONS:
         fn(WARM_UP, {"reference_answer": "1"})
@@ -181,6 +218,25 @@ def jailed_reward(name: str) -> Callable:
     if callable(prepare):
         score.prepare = lambda completion, row: [prepare(r) for r in (row if isinstance(row, list) else [row])]
     return score
+
+
+def _together(names: list[str]) -> Callable:
+    """What the jail runs for a TOGETHER target: each name's value for the sample, as ["ok", value], or ["error"]
+    where that function raised (its own call then reports it)."""
+    outside = [n for n in names if n not in AT_ONCE]
+    if outside:
+        raise ValueError(f"{', '.join(outside)} may run the completion: never scored together")
+    scores = [jailed_reward(name) for name in names]
+
+    def together(completion: str, row: dict) -> list:
+        answers = []
+        for score in scores:
+            try:
+                answers.append(["ok", score(completion, row)])
+            except Exception:
+                answers.append(["error"])
+        return answers
+    return together
 
 
 def _number(value) -> float | None:

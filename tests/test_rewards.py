@@ -18,7 +18,7 @@ from grpo.objective.advantages import group_advantages, worst_of_batch
 from grpo.rewards import REWARD_FUNCTIONS, get_reward, score_completions
 from grpo.rewards.gsm8k_answer import gsm8k_answer, gsm8k_answer_lenient
 from grpo.rewards.overlong import overlong_penalty
-from grpo.rewards.sandbox import RewardFailed, RewardSandbox, default_workers, shields_siblings
+from grpo.rewards.sandbox import TOGETHER, RewardFailed, RewardSandbox, default_workers, jailed_reward, shields_siblings
 from grpo.rewards.strict import passes, strict_rates
 from grpo.rewards.think_format import think_answer_format, think_answer_format_partial
 from grpo.settings.tree import ConfigError
@@ -293,7 +293,9 @@ def test_wardens_scoring_at_once_give_what_one_gives_each_sample_alone():
         assert torch.equal(getattr(one, field), getattr(two, field)), field
     assert (one.failures, one.errors, one_rates) == (two.failures, two.errors, two_rates)
     assert one.errors[troublesome_path] == "no answer within rewards.timeout_s=0.5 s"  # the first, a spin
-    assert one_calls == [8 * 5] and sum(two_calls) == 8 * 5 and min(two_calls) > 0  # 3 rewards and 2 checks a sample
+    # a call a sample: the two built-ins together (kept for the accuracy check, gsm8k_answer too), your function,
+    # the format check
+    assert one_calls == [8 * 3] and sum(two_calls) == 8 * 3 and min(two_calls) > 0
 
 
 def test_a_reward_sandbox_with_no_worker_is_refused_and_the_setting_is_checked():
@@ -307,6 +309,41 @@ def test_a_reward_sandbox_with_no_worker_is_refused_and_the_setting_is_checked()
         sandbox = RewardSandbox(timeout_s=1.0)
         sandbox.close()
         sandbox("gsm8k_answer", GOOD, {"reference_answer": "7"})
+
+
+SLOW_LATEX = "<think>x</think>\n<answer>$2^{2^{2^{2^5}}}$</answer>"  # math-verify works on it until its own 5 s alarm
+
+
+def test_a_samples_built_ins_scored_in_one_call_give_what_a_call_each_gives():
+    """The default run's rewards and reported checks, a call a sample (prefetch) against a call each: the same
+    values, failures, errors and rates; a sample whose call runs past the limit is scored by its own calls."""
+    texts = [GOOD, "<answer>8</answer>", "<think>x</think>\n<answer>$\\frac{14}{2}$</answer>", "no tags", SLOW_LATEX]
+    names, checks = ["gsm8k_answer_lenient", "think_answer_format_partial"], ("gsm8k_answer", "think_answer_format")
+    together, each = RewardSandbox(timeout_s=1.0, workers=2), RewardSandbox(timeout_s=1.0)
+    try:
+        got = []
+        for call in (together, lambda name, completion, row: each(name, completion, row)):  # no prefetch, no map
+            scores = score_completions(texts, rows(*["7"] * 5), names, [1.0, 1.0], fallback=None, call=call,
+                                       also=checks)
+            got.append((scores, strict_rates(texts, rows(*["7"] * 5), checks, call=call)))
+        calls_together, calls_each = sum(together.calls), sum(each.calls)
+    finally:
+        together.close()
+        each.close()
+    (one, one_rates), (other, other_rates) = got
+    fast = score_completions(texts[:4], rows(*["7"] * 4), names, [1.0, 1.0], fallback=None)  # in this process
+    assert torch.equal(one.per_function[:4], fast.per_function) and not one.failed[:4].any()
+    assert one.failed[4].tolist() == [True, False]  # math-verify past rewards.timeout_s=1; the format scored
+    assert one.per_function[4, 1] == think_answer_format_partial(SLOW_LATEX, "7")
+    for field in ("per_function", "applies", "failed", "total", "scored", "worst"):
+        assert torch.equal(getattr(one, field), getattr(other, field)), field
+    assert (one.failures, one.errors, one_rates) == (other.failures, other.errors, other_rates)
+    passing = [sum(passes(check, texts[:4], rows(*["7"] * 4))) for check in checks]  # the slow one's answer fails
+    assert one_rates == {"strict/answer_accuracy": passing[0] / 5,
+                         "strict/format_rate": (passing[1] + (think_answer_format(SLOW_LATEX, "7") >= 1)) / 5}
+    assert calls_each == 5 * 4 and calls_together == 5 + 4  # one a sample; the slow one's four made again
+    with pytest.raises(ValueError, match="unit_tests may run the completion: never scored together"):
+        jailed_reward(TOGETHER + "gsm8k_answer,unit_tests")
 
 
 def test_wardens_run_at_once_only_where_no_call_can_signal_another(monkeypatch):
@@ -335,7 +372,14 @@ def test_the_sandbox_replaces_a_jail_that_was_killed():
 ORPHAN = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from grpo.rewards.sandbox import RewardFailed, RewardSandbox, default_workers, shields_siblings
+from grpo.rewards.sandbox import (
+    TOGETHER,
+    RewardFailed,
+    RewardSandbox,
+    default_workers,
+    jailed_reward,
+    shields_siblings,
+)
 sandbox = RewardSandbox(timeout_s=5)
 print(sandbox._jails[0]._process.pid, flush=True)
 time.sleep(600)

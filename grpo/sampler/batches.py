@@ -113,7 +113,7 @@ def generate_and_score(cfg: Config, policy: SamplerModels, prompts: list, seed: 
     turns = [p.turns for p in prompts for _ in range(G)]  # each sample's chat, for the service rewards
     scores = score_completions(texts, rows, cfg.rewards.names, cfg.rewards.weights, failure_value(cfg.rewards),
                                call=sandbox, prompts=turns, services=policy.services,
-                               environment_failures=environment_failures(episodes))
+                               environment_failures=environment_failures(episodes), also=checks_of(cfg.rewards))
     worst = scores.worst | cut_at_budget(episodes, cfg, len(texts))  # [N]
     total, scored = worst_of_batch(scores.total, scores.scored, worst)  # failing never pays
     scores = dataclasses.replace(scores, total=total, scored=scored, worst=worst)

@@ -12,8 +12,9 @@ against the forked child); then episodes/s on the 1-second tool workload (each e
 whose tool sleeps 1 s, `--lanes` lanes at once, as env.concurrency runs them); then ms to start the
 environments' child (as at a run's start and after a hung step), forked from a sampler holding
 `--sampler-mb` MB against started by exec, as the child now is. Last, a sampler step's scoring:
-`--samples` completions scored by the default run's rewards and its two reported checks (a call each,
-four a sample) by one warden against `--workers` wardens at once (rewards.workers), alternating.
+`--samples` completions scored by the default run's rewards and its two reported checks, a call for
+each (four a sample) on one warden, against a call a sample for the four (the sandbox's prefetch) on
+one warden and on `--workers` wardens at once (rewards.workers), alternating.
 """
 
 from __future__ import annotations
@@ -196,26 +197,32 @@ ANSWERS = ["<think>\n3 + 4 = 7\n</think>\n<answer>\n7\n</answer>", "<think>\n3 +
 
 
 def bench_reward_batch(samples: int, workers: int, rounds: int = 3) -> None:
-    """A sampler step's rule-reward scoring (score_completions, then strict_rates) of `samples` completions,
-    one warden against `workers`, alternating; seconds per batch, medians of `rounds`."""
+    """A sampler step's rule-reward scoring (score_completions, then strict_rates) of `samples` completions:
+    a call for each reward and sample on one warden (as before), the built-ins a call a sample (prefetch) on
+    one warden, and on `workers`; alternating, seconds per batch, medians of `rounds`."""
     rewards = load_config(None, []).rewards
-    names = [*rewards.names, *checks_of(rewards)]
+    checks = checks_of(rewards)
     texts = [ANSWERS[i % len(ANSWERS)] for i in range(samples)]
     rows = [{"reference_answer": "7"} for _ in texts]
-    made = {n: RewardSandbox(rewards.timeout_s, names=names, workers=n) for n in (1, workers)}
+    each, one, many = (RewardSandbox(rewards.timeout_s, names=[*rewards.names, *checks], workers=n)
+                       for n in (1, 1, workers))
+    variants = {"a call each, 1 warden": lambda name, completion, row: each(name, completion, row),  # no prefetch
+                "a call a sample, 1 warden": one, f"a call a sample, {workers} wardens": many}
     try:
-        seconds: dict[int, list[float]] = {n: [] for n in made}
+        seconds: dict[str, list[float]] = {label: [] for label in variants}
         for _ in range(rounds):
-            for n, sandbox in made.items():
+            for label, call in variants.items():
                 started = time.perf_counter()
-                score_completions(texts, rows, rewards.names, rewards.weights, None, call=sandbox)
-                strict_rates(texts, rows, checks_of(rewards), call=sandbox)
-                seconds[n].append(time.perf_counter() - started)
-        one, many = statistics.median(seconds[1]), statistics.median(seconds[workers])
-        print(f"{'a step scored, ' + str(samples) + ' samples':<34} 1 warden {one:6.2f} s   {workers} wardens "
-              f"{many:6.2f} s   ratio {one / many:5.2f}x ({4 * samples} calls, medians of {rounds})")
+                score_completions(texts, rows, rewards.names, rewards.weights, None, call=call, also=checks)
+                strict_rates(texts, rows, checks, call=call)
+                seconds[label].append(time.perf_counter() - started)
+        medians = {label: statistics.median(found) for label, found in seconds.items()}
+        before = medians["a call each, 1 warden"]
+        print(f"a step scored, {samples} samples (the default run's 2 rewards and 2 checks), medians of {rounds}:")
+        for label, median in medians.items():
+            print(f"  {label:<28} {median:6.2f} s   {before / median:5.2f}x")
     finally:
-        for sandbox in made.values():
+        for sandbox in (each, one, many):
             sandbox.close()
 
 

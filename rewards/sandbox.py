@@ -21,6 +21,7 @@ reported checks alike, and the calls that ask for them next take the values kept
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +43,8 @@ WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score
 AT_ONCE = frozenset([*REWARD_FUNCTIONS, ENV_REWARD])
 SIGNAL_SCOPE_ABI = 6  # the Landlock ABI that keeps a call's signals within its own domain
 TOGETHER = "together:"  # a target that scores a sample with the AT_ONCE built-ins it names, comma-separated
+KEPT_LIMIT = 100_000  # values `prefetch` keeps (a few MB): the oldest dropped past it
+NOT_KEPT = object()
 
 
 class RewardFailed(ChildFailed):
@@ -80,7 +83,7 @@ class RewardSandbox:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # wardens not serving a call
         for index in range(self.workers):
             self._free.put(index)
-        self._kept: dict[tuple[str, str], float | None] = {}  # (name, request) -> the value `prefetch` got
+        self._kept: dict[tuple[str, bytes], float | None] = {}  # (name, request's digest) -> the value `prefetch` got
 
     @property
     def workers(self) -> int:
@@ -98,8 +101,10 @@ class RewardSandbox:
         limit = self.timeout_s * (len(completion) if batched else 1)
         if self.closed:
             raise RewardFailed("the rewards jail is closed")
-        if self._kept and not batched and (name, request := _request(completion, row)) in self._kept:
-            return self._kept[(name, request)]
+        if self._kept and not batched and name in AT_ONCE:
+            kept = self._kept.get((name, _request(completion, row)), NOT_KEPT)
+            if kept is not NOT_KEPT:
+                return kept
         index = self._free.get()
         self._count(name, +1)
         try:
@@ -134,23 +139,27 @@ class RewardSandbox:
 
     def prefetch(self, names, completions: list[str], rows: list[dict]) -> None:
         """Each sample scored with every name of `names` in AT_ONCE in one call (a process of its own, as
-        each call is), the values kept (until the next prefetch) for the calls that ask for them. Where that
-        call failed, or a function raised in it, nothing is kept: the sample's own calls then fail or
-        score as they would have."""
+        each call is), the values kept for the calls that ask for them (the same request gets the same
+        value: a step's later rounds and its checks). Where that call failed, or a function raised in it,
+        nothing is kept: the sample's own calls then fail or score as they would have."""
         together = list(dict.fromkeys(n for n in names if n in AT_ONCE))
-        self._kept = {}
         if len(together) < 2:
             return
-        kept = {}
-        answers = self.map(TOGETHER + ",".join(together), list(completions), list(rows))
-        for completion, row, answer in zip(completions, rows, answers, strict=True):
+        kept = dict(self._kept)
+        asked: dict[bytes, tuple[str, dict]] = {}  # each request once, unless all its values are kept
+        for completion, row in zip(completions, rows, strict=True):
             request = _request(completion, row)
-            if request is None or not isinstance(answer, list) or len(answer) != len(together):
+            if request is not None and any((name, request) not in kept for name in together):
+                asked.setdefault(request, (completion, row))
+        samples = list(asked.values())
+        answers = self.map(TOGETHER + ",".join(together), [c for c, _ in samples], [r for _, r in samples])
+        for request, answer in zip(asked, answers, strict=True):
+            if not isinstance(answer, list) or len(answer) != len(together):
                 continue
             for name, got in zip(together, answer):
                 if isinstance(got, list) and len(got) == 2 and got[0] == "ok":
                     kept[(name, request)] = got[1]
-        self._kept = kept
+        self._kept = dict(list(kept.items())[-KEPT_LIMIT:])
 
     def close(self) -> None:
         self.closed = True
@@ -160,10 +169,11 @@ class RewardSandbox:
             thread.shutdown(wait=False)
 
 
-def _request(completion, row) -> str | None:
-    """A call's arguments as the warden gets them (JSON), the key of a kept value; None where they are not JSON."""
+def _request(completion, row) -> bytes | None:
+    """The digest of a call's arguments as the warden gets them (JSON), the key of a kept value; None where they
+    are not JSON."""
     try:
-        return json.dumps([completion, row])
+        return hashlib.blake2b(json.dumps([completion, row]).encode(), digest_size=16).digest()
     except (TypeError, ValueError):
         return None
 

@@ -293,9 +293,9 @@ def test_wardens_scoring_at_once_give_what_one_gives_each_sample_alone():
         assert torch.equal(getattr(one, field), getattr(two, field)), field
     assert (one.failures, one.errors, one_rates) == (two.failures, two.errors, two_rates)
     assert one.errors[troublesome_path] == "no answer within rewards.timeout_s=0.5 s"  # the first, a spin
-    # a call a sample: the two built-ins together (kept for the accuracy check, gsm8k_answer too), your function,
-    # the format check
-    assert one_calls == [8 * 3] and sum(two_calls) == 8 * 3 and min(two_calls) > 0
+    # the two built-ins together, a call for each different sample (GOOD and "spin" come twice; kept for the
+    # accuracy check, gsm8k_answer too); a call a sample for your function and for the format check
+    assert one_calls == [6 + 8 + 8] and sum(two_calls) == 6 + 8 + 8 and min(two_calls) > 0
 
 
 def test_a_reward_sandbox_with_no_worker_is_refused_and_the_setting_is_checked():
@@ -344,6 +344,33 @@ def test_a_samples_built_ins_scored_in_one_call_give_what_a_call_each_gives():
     assert calls_each == 5 * 4 and calls_together == 5 + 4  # one a sample; the slow one's four made again
     with pytest.raises(ValueError, match="unit_tests may run the completion: never scored together"):
         jailed_reward(TOGETHER + "gsm8k_answer,unit_tests")
+
+
+def test_a_built_in_that_fails_in_the_call_together_fails_in_its_own_and_the_others_are_kept():
+    """env_reward reads the row: a value that is no number fails inside the call together, so that sample and
+    reward get a call of their own, which fails as it would have; None (does not apply) is kept as None."""
+    texts, names = [GOOD, GOOD, "no tags"], ["env_reward", "think_answer_format_partial"]
+    scored = [{"reference_answer": "7", "env_reward": 0.5}, {"reference_answer": "7", "env_reward": "abc"},
+              {"reference_answer": "7"}]
+    together, each = RewardSandbox(timeout_s=5.0), RewardSandbox(timeout_s=5.0)
+    try:
+        one = score_completions(texts, scored, names, [1.0, 1.0], fallback=None, call=together)
+        other = score_completions(texts, scored, names, [1.0, 1.0], fallback=None,
+                                  call=lambda name, completion, row: each(name, completion, row))
+        again = score_completions(texts, scored, names, [1.0, 1.0], fallback=None, call=together)  # a later round
+        calls = list(together.calls)
+    finally:
+        together.close()
+        each.close()
+    assert one.per_function[:, 0].tolist() == [0.5, 0.0, 0.0] and one.applies[:, 0].tolist() == [True, True, False]
+    assert one.failed[:, 0].tolist() == [False, True, False] and one.failures["env_reward"] == 1
+    assert one.errors["env_reward"].startswith("ValueError: could not convert string to float: 'abc'")
+    for field in ("per_function", "applies", "failed", "total", "scored", "worst"):
+        assert torch.equal(getattr(one, field), getattr(other, field)), field
+        assert torch.equal(getattr(one, field), getattr(again, field)), field
+    assert (one.failures, one.errors) == (other.failures, other.errors) == (again.failures, again.errors)
+    # a call a sample and the failed one's own; the same samples again (a later round): that one's two alone
+    assert calls == [3 + 1 + 1 + 1]
 
 
 def test_wardens_run_at_once_only_where_no_call_can_signal_another(monkeypatch):

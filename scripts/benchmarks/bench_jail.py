@@ -202,15 +202,15 @@ def bench_reward_batch(samples: int, workers: int, rounds: int = 3) -> None:
     one warden, and on `workers`; alternating, seconds per batch, medians of `rounds`."""
     rewards = load_config(None, []).rewards
     checks = checks_of(rewards)
-    texts = [ANSWERS[i % len(ANSWERS)] for i in range(samples)]
-    rows = [{"reference_answer": "7"} for _ in texts]
+    rows = [{"reference_answer": "7"} for _ in range(samples)]
     each, one, many = (RewardSandbox(rewards.timeout_s, names=[*rewards.names, *checks], workers=n)
                        for n in (1, 1, workers))
     variants = {"a call each, 1 warden": lambda name, completion, row: each(name, completion, row),  # no prefetch
                 "a call a sample, 1 warden": one, f"a call a sample, {workers} wardens": many}
     try:
         seconds: dict[str, list[float]] = {label: [] for label in variants}
-        for _ in range(rounds):
+        for round_ in range(rounds):  # each round's samples new, as each step's are: no value kept from before
+            texts = [f"(step {round_}, sample {i}) {ANSWERS[i % len(ANSWERS)]}" for i in range(samples)]
             for label, call in variants.items():
                 started = time.perf_counter()
                 score_completions(texts, rows, rewards.names, rewards.weights, None, call=call, also=checks)

@@ -43,7 +43,7 @@ WARM_UP = "<think>1</think>\n<answer>1</answer>"  # a sample the built-ins score
 AT_ONCE = frozenset([*REWARD_FUNCTIONS, ENV_REWARD])
 SIGNAL_SCOPE_ABI = 6  # the Landlock ABI that keeps a call's signals within its own domain
 TOGETHER = "together:"  # a target that scores a sample with the AT_ONCE built-ins it names, comma-separated
-KEPT_LIMIT = 100_000  # values `prefetch` keeps (a few MB): the oldest dropped past it
+KEPT_LIMIT = 100_000  # values `prefetch` keeps (about 15 MB at most): the oldest dropped past it
 NOT_KEPT = object()
 
 

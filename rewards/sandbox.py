@@ -22,6 +22,7 @@ reported checks alike, and the calls that ask for them next take the values kept
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -145,7 +146,7 @@ class RewardSandbox:
         together = list(dict.fromkeys(n for n in names if n in AT_ONCE))
         if len(together) < 2:
             return
-        kept = dict(self._kept)
+        kept = self._kept  # read by the calls with .get alone: filled in place, never left half-built
         asked: dict[bytes, tuple[str, dict]] = {}  # each request once, unless all its values are kept
         for completion, row in zip(completions, rows, strict=True):
             request = _request(completion, row)
@@ -159,7 +160,8 @@ class RewardSandbox:
             for name, got in zip(together, answer):
                 if isinstance(got, list) and len(got) == 2 and got[0] == "ok":
                     kept[(name, request)] = got[1]
-        self._kept = dict(list(kept.items())[-KEPT_LIMIT:])
+        for oldest in list(itertools.islice(kept, max(len(kept) - KEPT_LIMIT, 0))):
+            del kept[oldest]
 
     def close(self) -> None:
         self.closed = True

@@ -349,6 +349,7 @@ def test_the_gpu_check_runs_its_tiny_shape_on_the_cpu_and_reports_every_figure(t
     assert set(sampler) >= {"decode_tokens_per_s_4_rows", "decode_tokens_per_s_8_rows"}
     assert list(trainer) == ["LoRA, shared prefix", "LoRA, no shared prefix", "full, shared prefix",
                              "full, no shared prefix"]
+    assert list(report["skipped"]) == ["LoRA, shared prefix, FlexAttention", "full, shared prefix, FlexAttention"]
     for kind in ("LoRA", "full"):
         assert trainer[f"{kind}, shared prefix"]["model_flops"] < trainer[f"{kind}, no shared prefix"]["model_flops"]
     assert trainer["LoRA, shared prefix"]["top_kernels"] and (tmp_path / "gpu_check.md").read_text() in out.stdout

@@ -241,3 +241,86 @@ def test_masked_kernel_used_off_the_cpu_is_exact_too(kind, monkeypatch):
                             completion_logprobs(model, prompts, completions, sizes, shared_prefix=False)) <= 1e-5
     assert relative_error(weighted_sum_grads(model, prompts, completions, sizes, True, weights),
                           weighted_sum_grads(model, prompts, completions, sizes, False, weights)) <= 1e-5
+
+
+def test_flex_block_mask_labels_and_layout_worked_example():
+    """Two groups in a row: prompt 2 + completions [1, 2], then prompt 1 + completion [2]."""
+    from grpo.model.flex_prefix import row_block_mask, token_labels
+    from grpo.model.shared_prefix import GroupSpan
+
+    groups = [GroupSpan(0, 2, [1, 2]), GroupSpan(5, 1, [2])]
+    group, segment = token_labels(groups, torch.device("cpu"))
+    assert group.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert segment.tolist() == [0, 0, 1, 2, 2, 0, 1, 1]
+    dense = row_block_mask(groups, torch.device("cpu")).to_dense()  # [1, 1, q blocks, kv blocks]: one block
+    assert dense.shape[-2:] == (1, 1) and bool(dense.all())
+    mask_mod = row_block_mask(groups, torch.device("cpu")).mask_mod
+    seen = [[int(mask_mod(0, 0, torch.tensor(q), torch.tensor(k))) for k in range(8)] for q in range(8)]
+    assert seen == [[1, 0, 0, 0, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0, 0, 0, 0],
+                    [1, 1, 1, 0, 0, 0, 0, 0],   # completion 1 of group 0: the prompt, itself
+                    [1, 1, 0, 1, 0, 0, 0, 0],   # completion 2: the prompt, not completion 1
+                    [1, 1, 0, 1, 1, 0, 0, 0],
+                    [0, 0, 0, 0, 0, 1, 0, 0],   # group 1's prompt sees nothing of group 0
+                    [0, 0, 0, 0, 0, 1, 1, 0],
+                    [0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+@pytest.mark.slow  # transformers compiles FlexAttention: inductor runs the C++ compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flex_attention_shared_prefix_equals_todays_path_values_and_lora_gradients(dtype, monkeypatch):
+    """model.attn_implementation=flex_attention: each packed row in one FlexAttention call under its block mask,
+    against the same weights through today's kernel (block-sparse on the CPU) and the plain path."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    model = add_lora(tiny_model("qwen2", dtype=dtype),
+                     LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    flex = copy.deepcopy(model)
+    flex.base_model.model.set_attn_implementation("flex_attention")
+    sizes = [3, 1, 2]
+    prompts, completions = random_groups(4, [6, 9, 4], sizes)  # three groups in one row
+    weights = [torch.randn(len(c), generator=torch.Generator().manual_seed(j), dtype=dtype)
+               for j, c in enumerate(completions)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+
+    def values_agree():
+        with torch.no_grad():
+            ours = completion_logprobs(flex, prompts, completions, sizes, temperature=0.9)
+            today = completion_logprobs(model, prompts, completions, sizes, temperature=0.9)
+            plain = completion_logprobs(model, prompts, completions, sizes, shared_prefix=False, temperature=0.9)
+        return max_abs_diff(ours, today) <= tol and max_abs_diff(ours, plain) <= tol
+
+    if dtype == torch.float32:  # the compiled kernel, as a sampler on the CPU runs it (compiled in float32 at most)
+        assert values_agree()
+    # torch has no FlexAttention backward on the CPU (a GPU compiles one) and compiles none in float64: the same
+    # block mask through its eager reference, uncompiled, with the CPU guard lifted
+    from transformers.integrations import flex_attention as transformers_flex
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_module.flex_attention(
+                            query, key, value, **kwargs))
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    assert values_agree()
+    assert flex.base_model.model.config._attn_implementation == "grpo_shared_prefix:flex_attention"
+    for checkpointing in (False, True):
+        if checkpointing:  # the recomputation reuses the row's mask
+            enable_gradient_checkpointing(model), enable_gradient_checkpointing(flex)
+        model.train(), flex.train()
+        grads = weighted_sum_grads(flex, prompts, completions, sizes, True, weights)
+        assert len(grads) == 2 * 4 * 2
+        assert relative_error(grads, weighted_sum_grads(model, prompts, completions, sizes, True, weights)) <= tol
+
+
+def test_flex_attention_trainer_on_the_cpu_is_refused_at_start():
+    from grpo.common.sources import ModelError
+    from grpo.config import load_config
+    from grpo.model.logprobs import check_supported
+
+    cfg = load_config(None, ["model.attn_implementation=flex_attention"])
+    model = tiny_model()
+    check_supported(model, cfg)  # a sampler's passes need no backward
+    with pytest.raises(ModelError, match="FlexAttention has no backward on the CPU.*model.attn_implementation=sdpa"):
+        check_supported(model, cfg, trains=True)

@@ -119,7 +119,7 @@ def _shared_prefix_logprobs(model, prompt_ids, completion_ids, sizes, temperatur
                                                   row.groups, prompt_ids, images)
             inputs = dict(inputs_embeds=embeddings[None], position_ids=positions[:, None])
         hidden = decoder(**inputs, attention_mask=NO_MASK.to(device), use_cache=False,
-                         shared_prefix_groups=row.groups).last_hidden_state[0]  # [L, H]
+                         shared_prefix_row=row).last_hidden_state[0]  # [L, H]
         lp, ent = head_logprobs(hidden[row.hidden_index.to(device)], row.targets.to(device), head, temperature,
                                 with_entropy=with_entropy)
         _store(logps, entropies, row.completion_index, lp, ent, completion_ids)
@@ -202,14 +202,17 @@ def unsupported_features(hf_config, shared_prefix: bool, max_tokens: int) -> lis
     return problems
 
 
-def check_supported(model, cfg: Config, name: str | None = None) -> None:
-    """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong; `name`:
-    what the message calls it (default model.name_or_path)."""
+def check_supported(model, cfg: Config, name: str | None = None, trains: bool = False) -> None:
+    """Refuse at start, in one line, a model whose log-probs `unsupported_features` would get wrong, or that
+    `trains` where its attention has no backward; `name`: what the message calls it (default model.name_or_path)."""
     from grpo.common.sources import ModelError
 
     causal_lm = unwrap_causal_lm(model)
     problems = unsupported_features(causal_lm.config, cfg.training.shared_prefix,
                                     cfg.data.max_prompt_tokens + cfg.sampling.max_new_tokens)
+    if trains and cfg.model.attn_implementation == "flex_attention" and causal_lm.device.type == "cpu":
+        problems.append("torch's FlexAttention has no backward on the CPU (model.attn_implementation=flex_attention "
+                        "is for GPUs); set model.attn_implementation=sdpa")
     if vision_language_model(causal_lm) is not None and cfg.deepspeed.zero_stage == 3:
         problems.append("deepspeed.zero_stage=3 partitions the vision encoder, and each rank runs it as often as its "
                         "share of prompts has images: the ranks would wait on each other; use zero_stage 0-2")

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from grpo.model import prefix_attention
+from grpo.model import flex_prefix, prefix_attention
 from grpo.model.sharding import group_token_cost, pack_micro_batches
 
 ATTENTION_NAME = "grpo_shared_prefix"
@@ -69,6 +69,14 @@ class PackedRow:
     completion_index: list[int]  # global index of each completion in this row, in row order
     hidden_index: torch.Tensor  # int64 [M]: row position whose output predicts each target
     targets: torch.Tensor  # int64 [M]: the completion tokens, in row order
+    _block_mask: object = field(default=None, repr=False)
+
+    def block_mask(self, device: torch.device):
+        """The row's layout as FlexAttention's BlockMask (grpo/model/flex_prefix.py): built once a forward and
+        reused by every layer, and by the recomputation of gradient checkpointing."""
+        if self._block_mask is None or self._block_mask.kv_indices.device != device:
+            self._block_mask = flex_prefix.row_block_mask(self.groups, device)
+        return self._block_mask
 
 
 def group_bounds(group_sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -121,22 +129,26 @@ def _build_row(group_indices, prompt_ids, completion_ids, bounds) -> PackedRow:
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                            shared_prefix_groups=None, base_attention=None, **kwargs):
+                            shared_prefix_row=None, base_attention=None, base_name="", **kwargs):
     """AttentionInterface function; query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D].
 
-    Without a layout (generation, plain forwards) it is the model's own kernel. With one, per
+    Without a layout (generation, plain forwards) it is the model's own kernel. With one and the
+    model's kernel FlexAttention: the whole row in one call under the row's block mask. Otherwise, per
     group: the prompt attends causally to itself; the completion queries attend to the group's
     keys (a contiguous slice of the row: prompt then completions, so the prompt's keys and
     values are never copied) under the group's completion mask.
     """
-    if shared_prefix_groups is None:
+    if shared_prefix_row is None:
         return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if base_name == "flex_attention":
+        return base_attention(module, query, key, value, shared_prefix_row.block_mask(query.device),
+                              dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
     # CPU: the exact block-sparse kernel (no mask, no wasted completion x other-completion
     # scores). Elsewhere: SDPA with the group's mask (memory-efficient kernels take masks).
     block_sparse = prefix_attention.available(query.device)
     pieces = []
-    for g in shared_prefix_groups:
+    for g in shared_prefix_row.groups:
         s, p, e = g.start, g.start + g.prompt_len, g.end
         pieces.append(F.scaled_dot_product_attention(
             query[:, :, s:p], key[:, :, s:p], value[:, :, s:p], is_causal=True, scale=scaling,
@@ -177,6 +189,7 @@ def install_shared_prefix_attention(causal_lm) -> None:
         raise ValueError(f"the shared-prefix forward wraps a registered attention kernel (sdpa, flash_attention_2, "
                          f"flex_attention); this model uses '{base}': set model.attn_implementation=sdpa")
     name = f"{ATTENTION_NAME}:{base}"
-    AttentionInterface.register(name, partial(shared_prefix_attention, base_attention=ALL_ATTENTION_FUNCTIONS[base]))
+    AttentionInterface.register(name, partial(shared_prefix_attention, base_attention=ALL_ATTENTION_FUNCTIONS[base],
+                                              base_name=base))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     causal_lm.config._attn_implementation = name

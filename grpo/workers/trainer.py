@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         receiver, run_lock = claim_run_on_rank_zero(cfg, world, device)  # noqa: F841 (held until exit)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg, device).train()
-        check_supported(model, cfg)
+        check_supported(model, cfg, trains=True)
         expected = behaviour_of(cfg, load_tokenizer(cfg.model), objective.header())  # every batch's making
         if rank == 0 and uncorrected_precision_gap(cfg):
             log.warning("%s", uncorrected_precision_gap(cfg))

@@ -14,9 +14,10 @@ and measures, the recipe's settings otherwise (bfloat16, LoRA r 32 on every line
 - the sampler/trainer log-prob gap in bfloat16 (the engine's recorded log-probs against the shared-prefix
   recompute, on the 128-row step): largest and mean per token;
 - the trainer's step alone (no sampler on the device): the forward and backward of every micro-batch,
-  with the shared prefix on and off, LoRA (its reference pass with the adapter off included) and full
-  fine-tune (at beta 0: its reference would be a model of its own); model TFLOP/s (grpo/model/flops.py),
-  MFU, peak memory;
+  with the shared prefix on and off, its attention per group (SDPA with the group's mask) and in one
+  FlexAttention call a row (`model.attn_implementation=flex_attention`), LoRA (its reference pass with the
+  adapter off included) and full fine-tune (at beta 0: its reference would be a model of its own); model
+  TFLOP/s (grpo/model/flops.py), MFU, peak memory;
 - the top kernels by device time of one LoRA step (torch.profiler).
 
 Writes gpu_check.json and gpu_check.md under --out and prints the markdown; the figures go into
@@ -43,6 +44,14 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
+TRAINER_VARIANTS = (  # name, LoRA, shared prefix, model.attn_implementation
+    ("LoRA, shared prefix", True, True, "sdpa"),
+    ("LoRA, shared prefix, FlexAttention", True, True, "flex_attention"),
+    ("LoRA, no shared prefix", True, False, "sdpa"),
+    ("full, shared prefix", False, True, "sdpa"),
+    ("full, shared prefix, FlexAttention", False, True, "flex_attention"),
+    ("full, no shared prefix", False, False, "sdpa"),
+)
 QUICK = ["sampling.max_new_tokens=12", "sampling.prompts_per_step=2", "sampling.group_size=4",
          "data.max_prompt_tokens=256"]
 
@@ -233,11 +242,14 @@ def main(argv: list[str]) -> int:
     t = time.perf_counter()
     report["sampler"], batch = sample(cfg, device)
     report["trainer"] = {}
-    for name, lora, shared in (("LoRA, shared prefix", True, True), ("LoRA, no shared prefix", True, False),
-                               ("full, shared prefix", False, True), ("full, no shared prefix", False, False)):
+    for name, lora, shared, attention in TRAINER_VARIANTS:
+        if attention == "flex_attention" and device.type == "cpu":
+            report.setdefault("skipped", {})[name] = "torch's FlexAttention has no backward on the CPU"
+            continue
         # a full fine-tune's reference is a model of its own, not measured here: its variants run at beta 0
         training = dataclasses.replace(cfg.training, shared_prefix=shared, beta=cfg.training.beta if lora else 0.0)
-        variant = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=lora), training=training)
+        variant = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=lora), training=training,
+                                      model=dataclasses.replace(cfg.model, attn_implementation=attention))
         got = train_step(variant, batch, device, profile=name == "LoRA, shared prefix")
         got["model_tflops"] = got["model_flops"] / got["seconds"] / 1e12
         got["mfu"] = got["model_tflops"] / report["matmul_bf16_tflops"]
@@ -262,6 +274,7 @@ def as_markdown(report: dict) -> str:
         peak = "" if t["peak_gib"] is None else f"{t['peak_gib']:.1f}"
         lines.append(f"| {name} | {t['micro_batches']} | {t['seconds']:.2f} | {t['model_tflops']:.3g} | "
                      f"{t['mfu']:.1%} | {peak} |")
+    lines += [f"| {name}: not run ({why}) | | | | | |" for name, why in report.get("skipped", {}).items()]
     kernels = report["trainer"]["LoRA, shared prefix"].get("top_kernels", [])
     lines += ["", "| top kernels, one LoRA step | ms | share | calls |", "|---|---:|---:|---:|"]
     lines += [f"| `{k['name']}` | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |" for k in kernels]

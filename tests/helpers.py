@@ -68,19 +68,20 @@ def command_line(process) -> str:
         return ""
 
 
-def new_version_loader(tmp_path, model, at_poll: int, also=lambda: True):
+def new_version_loader(tmp_path, model, at_poll: int, also=lambda: True, change=lambda newer: None):
     """(the model as it was, the newer one, engine -> the engine polling for weights) for an HF engine serving
-    `model` (which the load changes): a version 1 that changes the attention (the keys of layer 0) and the head,
-    published in `tmp_path` and loaded between two decode steps, at the first poll from poll `at_poll` on where
-    `also()` holds (sampling.in_flight_updates)."""
+    `model` (which the load changes): a version 1 that changes the attention (the keys of layer 0), the head and
+    whatever `change` does to it, published in `tmp_path` and loaded between two decode steps, at the first poll
+    from poll `at_poll` on where `also()` holds (sampling.in_flight_updates)."""
     import copy
 
     from grpo.weights.folder import publish, verify
 
     old, newer = copy.deepcopy(model), copy.deepcopy(model)
     with torch.no_grad():
-        newer.model.layers[0].self_attn.k_proj.weight.mul_(-2.0)
+        newer.get_decoder().layers[0].self_attn.k_proj.weight.mul_(-2.0)  # a VLM's decoder is its language model
         newer.lm_head.weight.mul_(1.3)
+        change(newer)
     folder = publish(newer, tmp_path, 1, 1)
     manifest = verify(folder)
 

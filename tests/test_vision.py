@@ -144,9 +144,11 @@ def test_a_prompt_whose_image_tokens_do_not_match_its_images_is_refused():
         prompt_inputs(vision_language_model(model), torch.tensor([5, START, IMAGE, IMAGE, IMAGE, END]), images)
 
 
-def test_the_hf_engine_generates_with_images_and_records_the_log_probs_the_trainer_recomputes():
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous-loop", "blocks"])
+def test_the_hf_engine_generates_with_images_and_records_the_log_probs_the_trainer_recomputes(continuous):
     """Sampled: each completion's recorded log-probs equal the shared-prefix recompute with the images (float64);
-    greedy: the same tokens as transformers' own `generate` with the pixel values (its M-RoPE decode positions)."""
+    greedy: the same tokens as transformers' own `generate` with the pixel values (its M-RoPE decode positions).
+    The continuous loop holds 4 rows for the 6 completions (refilled as rows end), beside a prompt without images."""
     from episode_helpers import CharTokenizer
 
     from grpo.config import load_config
@@ -154,21 +156,108 @@ def test_the_hf_engine_generates_with_images_and_records_the_log_probs_the_train
 
     model = tiny_vlm()
     prompts, images, _ = batch()
+    prompts, images = [*prompts, torch.tensor([5, 6, 7, 8])], [*images, None]
     cfg = load_config(None, ["sampling.temperature=1.0", "sampling.max_new_tokens=12",
-                             "sampling.generation_batch_size=4"]).sampling
+                             "sampling.generation_batch_size=4", f"sampling.continuous_batching={continuous}"]).sampling
     engine = HFEngine(model, CharTokenizer(), cfg)
     out = engine.generate([p.tolist() for p in prompts], 3, seed=5, images=images)
-    recomputed = completion_logprobs(model, prompts, out.completion_ids, [3, 3], images=images)
+    assert (out.token_versions is not None) == continuous  # the loop records each token's version
+    recomputed = completion_logprobs(model, prompts, out.completion_ids, [3, 3, 3], images=images)
     for recorded, again in zip(out.logps, recomputed):
         torch.testing.assert_close(recorded.double(), again.double(), rtol=0, atol=1e-6)
     assert len({tuple(c.tolist()) for c in out.completion_ids}) > 1
     greedy = engine.generate([p.tolist() for p in prompts], 1, greedy=True, images=images)
     for prompt, own, got in zip(prompts, images, greedy.completion_ids):
         ids = prompt[None]
-        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=own.pixel_values,
-                                image_grid_thw=own.grid_thw, mm_token_type_ids=(ids == IMAGE).int(),
+        pixels = {} if own is None else dict(pixel_values=own.pixel_values, image_grid_thw=own.grid_thw)
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels,
+                                mm_token_type_ids=(ids == IMAGE).int(),
                                 max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=0)[0, len(prompt):]
         assert got.tolist() == theirs[:len(got)].tolist()
+
+
+def test_in_flight_weights_with_images_give_each_token_its_versions_log_prob(tmp_path):
+    """A version that changes the language model and the vision encoder, loaded between two decode steps while
+    prompts with images decode (sampling.in_flight_updates, in_flight_kv=recompute): the recompute runs each prompt's
+    images through the new encoder, so each token records the version that drew it and that version's log-prob given
+    its whole prefix with the images (float64 model: within two float32 ulps, as for text)."""
+    from episode_helpers import CharTokenizer
+    from helpers import new_version_loader
+
+    from grpo.config import load_config
+    from grpo.sampler.rollout.hf_engine import HFEngine
+
+    model = tiny_vlm()
+    old, newer, polling = new_version_loader(tmp_path, model, at_poll=6,
+                                             change=lambda m: m.model.visual.merger.mlp[0].weight.mul_(1.5))
+    prompts, images, _ = batch()
+    prompts, images = [*prompts, torch.tensor([5, 6, 7, 8])], [*images, None]
+    cfg = load_config(None, ["sampling.temperature=1.0", "sampling.max_new_tokens=16",
+                             "sampling.generation_batch_size=4"]).sampling
+    engine = polling(HFEngine(model, CharTokenizer(), cfg))
+    with torch.no_grad():
+        out = engine.generate([p.tolist() for p in prompts], 3, seed=5, images=images)
+        again = {v: completion_logprobs(m, prompts, out.completion_ids, [3, 3, 3], temperature=1.0, images=images)
+                 for v, m in ((0, old), (1, newer))}
+    versions = out.token_versions
+    assert engine.version == 1 and any((v == 0).any() and (v == 1).any() for v in versions)
+    gaps = torch.cat([((logps - again[v][j]).abs() / again[v][j].abs().clamp(min=1))[versions[j] == v]
+                      for j, logps in enumerate(out.logps) for v in (0, 1)])
+    assert len(gaps) == sum(len(c) for c in out.completion_ids)
+    assert gaps.max().item() <= 2.5e-7, gaps.max().item()
+
+
+def test_a_full_fine_tunes_published_weights_load_into_the_samplers_model_and_from_pretrained(tmp_path):
+    """A vision-language model's full weights are published under its own names (transformers' Hub format renames
+    model.language_model.X to model.X): the sampler's copy takes them by name, and from_pretrained reads them."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpo.weights.folder import load_into, publish, verify
+
+    trained, served = tiny_vlm(seed=1), tiny_vlm(seed=2)
+    folder = publish(trained, tmp_path, 1, 1)
+    load_into(served, folder, verify(folder))
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), served.state_dict().values()))
+    again, info = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), again.state_dict().values()))
+
+
+def test_the_next_calls_completions_with_images_start_in_the_rows_left_free_and_are_what_it_would_draw():
+    """generate(A, then=B), both with images: B's completions start, with their images, in the rows A's leave free,
+    and generate(B) finishes them: the tokens and log-probs of B made alone (float64 model). A B of other pictures of
+    the same sizes (prompts of the same tokens) is not taken for the carried one: it is made from scratch."""
+    from episode_helpers import CharTokenizer
+
+    from grpo.config import load_config
+    from grpo.model.vision import PromptImages
+    from grpo.sampler.rollout.hf_engine import HFEngine
+    from grpo.sampler.rollout.sequences import NextCall
+
+    cfg = load_config(None, ["sampling.temperature=1.0", "sampling.max_new_tokens=12",
+                             "sampling.generation_batch_size=4"]).sampling
+    (prompts_a, images_a, _), (prompts_b, images_b, _) = batch(seed=1), batch(seed=3)
+    other = batch(seed=5)[1]  # pictures of the same sizes: prompts_b's tokens
+    a, b = [p.tolist() for p in prompts_a], [p.tolist() for p in prompts_b]
+
+    def alone(images):  # B made from scratch: (its completions, the decode steps they took)
+        engine = HFEngine(tiny_vlm(), CharTokenizer(), cfg)
+        return engine.generate(b, 3, seed=12, images=images), engine.decode_rows.take()["sampler/decode_steps"]
+
+    def copied(images):  # equal pixels in other tensors, as the next step makes them again
+        return [PromptImages(i.pixel_values.clone(), i.grid_thw.clone()) for i in images]
+
+    for given, (expected, from_scratch) in ((copied(images_b), alone(images_b)), (other, alone(other))):
+        engine = HFEngine(tiny_vlm(), CharTokenizer(), cfg)
+        engine.generate(a, 3, seed=11, images=images_a, then=NextCall(b, 3, 12, images=images_b))
+        assert engine.carried.call.versions  # B's completions drew tokens in A's rows
+        engine.decode_rows.take()
+        got = engine.generate(b, 3, seed=12, images=given)
+        steps = engine.decode_rows.take()["sampler/decode_steps"]
+        assert engine.carried is None and (steps < from_scratch) == (given is not other)
+        for j in range(len(expected.completion_ids)):
+            assert torch.equal(got.completion_ids[j], expected.completion_ids[j])
+            torch.testing.assert_close(got.logps[j], expected.logps[j], rtol=0, atol=1e-12)
 
 
 def picture_rows(folder):

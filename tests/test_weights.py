@@ -79,6 +79,33 @@ def test_full_model_versions_hold_the_whole_model(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_an_moe_full_fine_tune_loads_into_the_hf_engines_model_and_carries_hub_names_for_vllm(tmp_path):
+    """transformers holds an MoE's experts as one tensor a layer and writes them to the Hub one per expert: the HF
+    engine's copy takes the model's own names; a run on vLLM publishes the Hub's, which vLLM reads."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from grpo.config import load_config
+    from grpo.weights.folder import load_into, publisher
+
+    config = Qwen3MoeConfig(vocab_size=101, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2, head_dim=8)
+    torch.manual_seed(0)
+    trained, served = Qwen3MoeForCausalLM(config), Qwen3MoeForCausalLM(config)
+    folder = publish(trained, tmp_path / "hf", version=1, step=1)
+    load_into(served, folder, verify(folder))
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), served.state_dict().values()))
+    for engine in ("hf", "vllm"):
+        cfg = load_config(None, [f"sampling.engine={engine}", f"weights.dir={tmp_path / engine}"])
+        folder = publisher(cfg).publish(trained, 2, 2)
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            per_expert = any(".experts.0." in key for key in f.keys())
+        assert per_expert == (engine == "vllm")
+        again = AutoModelForCausalLM.from_pretrained(folder)  # either way
+        assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), again.state_dict().values()))
+
+
 def test_keep_last_prunes_old_versions_but_never_latest(tmp_path):
     model = lora_model()
     for v in range(1, 6):
@@ -239,8 +266,8 @@ import grpo.weights.folder as weights
 from test_weights import lora_model
 
 save = weights.save_weights
-def save_then_die(model, folder):
-    kind = save(model, folder)  # every file written, nothing renamed into place yet
+def save_then_die(model, folder, hub_names):
+    kind = save(model, folder, hub_names)  # every file written, nothing renamed into place yet
     os.kill(os.getpid(), signal.SIGKILL)
 weights.save_weights = save_then_die
 weights.publish(lora_model(seed=2), {root!r}, version=2, step=2)

@@ -143,8 +143,8 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
 
 
 def _image_errors(cfg: Config) -> list[str]:
-    """What prompts with images do not run with yet: vLLM, episodes, tools, agent sessions, a distillation teacher
-    (text alone) and in-flight weight loads (their decode loop)."""
+    """What prompts with images do not run with yet: vLLM, episodes, tools, agent sessions and a distillation teacher
+    (text alone)."""
     entries = [e for e in cfg.data.sources if isinstance(e, dict)]  # a malformed entry is _data_errors' to name
     if not (has_images(cfg.data) or any(is_shapes(e.get("path")) for e in entries)):
         return ["model.train_vision trains a vision-language model's vision encoder, and this run's prompts hold no "
@@ -158,9 +158,6 @@ def _image_errors(cfg: Config) -> list[str]:
                       "(env.name, env.tools, agent.*) take text prompts")
     if cfg.distill.teacher:
         errors.append("prompts with images and distill.teacher: the teacher scores text prompts here")
-    if cfg.sampling.in_flight_updates:
-        errors.append("prompts with images decode in blocks, which load new weights between steps only: set "
-                      "sampling.in_flight_updates=false")
     return errors
 
 

@@ -29,12 +29,11 @@ def generate_completions(engine, tokenizer, prompts: list, group_size: int, pref
     """Generate and decode (`episodes`: a grpo.sampler.episodes.EpisodeRunner, which runs each sample
     as an episode). `then`: the engine's next call, started in the rows this one leaves free."""
     images = prompt_images(prompts)
-    if images is not None:  # the engine takes each prompt's images with it (then: text alone)
+    extra = {"then": then} if then is not None else {}
+    if images is not None:  # the engine takes each prompt's images with it
         if episodes is not None:
             raise ValueError("prompts with images run as single completions: episodes and agent sessions take text")
-        extra = {"images": images}
-    else:
-        extra = {"then": then} if then is not None else {}
+        extra["images"] = images
     if episodes is not None:
         run = episodes.run(engine, prompts, group_size, seed=seed, greedy=greedy)
         return Completions(run.prompts, run.rollouts, run.texts, run.rows, run.episodes)

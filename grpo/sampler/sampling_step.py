@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from grpo.data.prompts import prompt_images
 from grpo.sampler.batches import SamplerModels, make_batch, step_seed
 from grpo.sampler.dynamic_sampling import round_start, rounds_per_step
 from grpo.sampler.failures import FailureStreaks
@@ -89,9 +90,8 @@ def next_call(loop: SamplerRun, step: int):
     from grpo.sampler.rollout.sequences import NextCall
 
     prompts = round_prompts(sampling, loop.cursor, loop.prompts, g)(0)
-    if any(p.images is not None for p in prompts):  # prompts with images decode in blocks, not in the loop
-        return None
-    return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g))
+    return NextCall([p.token_ids for p in prompts], sampling.group_size, step_seed(cfg, g),
+                    images=prompt_images(prompts))
 
 
 def wait_for_weights(loop: SamplerRun, step: int) -> dict[str, float]:

@@ -57,24 +57,28 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_weights(model, folder: Path) -> str:
-    """Write the adapter (PEFT model) or the full model into `folder`; returns the kind."""
+def save_weights(model, folder: Path, hub_names: bool = False) -> str:
+    """Write the adapter (PEFT model) or the full model into `folder`; returns the kind. Full weights carry the
+    model's own names, which the HF engine copies them by; transformers' Hub format renames some (a vision-language
+    model's model.language_model.X is model.X there, an MoE's experts are a tensor each), and vLLM reads those
+    (`hub_names`). from_pretrained reads either."""
     if hasattr(model, "peft_config"):
         model.save_pretrained(folder, safe_serialization=True)
         return "lora"
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, save_original_format=hub_names)
     return "full"
 
 
-def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: int = 3) -> Path:
-    """Publish `model`'s weights as `version`; returns the version's folder."""
+def publish(model, root: str | os.PathLike, version: int, step: int, keep_last: int = 3,
+            hub_names: bool = False) -> Path:
+    """Publish `model`'s weights as `version` (`hub_names`: see save_weights); returns the version's folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     target = version_dir(root, version)
     tmp = root / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        kind = save_weights(model, tmp)
+        kind = save_weights(model, tmp, hub_names)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = json.dumps({"version": version, "step": step, "kind": kind, "files": files}, indent=1).encode()
         (tmp / MANIFEST).write_bytes(manifest)
@@ -350,15 +354,15 @@ class WeightWatcher:
 class Publisher:
     """The trainer's end: each version into weights.dir, the oldest beyond weights.keep_last removed."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int):
-        self.root, self.keep_last = Path(root), keep_last
+    def __init__(self, root: str | os.PathLike, keep_last: int, hub_names: bool = False):
+        self.root, self.keep_last, self.hub_names = Path(root), keep_last, hub_names
 
     def publish(self, model, version: int, step: int) -> Path:
-        return publish(model, self.root, version, step, self.keep_last)
+        return publish(model, self.root, version, step, self.keep_last, self.hub_names)
 
 
 def publisher(cfg) -> Publisher:
-    return Publisher(cfg.weights_dir, cfg.weights.keep_last)
+    return Publisher(cfg.weights_dir, cfg.weights.keep_last, hub_names=cfg.sampling.engine == "vllm")
 
 
 def watcher(cfg, stagers: list[Stager], initial_version: int = 0) -> WeightWatcher:

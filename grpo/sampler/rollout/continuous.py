@@ -74,6 +74,7 @@ from grpo.sampler.rollout.sequences import (
     episode_seed,
     limits_of,
     message_limit,
+    same_images,
 )
 
 COMPACT_FRACTION = 0.25  # rows that left the batch, or queued ones that fit, and masked columns of the cache:
@@ -439,7 +440,8 @@ class Carried:
     loop: ContinuousLoop
 
     def matches(self, call, greedy: bool) -> bool:
-        """Whether `call` is the one carried: the same prompts, G, seed and limits, sampled alike."""
+        """Whether `call` is the one carried: the same prompts and images, G, seed and limits, sampled alike."""
         mine = self.call
         return (greedy == self.greedy and call.seed == mine.seed and call.group_size == mine.group_size
-                and call.budgets == mine.budgets and call.prompts == mine.prompts)
+                and call.budgets == mine.budgets and call.prompts == mine.prompts
+                and same_images(call.images, mine.images))

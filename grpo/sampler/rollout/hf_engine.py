@@ -218,21 +218,19 @@ class HFEngine:
         call's leave free at its end, and stay in the loop (`carried`) for that call, which finds them
         started (or done). A greedy call (an evaluation) leaves them; another sampled call, or new
         weights, drop them (their tokens are the same whichever way they are made: each completion's
-        seed is its own). `images`: per prompt, its images (grpo/model/vision.py) or None: decoded in blocks,
-        each prompt's images through the vision encoder once in its prefill."""
-        if images is not None and any(i is not None for i in images):
-            if not greedy:
-                self.carried = None  # a next call started as text: not this one
-            return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy,
-                                           max_new_tokens=max_new_tokens, images=images)
+        seed is its own). `images`: per prompt, its images (grpo/model/vision.py) or None: each prompt's images
+        through the vision encoder once in its prefill, its completions' positions going on from its M-RoPE ones
+        (`then.images` likewise)."""
+        images = images if images is not None and any(i is not None for i in images) else None
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             if self.poll_weights is not None and not greedy:  # the blocks do not poll: said once, then not asked
                 self.poll_weights = None
                 log.warning("sampling.in_flight_updates: this model decodes in blocks (its attention depends on "
                             "where a cached column sits: ALiBi, sliding windows), so new weights load between "
                             "steps only")
-            return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens)
-        call = self._call(NextCall(prompts, group_size, seed, max_new_tokens), greedy)
+            return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens,
+                                           images=images)
+        call = self._call(NextCall(prompts, group_size, seed, max_new_tokens, images), greedy)
         loop = self.carried.loop if self.carried is not None and self.carried.matches(call, greedy) else None
         if loop is not None:
             call, self.carried = self.carried.call, None
@@ -262,7 +260,7 @@ class HFEngine:
 
         limits = list(spec.max_new_tokens) if spec.max_new_tokens is not None else \
             [self.cfg.max_new_tokens] * len(spec.prompts)
-        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record)
+        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record, images=spec.images)
         call.ended = ended
         return call
 

@@ -134,12 +134,20 @@ class LoopCache:
         order = list(dict.fromkeys((s.call, s.prompt) for s in sequences))  # (call, prompt), as they queued
         ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
         group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
-        if ids.shape[1] > 1:
+        shifts = None
+        if any(call.images is not None for call, _ in order):  # a vision-language model's prompts with images
+            cache, shifts = self.engine._prefill_images([call.prompts[i] for call, i in order],
+                                                        [call.images[i] if call.images else None for call, i in order],
+                                                        self.pad)
+        elif ids.shape[1] > 1:
             cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
         for row, (call, i) in enumerate(order):
             kv = None if ids.shape[1] == 1 else last_columns(cache, row, len(call.prompts[i]) - 1)
             for s in group[call, i]:
                 s.kv, s.prefilled = kv, True
+                if shifts is not None:  # its text goes on from the prompt's M-RoPE positions
+                    s.shift = int(shifts[row])
+                    s.position = len(call.prompts[i]) - 1 + s.shift
 
     def _regroup(self, staying: list[Sequence], joining: list[Sequence]) -> None:
         """One copy of the KV: the staying rows (their columns where they are), then the joining ones'
@@ -175,7 +183,7 @@ class LoopCache:
             self.mask[b, self.mask[b].nonzero().squeeze(-1)[kept:]] = 0
         elif s.kv is not None:
             s.kv = [(keys[:, :kept].clone(), values[:, :kept].clone()) for keys, values in s.kv] if kept else None
-        s.history, s.position, s.feed = s.history[:kept], kept, [s.call.prompts[s.prompt][-1]]
+        s.history, s.position, s.feed = s.history[:kept], kept + s.shift, [s.call.prompts[s.prompt][-1]]
         self.seen_for = None  # the repetition penalty's rows are built again, from the histories
 
     def _own_columns(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -235,8 +243,13 @@ class LoopCache:
             first.setdefault(prompt_key(s), s)
         shared = {key: None for key in first}
         for chunk in chunks_by_tokens([s for s in first.values() if prompt_length(s)], prompt_length):
-            ids, mask = left_pad([s.call.prompts[s.prompt] for s in chunk], self.pad)
-            cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))  # every prompt token but the last
+            prompts = [s.call.prompts[s.prompt] for s in chunk]
+            if any(s.call.images is not None for s in chunk):  # the images' features again, under the new weights
+                cache, _ = self.engine._prefill_images(prompts, [s.call.images[s.prompt] if s.call.images else None
+                                                                 for s in chunk], self.pad)
+            else:
+                ids, mask = left_pad(prompts, self.pad)
+                cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))  # every prompt token but last
             for row, s in enumerate(chunk):
                 shared[prompt_key(s)] = last_columns(cache, row, prompt_length(s))
         return shared
@@ -251,7 +264,7 @@ class LoopCache:
         prompt_mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, s in enumerate(chunk):
             prompt_mask[i, width - prompt_length(s):] = 1
-        lengths = torch.tensor([prompt_length(s) for s in chunk])[:, None]
+        lengths = torch.tensor([prompt_length(s) + s.shift for s in chunk])[:, None]  # where each one's text goes on
         positions = lengths + (rest_mask.cumsum(-1) - 1).clamp(min=0)
         mask, ids, positions = torch.cat([prompt_mask, rest_mask], dim=1).to(self.device), ids.to(self.device), \
             positions.to(self.device)

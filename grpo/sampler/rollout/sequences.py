@@ -85,6 +85,17 @@ class NextCall:
     group_size: int
     seed: int | None
     max_new_tokens: list[int] | None = None
+    images: list | None = None  # per prompt, its images (grpo/model/vision.py) or None
+
+
+def same_images(a: list | None, b: list | None) -> bool:
+    """Whether two calls' prompts hold the same images (None: text alone): equal pixels and grids, prompt by prompt
+    (pictures of one size give prompts of the same tokens)."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(
+        x is y or (x is not None and y is not None and torch.equal(x.grid_thw, y.grid_thw)
+                   and torch.equal(x.pixel_values, y.pixel_values)) for x, y in zip(a, b))
 
 
 DECODING, WAITING, QUEUED, DONE = "decoding", "waiting on its environment", "queued", "done"
@@ -100,6 +111,7 @@ class Call:
     seed: int | None
     on_turn: OnTurn
     first_limits: list[TurnLimits] | None = None  # per sequence: its first message's own limits
+    images: list | None = None  # per prompt, its images or None (a vision-language model's prefill reads them)
     pending: int = 0  # its sequences not done
     versions: dict = field(default_factory=dict)  # sequence -> the weights version of each token it drew, in order
 
@@ -109,7 +121,7 @@ class Call:
 
     @classmethod
     def of(cls, prompts: list[list[int]], group_size: int, budget: int | list[int], seed: int | None, greedy: bool,
-           on_turn: OnTurn, first_limits: list[TurnLimits] | None = None) -> "Call":
+           on_turn: OnTurn, first_limits: list[TurnLimits] | None = None, images: list | None = None) -> "Call":
         budgets = [budget] * len(prompts) if isinstance(budget, int) else list(budget)
         if min(budgets, default=1) < 1:
             raise ValueError(f"a sequence's token budget must be at least 1; got {min(budgets)}")
@@ -117,7 +129,7 @@ class Call:
             seed = int(torch.randint(0, 2**62, (1,)))  # from torch's generator, as `generate` draws without a seed
         if first_limits is not None and len(first_limits) != len(prompts) * group_size:
             raise ValueError(f"first_limits holds {len(first_limits)} for {len(prompts) * group_size} sequences")
-        return cls(prompts, group_size, budgets, seed, on_turn, first_limits)
+        return cls(prompts, group_size, budgets, seed, on_turn, first_limits, images)
 
     def first(self, j: int) -> TurnLimits:
         """Sequence j's first message's own limits."""
@@ -139,6 +151,7 @@ class Sequence:
     # (a queued group shares its prompt's); None: nothing cached yet (a one-token prompt)
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     prefilled: bool = False  # kv holds its prompt's prefill (or it has decoded)
+    shift: int = 0  # its positions after the prompt less the prompt's length (images: M-RoPE's positions go on)
     state: str = QUEUED
     in_batch: bool = False
     waiting_since: int = 0  # the decode step its environment call started at

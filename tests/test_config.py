@@ -150,6 +150,8 @@ def test_bad_keys_and_types_name_the_key_value_and_type(override, message):
     (["data.image_column=image", "env.tools=[grpo.environments.calculator:calculate]"],
      "prompts with images run as single completions"),
     (["data.path=shapes", "distill.teacher=smollm2-135m-instruct"], "prompts with images and distill.teacher"),
+    (["data.path=shapes", "model.attn_implementation=flex_attention"], "prompts with images and "
+     "model.attn_implementation=flex_attention: transformers' Qwen2-VL and Qwen2.5-VL do not take FlexAttention"),
     (["model.train_vision=true"], "model.train_vision trains a vision-language model's vision encoder, and this run's "
                                   "prompts hold no images (data.image_column, data.path: shapes)"),
     (["training.kl_in=reward", "training.beta=0"], "training.kl_in=reward with training.beta=0 puts no KL in the"),

@@ -252,8 +252,6 @@ def test_flex_block_mask_labels_and_layout_worked_example():
     group, segment = token_labels(groups, torch.device("cpu"))
     assert group.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
     assert segment.tolist() == [0, 0, 1, 2, 2, 0, 1, 1]
-    dense = row_block_mask(groups, torch.device("cpu")).to_dense()  # [1, 1, q blocks, kv blocks]: one block
-    assert dense.shape[-2:] == (1, 1) and bool(dense.all())
     mask_mod = row_block_mask(groups, torch.device("cpu")).mask_mod
     seen = [[int(mask_mod(0, 0, torch.tensor(q), torch.tensor(k))) for k in range(8)] for q in range(8)]
     assert seen == [[1, 0, 0, 0, 0, 0, 0, 0],
@@ -266,13 +264,47 @@ def test_flex_block_mask_labels_and_layout_worked_example():
                     [0, 0, 0, 0, 0, 1, 1, 1]]
 
 
+def eager_flex(monkeypatch):
+    """transformers' FlexAttention through torch's eager reference (no compiler; the CPU guard on its backward
+    lifted): the same block mask, the math written out."""
+    import torch.nn.attention.flex_attention as flex_module
+    from transformers.integrations import flex_attention as transformers_flex
+
+    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_module.flex_attention(
+                            query, key, value, **kwargs))
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_flex_rows_of_several_blocks_equal_the_block_sparse_path_and_build_one_mask_a_row(kind, monkeypatch):
+    """Rows of up to 600 tokens, several of FlexAttention's 128-token blocks (some skipped whole, some full, some
+    partial): the log-probs equal the block-sparse path's, and each row's mask is built once for both layers."""
+    from grpo.model import flex_prefix
+
+    eager_flex(monkeypatch)
+    built, build = [], flex_prefix.row_block_mask
+    monkeypatch.setattr(flex_prefix, "row_block_mask", lambda groups, device: built.append(len(groups)) or
+                        build(groups, device))
+    model = tiny_model(kind)
+    flex = copy.deepcopy(model)
+    flex.set_attn_implementation("flex_attention")
+    sizes = [3, 4, 2, 2, 1]
+    prompts, completions = random_groups(7, [150, 40, 90, 200, 33], sizes, max_completion=60)
+    rows = pack_groups(prompts, completions, sizes, max_tokens=600)
+    assert len(rows) >= 2 and max(len(r.input_ids) for r in rows) > 3 * 128
+    with torch.no_grad():
+        ours = completion_logprobs(flex, prompts, completions, sizes, max_tokens_per_forward=600)
+        today = completion_logprobs(model, prompts, completions, sizes, max_tokens_per_forward=600)
+    assert built == [len(r.groups) for r in rows]
+    assert max_abs_diff(ours, today) <= 1e-5
+
+
 @pytest.mark.slow  # transformers compiles FlexAttention: inductor runs the C++ compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_flex_attention_shared_prefix_equals_todays_path_values_and_lora_gradients(dtype, monkeypatch):
     """model.attn_implementation=flex_attention: each packed row in one FlexAttention call under its block mask,
     against the same weights through today's kernel (block-sparse on the CPU) and the plain path."""
-    import torch.nn.attention.flex_attention as flex_module
-
     model = add_lora(tiny_model("qwen2", dtype=dtype),
                      LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     for name, p in model.named_parameters():
@@ -296,13 +328,8 @@ def test_flex_attention_shared_prefix_equals_todays_path_values_and_lora_gradien
     if dtype == torch.float32:  # the compiled kernel, as a sampler on the CPU runs it (compiled in float32 at most)
         assert values_agree()
     # torch has no FlexAttention backward on the CPU (a GPU compiles one) and compiles none in float64: the same
-    # block mask through its eager reference, uncompiled, with the CPU guard lifted
-    from transformers.integrations import flex_attention as transformers_flex
-
-    monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention",
-                        lambda query, key, value, training=False, **kwargs: flex_module.flex_attention(
-                            query, key, value, **kwargs))
-    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    # block mask through its eager reference
+    eager_flex(monkeypatch)
     assert values_agree()
     assert flex.base_model.model.config._attn_implementation == "grpo_shared_prefix:flex_attention"
     for checkpointing in (False, True):

@@ -158,6 +158,9 @@ def _image_errors(cfg: Config) -> list[str]:
                       "(env.name, env.tools, agent.*) take text prompts")
     if cfg.distill.teacher:
         errors.append("prompts with images and distill.teacher: the teacher scores text prompts here")
+    if cfg.model.attn_implementation == "flex_attention":
+        errors.append("prompts with images and model.attn_implementation=flex_attention: transformers' Qwen2-VL and "
+                      "Qwen2.5-VL do not take FlexAttention; use sdpa")
     return errors
 
 

@@ -36,4 +36,6 @@ def row_block_mask(groups: Sequence, device: torch.device):
         return (group[q] == group[k]) & (k <= q) & ((segment[k] == 0) | (segment[k] == segment[q]))
 
     length = len(group)
-    return create_block_mask(visible, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device)
+    # compiled on a GPU, as transformers builds its own masks: uncompiled it materialises the [L, L] mask first
+    return create_block_mask(visible, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device,
+                             _compile=device.type == "cuda")

@@ -167,6 +167,10 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
+# Compiled graphs FlexAttention may keep (torch's default 8): row lengths past the first, block counts, one-block
+# rows, with and without grad; past the limit torch falls back to the unfused kernel, which holds [L, L] scores
+FLEX_RECOMPILE_LIMIT = 64
+
 # A 4D mask makes transformers skip building its own [L, L] mask; the function above ignores it.
 NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
@@ -188,6 +192,10 @@ def install_shared_prefix_attention(causal_lm) -> None:
     if base not in ALL_ATTENTION_FUNCTIONS or base not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"the shared-prefix forward wraps a registered attention kernel (sdpa, flash_attention_2, "
                          f"flex_attention); this model uses '{base}': set model.attn_implementation=sdpa")
+    if base == "flex_attention":  # transformers compiles FlexAttention once; each new row layout may compile again
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     name = f"{ATTENTION_NAME}:{base}"
     AttentionInterface.register(name, partial(shared_prefix_attention, base_attention=ALL_ATTENTION_FUNCTIONS[base],
                                               base_name=base))

@@ -18,7 +18,9 @@ and measures, the recipe's settings otherwise (bfloat16, LoRA r 32 on every line
   FlexAttention call a row (`model.attn_implementation=flex_attention`), LoRA (its reference pass with the
   adapter off included) and full fine-tune (at beta 0: its reference would be a model of its own); model
   TFLOP/s (grpo/model/flops.py), MFU, peak memory;
-- the top kernels by device time of one LoRA step (torch.profiler).
+- the top kernels by device time of one LoRA step (torch.profiler);
+- FlexAttention's shared-prefix path against SDPA's on one micro-batch (loss, LoRA gradients), and how many
+  graphs torch compiled in all (a GPU only: torch has no FlexAttention backward on the CPU).
 
 Writes gpu_check.json and gpu_check.md under --out and prints the markdown; the figures go into
 docs/performance.md with the date and the machine.
@@ -208,6 +210,38 @@ def train_step(cfg, batch, device, profile: bool = False) -> dict:
     return out
 
 
+def flex_against_sdpa(cfg, batch, device) -> dict:
+    """FlexAttention's shared-prefix path against SDPA's on the step's first micro-batch, the same LoRA weights (B
+    drawn too, so that every adapter matrix gets a gradient): the largest log-prob gap and the largest relative
+    error of an adapter gradient, in the recipe's dtype."""
+    import torch
+
+    from grpo.model.loading import load_policy
+    from grpo.model.sharding import pack_micro_batches
+    from grpo.trainer.groups import group_costs, select_groups
+    from grpo.trainer.training_step import micro_batch_loss
+
+    first = pack_micro_batches(list(range(len(group_costs(batch)))), group_costs(batch),
+                               cfg.training.max_tokens_per_micro_batch)[0]
+    mb, got = select_groups(batch, first), {}
+    for attention in ("sdpa", "flex_attention"):
+        variant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_implementation=attention))
+        torch.manual_seed(0)
+        model = load_policy(variant, device).train()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02)
+        loss, metrics, _ = micro_batch_loss(model, mb, variant)
+        loss.backward()
+        got[attention] = ([p.grad.float() for p in model.parameters() if p.requires_grad], loss.item())
+        del model
+    (grads, loss), (flex_grads, flex_loss) = got["sdpa"], got["flex_attention"]
+    return {"loss_gap": abs(flex_loss - loss),
+            "lora_grad_relative_error": max(((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+                                            for a, b in zip(flex_grads, grads))}
+
+
 def top_kernels(step, device, count: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -254,6 +288,11 @@ def main(argv: list[str]) -> int:
         got["model_tflops"] = got["model_flops"] / got["seconds"] / 1e12
         got["mfu"] = got["model_tflops"] / report["matmul_bf16_tflops"]
         report["trainer"][name] = got
+    if device.type != "cpu":
+        import torch._dynamo
+
+        report["flex_compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        report["flex_against_sdpa"] = flex_against_sdpa(cfg, batch, device)
     report["seconds"] = time.perf_counter() - t
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     markdown = as_markdown(report)
@@ -275,6 +314,11 @@ def as_markdown(report: dict) -> str:
         lines.append(f"| {name} | {t['micro_batches']} | {t['seconds']:.2f} | {t['model_tflops']:.3g} | "
                      f"{t['mfu']:.1%} | {peak} |")
     lines += [f"| {name}: not run ({why}) | | | | | |" for name, why in report.get("skipped", {}).items()]
+    if "flex_against_sdpa" in report:
+        gap = report["flex_against_sdpa"]
+        lines += ["", f"FlexAttention against SDPA, first micro-batch: loss gap {gap['loss_gap']:.3g}, largest LoRA "
+                      f"gradient relative error {gap['lora_grad_relative_error']:.3g}; graphs compiled in all "
+                      f"{report['flex_compiled_graphs']}"]
     kernels = report["trainer"]["LoRA, shared prefix"].get("top_kernels", [])
     lines += ["", "| top kernels, one LoRA step | ms | share | calls |", "|---|---:|---:|---:|"]
     lines += [f"| `{k['name']}` | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |" for k in kernels]

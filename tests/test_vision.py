@@ -176,6 +176,26 @@ def test_the_hf_engine_generates_with_images_and_records_the_log_probs_the_train
         assert got.tolist() == theirs[:len(got)].tolist()
 
 
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous-loop", "blocks"])
+def test_one_token_prompts_beside_a_prompt_with_images_decode_as_text(continuous):
+    """A call whose image prompt finishes first leaves one-token text prompts to prefill alone (nothing to prefill):
+    each completion's recorded log-probs still equal the recompute (float64)."""
+    from episode_helpers import CharTokenizer
+
+    from grpo.config import load_config
+    from grpo.sampler.rollout.hf_engine import HFEngine
+
+    model = tiny_vlm()
+    prompts, images, _ = batch()
+    prompts, images = [prompts[0], torch.tensor([5]), torch.tensor([6])], [images[0], None, None]
+    cfg = load_config(None, ["sampling.temperature=1.0", "sampling.max_new_tokens=6",
+                             "sampling.generation_batch_size=2", f"sampling.continuous_batching={continuous}"]).sampling
+    out = HFEngine(model, CharTokenizer(), cfg).generate([p.tolist() for p in prompts], 2, seed=3, images=images)
+    again = completion_logprobs(model, prompts, out.completion_ids, [2, 2, 2], images=images)
+    for recorded, recomputed in zip(out.logps, again):
+        torch.testing.assert_close(recorded.double(), recomputed.double(), rtol=0, atol=1e-6)
+
+
 def test_in_flight_weights_with_images_give_each_token_its_versions_log_prob(tmp_path):
     """A version that changes the language model and the vision encoder, loaded between two decode steps while
     prompts with images decode (sampling.in_flight_updates, in_flight_kv=recompute): the recompute runs each prompt's

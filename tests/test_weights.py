@@ -81,7 +81,8 @@ def test_full_model_versions_hold_the_whole_model(tmp_path):
 
 def test_an_moe_full_fine_tune_loads_into_the_hf_engines_model_and_carries_hub_names_for_vllm(tmp_path):
     """transformers holds an MoE's experts as one tensor a layer and writes them to the Hub one per expert: the HF
-    engine's copy takes the model's own names; a run on vLLM publishes the Hub's, which vLLM reads."""
+    engine's copy takes the model's own names; a run on vLLM publishes the Hub's, which vLLM reads and which a
+    transformers copy reads through from_pretrained's renaming; an export is in the Hub's names either way."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -96,14 +97,24 @@ def test_an_moe_full_fine_tune_loads_into_the_hf_engines_model_and_carries_hub_n
     folder = publish(trained, tmp_path / "hf", version=1, step=1)
     load_into(served, folder, verify(folder))
     assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), served.state_dict().values()))
+    from grpo.commands.export import write_full
+
+    def per_expert(folder) -> bool:
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return any(".experts.0." in key for key in f.keys())
+
     for engine in ("hf", "vllm"):
         cfg = load_config(None, [f"sampling.engine={engine}", f"weights.dir={tmp_path / engine}"])
         folder = publisher(cfg).publish(trained, 2, 2)
-        with safe_open(folder / "model.safetensors", "pt") as f:
-            per_expert = any(".experts.0." in key for key in f.keys())
-        assert per_expert == (engine == "vllm")
+        assert per_expert(folder) == (engine == "vllm")
+        (tmp_path / f"export-{engine}").mkdir()
+        write_full(tmp_path / f"export-{engine}", folder, cfg)
+        assert per_expert(tmp_path / f"export-{engine}")
         again = AutoModelForCausalLM.from_pretrained(folder)  # either way
         assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), again.state_dict().values()))
+        copy = Qwen3MoeForCausalLM(config)  # a vLLM sampler's transformers copy, and grpo evaluate, read it too
+        load_into(copy, folder, verify(folder))
+        assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), copy.state_dict().values()))
 
 
 def test_keep_last_prunes_old_versions_but_never_latest(tmp_path):

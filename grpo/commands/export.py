@@ -37,7 +37,7 @@ from grpo.config import Config, ConfigError, to_dict
 from grpo.data.images import has_images
 from grpo.data.mixture import source_configs
 from grpo.run.outputs import RunOutputsError, last_evaluation, run_config, version_folder, weights_root
-from grpo.weights.folder import MANIFEST, WeightsError, verify
+from grpo.weights.folder import WeightsError, verify
 
 TRAINING_CONFIG = "training_config.yaml"
 FILE_MODE, FOLDER_MODE = 0o644, 0o755  # an export is meant to be shared: transformers writes its weights 0600
@@ -96,11 +96,17 @@ def write_lora(tmp: Path, folder: Path, cfg: Config, merge: bool, dtype: str = "
     return "transformers"
 
 
-def write_full(tmp: Path, folder: Path) -> str:
-    """A full fine-tune's version folder as it is (model, config, generation_config), less the manifest."""
-    for path in folder.iterdir():
-        if path.is_file() and path.name not in (MANIFEST, "README.md"):
-            shutil.copyfile(path, tmp / path.name)
+def write_full(tmp: Path, folder: Path, cfg: Config) -> str:
+    """A full fine-tune's version (model, config, generation_config) saved again in transformers' Hub format: the
+    HF engine's versions carry the model's own names (an MoE's experts fused, a vision-language model's modules
+    renamed), which older transformers and other tools do not read."""
+    from grpo.model.loading import model_class
+
+    model = model_class(folder, cfg.model).from_pretrained(folder, dtype="auto",
+                                                           trust_remote_code=cfg.model.trust_remote_code)
+    if getattr(model, "_weight_conversions", None) == []:  # read under its own names: save with the class's renames
+        model._weight_conversions = None  # (transformers reverts the renames it read with, here none)
+    model.save_pretrained(tmp, safe_serialization=True)
     return "transformers"
 
 
@@ -323,7 +329,8 @@ def export(run_dir: Path, version: int | None, out: Path, merge: bool = False, f
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.mkdir()
-        library = write_lora(tmp, folder, cfg, merge, dtype) if manifest["kind"] == "lora" else write_full(tmp, folder)
+        library = write_lora(tmp, folder, cfg, merge, dtype) if manifest["kind"] == "lora" \
+            else write_full(tmp, folder, cfg)
         save_tokenizer(cfg.model, tmp)
         (tmp / TRAINING_CONFIG).write_text(training_config_yaml(cfg))
         (tmp / "README.md").write_text(model_card(cfg, run_dir, manifest, library))

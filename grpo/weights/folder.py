@@ -199,6 +199,8 @@ def stage_into(model, folder: Path, manifest: dict) -> "Staged":
         return Staged(commit_adapter)
     state = load_file(folder / "model.safetensors")
     own = model.state_dict()
+    if any(k not in own for k in state):  # written for vLLM under the Hub's names: transformers renames them
+        state = _under_own_names(model, folder)
     _check_fits(folder, state, own, exact=False)  # tied weights are saved once
 
     def commit_full():
@@ -206,6 +208,20 @@ def stage_into(model, folder: Path, manifest: dict) -> "Staged":
             for k, v in state.items():
                 own[k].copy_(v)
     return Staged(commit_full)
+
+
+def _under_own_names(model, folder: Path) -> dict:
+    """The folder's weights under `model`'s own names, read as from_pretrained reads the Hub's (a vision-language
+    model's modules renamed, an MoE's experts fused): a model of its class loaded from the folder, on the CPU. A
+    folder it cannot read is left to _check_fits to name."""
+    try:
+        loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.warning("%s: its weights' names are not the model's, and transformers cannot read them (%s)", folder, e)
+        from safetensors.torch import load_file
+
+        return load_file(folder / "model.safetensors")
+    return loaded.state_dict()
 
 
 def _check_fits(folder: Path, state: dict, own: dict, exact: bool) -> None:

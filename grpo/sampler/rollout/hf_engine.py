@@ -221,13 +221,13 @@ class HFEngine:
         seed is its own). `images`: per prompt, its images (grpo/model/vision.py) or None: each prompt's images
         through the vision encoder once in its prefill, its completions' positions going on from its M-RoPE ones
         (`then.images` likewise)."""
-        images = images if images is not None and any(i is not None for i in images) else None
         if not (self.cfg.continuous_batching and runs_continuously(self)):
             if self.poll_weights is not None and not greedy:  # the blocks do not poll: said once, then not asked
                 self.poll_weights = None
                 log.warning("sampling.in_flight_updates: this model decodes in blocks (its attention depends on "
                             "where a cached column sits: ALiBi, sliding windows), so new weights load between "
                             "steps only")
+            images = images if images is not None and any(i is not None for i in images) else None
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens,
                                            images=images)
         call = self._call(NextCall(prompts, group_size, seed, max_new_tokens, images), greedy)
@@ -244,7 +244,11 @@ class HFEngine:
         if then is not None:
             self.carried = Carried(self._call(then, greedy), greedy, loop)  # a newer one replaces it
             loop.add(self.carried.call)
-        loop.run(until=call)
+        try:
+            loop.run(until=call)
+        except BaseException:
+            self.carried = None  # the loop it was started in is gone
+            raise
         ended = call.ended
         versions = [torch.tensor(call.versions[j], dtype=torch.int32) for j in range(len(ended))]
         return Rollouts([ended[j][0] for j in range(len(ended))], [ended[j][2] for j in range(len(ended))],
@@ -260,7 +264,8 @@ class HFEngine:
 
         limits = list(spec.max_new_tokens) if spec.max_new_tokens is not None else \
             [self.cfg.max_new_tokens] * len(spec.prompts)
-        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record, images=spec.images)
+        images = spec.images if spec.images is not None and any(i is not None for i in spec.images) else None
+        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record, images=images)
         call.ended = ended
         return call
 
@@ -285,7 +290,7 @@ class HFEngine:
         cfg = self.cfg
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if images is not None:  # a prompt with images is longer than one token: it holds them
+        if images is not None and ids.shape[1] > 1:  # one-token prompts hold no image
             cache, shift = self._prefill_images(prompts, images, self.tokenizer.pad_token_id)
         else:
             cache, shift = self._prefill(ids, mask) if ids.shape[1] > 1 else None, None

@@ -135,7 +135,7 @@ class LoopCache:
         ids, mask = left_pad([call.prompts[i] for call, i in order], self.pad)
         group = {key: [s for s in (*sequences, *self.fresh) if (s.call, s.prompt) == key] for key in order}
         shifts = None
-        if any(call.images is not None for call, _ in order):  # a vision-language model's prompts with images
+        if ids.shape[1] > 1 and any(call.images is not None for call, _ in order):  # a VLM's prompts with images
             cache, shifts = self.engine._prefill_images([call.prompts[i] for call, i in order],
                                                         [call.images[i] if call.images else None for call, i in order],
                                                         self.pad)

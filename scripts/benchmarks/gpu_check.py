@@ -180,18 +180,25 @@ def recorded_against_recompute(cfg, policy, batch) -> list:
     return [x.float().cpu() for x in got]
 
 
+def micro_batches(cfg, batch) -> list:
+    """The groups of each micro-batch of the step, as the trainer packs them on one rank."""
+    from grpo.model.sharding import pack_micro_batches
+    from grpo.trainer.groups import group_costs
+
+    costs = group_costs(batch)
+    return pack_micro_batches(list(range(len(costs))), costs, cfg.training.max_tokens_per_micro_batch)
+
+
 def train_step(cfg, batch, device, profile: bool = False) -> dict:
     """The forward and backward of every micro-batch of a trainer step, timed after a warm-up step."""
     from grpo.model.flops import ModelShape, batch_step_flops
     from grpo.model.loading import load_policy
-    from grpo.model.sharding import pack_micro_batches
-    from grpo.trainer.groups import group_costs, select_groups
+    from grpo.trainer.groups import select_groups
     from grpo.trainer.training_step import micro_batch_loss
 
     reset_peak(device)
     model = load_policy(cfg, device).train()
-    micro = pack_micro_batches(list(range(len(group_costs(batch)))), group_costs(batch),
-                               cfg.training.max_tokens_per_micro_batch)
+    micro = micro_batches(cfg, batch)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -217,13 +224,10 @@ def flex_against_sdpa(cfg, batch, device) -> dict:
     import torch
 
     from grpo.model.loading import load_policy
-    from grpo.model.sharding import pack_micro_batches
-    from grpo.trainer.groups import group_costs, select_groups
+    from grpo.trainer.groups import select_groups
     from grpo.trainer.training_step import micro_batch_loss
 
-    first = pack_micro_batches(list(range(len(group_costs(batch)))), group_costs(batch),
-                               cfg.training.max_tokens_per_micro_batch)[0]
-    mb, got = select_groups(batch, first), {}
+    mb, got = select_groups(batch, micro_batches(cfg, batch)[0]), {}
     for attention in ("sdpa", "flex_attention"):
         variant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_implementation=attention))
         torch.manual_seed(0)

@@ -38,7 +38,7 @@ from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import Carried, ContinuousLoop
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings, TokenSampler, left_pad, seen_tokens
 from grpo.sampler.rollout.loop_cache import runs_continuously
-from grpo.sampler.rollout.sequences import Call, NextCall
+from grpo.sampler.rollout.sequences import Call, NextCall, any_images
 from grpo.weights.folder import INITIAL_DIGEST, Staged, stage_into
 
 log = logging.getLogger(__name__)
@@ -227,9 +227,8 @@ class HFEngine:
                 log.warning("sampling.in_flight_updates: this model decodes in blocks (its attention depends on "
                             "where a cached column sits: ALiBi, sliding windows), so new weights load between "
                             "steps only")
-            images = images if images is not None and any(i is not None for i in images) else None
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens,
-                                           images=images)
+                                           images=any_images(images))
         call = self._call(NextCall(prompts, group_size, seed, max_new_tokens, images), greedy)
         loop = self.carried.loop if self.carried is not None and self.carried.matches(call, greedy) else None
         if loop is not None:
@@ -264,8 +263,7 @@ class HFEngine:
 
         limits = list(spec.max_new_tokens) if spec.max_new_tokens is not None else \
             [self.cfg.max_new_tokens] * len(spec.prompts)
-        images = spec.images if spec.images is not None and any(i is not None for i in spec.images) else None
-        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record, images=images)
+        call = Call.of(spec.prompts, spec.group_size, limits, spec.seed, greedy, record, images=any_images(spec.images))
         call.ended = ended
         return call
 

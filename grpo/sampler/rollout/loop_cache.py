@@ -137,8 +137,7 @@ class LoopCache:
         shifts = None
         if ids.shape[1] > 1 and any(call.images is not None for call, _ in order):  # a VLM's prompts with images
             cache, shifts = self.engine._prefill_images([call.prompts[i] for call, i in order],
-                                                        [call.images[i] if call.images else None for call, i in order],
-                                                        self.pad)
+                                                        [call.image(i) for call, i in order], self.pad)
         elif ids.shape[1] > 1:
             cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))
         for row, (call, i) in enumerate(order):
@@ -245,8 +244,7 @@ class LoopCache:
         for chunk in chunks_by_tokens([s for s in first.values() if prompt_length(s)], prompt_length):
             prompts = [s.call.prompts[s.prompt] for s in chunk]
             if any(s.call.images is not None for s in chunk):  # the images' features again, under the new weights
-                cache, _ = self.engine._prefill_images(prompts, [s.call.images[s.prompt] if s.call.images else None
-                                                                 for s in chunk], self.pad)
+                cache, _ = self.engine._prefill_images(prompts, [s.call.image(s.prompt) for s in chunk], self.pad)
             else:
                 ids, mask = left_pad(prompts, self.pad)
                 cache = self.engine._prefill(ids.to(self.device), mask.to(self.device))  # every prompt token but last

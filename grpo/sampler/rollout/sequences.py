@@ -88,6 +88,11 @@ class NextCall:
     images: list | None = None  # per prompt, its images (grpo/model/vision.py) or None
 
 
+def any_images(images: list | None) -> list | None:
+    """Per-prompt images as the loops take them: None when no prompt has any."""
+    return images if images is not None and any(i is not None for i in images) else None
+
+
 def same_images(a: list | None, b: list | None) -> bool:
     """Whether two calls' prompts hold the same images (None: text alone): equal pixels and grids, prompt by prompt
     (pictures of one size give prompts of the same tokens)."""
@@ -130,6 +135,10 @@ class Call:
         if first_limits is not None and len(first_limits) != len(prompts) * group_size:
             raise ValueError(f"first_limits holds {len(first_limits)} for {len(prompts) * group_size} sequences")
         return cls(prompts, group_size, budgets, seed, on_turn, first_limits, images)
+
+    def image(self, i: int):
+        """Prompt i's images (None: text alone)."""
+        return self.images[i] if self.images else None
 
     def first(self, j: int) -> TurnLimits:
         """Sequence j's first message's own limits."""

@@ -197,10 +197,13 @@ def stage_into(model, folder: Path, manifest: dict) -> "Staged":
             with torch.no_grad():
                 set_peft_model_state_dict(model, state)
         return Staged(commit_adapter)
-    state = load_file(folder / "model.safetensors")
+    from safetensors import safe_open
+
     own = model.state_dict()
-    if any(k not in own for k in state):  # written for vLLM under the Hub's names: transformers renames them
-        state = _under_own_names(model, folder)
+    with safe_open(folder / "model.safetensors", "pt") as f:  # the names alone: the file is read once below
+        own_names = all(k in own for k in f.keys())
+    # written for vLLM under the Hub's names: transformers renames them
+    state = load_file(folder / "model.safetensors") if own_names else _under_own_names(model, folder)
     _check_fits(folder, state, own, exact=False)  # tied weights are saved once
 
     def commit_full():
@@ -217,9 +220,9 @@ def _under_own_names(model, folder: Path) -> dict:
     try:
         loaded = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
     except (OSError, ValueError, RuntimeError) as e:
-        log.warning("%s: its weights' names are not the model's, and transformers cannot read them (%s)", folder, e)
         from safetensors.torch import load_file
 
+        log.warning("%s: its weights' names are not the model's, and transformers cannot read them (%s)", folder, e)
         return load_file(folder / "model.safetensors")
     return loaded.state_dict()
 

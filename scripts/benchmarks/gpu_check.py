@@ -236,7 +236,7 @@ def flex_against_sdpa(cfg, batch, device) -> dict:
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.02)
-        loss, metrics, _ = micro_batch_loss(model, mb, variant)
+        loss = micro_batch_loss(model, mb, variant)[0]
         loss.backward()
         got[attention] = ([p.grad.float() for p in model.parameters() if p.requires_grad], loss.item())
         del model

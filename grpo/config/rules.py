@@ -127,6 +127,9 @@ def _sampling_errors(sampling, publish_every: int, lora_enabled: bool) -> list[s
                          "steps) and " if engine.in_flight_needs_lora else "")
                       + f"sampling.in_flight_kv in {list(engine.in_flight_kv)} (a moved request's prefix is prefilled "
                       f"again); got lora.enabled={lora_enabled}, in_flight_kv={sampling.in_flight_kv}")
+    if sampling.compile_decode and sampling.engine != "hf":
+        errors.append(f"sampling.compile_decode is the HF engine's; {sampling.engine} compiles its own decode steps "
+                      "(CUDA graphs on a GPU): leave it false")
     if any(not stop for stop in sampling.stop):
         errors.append("sampling.stop holds an empty string, which every text holds: each completion would end "
                       "after its first token; remove it")

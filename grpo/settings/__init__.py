@@ -196,6 +196,8 @@ class SamplingConfig:
     in_flight_kv: str = setting("recompute", "With in_flight_updates, at a load: 'recompute' recomputes every cached "
         "column under the new weights (exact); 'keep' reuses the old KV (cheaper, inexact; HF only).",
         choices=IN_FLIGHT_KV)
+    compile_decode: bool = setting(False, "HF engine on a GPU: one-token decode steps compiled at fixed shapes "
+        "(rows in powers of two, the cache in blocks of 256 columns) and replayed as CUDA graphs; the first compile.")
     episode_feed_tokens: int = setting(0, "Episodes on the HF engine: an environment's reply is fed to the model at "
         "most this many tokens a decode step (0 = the whole reply in one step).", bound=">= 0",
         why="0 = a reply in one step")

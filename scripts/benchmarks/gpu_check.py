@@ -10,7 +10,9 @@ SmolLM2 tokenizer; random weights never write EOS, so every completion runs to s
 and measures, the recipe's settings otherwise (bfloat16, LoRA r 32 on every linear layer, 16 prompts x 8):
 
 - the device's bfloat16 matmul rate (8192 x 8192 products): the ceiling MFU is measured against;
-- the HF engine's decode: generated tokens/s at 64 and 128 rows (a sampler step's generate);
+- the HF engine's decode: generated tokens/s at 64 and 128 rows (a sampler step's generate), and at 64 rows
+  again with `sampling.compile_decode` (its steps replayed as CUDA graphs): tokens/s, the first call (compile
+  and capture), the share of completions equal to the eager ones;
 - the sampler/trainer log-prob gap in bfloat16 (the engine's recorded log-probs against the shared-prefix
   recompute, on the 128-row step): largest and mean per token;
 - the trainer's step alone (no sampler on the device): the forward and backward of every micro-batch,
@@ -152,8 +154,9 @@ def sample(cfg, device) -> tuple[dict, object]:
         got = engine.generate([p.token_ids for p in half], cfg.sampling.group_size, seed=1)
         synced(device)
         seconds = time.perf_counter() - t
-        figures[f"decode_tokens_per_s_{len(half) * cfg.sampling.group_size}_rows"] = \
-            sum(len(c) for c in got.completion_ids) / seconds
+        rows = len(half) * cfg.sampling.group_size
+        figures[f"decode_tokens_per_s_{rows}_rows"] = sum(len(c) for c in got.completion_ids) / seconds
+        figures.update(compiled_decode(cfg, model, tokenizer, [p.token_ids for p in half], got, device))
         policy = SamplerModels.of(cfg, engine, model, None, tokenizer, {})
         batch = make_batch(cfg, policy, prompts, step=0, metrics_so_far={}, measure_logp_gap=True)
     metrics = batch.meta["metrics"]
@@ -166,6 +169,31 @@ def sample(cfg, device) -> tuple[dict, object]:
     figures["logp_gap_mean"] = torch.cat(gaps).mean().item()
     del engine, model, policy
     return figures, batch
+
+
+def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device) -> dict:
+    """The same generate with sampling.compile_decode (CUDA graphs on a GPU): its first call (compiles and
+    captures), then the call timed against the eager one's tokens (bfloat16 kernels of another shape may
+    draw other tokens: the share of completions equal, and the first token where each differs)."""
+    import torch
+
+    from grpo.sampler.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(model, tokenizer, dataclasses.replace(cfg.sampling, compile_decode=True))
+    rows = len(prompts) * cfg.sampling.group_size
+    with torch.no_grad():
+        t = time.perf_counter()
+        engine.generate(prompts, cfg.sampling.group_size, seed=1)
+        synced(device)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        got = engine.generate(prompts, cfg.sampling.group_size, seed=1)
+        synced(device)
+        seconds = time.perf_counter() - t
+    same = [torch.equal(a, b) for a, b in zip(eager.completion_ids, got.completion_ids)]
+    return {f"compiled_decode_tokens_per_s_{rows}_rows": sum(len(c) for c in got.completion_ids) / seconds,
+            "compiled_decode_first_call_s": first, "compiled_decode_same_completions": sum(same) / len(same),
+            "compiled_decode_steps": float(engine.graphs.fixed_steps) if engine.graphs is not None else 0.0}
 
 
 def recorded_against_recompute(cfg, policy, batch) -> list:

@@ -357,11 +357,7 @@ class ContinuousLoop(LoopCache):
         self.mask = append_columns(self.mask, new_mask.to(self.device))  # in place, in blocks of columns
         full = min(self.capacity, sum(call.size for call in self.active))  # rows decoding in a full step
         engine.decode_rows.add(len(self.rows), self._live(), full, len(self.calls))
-        with torch.no_grad():
-            out = engine.model(input_ids=torch.tensor(ids, device=self.device), attention_mask=self.mask,
-                               position_ids=torch.tensor(positions, device=self.device), past_key_values=self.cache,
-                               use_cache=True, **engine._one_logit_row)
-        return drawing, out.logits[:, -1], chunks
+        return drawing, self._logits(ids, positions), chunks
 
     # ------------------------------------------------------------------ rows leaving and joining
 

@@ -36,6 +36,7 @@ from grpo.model.loading import unwrap_causal_lm
 from grpo.model.vision import prompt_inputs, vision_language_model
 from grpo.sampler.rollout import Rollouts
 from grpo.sampler.rollout.continuous import Carried, ContinuousLoop
+from grpo.sampler.rollout.decode_graphs import DecodeGraphs
 from grpo.sampler.rollout.decoding import DecodeRows, InPlaceLayer, StopStrings, TokenSampler, left_pad, seen_tokens
 from grpo.sampler.rollout.loop_cache import runs_continuously
 from grpo.sampler.rollout.sequences import Call, NextCall, any_images
@@ -94,6 +95,7 @@ class HFEngine:
         self.poll_weights: Callable[[], bool] | None = None
         self.digests = {0: INITIAL_DIGEST}  # each version served: the oldest token's is the batch's
         self.carried: Carried | None = None  # the next call's completions, started (generate's `then`)
+        self.graphs = DecodeGraphs.of(model, sampling_cfg)  # sampling.compile_decode: the loop's compiled step
 
     def stage_weights(self, folder: Path, manifest: dict, version: int) -> Staged:
         staged = stage_into(self.model, folder, manifest)
@@ -227,6 +229,10 @@ class HFEngine:
                 log.warning("sampling.in_flight_updates: this model decodes in blocks (its attention depends on "
                             "where a cached column sits: ALiBi, sliding windows), so new weights load between "
                             "steps only")
+            if self.graphs is not None:
+                self.graphs = None
+                log.warning("sampling.compile_decode: this model decodes in blocks (its attention depends on where a "
+                            "cached column sits: ALiBi, sliding windows), whose steps run eagerly")
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens,
                                            images=any_images(images))
         call = self._call(NextCall(prompts, group_size, seed, max_new_tokens, images), greedy)

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grpo.sampler.rollout.decode_graphs import FixedCache
 from grpo.sampler.rollout.decoding import InPlaceLayer, left_pad
 from grpo.sampler.rollout.sequences import DECODING, DONE, QUEUED, WAITING, Sequence
 
@@ -124,7 +125,10 @@ def last_columns(cache: DynamicCache, row: int, n: int) -> list[tuple[torch.Tens
 
 class LoopCache:
     """The cache side of `ContinuousLoop` (its attributes: the engine, the batch's rows, their mask and
-    cache, the queued and parked sequences): the copies of the KV its regroups and new weights make."""
+    cache, the queued and parked sequences): the copies of the KV its regroups and new weights make, and the
+    forward of a decode step (compiled at a fixed shape with sampling.compile_decode: `fixed`)."""
+
+    fixed: FixedCache | None = None  # the engine's fixed buffers this loop's cache is in (DecodeGraphs)
 
     def _prefill(self, sequences: list[Sequence]) -> None:
         """The prompts of `sequences` prefilled in one forward (every token but the last); each prompt's KV
@@ -201,7 +205,29 @@ class LoopCache:
             old = self.cache.layers[i] if keep else None
             cache.layers[i] = InPlaceLayer.of_rows((old.keys[index], old.values[index]) if keep else None,
                                                    [s.kv[i] if s.kv is not None else None for s in joining], total)
-        return cache
+        return self._in_fixed_buffers(cache)
+
+    def _in_fixed_buffers(self, cache: DynamicCache) -> DynamicCache:
+        """`cache` written into the engine's fixed buffers (sampling.compile_decode), where its layers are all
+        InPlaceLayers and its rows fit; else as it is (its steps run eagerly)."""
+        graphs = getattr(self.engine, "graphs", None)
+        if graphs is None or any(type(layer) is not InPlaceLayer for layer in cache.layers) \
+                or len(cache.layers[0].keys) > self.capacity:
+            return cache
+        self.fixed = graphs.cache_for(self, [(layer.keys, layer.values) for layer in cache.layers], self.capacity)
+        return self.fixed.place(cache.layers)
+
+    def _logits(self, ids: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+        """The [rows, vocab] next-token logits of a decode step's feed (`ids`, `positions`: [rows, width]) after
+        the cache: compiled at the fixed shape where the step feeds one token a row into the fixed buffers."""
+        engine = self.engine
+        if len(ids[0]) == 1 and self.fixed is not None and self.cache is self.fixed.cache:
+            return engine.graphs.forward(self.fixed, ids, positions, self.mask, self.pad, engine._one_logit_row)
+        with torch.no_grad():
+            out = engine.model(input_ids=torch.tensor(ids, device=self.device), attention_mask=self.mask,
+                               position_ids=torch.tensor(positions, device=self.device), past_key_values=self.cache,
+                               use_cache=True, **engine._one_logit_row)
+        return out.logits[:, -1]
 
     def _recompute_kv(self) -> None:
         """Every sequence's cached columns computed again from the tokens they hold: the batch's rows (the

@@ -82,7 +82,8 @@ def test_a_row_rewound_to_its_prompt_in_fixed_buffers(fixed, monkeypatch):
 
 def test_a_step_runs_the_next_power_of_two_rows_and_the_spare_ones_attend_to_themselves(monkeypatch):
     """5 rows of a 64-row cache run as 8; the spare rows' mask holds only this step's column; the buffers grow a
-    block at a time and keep their address between steps of one width block."""
+    block at a time and keep their address between steps of one width block; a later, shorter call's steps
+    attend to the columns it reached (one block), not to all the buffers grew to."""
     model = tiny_model(dtype=torch.float64)
     engine = HFEngine(model, CharTokenizer(), load_config(None, ["sampling.compile_decode=true"]).sampling)
     engine.graphs.step = model
@@ -108,6 +109,7 @@ def test_a_step_runs_the_next_power_of_two_rows_and_the_spare_ones_attend_to_the
         for row in set(range(rows)) - set(real):
             assert mask[row].nonzero().squeeze(-1).tolist() == [width - 1]
     assert {mask.shape[1] for _, mask, _ in steps} == {16, 32}  # 4 + 20 tokens: the first block, then a second
+    assert {mask.shape[1] for rows, mask, _ in steps if rows == 8} == {16}  # the second call: buffers 32 wide
     first_block = [address for _, mask, address in steps[:8] if mask.shape[1] == 16]
     assert len(set(first_block)) == 1
 

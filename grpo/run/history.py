@@ -76,7 +76,7 @@ ALLOWED = (
     "sampling.vllm.gpu_memory_utilization", "sampling.vllm.kv_cache_gb", "sampling.vllm.python",
     "sampling.generation_batch_size",
     "sampling.old_logps", "sampling.wait_timeout_s", "sampling.episode_feed_tokens", "sampling.continuous_batching",
-    "sampling.in_flight_updates", "sampling.in_flight_kv",
+    "sampling.in_flight_updates", "sampling.in_flight_kv", "sampling.compile_decode",
     "training.steps", "training.epochs", "training.learning_rate", "training.lr_schedule", "training.warmup_steps",
     "training.min_lr_ratio", "training.weight_decay", "training.max_grad_norm", "training.max_bad_steps",
     "training.beta", "training.reference_on", "training.kl_estimator", "training.clip_low", "training.clip_high",

@@ -173,27 +173,39 @@ def sample(cfg, device) -> tuple[dict, object]:
 
 def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device) -> dict:
     """The same generate with sampling.compile_decode (CUDA graphs on a GPU): its first call (compiles and
-    captures), then the call timed against the eager one's tokens (bfloat16 kernels of another shape may
-    draw other tokens: the share of completions equal, and the first token where each differs)."""
+    captures; each prompt's completions to a different length, so rows leave and smaller row buckets run too),
+    then the call timed against the eager one's tokens (bfloat16 kernels of another shape may draw other
+    tokens: the share of completions equal); the steps torch ran without a CUDA graph (0 where they all
+    replay one), and the peak memory of the timed call."""
     import torch
+    import torch._dynamo
 
     from grpo.sampler.rollout.hf_engine import HFEngine
 
     engine = HFEngine(model, tokenizer, dataclasses.replace(cfg.sampling, compile_decode=True))
-    rows = len(prompts) * cfg.sampling.group_size
+    rows, limit = len(prompts) * cfg.sampling.group_size, cfg.sampling.max_new_tokens
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     with torch.no_grad():
         t = time.perf_counter()
-        engine.generate(prompts, cfg.sampling.group_size, seed=1)
+        engine.generate(prompts, cfg.sampling.group_size, seed=1,
+                        max_new_tokens=[max(1, limit >> (i % 4)) for i in range(len(prompts))])
         synced(device)
         first = time.perf_counter() - t
+        reset_peak(device)
         t = time.perf_counter()
         got = engine.generate(prompts, cfg.sampling.group_size, seed=1)
         synced(device)
         seconds = time.perf_counter() - t
     same = [torch.equal(a, b) for a, b in zip(eager.completion_ids, got.completion_ids)]
-    return {f"compiled_decode_tokens_per_s_{rows}_rows": sum(len(c) for c in got.completion_ids) / seconds,
-            "compiled_decode_first_call_s": first, "compiled_decode_same_completions": sum(same) / len(same),
-            "compiled_decode_steps": float(engine.graphs.fixed_steps) if engine.graphs is not None else 0.0}
+    figures = {f"compiled_decode_tokens_per_s_{rows}_rows": sum(len(c) for c in got.completion_ids) / seconds,
+               "compiled_decode_first_call_s": first, "compiled_decode_same_completions": sum(same) / len(same),
+               "compiled_decode_steps": float(engine.graphs.fixed_steps) if engine.graphs is not None else 0.0,
+               "compiled_decode_cudagraph_skips": float(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+                                                        - skips)}
+    peak = peak_memory(device)
+    if peak is not None:
+        figures["compiled_decode_peak_gib"] = peak
+    return figures
 
 
 def recorded_against_recompute(cfg, policy, batch) -> list:

@@ -28,6 +28,9 @@ from grpo.sampler.rollout.decoding import InPlaceLayer
 log = logging.getLogger(__name__)
 
 GRAPH_COLUMNS = 256  # the fixed cache grows in blocks of this many columns: one compiled shape (graph) each
+# a row and a column more than any step reads: a step's views are then never the whole buffers, so torch compiles
+# one graph for every bucket instead of one more where they would be (a contiguous view guards apart)
+SPARE = 1
 KEPT_CACHES = 2  # fixed caches an engine keeps for its loops (a carried call's and an evaluation's at once)
 COMPILED_ATTENTION = ("sdpa", "eager")  # attention kernels the fixed step is checked with (tests/test_decode_graphs.py)
 
@@ -44,17 +47,19 @@ class FixedLayer(InPlaceLayer):
         super().__init__()
         self.key_buffer, self.value_buffer, self.at = key_buffer, value_buffer, at
         self.rows, self.length, self.fixed = 0, 0, False
-        self.step_keys = self.step_values = None  # the first `step_rows` rows of the buffers: a compiled step's
-        self.step_rows = 0
+        self.step_keys = self.step_values = None  # a compiled step's rows and columns of the buffers (`use`)
+        self.step_shape = (0, 0)
         self.dtype, self.device, self.is_initialized = key_buffer.dtype, key_buffer.device, True
         self._expose()
 
-    def use_rows(self, rows: int) -> None:
-        """A compiled step of `rows` rows (a bucket) reads and writes the buffers' first `rows` rows: views at the
-        buffers' address, made again only when the bucket or the buffers change."""
-        if self.step_keys is None or self.step_rows != rows:
-            self.step_keys, self.step_values = static(self.key_buffer[:rows]), static(self.value_buffer[:rows])
-            self.step_rows = rows
+    def use(self, rows: int, columns: int) -> None:
+        """A compiled step of `rows` rows and `columns` columns (buckets) reads and writes the buffers' first ones:
+        views at the buffers' address (so a graph's input), made again only when a bucket or the buffers change;
+        a step attends to the columns its loop has reached, not to the widest a call ever grew them to."""
+        if self.step_keys is None or self.step_shape != (rows, columns):
+            self.step_keys = static(self.key_buffer[:rows, :, :columns])
+            self.step_values = static(self.value_buffer[:rows, :, :columns])
+            self.step_shape = (rows, columns)
 
     def _expose(self) -> None:
         self.keys = self.key_buffer[: self.rows, :, : self.length]
@@ -93,9 +98,9 @@ class FixedLayer(InPlaceLayer):
     def reserve(self, columns: int) -> None:
         """Buffers at least `columns` wide, in blocks of GRAPH_COLUMNS: a wider cache is a new shape and address
         (compiled again, or captured again), so it grows rarely and stays grown."""
-        if columns <= self.key_buffer.shape[2]:
+        if columns < self.key_buffer.shape[2]:
             return
-        width = math.ceil(columns / GRAPH_COLUMNS) * GRAPH_COLUMNS
+        width = math.ceil(columns / GRAPH_COLUMNS) * GRAPH_COLUMNS + SPARE
         for name in ("key_buffer", "value_buffer"):
             old = getattr(self, name)
             buffer = old.new_zeros(old.shape[0], old.shape[1], width, old.shape[3])
@@ -129,7 +134,8 @@ class FixedCache:
         self.at = static(torch.zeros(1, dtype=torch.long, device=device))
         self.cache = DynamicCache(config=model.config)
         for i, (keys, values) in enumerate(like):
-            buffers = [static(t.new_zeros(rows, t.shape[-3], GRAPH_COLUMNS, t.shape[-1])) for t in (keys, values)]
+            buffers = [static(t.new_zeros(rows + SPARE, t.shape[-3], GRAPH_COLUMNS + SPARE, t.shape[-1]))
+                       for t in (keys, values)]
             self.cache.layers[i] = FixedLayer(*buffers, self.at)
 
     def bucket(self, rows: int) -> int:
@@ -183,6 +189,8 @@ class DecodeGraphs:
     def cache_for(self, loop, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> FixedCache:
         """A fixed cache for `loop`: its own if it has one, else a kept one no live loop holds, else a new one
         (kept while fewer than KEPT_CACHES are: a new cache is a new address, captured again)."""
+        if loop.fixed is not None and loop.fixed.rows >= rows:  # its own, kept or not
+            return loop.fixed
         free = None
         for fixed in self.kept:
             owner = fixed.owner() if fixed.owner is not None else None
@@ -202,14 +210,16 @@ class DecodeGraphs:
         """One decode step of the loop's rows (one token each; `mask` [rows, columns] with this step's column) at
         the fixed shape; returns the rows' [rows, vocab] logits (a copy: a graph's outputs are its own)."""
         rows, width = mask.shape
-        bucket = fixed.bucket(rows)
+        bucket, columns = fixed.bucket(rows), math.ceil(width / GRAPH_COLUMNS) * GRAPH_COLUMNS
         for layer in fixed.layers:
+            if layer.length != width - 1:  # the new column goes where the loop's mask has it, or nowhere
+                raise RuntimeError(f"the fixed cache holds {layer.length} columns; this step's mask has {width}")
             layer.reserve(width)
-            layer.use_rows(bucket)
+            layer.use(bucket, columns)
         spare = bucket - rows  # rows not in use: a pad token at position 0 that attends to itself only
-        full = mask.new_zeros(bucket, fixed.layers[0].key_buffer.shape[2])
-        full[:rows, :width] = mask
-        full[rows:, width - 1] = 1
+        full = torch.zeros(bucket, columns, dtype=torch.bool, device=mask.device)
+        full[:rows, :width] = mask.bool()
+        full[rows:, width - 1] = True
         device = mask.device
         fixed.at.fill_(width - 1)
         for layer in fixed.layers:

@@ -231,8 +231,9 @@ class HFEngine:
                             "steps only")
             if self.graphs is not None:
                 self.graphs = None
-                log.warning("sampling.compile_decode: this model decodes in blocks (its attention depends on where a "
-                            "cached column sits: ALiBi, sliding windows), whose steps run eagerly")
+                log.warning("sampling.compile_decode: completions decode in blocks here (sampling.continuous_batching "
+                            "is off, or the model's attention depends on where a cached column sits: ALiBi, sliding "
+                            "windows), and the blocks' steps run eagerly")
             return self.generate_in_blocks(prompts, group_size, seed=seed, greedy=greedy, max_new_tokens=max_new_tokens,
                                            images=any_images(images))
         call = self._call(NextCall(prompts, group_size, seed, max_new_tokens, images), greedy)

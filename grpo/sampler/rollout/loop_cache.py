@@ -221,7 +221,7 @@ class LoopCache:
         """The [rows, vocab] next-token logits of a decode step's feed (`ids`, `positions`: [rows, width]) after
         the cache: compiled at the fixed shape where the step feeds one token a row into the fixed buffers."""
         engine = self.engine
-        if len(ids[0]) == 1 and self.fixed is not None and self.cache is self.fixed.cache:
+        if len(ids[0]) == 1 and self.fixed is not None and self.cache is self.fixed.cache and engine.graphs is not None:
             return engine.graphs.forward(self.fixed, ids, positions, self.mask, self.pad, engine._one_logit_row)
         with torch.no_grad():
             out = engine.model(input_ids=torch.tensor(ids, device=self.device), attention_mask=self.mask,

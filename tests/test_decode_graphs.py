@@ -1,8 +1,8 @@
 """The HF engine's decode steps at a fixed shape (sampling.compile_decode, grpo/sampler/rollout/decode_graphs.py).
 
 The loop's exactness tests of tests/test_continuous.py again, each engine's cache in fixed buffers and each
-one-token step run at the fixed shape (rows in powers of two, spare rows fed a pad, every column attended to
-under the mask), uncompiled: the code a graph is compiled from, checked to the bit in float64 against each
+one-token step run at the fixed shape (rows in powers of two, spare rows fed a pad, the columns reached in
+blocks, under the mask), uncompiled: the code a graph is compiled from, checked to the bit in float64 against each
 completion made alone. Then the compiled step itself (inductor on the CPU, as on a GPU but without the graphs):
 the same tokens, and log-probs to float32 rounding, in a bounded number of compiled graphs."""
 
@@ -119,7 +119,8 @@ def test_the_compiled_step_draws_the_eager_steps_tokens_in_a_few_graphs(monkeypa
     """The fixed step compiled (inductor on the CPU), float64: completions refilled into 5 rows (buckets of 1 to
     5 rows, the buffers growing mid-call) draw the eager fixed step's tokens; log-probs within float32 rounding
     (inductor's own cos/sin for the rotary positions move the float64 logits by ~1e-8); torch compiles at most
-    3 graphs (its first shape, the shapes symbolic, one row), not one a step."""
+    2 graphs (its first shape, then the shapes symbolic), not one a step nor one where a step's views would be
+    the whole buffers."""
     import torch._dynamo
 
     monkeypatch.setattr(decode_graphs, "GRAPH_COLUMNS", 16)
@@ -138,7 +139,7 @@ def test_the_compiled_step_draws_the_eager_steps_tokens_in_a_few_graphs(monkeypa
         assert torch.equal(a, b)
     gap = max(((a - b).abs() / a.abs().clamp(min=1)).max().item() for a, b in zip(want.logps, got.logps))
     assert gap <= loop_tests.LOGP_TOLERANCE, gap
-    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= 3
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= 2
 
 
 def test_compile_decode_is_the_hf_engines_and_says_where_its_steps_stay_eager(caplog):

@@ -350,6 +350,7 @@ def test_the_gpu_check_runs_its_tiny_shape_on_the_cpu_and_reports_every_figure(t
                             "compiled_decode_tokens_per_s_4_rows", "compiled_decode_first_call_s"}
     assert sampler["compiled_decode_steps"] == 12 + 12  # every step of both calls at a fixed shape
     assert sampler["compiled_decode_cudagraph_skips"] == 0  # none on the CPU, where there are no graphs to skip
+    assert sampler["compiled_decode_graphs"] == 1  # 8 rows, then 4 (completions of 12 and 6 tokens), then 4: one
     assert 0 <= sampler["compiled_decode_same_completions"] <= 1
     assert list(trainer) == ["LoRA, shared prefix", "LoRA, no shared prefix", "full, shared prefix",
                              "full, no shared prefix"]

@@ -156,7 +156,8 @@ def sample(cfg, device) -> tuple[dict, object]:
         seconds = time.perf_counter() - t
         rows = len(half) * cfg.sampling.group_size
         figures[f"decode_tokens_per_s_{rows}_rows"] = sum(len(c) for c in got.completion_ids) / seconds
-        figures.update(compiled_decode(cfg, model, tokenizer, [p.token_ids for p in half], got, device))
+        figures.update(compiled_decode(cfg, model, tokenizer, [p.token_ids for p in half], got, device,
+                                       [p.token_ids for p in prompts]))
         policy = SamplerModels.of(cfg, engine, model, None, tokenizer, {})
         batch = make_batch(cfg, policy, prompts, step=0, metrics_so_far={}, measure_logp_gap=True)
     metrics = batch.meta["metrics"]
@@ -171,12 +172,12 @@ def sample(cfg, device) -> tuple[dict, object]:
     return figures, batch
 
 
-def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device) -> dict:
-    """The same generate with sampling.compile_decode (CUDA graphs on a GPU): its first call (compiles and
-    captures; each prompt's completions to a different length, so rows leave and smaller row buckets run too),
+def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device, warm: list) -> dict:
+    """The same generate with sampling.compile_decode (CUDA graphs on a GPU): its first call, on `warm` (compiles
+    and captures; the prompts' completions to different lengths, so rows leave and smaller row buckets run too),
     then the call timed against the eager one's tokens (bfloat16 kernels of another shape may draw other
-    tokens: the share of completions equal); the steps torch ran without a CUDA graph (0 where they all
-    replay one), and the peak memory of the timed call."""
+    tokens: the share of completions equal); the times torch decided to skip CUDA graphs for a compiled graph
+    (0 where every step replays one), the graphs compiled, and the peak memory of the timed call."""
     import torch
     import torch._dynamo
 
@@ -184,11 +185,12 @@ def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device) -> dict
 
     engine = HFEngine(model, tokenizer, dataclasses.replace(cfg.sampling, compile_decode=True))
     rows, limit = len(prompts) * cfg.sampling.group_size, cfg.sampling.max_new_tokens
-    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    counters = torch._dynamo.utils.counters
+    skips, graphs = counters["inductor"]["cudagraph_skips"], counters["stats"]["unique_graphs"]
     with torch.no_grad():
         t = time.perf_counter()
-        engine.generate(prompts, cfg.sampling.group_size, seed=1,
-                        max_new_tokens=[max(1, limit >> (i % 4)) for i in range(len(prompts))])
+        engine.generate(warm, cfg.sampling.group_size, seed=1,
+                        max_new_tokens=[max(1, limit >> (i % 4)) for i in range(len(warm))])
         synced(device)
         first = time.perf_counter() - t
         reset_peak(device)
@@ -200,8 +202,8 @@ def compiled_decode(cfg, model, tokenizer, prompts: list, eager, device) -> dict
     figures = {f"compiled_decode_tokens_per_s_{rows}_rows": sum(len(c) for c in got.completion_ids) / seconds,
                "compiled_decode_first_call_s": first, "compiled_decode_same_completions": sum(same) / len(same),
                "compiled_decode_steps": float(engine.graphs.fixed_steps) if engine.graphs is not None else 0.0,
-               "compiled_decode_cudagraph_skips": float(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-                                                        - skips)}
+               "compiled_decode_cudagraph_skips": float(counters["inductor"]["cudagraph_skips"] - skips),
+               "compiled_decode_graphs": float(counters["stats"]["unique_graphs"] - graphs)}
     peak = peak_memory(device)
     if peak is not None:
         figures["compiled_decode_peak_gib"] = peak
@@ -302,6 +304,7 @@ def top_kernels(step, device, count: int = 12) -> list[dict]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
+    import torch._dynamo
 
     from grpo.config import load_config
 
@@ -319,7 +322,7 @@ def main(argv: list[str]) -> int:
               "matmul_bf16_tflops": matmul_rate(device, 1024 if args.quick else 8192) / 1e12}
     t = time.perf_counter()
     report["sampler"], batch = sample(cfg, device)
-    report["trainer"] = {}
+    report["trainer"], sampler_graphs = {}, torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled decode
     for name, lora, shared, attention in TRAINER_VARIANTS:
         if attention == "flex_attention" and device.type == "cpu":
             report.setdefault("skipped", {})[name] = "torch's FlexAttention has no backward on the CPU"
@@ -333,9 +336,7 @@ def main(argv: list[str]) -> int:
         got["mfu"] = got["model_tflops"] / report["matmul_bf16_tflops"]
         report["trainer"][name] = got
     if device.type != "cpu":
-        import torch._dynamo
-
-        report["flex_compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        report["flex_compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - sampler_graphs
         report["flex_against_sdpa"] = flex_against_sdpa(cfg, batch, device)
     report["seconds"] = time.perf_counter() - t
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))

@@ -4,12 +4,12 @@ one per kernel (a small model's eager step is launch-bound: ~1,200 tokens/s meas
 
 The continuous loop (grpo/sampler/rollout/continuous.py) keeps its cache as `InPlaceLayer`s whose width grows a
 column a step and whose rows change at each regroup. Here the same cache lives in fixed buffers instead
-(`FixedLayer`): generation_batch_size rows, a multiple of GRAPH_COLUMNS columns, kept at one address for as long
-as the engine lives (a compiled graph reads them where they were when it was captured). A decode step then has
-one of a few shapes: its rows rounded up to a power of two (the spare ones fed a pad token that attends to
-itself), every column of the buffers (those past the loop's masked), each row's new column written at a
-position held in a tensor. Everything else (prefills, regroups, squeezes, an episode's longer feeds, in-flight
-recomputes) stays eager and writes into the same buffers.
+(`FixedLayer`): generation_batch_size rows, columns in blocks of GRAPH_COLUMNS (and one SPARE row and column),
+kept at one address for as long as the engine lives (a compiled graph reads them where they were when it was
+captured). A decode step then has one of a few shapes: its rows rounded up to a power of two (the spare ones fed
+a pad token that attends to itself), the columns the loop has reached rounded up to a block (those past the
+loop's masked), each row's new column written at a position held in a tensor. Everything else (prefills,
+regroups, squeezes, an episode's longer feeds, in-flight recomputes) stays eager and writes into the same buffers.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ COMPILED_ATTENTION = ("sdpa", "eager")  # attention kernels the fixed step is ch
 class FixedLayer(InPlaceLayer):
     """One layer of a fixed cache: buffers [rows, heads, columns, dim] at one address; `keys` and `values` are the
     loop's rows and columns so far (views, as InPlaceLayer's). In a compiled step (`fixed` on) every row's new
-    column is written at `at` (a one-element tensor: no Python number changes between steps) and the whole buffers
-    are attended to, the step's mask hiding what is not the row's."""
+    column is written at `at` (a one-element tensor: no Python number changes between steps) and the step's views of
+    the buffers (`use`: its rows and columns, in buckets) are attended to, its mask hiding what is not the row's."""
 
     is_compileable = True  # transformers: its mask is sized by get_mask_sizes, its offset a tensor
 
@@ -194,7 +194,7 @@ class DecodeGraphs:
         free = None
         for fixed in self.kept:
             owner = fixed.owner() if fixed.owner is not None else None
-            if owner is loop:
+            if owner is loop and fixed.rows >= rows:
                 return fixed
             if owner is None and free is None:
                 free = fixed
@@ -212,8 +212,9 @@ class DecodeGraphs:
         rows, width = mask.shape
         bucket, columns = fixed.bucket(rows), math.ceil(width / GRAPH_COLUMNS) * GRAPH_COLUMNS
         for layer in fixed.layers:
-            if layer.length != width - 1:  # the new column goes where the loop's mask has it, or nowhere
-                raise RuntimeError(f"the fixed cache holds {layer.length} columns; this step's mask has {width}")
+            if (layer.rows, layer.length) != (rows, width - 1):  # the new column where the mask has it, or nowhere
+                raise RuntimeError(f"the fixed cache holds {layer.rows} rows x {layer.length} columns; this step's "
+                                   f"mask is {rows} x {width}")
             layer.reserve(width)
             layer.use(bucket, columns)
         spare = bucket - rows  # rows not in use: a pad token at position 0 that attends to itself only
@@ -227,7 +228,8 @@ class DecodeGraphs:
         try:
             if self.cuda:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are no longer read
-            with torch.no_grad():
+            # no duck sizing: a bucket equal to another size (the key/value heads, say) is not compiled apart
+            with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
                 out = self.step(input_ids=torch.tensor(ids + [[pad]] * spare, device=device), attention_mask=full,
                                 position_ids=torch.tensor(positions + [[0]] * spare, device=device),
                                 past_key_values=fixed.cache, use_cache=True, **extra)

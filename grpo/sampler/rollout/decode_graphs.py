@@ -182,8 +182,8 @@ class DecodeGraphs:
             return None
         if next(model.parameters()).device.type == "cpu":
             log.warning("sampling.compile_decode on the CPU: the default workload's compiled steps decoded at "
-                        "0.62x the eager ones' tokens/s on one CPU thread (docs/performance.md); it is meant for a "
-                        "GPU, where a step is replayed as a CUDA graph")
+                        "about 0.6x the eager ones' tokens/s on one CPU thread (docs/performance.md); it is meant for "
+                        "a GPU, where a step is replayed as a CUDA graph")
         return cls(model)
 
     def cache_for(self, loop, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> FixedCache:

@@ -191,13 +191,7 @@ class DecodeGraphs:
         (kept while fewer than KEPT_CACHES are: a new cache is a new address, captured again)."""
         if loop.fixed is not None and loop.fixed.rows >= rows:  # its own, kept or not
             return loop.fixed
-        free = None
-        for fixed in self.kept:
-            owner = fixed.owner() if fixed.owner is not None else None
-            if owner is loop and fixed.rows >= rows:
-                return fixed
-            if owner is None and free is None:
-                free = fixed
+        free = next((fixed for fixed in self.kept if fixed.owner is None or fixed.owner() is None), None)
         if free is None or free.rows < rows:
             free = FixedCache(self.model, rows, like)
             if len(self.kept) < KEPT_CACHES:
@@ -217,11 +211,10 @@ class DecodeGraphs:
                                    f"mask is {rows} x {width}")
             layer.reserve(width)
             layer.use(bucket, columns)
-        spare = bucket - rows  # rows not in use: a pad token at position 0 that attends to itself only
-        full = torch.zeros(bucket, columns, dtype=torch.bool, device=mask.device)
+        spare, device = bucket - rows, mask.device  # spare rows: a pad token at position 0 attending to itself only
+        full = torch.zeros(bucket, columns, dtype=torch.bool, device=device)
         full[:rows, :width] = mask.bool()
         full[rows:, width - 1] = True
-        device = mask.device
         fixed.at.fill_(width - 1)
         for layer in fixed.layers:
             layer.fixed = True
